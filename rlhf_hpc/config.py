@@ -1,0 +1,305 @@
+"""The whole configuration as a tree of typed dataclasses.
+
+Key names and defaults follow the reference system (verl's ``ppo_trainer.yaml``) wherever the
+feature is the same, so a verl recipe reads the same here. Deliberate differences are marked
+``# differs from verl:`` with the reason.
+
+A recipe (YAML in ``recipes/``) only fills these dataclasses in; see ``rlhf_hpc.recipe`` for
+loading, inheritance, ``key=value`` overrides and validation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
+                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
+Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None
+    # a parquet file or a list of them; "synthetic://<task>" selects a task built in code
+    train_files: Union[str, list[str]] = "~/data/gsm8k/train.parquet"
+    val_files: Union[str, list[str], None] = "~/data/gsm8k/test.parquet"
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024
+    val_batch_size: Optional[int] = None
+    truncation: Literal["error", "left", "right"] = "error"
+    filter_overlong_prompts: bool = False
+    shuffle: bool = True
+    seed: int = 1
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    # warm-up: an absolute step count wins over the ratio when >= 0 (as in verl)
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    warmup_style: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    # filled in by the trainer from the dataset size when left at -1
+    total_training_steps: int = -1
+
+
+@dataclass
+class MixedPrecisionConfig:
+    param_dtype: Dtype = "bfloat16"
+    reduce_dtype: Dtype = "float32"
+    buffer_dtype: Dtype = "float32"
+
+
+@dataclass
+class FSDPConfig:
+    # differs from verl: null (the default) means "GPUs per node", i.e. HYBRID_SHARD (shard inside a
+    # node, replicate across nodes), which keeps the big all-gathers on NVLink; -1 = FULL_SHARD over
+    # the whole world (verl's default).
+    fsdp_size: Optional[int] = None
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    forward_prefetch: bool = False
+    # dtype the master weights are kept in (the optimizer's view)
+    model_dtype: Dtype = "float32"
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+
+
+@dataclass
+class ModelConfig:
+    # a Hugging Face directory or hub name (resolved from HF_HOME, never downloaded on compute
+    # nodes), or "tiny://qwen2" for a tiny random-weight Qwen2 built in code
+    path: str = "~/models/Qwen2.5-7B-Instruct"
+    tokenizer_path: Optional[str] = None
+    custom_chat_template: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = True
+    use_remove_padding: bool = True
+    trust_remote_code: bool = False
+    external_lib: Optional[str] = None
+
+
+@dataclass
+class ActorConfig:
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
+    ppo_mini_batch_size: int = 256  # in prompts; x rollout.n responses
+    # differs from verl: null = the whole per-rank mini-batch in one micro-batch (verl requires it)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # null -> clip_ratio
+    clip_ratio_high: Optional[float] = None  # null -> clip_ratio
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KLKind = "low_var_kl"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["vllm", "hf"] = "vllm"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = True
+    ignore_eos: bool = False
+    dtype: Dtype = "bfloat16"
+    tensor_model_parallel_size: int = 2
+    gpu_memory_utilization: float = 0.5
+    free_cache_engine: bool = True
+    enforce_eager: bool = False
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    max_model_len: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    update_weights_bucket_mb: int = 512
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class RefConfig:
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # null -> actor_rollout_ref.model.path (value head initialised fresh)
+    tokenizer_path: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = True
+    use_remove_padding: bool = True
+    trust_remote_code: bool = False
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # null -> enabled exactly when algorithm.adv_estimator == gae
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    ppo_mini_batch_size: Optional[int] = None  # null -> actor's
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int = 32768
+    ppo_epochs: Optional[int] = None  # null -> actor's
+    shuffle: bool = False
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: LossAggMode = "token-mean"
+
+
+@dataclass
+class RewardModelSubConfig:
+    path: str = "~/models/reward-model"
+    input_tokenizer: Optional[str] = None
+    trust_remote_code: bool = False
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
+    micro_batch_size_per_gpu: Optional[int] = None
+    max_length: Optional[int] = None
+    reward_manager: Literal["naive"] = "naive"
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus",
+                           "reinforce_plus_plus_baseline"] = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: KLKind = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "rlhf-hpc"
+    experiment_name: str = "gsm8k-klppo"
+    # "auto": cuda when torch sees a GPU, else cpu (gloo)
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    nnodes: int = 1
+    # ranks per node: GPUs on a GPU node, processes on a CPU machine
+    n_gpus_per_node: int = 8
+    total_epochs: int = 30
+    total_training_steps: Optional[int] = None
+    logger: list[Literal["console", "wandb", "tensorboard"]] = field(
+        default_factory=lambda: ["console", "wandb"])
+    log_val_generations: int = 0
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    critic_warmup: int = 0
+    balance_batch: bool = True
+    resume_mode: str = "auto"  # auto | disable | <path to a global_step_N directory>
+    # the run directory: checkpoints, metrics.jsonl, the resolved config.yaml, logs
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    max_ckpt_to_keep: Optional[int] = None
+    seed: int = 42
+    # process-group timeout; long enough for the slowest rank's checkpoint write
+    dist_timeout_s: int = 1800
+
+
+@dataclass
+class LauncherConfig:
+    # auto: Slurm when `sbatch` is on PATH, else this machine
+    cluster: Literal["auto", "local", "slurm"] = "auto"
+    cluster_profile: Optional[str] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    time_min: int = 240
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+    exclusive: bool = False
+    additional_sbatch: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
+    signal_lead_s: int = 120
+    max_requeues: int = 3
+    max_restarts: int = 0
+    array_parallelism: int = 16
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(
+        default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node

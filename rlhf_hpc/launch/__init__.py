@@ -1,0 +1,1 @@
+"""Starting jobs: ``local`` (torchrun on this machine) and, later, ``slurm`` (submitit)."""

@@ -1,0 +1,645 @@
+"""Recipes -> a validated ``Config``: YAML loading, inheritance, ``key=value`` overrides, checks.
+
+The pipeline, in order:
+
+1. ``load_recipe_tree``: read ``recipes/NAME.yaml`` (or a path); a ``base:`` key (a name/path or a
+   list of them) is loaded first and this file is deep-merged over it (mappings merge, anything
+   else replaces).
+2. ``apply_overrides``: ``a.b.c=value`` strings, values parsed as YAML (``[1,2]``, ``null``,
+   ``1e-6`` -- the last is a float here, unlike plain YAML 1.1).
+3. ``build``: the merged mapping fills the dataclass tree of ``rlhf_hpc.config``; unknown keys and
+   wrong types are collected with the exact dotted key.
+4. ``resolve``: ``${a.b}`` interpolation, then values that default to another key (critic batch
+   sizes, clip ratios, FSDP shard size ...) are filled in, so the written config is explicit.
+5. ``validate``: cross-field checks (batch divisibility, meshes, tensor parallel size, files).
+
+Every problem becomes one line of a ``ConfigError``; the CLI prints them without a traceback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import shutil
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from rlhf_hpc.config import Config
+
+RECIPE_META_KEYS = ("base", "description")
+
+
+class ConfigError(Exception):
+    """A user error in a recipe or override; ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: list[str] | str):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        if len(self.errors) == 1:
+            return f"invalid configuration: {self.errors[0]}"
+        return "invalid configuration:\n" + "\n".join(f"  - {e}" for e in self.errors)
+
+
+# ---------------------------------------------------------------------------------------- YAML
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-6`` as a float (YAML 1.1 needs a dot: ``1.0e-6``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+)$"""),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
+
+
+# ------------------------------------------------------------------------------------- recipes
+def recipes_dir() -> Path:
+    return Path(os.environ.get("RLHF_HPC_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
+
+
+def list_recipes() -> dict[str, str]:
+    """Recipe name -> its ``description`` line (empty when it has none)."""
+    out = {}
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        try:
+            desc = (parse_yaml(path.read_text()) or {}).get("description", "")
+        except yaml.YAMLError:
+            desc = "(unreadable YAML)"
+        out[path.stem] = str(desc).strip().splitlines()[0] if desc else ""
+    return out
+
+
+def find_recipe(name: str, relative_to: Optional[Path] = None) -> Path:
+    """A recipe name (``recipes/NAME.yaml``) or a path to a YAML file."""
+    candidates = []
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        p = Path(name).expanduser()
+        if relative_to is not None and not p.is_absolute():
+            candidates.append(relative_to / p)
+        candidates.append(p)
+    else:
+        if relative_to is not None:
+            candidates.append(relative_to / f"{name}.yaml")
+        candidates.append(recipes_dir() / f"{name}.yaml")
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    known = list(list_recipes())
+    hint = _did_you_mean(name, known)
+    raise ConfigError(f"recipe '{name}' not found{hint}; available recipes: {', '.join(known) or 'none'}"
+                      f" (or give a path to a .yaml file)")
+
+
+def load_recipe_tree(name: str, relative_to: Optional[Path] = None,
+                     _chain: tuple[Path, ...] = ()) -> dict:
+    """The recipe's mapping with all its bases merged in (bases first)."""
+    path = find_recipe(name, relative_to)
+    if path in _chain:
+        cycle = " -> ".join(p.stem for p in (*_chain, path))
+        raise ConfigError(f"recipe inheritance loops: {cycle}")
+    try:
+        data = parse_yaml(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path}: expected a mapping of config keys at the top level, "
+                          f"got {type(data).__name__}")
+    bases = data.pop("base", None) or []
+    data.pop("description", None)
+    if isinstance(bases, str):
+        bases = [bases]
+    merged: dict = {}
+    for b in bases:
+        merged = deep_merge(merged, load_recipe_tree(str(b), path.parent, (*_chain, path)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------- overrides
+# Command-line shorthands for keys that live deeper in the tree.
+OVERRIDE_ALIASES = {"cluster": "launcher.cluster"}
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"a.b=[1, 2]"`` -> ``("a.b", [1, 2])``."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override '{text}' is not of the form key.path=value")
+    try:
+        value = parse_yaml(raw)
+    except yaml.YAMLError:
+        raise ConfigError(f"override {key}: value '{raw}' is not valid YAML "
+                          f"(quote strings with special characters)") from None
+    return OVERRIDE_ALIASES.get(key, key), value
+
+
+def apply_overrides(tree: dict, overrides: Iterable[str]) -> dict:
+    tree = dict(tree)
+    for text in overrides:
+        key, value = parse_override(text)
+        node = tree
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {key}: {prefix} is a value ({child!r}), not a section")
+            else:
+                child = dict(child)
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+# --------------------------------------------------------------------------------------- build
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is typing.Union:
+        names = [_type_name(a) for a in args if a is not type(None)]
+        tail = " or null" if type(None) in args else ""
+        return " or ".join(names) + tail
+    if origin is list:
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _coerce(tp: Any, value: Any, key: str, errors: list[str]) -> tuple[bool, Any]:
+    """Check ``value`` against the annotation ``tp``; returns (ok, converted value)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return True, value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            errors.append(f"{key}: expected a mapping (a config section), got {_describe(value)}")
+            return False, None
+        return True, _build(tp, value, key, errors)
+    if origin is typing.Union:
+        if value is None:
+            if type(None) in args:
+                return True, None
+        for arg in args:
+            if arg is type(None):
+                continue
+            scratch: list[str] = []
+            ok, out = _coerce(arg, value, key, scratch)
+            if ok and not scratch:
+                return True, out
+        errors.append(f"{key}: expected {_type_name(tp)}, got {_describe(value)}")
+        return False, None
+    if origin is typing.Literal:
+        if value in args and not isinstance(value, bool):
+            return True, value
+        hint = _did_you_mean(str(value), [str(a) for a in args])
+        errors.append(f"{key}: expected {_type_name(tp)}, got {_describe(value)}{hint}")
+        return False, None
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{key}: expected {_type_name(tp)}, got {_describe(value)}")
+            return False, None
+        out, ok_all = [], True
+        for i, item in enumerate(value):
+            ok, conv = _coerce(args[0] if args else Any, item, f"{key}[{i}]", errors)
+            ok_all &= ok
+            out.append(conv)
+        return ok_all, out
+    if origin is dict:
+        if not isinstance(value, dict):
+            errors.append(f"{key}: expected a mapping, got {_describe(value)}")
+            return False, None
+        return True, dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return True, value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True, value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return True, value
+        # a name like experiment_name=2024 arrives as an int from YAML; a string is meant
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, str(value)
+    else:  # pragma: no cover - an annotation this builder does not know is a programming error
+        raise TypeError(f"{key}: unsupported annotation {tp!r}")
+    errors.append(f"{key}: expected {_type_name(tp)}, got {_describe(value)}")
+    return False, None
+
+
+def _build(cls: type, data: dict, prefix: str, errors: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            errors.append(_unknown_key_message(key))
+            continue
+        ok, conv = _coerce(hints[k], v, key, errors)
+        if ok:
+            kwargs[k] = conv
+    return cls(**kwargs)
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every leaf key of the dataclass tree as a dotted path."""
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(all_keys(tp, key))
+        else:
+            out.append(key)
+    return out
+
+
+def _all_sections(cls: type = Config, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            out.append(key)
+            out.extend(_all_sections(tp, key))
+    return out
+
+
+def _did_you_mean(word: str, options: Iterable[str]) -> str:
+    m = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{m[0]}'?)" if m else ""
+
+
+def _unknown_key_message(key: str) -> str:
+    """Suggest the closest valid key: a sibling first, else a key of that name elsewhere."""
+    parent, _, leaf = key.rpartition(".")
+    known = all_keys() + _all_sections()
+    siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
+    match = [f"{parent}.{m}" if parent else m
+             for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)]
+    if not match:
+        # e.g. actor_rollout_ref.actor.lr -> actor_rollout_ref.actor.optim.lr: same leaf name,
+        # prefer the candidate sharing the longest prefix with what was written
+        leaves = {}
+        for k in known:
+            leaves.setdefault(k.rpartition(".")[2], []).append(k)
+        close = difflib.get_close_matches(leaf, list(leaves), n=3, cutoff=0.75)
+        cands = [k for name in close for k in leaves[name]]
+        if cands:
+            match = [max(cands, key=lambda c: (len(os.path.commonprefix([c, key])),
+                                              difflib.SequenceMatcher(None, c, key).ratio()))]
+    hint = f"; did you mean '{match[0]}'?" if match else ""
+    where = f"section '{parent}'" if parent else "the top level"
+    return f"unknown key '{key}' in {where}{hint}"
+
+
+def build(tree: dict) -> Config:
+    """Fill the dataclass tree from a merged mapping; raises ConfigError listing every problem."""
+    errors: list[str] = []
+    if not isinstance(tree, dict):
+        raise ConfigError(f"expected a mapping of config keys, got {_describe(tree)}")
+    cfg = _build(Config, tree, "", errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------- resolve
+_INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _interpolate(cfg: Config, errors: list[str]) -> None:
+    def resolve_str(s: str, where: str, depth: int = 0) -> str:
+        def sub(m: re.Match) -> str:
+            ref = m.group(1)
+            try:
+                val = get_key(cfg, ref)
+            except AttributeError:
+                if depth == 0:  # reported once, at the key that holds the bad reference
+                    errors.append(f"{where}: '${{{ref}}}' refers to an unknown key"
+                                  f"{_did_you_mean(ref, all_keys())}")
+                return m.group(0)
+            if isinstance(val, str) and depth < 10:
+                return resolve_str(val, where, depth + 1)
+            return str(val)
+        return _INTERP.sub(sub, s)
+
+    def walk(node: Any, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            val = getattr(node, f.name)
+            if dataclasses.is_dataclass(val):
+                walk(val, key)
+            elif isinstance(val, str) and "${" in val:
+                setattr(node, f.name, resolve_str(val, key))
+            elif isinstance(val, list) and any(isinstance(v, str) and "${" in v for v in val):
+                setattr(node, f.name, [resolve_str(v, key) if isinstance(v, str) else v for v in val])
+    walk(cfg, "")
+
+
+def per_rank_mini_batch(mini_batch_prompts: int, n: int, world_size: int) -> int:
+    """Responses each rank holds in one PPO mini-batch."""
+    return mini_batch_prompts * n // world_size
+
+
+def resolve(cfg: Config) -> Config:
+    """Interpolate ``${...}`` and fill keys that default to other keys (in place; returns cfg)."""
+    errors: list[str] = []
+    _interpolate(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    if cfg.launcher.cluster == "auto":
+        # decided where the launch command runs (the login node), then fixed in the written config
+        cfg.launcher.cluster = "slurm" if shutil.which("sbatch") else "local"
+    arr, actor, critic = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    if critic.enable is None:
+        critic.enable = cfg.algorithm.adv_estimator == "gae"
+    if critic.model.path is None:
+        critic.model.path = arr.model.path
+    if critic.model.tokenizer_path is None:
+        critic.model.tokenizer_path = arr.model.tokenizer_path
+    if critic.ppo_mini_batch_size is None:
+        critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
+    if critic.ppo_epochs is None:
+        critic.ppo_epochs = actor.ppo_epochs
+    for fsdp in (actor.fsdp_config, arr.ref.fsdp_config, critic.model.fsdp_config,
+                 cfg.reward_model.model.fsdp_config):
+        if fsdp.fsdp_size is None:
+            fsdp.fsdp_size = cfg.trainer.n_gpus_per_node
+    n, world = arr.rollout.n, cfg.world_size
+    if world > 0:
+        if actor.ppo_micro_batch_size_per_gpu is None:
+            actor.ppo_micro_batch_size_per_gpu = max(1, per_rank_mini_batch(actor.ppo_mini_batch_size, n, world))
+        if critic.ppo_micro_batch_size_per_gpu is None:
+            critic.ppo_micro_batch_size_per_gpu = max(1, per_rank_mini_batch(critic.ppo_mini_batch_size, n, world))
+        # forward-only passes default to the training micro-batch: same activation budget, no grads
+        if arr.rollout.log_prob_micro_batch_size_per_gpu is None:
+            arr.rollout.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        if arr.ref.log_prob_micro_batch_size_per_gpu is None:
+            arr.ref.log_prob_micro_batch_size_per_gpu = arr.rollout.log_prob_micro_batch_size_per_gpu
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ validate
+def _looks_like_hub_id(path: str) -> bool:
+    return (re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None
+            and not path.startswith((".", "~", "/")))
+
+
+def missing_files(cfg: Config) -> list[str]:
+    """Files/directories the config names that do not exist on this machine."""
+    problems = []
+
+    def check(key: str, path: Optional[str], hub_ok: bool = False) -> None:
+        if not path or path.startswith(("tiny://", "synthetic://")):
+            return
+        if os.path.exists(os.path.expanduser(path)):
+            return
+        if hub_ok and _looks_like_hub_id(path):
+            return  # a hub name: resolved from HF_HOME's cache where the job runs
+        problems.append(f"{key}: '{path}' does not exist")
+
+    def check_files(key: str, value: Any) -> None:
+        for i, p in enumerate([value] if isinstance(value, str) else (value or [])):
+            check(key if isinstance(value, str) else f"{key}[{i}]", p)
+
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    check_files("data.train_files", d.train_files)
+    check_files("data.val_files", d.val_files)
+    check("data.tokenizer", d.tokenizer, hub_ok=True)
+    check("actor_rollout_ref.model.path", arr.model.path, hub_ok=True)
+    check("actor_rollout_ref.model.tokenizer_path", arr.model.tokenizer_path, hub_ok=True)
+    if cfg.critic.enable and cfg.critic.model.path != arr.model.path:
+        check("critic.model.path", cfg.critic.model.path, hub_ok=True)
+    if cfg.reward_model.enable:
+        check("reward_model.model.path", cfg.reward_model.model.path, hub_ok=True)
+    check("custom_reward_function.path", cfg.custom_reward_function.path)
+    return problems
+
+
+def validate(cfg: Config, check_files: bool = True) -> list[str]:
+    """Cross-field checks on a resolved config. Raises ConfigError listing every problem; returns
+    warnings (notes that do not stop a run). With ``check_files`` False (a dry run prepared away
+    from the cluster) missing files are warnings too."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    d, arr, tr = cfg.data, cfg.actor_rollout_ref, cfg.trainer
+    actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+    world = cfg.world_size
+
+    def positive(key: str, value: Optional[float], allow_zero: bool = False) -> bool:
+        if value is None or value > 0 or (allow_zero and value == 0):
+            return True
+        errors.append(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+        return False
+
+    ok = all([positive("trainer.nnodes", tr.nnodes), positive("trainer.n_gpus_per_node", tr.n_gpus_per_node),
+              positive("data.train_batch_size", d.train_batch_size),
+              positive("actor_rollout_ref.rollout.n", rollout.n),
+              positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+              positive("critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)])
+    for key in ("data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.actor.ppo_epochs",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.update_weights_bucket_mb",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.total_epochs",
+                "trainer.total_training_steps", "actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
+        ok &= positive(key, get_key(cfg, key))
+
+    # batch sizes: prompts x n responses are split evenly over ranks, then into mini/micro batches
+    if ok:
+        if d.train_batch_size * rollout.n % world:
+            errors.append(f"data.train_batch_size ({d.train_batch_size}) x actor_rollout_ref.rollout.n "
+                          f"({rollout.n}) = {d.train_batch_size * rollout.n} responses must be divisible by "
+                          f"the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = {world}")
+        for who, mbs, micro, dyn in (
+                ("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                 actor.use_dynamic_bsz),
+                ("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz)):
+            if who == "critic" and not critic.enable:
+                continue
+            if mbs > d.train_batch_size or d.train_batch_size % mbs:
+                errors.append(f"{who}.ppo_mini_batch_size ({mbs}) must divide data.train_batch_size "
+                              f"({d.train_batch_size}): each step is split into whole PPO mini-batches")
+            elif mbs * rollout.n % world:
+                errors.append(f"{who}.ppo_mini_batch_size ({mbs}) x actor_rollout_ref.rollout.n ({rollout.n}) "
+                              f"must be divisible by the number of ranks ({world}) so every rank gets the "
+                              f"same share of a mini-batch")
+            elif not dyn and micro >= per_rank_mini_batch(mbs, rollout.n, world):
+                if micro > per_rank_mini_batch(mbs, rollout.n, world):
+                    warnings.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) is larger than the per-rank "
+                                    f"mini-batch ({per_rank_mini_batch(mbs, rollout.n, world)}): each "
+                                    f"mini-batch runs as one micro-batch")
+            elif not dyn and per_rank_mini_batch(mbs, rollout.n, world) % micro:
+                per_rank = per_rank_mini_batch(mbs, rollout.n, world)
+                errors.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank "
+                              f"mini-batch, {who}.ppo_mini_batch_size x rollout.n / ranks = {per_rank}")
+        seq_len = d.max_prompt_length + d.max_response_length
+        for key in ("actor_rollout_ref.actor", "critic"):
+            section = get_key(cfg, key)
+            if section.use_dynamic_bsz and section.ppo_max_token_len_per_gpu < seq_len:
+                errors.append(f"{key}.ppo_max_token_len_per_gpu ({section.ppo_max_token_len_per_gpu}) is smaller "
+                              f"than one full sequence, data.max_prompt_length + data.max_response_length = {seq_len}")
+        for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.ref"):
+            section = get_key(cfg, key)
+            if section.log_prob_use_dynamic_bsz and section.log_prob_max_token_len_per_gpu < seq_len:
+                errors.append(f"{key}.log_prob_max_token_len_per_gpu ({section.log_prob_max_token_len_per_gpu}) "
+                              f"is smaller than one full sequence ({seq_len} tokens)")
+
+    # meshes: (replicate, shard) must multiply to the world size
+    if world > 0:
+        for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
+                    "critic.model.fsdp_config", "reward_model.model.fsdp_config"):
+            size = get_key(cfg, key).fsdp_size
+            if size == -1:
+                continue
+            if size is None or size <= 0 or world % size:
+                errors.append(f"{key}.fsdp_size ({size}) must divide the world size, trainer.nnodes x "
+                              f"trainer.n_gpus_per_node = {world}, giving a (replicate, shard) mesh; "
+                              f"use -1 to shard over all ranks")
+        tp = rollout.tensor_model_parallel_size
+        if tp and tp > 0 and (tp > tr.n_gpus_per_node or tr.n_gpus_per_node % tp):
+            errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide "
+                          f"trainer.n_gpus_per_node ({tr.n_gpus_per_node}): a tensor-parallel group stays "
+                          f"inside one node")
+
+    # algorithm
+    if actor.clip_ratio_c <= 1.0:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_c ({actor.clip_ratio_c}) must be > 1.0 "
+                      f"(the dual-clip lower bound on the loss of negative advantages)")
+    if not 0 <= actor.clip_ratio_low < 1:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_low ({actor.clip_ratio_low}) must be in [0, 1)")
+    if actor.clip_ratio_high < 0:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_high ({actor.clip_ratio_high}) must be >= 0")
+    est = cfg.algorithm.adv_estimator
+    if est in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n < 2:
+        errors.append(f"algorithm.adv_estimator={est} compares responses to the same prompt: set "
+                      f"actor_rollout_ref.rollout.n >= 2 (it is {rollout.n})")
+    if est == "gae" and critic.enable is False:
+        errors.append("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
+                      "(or pick grpo/rloo/reinforce_plus_plus)")
+    if not 0 <= cfg.algorithm.gamma <= 1 or not 0 <= cfg.algorithm.lam <= 1:
+        errors.append(f"algorithm.gamma ({cfg.algorithm.gamma}) and algorithm.lam ({cfg.algorithm.lam}) "
+                      f"must be in [0, 1]")
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        errors.append(f"actor_rollout_ref.rollout.gpu_memory_utilization ({rollout.gpu_memory_utilization}) "
+                      f"must be in (0, 1]")
+    if tr.resume_mode not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(tr.resume_mode)):
+        errors.append(f"trainer.resume_mode: '{tr.resume_mode}' is neither auto, disable nor an existing "
+                      f"checkpoint directory")
+    if cfg.launcher.cluster == "local" and tr.nnodes > 1:
+        errors.append(f"trainer.nnodes={tr.nnodes} needs several machines: use cluster=slurm "
+                      f"(launcher.cluster), or trainer.nnodes=1 to run here")
+
+    files = missing_files(cfg)
+    if check_files:
+        errors.extend(files)
+    else:
+        warnings.extend(f"{f} on this machine (it must exist where the job runs)" for f in files)
+    if errors:
+        raise ConfigError(errors)
+    return warnings
+
+
+# ---------------------------------------------------------------------------------- entry points
+def load_config(recipe: str, overrides: Iterable[str] = (), check_files: bool = True) -> tuple[Config, list[str]]:
+    """Recipe name/path + overrides -> (resolved, validated Config, warnings)."""
+    tree = apply_overrides(load_recipe_tree(recipe), overrides)
+    cfg = resolve(build(tree))
+    warnings = validate(cfg, check_files=check_files)
+    return cfg, warnings
+
+
+def load_resolved(path: str | Path, check_files: bool = True) -> Config:
+    """Read a resolved ``config.yaml`` written by ``write_resolved`` (what workers start from)."""
+    tree = parse_yaml(Path(path).read_text()) or {}
+    cfg = resolve(build(tree))
+    validate(cfg, check_files=check_files)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def write_resolved(cfg: Config, run_dir: str | Path) -> Path:
+    """Write ``run_dir/config.yaml`` atomically. A different config already there is kept as
+    ``config.prev-N.yaml``, so a re-launch never loses what an earlier run was started with."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "config.yaml"
+    text = dump_yaml(to_dict(cfg))
+    if target.exists() and target.read_text() != text:
+        n = 1
+        while (run_dir / f"config.prev-{n}.yaml").exists():
+            n += 1
+        target.rename(run_dir / f"config.prev-{n}.yaml")
+    tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    os.replace(tmp, target)
+    return target

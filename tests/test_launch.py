@@ -1,0 +1,106 @@
+"""``launch.py`` as a user runs it: help, dry run, user errors, a local torchrun launch."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_hpc.recipe import load_resolved
+from rlhf_hpc.worker import EXIT_NO_TRAINER
+from tests.conftest import REPO, require, run_launch
+
+
+def test_help_lists_recipes_and_main_keys():
+    out = run_launch("--help")
+    assert out.returncode == 0, out.stderr
+    for name in ("tiny_klppo", "qwen7b_klppo", "qwen7b_klppo_4node", "qwen05b_klppo"):
+        assert f"\n  {name} " in out.stdout
+    assert "actor_rollout_ref.actor.kl_loss_type" in out.stdout and "'low_var_kl'" in out.stdout
+
+
+def test_dry_run_prints_resolved_config_and_command_and_runs_nothing(tmp_path):
+    out = run_launch("recipe=qwen7b_klppo", "--dry-run", f"trainer.default_local_dir={tmp_path}/run",
+                     "cluster=local")
+    assert out.returncode == 0, out.stderr
+    config_text, _, command = out.stdout.partition("# command (cluster=local)\n")
+    cfg = yaml.safe_load(config_text)
+    assert cfg["actor_rollout_ref"]["actor"]["kl_loss_type"] == "low_var_kl"
+    assert cfg["actor_rollout_ref"]["rollout"]["gpu_memory_utilization"] == 0.6
+    assert cfg["trainer"]["default_local_dir"] == f"{tmp_path}/run"
+    assert "-m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=8" in command
+    assert command.strip().endswith(f"-m rlhf_hpc.worker {tmp_path}/run/config.yaml")
+    # the data lives on the cluster, not here: reported, not fatal, in a dry run
+    assert "warning: data.train_files: '~/data/gsm8k/train.parquet' does not exist on this machine" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_user_error_exits_non_zero_without_traceback():
+    out = run_launch("recipe=tiny_klppo", "actor_rollout_ref.actor.lr=1e-6", "--dry-run")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert ("error: invalid configuration: unknown key 'actor_rollout_ref.actor.lr' in section "
+            "'actor_rollout_ref.actor'; did you mean 'actor_rollout_ref.actor.optim.lr'?") in out.stderr
+
+
+def test_missing_recipe_and_bad_arguments():
+    out = run_launch("--dry-run")
+    assert out.returncode == 2 and "no recipe given: add recipe=NAME" in out.stderr
+    out = run_launch("recipe=tiny_klppo", "lr")
+    assert out.returncode == 2 and "argument 'lr' is not of the form key.path=value" in out.stderr
+    out = run_launch("recipe=tiny_klppo", "--dryrun")
+    assert out.returncode == 2 and "unknown option '--dryrun'" in out.stderr
+
+
+def test_real_launch_checks_files_first(tmp_path):
+    out = run_launch("recipe=tiny_klppo", f"data.train_files={tmp_path}/missing.parquet",
+                     f"trainer.default_local_dir={tmp_path}/run")
+    assert out.returncode == 2
+    assert f"data.train_files: '{tmp_path}/missing.parquet' does not exist" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_slurm_stops_with_a_clear_message(tmp_path):
+    out = run_launch("recipe=tiny_klppo", "cluster=slurm", f"trainer.default_local_dir={tmp_path}/run")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "launcher.cluster=slurm: submitting through Slurm is not implemented in this version" in out.stderr
+
+
+def test_auto_cluster_picks_local_without_sbatch(tmp_path):
+    env = {"PATH": os.path.dirname(shutil.which("python") or "/usr/bin/python") + ":/usr/bin:/bin"}
+    require("a PATH without sbatch", not any(Path(p, "sbatch").exists() for p in env["PATH"].split(":")))
+    out = run_launch("recipe=tiny_klppo", "cluster=auto", "--dry-run", env=env)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout.partition("# command")[0])["launcher"]["cluster"] == "local"
+
+
+@pytest.mark.slow
+def test_local_launch_brings_up_a_gloo_group_of_the_configured_size(tmp_path):
+    """The README's demo command path: torchrun with 2 CPU ranks, resolved config in the run dir."""
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run_dir}", timeout=240)
+    assert "process group up: 2 ranks, backend gloo, device cpu" in out.stdout, out.stdout + out.stderr
+    # until the training-loop issue lands the worker says so and fails (torchrun reports exit code 3)
+    assert out.returncode != 0 and f"exitcode  : {EXIT_NO_TRAINER}" in out.stderr, out.stderr
+    assert "the training loop is not part of this version yet" in out.stderr
+    cfg = load_resolved(run_dir / "config.yaml")
+    assert cfg.trainer.n_gpus_per_node == 2 and cfg.launcher.cluster == "local"
+    assert time.time() - t0 < 240
+
+
+def test_worker_refuses_a_group_of_the_wrong_size(tmp_path):
+    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path}", "--dry-run")
+    assert out.returncode == 0
+    (tmp_path / "config.yaml").write_text(out.stdout.partition("# command")[0].partition("\n")[2])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           "-m", "rlhf_hpc.worker", str(tmp_path / "config.yaml")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "torchrun started 1 ranks but trainer.nnodes x trainer.n_gpus_per_node = 2" in proc.stderr
