@@ -1,0 +1,416 @@
+"""The RL math: GAE, KL estimators and controllers, PPO losses, outcome-reward estimators.
+
+Pure torch, no distributed code. Semantics follow the reference system (verl's ``core_algos.py``);
+each deviation is stated where it happens.
+
+Shapes: per-token tensors are ``(batch, response_len)``, written ``(B, T)``, with a 0/1
+``response_mask`` of the same shape (1 = a generated token that counts). Per-sequence tensors are
+``(B,)``.
+
+Global normalisation. A PPO mini-batch is split into micro-batches (gradient accumulation) and
+across data-parallel ranks. ``agg_loss`` divides by counts of the *whole* mini-batch, passed in as
+``global_tokens`` / ``global_seqs`` (see ``global_batch_counts``), so a micro-batch's loss is its
+share of the mini-batch loss: summing micro-batch losses gives the mini-batch loss however the batch
+was split and however much padding each micro-batch holds. When gradients are averaged over
+``dp_size`` ranks (FSDP's reduce-scatter averages), scale each rank's loss by ``dp_size`` before
+``backward()`` so the average of the ranks' gradients equals the gradient of that sum.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# Sums a tensor over data-parallel ranks (e.g. an all_reduce wrapper). None = this process only.
+AllReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+
+# ------------------------------------------------------------------------------ masked statistics
+def _reduce(t: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+    return all_reduce(t) if all_reduce is not None else t
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None,
+                all_reduce: AllReduce = None) -> torch.Tensor:
+    """Mean of ``x`` where ``mask`` is 1 (over everything, or along ``dim``); 0 where nothing is
+    valid. ``all_reduce`` (whole-tensor mean only) makes it the mean over all ranks' elements."""
+    if dim is not None:
+        return masked_sum(x, mask, dim) / mask.sum(dim).clamp_min(1)
+    stats = _reduce(torch.stack([masked_sum(x, mask), mask.sum().to(x.dtype)]), all_reduce)
+    return stats[0] / stats[1].clamp_min(1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
+               all_reduce: AllReduce = None) -> torch.Tensor:
+    """Variance of the valid elements of ``x`` (unbiased: divides by n - 1, as the reference)."""
+    mean = masked_mean(x, mask, all_reduce=all_reduce)
+    stats = _reduce(torch.stack([masked_sum((x - mean) ** 2, mask), mask.sum().to(x.dtype)]), all_reduce)
+    n = stats[1]
+    if n == 0:
+        raise ValueError("masked_var: the mask selects no element")
+    if unbiased:
+        if n == 1:
+            raise ValueError("masked_var: an unbiased variance needs at least 2 valid elements")
+        return stats[0] / (n - 1)
+    return stats[0] / n
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  all_reduce: AllReduce = None) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the valid elements (global with ``all_reduce``);
+    ``shift_mean=False`` adds the mean back (scale only)."""
+    mean = masked_mean(x, mask, all_reduce=all_reduce)
+    var = masked_var(x, mask, all_reduce=all_reduce)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    return out if shift_mean else out + mean
+
+
+# ----------------------------------------------------------------------------------------- GAE
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                   gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation, backwards over the response.
+
+    Args: token_rewards, values, response_mask: (B, T).
+    Returns: (advantages, returns), both (B, T), zero where the mask is 0.
+
+    delta_t = r_t + gamma * V_next - V_t;  A_t = delta_t + gamma * lam * A_next, where V_next and
+    A_next only advance at valid positions, so a masked position (padding, or a tool-output span in
+    the middle of a response) neither contributes nor breaks the chain. returns = A + V.
+    Differs from verl: the advantages are NOT whitened here (verl whitens inside); the trainer
+    calls ``masked_whiten`` over the global batch, which a per-rank function cannot see.
+    """
+    mask = response_mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    advs = []
+    for t in reversed(range(values.shape[1])):
+        m = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        next_value = values[:, t] * m + (1 - m) * next_value
+        next_adv = adv_t * m + (1 - m) * next_adv
+        advs.append(adv_t)
+    advantages = torch.stack(advs[::-1], dim=1)
+    returns = advantages + values
+    return advantages * mask, returns * mask
+
+
+# ---------------------------------------------------------------------------------------- KL
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS_ALL = KL_KINDS + tuple(k + "+" for k in KL_KINDS)
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from log-probs of tokens sampled from pi. (B, T) -> (B, T).
+
+    ``kl``/``k1``: lp - ref (unbiased, can be negative); ``abs``: |lp - ref|; ``mse``/``k2``:
+    0.5 (lp - ref)^2; ``low_var_kl``/``k3``: exp(ref - lp) - (ref - lp) - 1 (unbiased, >= 0), with
+    the log-ratio clamped to [-20, 20] and the result to [-10, 10] as in the reference.
+    A trailing ``+`` (``k3+``): the value of that estimator with the gradient of k2 (straight
+    through), whose gradient is the unbiased gradient of KL.
+    """
+    if kind.endswith("+") and kind[:-1] in KL_KINDS:
+        value = kl_penalty(logprob, ref_logprob, kind[:-1])
+        k2 = kl_penalty(logprob, ref_logprob, "k2")
+        return k2 + (value - k2).detach()
+    diff = logprob - ref_logprob
+    if kind in ("kl", "k1"):
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * diff.square()
+    if kind in ("low_var_kl", "k3"):
+        log_ratio = torch.clamp(-diff, min=-20.0, max=20.0)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator '{kind}'; valid kinds: {', '.join(KL_KINDS_ALL)}")
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): steer the KL coefficient towards a target KL.
+
+    e = clip(current_kl / target_kl - 1, -0.2, 0.2);  value *= 1 + e * n_steps / horizon.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"AdaptiveKLController needs target_kl > 0 and horizon > 0 "
+                             f"(got {target_kl}, {horizon})")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+        self.target = float(state["target"])
+        self.horizon = int(state["horizon"])
+
+
+def make_kl_controller(kl_ctrl) -> FixedKLController | AdaptiveKLController:
+    """From ``algorithm.kl_ctrl`` (type fixed|adaptive, kl_coef, target_kl, horizon)."""
+    if kl_ctrl.type == "fixed":
+        return FixedKLController(kl_ctrl.kl_coef)
+    if kl_ctrl.type == "adaptive":
+        return AdaptiveKLController(kl_ctrl.kl_coef, kl_ctrl.target_kl, kl_ctrl.horizon)
+    raise ValueError(f"algorithm.kl_ctrl.type: unknown controller '{kl_ctrl.type}'; use fixed or adaptive")
+
+
+def apply_kl_to_rewards(token_scores: torch.Tensor, logprob: torch.Tensor, ref_logprob: torch.Tensor,
+                        response_mask: torch.Tensor, controller, kind: str = "kl",
+                        all_reduce: AllReduce = None) -> tuple[torch.Tensor, dict]:
+    """KL in the reward: token_rewards = token_scores - beta * kl * mask, then update the controller.
+
+    Args: token_scores, logprob, ref_logprob, response_mask: (B, T).
+    Returns: token_rewards (B, T) and metrics: ``actor/reward_kl_penalty`` (the current KL: batch
+    mean of per-sequence masked means), ``actor/reward_kl_penalty_coeff`` (beta used).
+    With ``all_reduce`` the current KL and the controller's ``n_steps`` (the batch size) are over
+    all ranks, so every rank's controller takes the same update and stays in step.
+    """
+    mask = response_mask.to(token_scores.dtype)
+    kl = kl_penalty(logprob, ref_logprob, kind) * mask
+    beta = controller.value
+    token_rewards = token_scores - beta * kl
+    per_seq = masked_mean(kl, mask, dim=-1)
+    stats = _reduce(torch.stack([per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_seq.dtype,
+                                                              device=per_seq.device)]), all_reduce)
+    current_kl = (stats[0] / stats[1].clamp_min(1)).item()
+    controller.update(current_kl=current_kl, n_steps=int(stats[1].item()))
+    return token_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+# ----------------------------------------------------------------------------- loss aggregation
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def global_batch_counts(response_masks: torch.Tensor | list[torch.Tensor],
+                        all_reduce: AllReduce = None) -> tuple[float, float]:
+    """(valid tokens, sequences) of a whole mini-batch: pass every micro-batch mask of this rank;
+    ``all_reduce`` adds the other ranks'. Feed the result to ``agg_loss``."""
+    masks = [response_masks] if isinstance(response_masks, torch.Tensor) else list(response_masks)
+    counts = torch.tensor([float(sum(m.sum().item() for m in masks)),
+                           float(sum(m.shape[0] for m in masks))], dtype=torch.float64,
+                          device=masks[0].device)
+    counts = _reduce(counts, all_reduce)
+    return float(counts[0].item()), float(counts[1].item())
+
+
+def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str,
+             global_tokens: Optional[float] = None, global_seqs: Optional[float] = None,
+             norm_const: Optional[float] = None) -> torch.Tensor:
+    """Aggregate a (B, T) per-token loss into a scalar.
+
+    token-mean: sum over valid tokens / valid tokens of the global mini-batch;
+    seq-mean-token-sum: per-sequence token sums, summed / sequences of the global mini-batch;
+    seq-mean-token-mean: per-sequence token means, summed / global sequences;
+    seq-mean-token-sum-norm (Dr. GRPO): per-sequence token sums / ``norm_const`` (default T),
+    summed / global sequences. Differs from verl, which divides the plain sum by the constant only
+    and so scales the gradient with the micro-batch size; this is the mean its name promises.
+    Without ``global_*`` the counts of this tensor are used (a batch that is not split).
+    """
+    mask = response_mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        denom = global_tokens if global_tokens is not None else mask.sum().clamp_min(1)
+        return masked_sum(loss_mat, mask) / denom
+    seqs = global_seqs if global_seqs is not None else max(loss_mat.shape[0], 1)
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, mask, dim=-1).sum() / seqs
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_mat, mask, dim=-1).sum() / seqs
+    if mode == "seq-mean-token-sum-norm":
+        const = norm_const if norm_const is not None else loss_mat.shape[-1]
+        return (masked_sum(loss_mat, mask, dim=-1) / const).sum() / seqs
+    raise ValueError(f"unknown loss_agg_mode '{mode}'; valid modes: {', '.join(LOSS_AGG_MODES)}")
+
+
+# -------------------------------------------------------------------------------------- losses
+def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
+                **agg_kwargs) -> tuple[torch.Tensor, dict]:
+    """PPO clipped surrogate with dual clip. All inputs (B, T).
+
+    ratio = exp(clamp(lp - old, -20, 20)); L = max(-A ratio, -A clip(ratio, 1 - low, 1 + high));
+    for A < 0 additionally min(L, -A clip_ratio_c) (dual clip: bounds the loss of a token whose
+    ratio exploded while its advantage is negative). ``agg_kwargs`` go to ``agg_loss``.
+    Returns (loss, metrics): ``pg_clipfrac`` (share of tokens where the clip was active),
+    ``pg_clipfrac_lower`` (share where the dual clip was active), ``ppo_kl`` (mean old - lp).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 (got {clip_ratio_c}): it is the dual-clip bound "
+                         f"on the ratio of negative-advantage tokens")
+    mask = response_mask.to(logprob.dtype)
+    neg_approx_kl = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_approx_kl)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    loss3 = -advantages * clip_ratio_c
+    dual = torch.minimum(clipped, loss3)
+    pg_losses = torch.where(advantages < 0, dual, clipped)
+    loss = agg_loss(pg_losses, mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).to(mask.dtype), mask),
+            "pg_clipfrac_lower": masked_mean((torch.gt(clipped, loss3) & (advantages < 0)).to(mask.dtype), mask),
+            "ppo_kl": masked_mean(-neg_approx_kl, mask),
+        }
+    return loss, metrics
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
+               response_mask: torch.Tensor, cliprange_value: float = 0.5,
+               loss_agg_mode: str = "token-mean", **agg_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2)).
+
+    All inputs (B, T). Returns (loss, vf_clipfrac: share of tokens where the clipped term won).
+    """
+    mask = response_mask.to(values.dtype)
+    # clamp v itself (not old + clamp(v - old)): inside the range the clipped value is exactly v
+    v_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    loss1 = (values - returns) ** 2
+    loss2 = (v_clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(loss1, loss2), mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        clipfrac = masked_mean(torch.gt(loss2, loss1).to(mask.dtype), mask)
+    return loss, clipfrac
+
+
+# --------------------------------------------------------------------------- logits -> per token
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim, in fp32. (..., V) -> (...).
+
+    Computed as -sum(p log p) from the log-softmax, not as the reference's logsumexp(z) - sum(p z):
+    that difference of two large numbers loses digits when the logits carry a large common offset
+    (1.6e-5 absolute error at an offset of 123 in fp32). Tokens with p = 0 (logit -inf) add 0.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(dim=-1)
+
+
+def entropy_from_logits_chunked(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """``entropy_from_logits`` over ``chunk_size`` positions at a time, so the fp32 softmax of a large
+    vocabulary exists for one chunk only. With gradients, each chunk is recomputed in backward
+    (activation checkpointing) instead of keeping every chunk's softmax alive."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    outs = []
+    for chunk in flat.split(chunk_size, dim=0):
+        if chunk.requires_grad:
+            outs.append(checkpoint(entropy_from_logits, chunk, use_reentrant=False))
+        else:
+            outs.append(entropy_from_logits(chunk))
+    return torch.cat(outs).reshape(logits.shape[:-1])
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[labels] without a (..., V) log-softmax tensor: (..., V), (...) -> (...)."""
+    logits = logits.float()
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+# --------------------------------------------------------------- outcome-reward estimators
+def _group_stats(scores: torch.Tensor, index: list | torch.Tensor):
+    """Per-row (group mean, group std unbiased, group size) for rows sharing an index."""
+    keys = index.tolist() if isinstance(index, torch.Tensor) else list(index)
+    groups: dict = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    mean = torch.zeros_like(scores)
+    std = torch.ones_like(scores)
+    size = torch.ones_like(scores)
+    for rows in groups.values():
+        s = scores[rows]
+        size[rows] = float(len(rows))
+        if len(rows) > 1:  # a single response has no group to compare with: mean 0, std 1
+            mean[rows] = s.mean()
+            std[rows] = s.std()
+    return mean, std, size
+
+
+def grpo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                    norm_by_std: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: (score - group mean) / (group std + eps), broadcast over the response.
+
+    Args: token_rewards, response_mask (B, T); index: group id per row (B,) (responses to the same
+    prompt share one). score = sum of the row's token rewards. ``norm_by_std=False`` is Dr. GRPO.
+    Returns (advantages, returns), both (B, T), equal, zero where masked.
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    scores = (token_rewards * mask).sum(-1)
+    mean, std, _ = _group_stats(scores, index)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    out = adv.unsqueeze(-1) * mask
+    return out, out
+
+
+def rloo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: score minus the mean of the *other* responses of its group, n/(n-1) (score - mean).
+
+    Shapes as ``grpo_advantages``; a group of one keeps its score.
+    """
+    mask = response_mask.to(token_rewards.dtype)
+    scores = (token_rewards * mask).sum(-1)
+    mean, _, n = _group_stats(scores, index)
+    adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp_min(1), scores)
+    out = adv.unsqueeze(-1) * mask
+    return out, out
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+                            all_reduce: AllReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go per token (reset at masked positions), whitened over
+    the batch (global with ``all_reduce``). Returns (advantages, returns), (B, T)."""
+    mask = response_mask.to(token_rewards.dtype)
+    running = torch.zeros_like(token_rewards[:, 0])
+    returns = torch.zeros_like(token_rewards)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    adv = masked_whiten(returns, mask, all_reduce=all_reduce) * mask
+    return adv, returns * mask
+
+
+def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                                     all_reduce: AllReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a baseline: (score - group mean) broadcast over the response, then
+    whitened over the batch. Shapes as ``grpo_advantages``."""
+    mask = response_mask.to(token_rewards.dtype)
+    scores = (token_rewards * mask).sum(-1)
+    mean, _, _ = _group_stats(scores, index)
+    centred = (scores - mean).unsqueeze(-1) * mask
+    adv = masked_whiten(centred, mask, all_reduce=all_reduce) * mask
+    return adv, adv
