@@ -12,6 +12,7 @@ from rlhf_hpc.recipe import (ConfigError, dump_yaml, get_key, list_recipes, load
 
 USAGE = """\
 usage: python launch.py recipe=NAME [key.path=value ...] [--dry-run]
+       python launch.py export RUN_DIR/global_step_N --out DIR [--dtype bfloat16|float32]
        python launch.py --help
 
   recipe=NAME      a recipe in recipes/ (NAME.yaml) or a path to a YAML file
@@ -74,7 +75,27 @@ def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, boo
     return recipe, overrides, flags
 
 
+def export(argv: list[str]) -> int:
+    """``export CKPT --out DIR``: a sharded checkpoint's actor as a Hugging Face model directory."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python launch.py export",
+                                     description="Write the actor of a checkpoint as a Hugging Face model.")
+    parser.add_argument("checkpoint", help="a global_step_N directory of a run")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    args = parser.parse_args(argv)
+    from rlhf_hpc.checkpoint import export_hf
+    try:
+        out = export_hf(args.checkpoint, args.out, dtype=args.dtype)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    print(f"[rlhf-hpc] exported {args.checkpoint} -> {out}")
+    return 0
+
+
 def run(argv: list[str]) -> int:
+    if argv and argv[0] == "export":
+        return export(argv[1:])
     recipe, overrides, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())

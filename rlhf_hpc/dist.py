@@ -56,3 +56,40 @@ def init_distributed(cfg: Config) -> DistContext:
                            f"= {cfg.world_size}; launch with the configured number of processes")
     return DistContext(rank=dist.get_rank(), world_size=world,
                        local_rank=int(os.environ.get("LOCAL_RANK", 0)), device=device, backend=backend)
+
+
+def mesh_shape(world_size: int, fsdp_size: int) -> tuple[int, int]:
+    """(replicate, shard) for a shard group of ``fsdp_size`` ranks (-1: all ranks)."""
+    shard = world_size if fsdp_size in (-1, None) else fsdp_size
+    if shard <= 0 or world_size % shard:
+        raise ValueError(f"fsdp_size {fsdp_size} does not divide the world size {world_size}")
+    return world_size // shard, shard
+
+
+def build_train_mesh(device: torch.device, world_size: int, fsdp_size: int):
+    """The training mesh: 1-D ``("shard",)`` when nothing is replicated (FULL_SHARD), else 2-D
+    ``("replicate", "shard")`` (HSDP: shard inside a group, all-reduce across groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    replicate, shard = mesh_shape(world_size, fsdp_size)
+    if replicate == 1:
+        return init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """SUM over all ranks, returning a new tensor (for the ``all_reduce`` hooks of ``algos``)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t.clone()
+    # NCCL reduces device tensors only: host tensors (metrics, counts) make a round trip
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    out = t.to(device, copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device)
+
+
+def all_reduce_max_int(value: int, device: torch.device) -> int:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -1,0 +1,161 @@
+"""Actor and reference: per-token log-probs of responses, and the PPO update of the actor.
+
+Batches follow ``rlhf_hpc.batching``'s layout; per-token outputs are ``(B, R)``. The update reads
+``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with the KL loss) from the batch.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from rlhf_hpc import algos
+from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows
+from rlhf_hpc.metrics import UpdateMetrics
+from rlhf_hpc.optim import clip_grad_norm, optimizer_state_on
+from rlhf_hpc.config import ActorConfig
+
+
+def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, remove_padding: bool = True,
+                       with_entropy: bool = False, entropy_grad: bool = True
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
+
+    Returns (log_probs (B, R), entropy (B, R) or None), zero where ``response_mask`` is 0.
+    ``remove_padding`` packs the rows into one sequence (no compute on padding).
+    ``entropy_grad=False`` computes the entropy for metrics only (no graph through it).
+    """
+    R = batch["responses"].shape[1]
+    mask = batch["response_mask"].bool()
+    if remove_padding:
+        packed = pack(batch)
+        # the head runs only where a logit predicts a response token (not on prompts, not on padding)
+        keep = packed.gather_index[mask]
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       use_cache=False, logits_to_keep=keep).logits[0]  # (n_valid, V)
+        labels = batch["responses"][mask]
+    else:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], use_cache=False, logits_to_keep=R + 1)
+        logits = out.logits[:, :-1][mask]  # (n_valid, V): the logits that predict each response token
+        labels = batch["responses"][mask]
+    logits = logits.float() / temperature
+    lp = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device)
+    lp = lp.masked_scatter(mask, algos.logprobs_from_logits(logits, labels))
+    ent = None
+    if with_entropy:
+        values = algos.entropy_from_logits_chunked(logits if entropy_grad else logits.detach())
+        ent = torch.zeros_like(lp).masked_scatter(mask, values)
+    return lp, ent
+
+
+class Actor:
+    """The policy on its training mesh (or a plain module with ``dp_size=1`` for references).
+
+    ``all_reduce``: SUM over the data-parallel ranks (None when alone); ``dp_size``: the number of
+    ranks FSDP averages gradients over (all ranks, replicate x shard).
+    """
+
+    def __init__(self, model: nn.Module, cfg: ActorConfig, temperature: float = 1.0, remove_padding: bool = True,
+                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
+                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
+                 optimizer_offload: bool = False):
+        self.model, self.cfg = model, cfg
+        self.temperature, self.remove_padding = temperature, remove_padding
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.dp_size, self.all_reduce, self.sync_max = dp_size, all_reduce, sync_max
+        self.norm_const = norm_const
+        self.optimizer_offload = optimizer_offload
+
+    # ------------------------------------------------------------------------------ forward only
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch, micro_batch_size: int, use_dynamic_bsz: bool = False,
+                         max_token_len: int = 16384, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(B, R) log-probs (and entropies) for every row of ``batch``, in its row order."""
+        self.model.eval()
+        groups = micro_batch_groups(batch, micro_batch_size, use_dynamic_bsz, max_token_len, self.sync_max)
+        lps, ents, kept = [], [], []
+        for g in groups:
+            micro = select_rows(batch, g) if g else dummy_rows(batch)
+            lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding, with_entropy)
+            if g:
+                lps.append(lp)
+                ents.append(ent)
+                kept.append(g)
+        lp = restore_order(lps, kept)
+        ent = restore_order(ents, kept) if with_entropy else None
+        return lp, ent
+
+    # ------------------------------------------------------------------------------ PPO update
+    def update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+        """PPO epochs x mini-batches x micro-batches over this rank's rows; one optimizer step per
+        mini-batch; the LR scheduler advances once per call (one training step).
+
+        ``mini_batch_rows``: rows of this rank in one mini-batch (ppo_mini_batch_size x n / ranks).
+        Returns metrics averaged over mini-batches and ranks (the same on every rank).
+        """
+        with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.optimizer_offload):
+            return self._update_policy(batch, mini_batch_rows, seed)
+
+    def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+        cfg = self.cfg
+        self.model.train()
+        B = batch["responses"].shape[0]
+        metrics = UpdateMetrics()
+        grad_norms, nonfinite = [], 0
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
+            for start in range(0, B, mini_batch_rows):
+                mini = select_rows(batch, order[start:start + mini_batch_rows])
+                groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                            cfg.ppo_max_token_len_per_gpu, self.sync_max)
+                tokens, seqs = algos.global_batch_counts([mini["response_mask"][g] for g in groups],
+                                                         all_reduce=self.all_reduce)
+                kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=self.norm_const)
+                self.optimizer.zero_grad(set_to_none=True)
+                metrics.new_mini_batch()
+                for g in groups:
+                    micro = select_rows(mini, g) if g else dummy_rows(mini)
+                    weight = 1.0 if g else 0.0
+                    lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
+                                                 with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
+                    mask = micro["response_mask"]
+                    pg_loss, pgm = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask,
+                                                     cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
+                                                     cfg.loss_agg_mode, **kw)
+                    loss = pg_loss
+                    ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
+                    if cfg.entropy_coeff != 0:
+                        loss = loss - cfg.entropy_coeff * ent_loss
+                    if cfg.use_kl_loss:
+                        kl = algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type)
+                        kl_loss = algos.agg_loss(kl, mask, cfg.loss_agg_mode, **kw)
+                        loss = loss + cfg.kl_loss_coef * kl_loss
+                        metrics.share("actor/kl_loss", weight * kl_loss.item())
+                    (loss * (self.dp_size * weight)).backward()
+                    metrics.share("actor/pg_loss", weight * pg_loss.item())
+                    metrics.share("actor/entropy", weight * ent_loss.item())
+                    n_tokens = weight * mask.sum().item()
+                    for k, v in pgm.items():
+                        metrics.token_mean(f"actor/{k}", v.item(), n_tokens)
+                grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
+                grad_norms.append(grad_norm)
+                finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+                nonfinite += not finite
+                if finite:
+                    self.optimizer.step()
+                else:  # a non-finite gradient would poison the weights: skip this step
+                    self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.scheduler is not None:
+            self.scheduler.step()
+        out = metrics.reduce(self.all_reduce)
+        # the norm is of the global gradient: already the same on every rank
+        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["actor/grad_norm_nonfinite"] = float(nonfinite)
+        out["actor/lr"] = lr
+        return out

@@ -1,0 +1,105 @@
+"""Critic: per-token values of the states before each response token, and its clipped-value update.
+
+Reads ``values`` (the old values) and ``returns`` from the batch during the update; shapes (B, R).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from rlhf_hpc import algos
+from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, unpack_per_token
+from rlhf_hpc.config import CriticConfig
+from rlhf_hpc.metrics import UpdateMetrics
+from rlhf_hpc.optim import clip_grad_norm, optimizer_state_on
+
+
+def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True) -> torch.Tensor:
+    """V(s_t) for the state before each response token: (B, R), zero where masked."""
+    R = batch["responses"].shape[1]
+    mask = batch["response_mask"]
+    if remove_padding:
+        packed = pack(batch)
+        values = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None)
+        return unpack_per_token(values, packed)
+    values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"])
+    return values[:, -R - 1:-1] * mask.to(values.dtype)
+
+
+class Critic:
+    """The value model on its training mesh (see ``Actor`` for ``dp_size``/``all_reduce``)."""
+
+    def __init__(self, model: nn.Module, cfg: CriticConfig, remove_padding: bool = True,
+                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
+                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
+                 optimizer_offload: bool = False):
+        self.model, self.cfg, self.remove_padding = model, cfg, remove_padding
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.dp_size, self.all_reduce, self.sync_max, self.norm_const = dp_size, all_reduce, sync_max, norm_const
+        self.optimizer_offload = optimizer_offload
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        """(B, R) values for every row, in the batch's row order."""
+        self.model.eval()
+        groups = micro_batch_groups(batch, micro_batch_size, self.cfg.use_dynamic_bsz,
+                                    self.cfg.forward_max_token_len_per_gpu, self.sync_max)
+        outs, kept = [], []
+        for g in groups:
+            v = per_token_values(self.model, select_rows(batch, g) if g else dummy_rows(batch), self.remove_padding)
+            if g:
+                outs.append(v)
+                kept.append(g)
+        return restore_order(outs, kept)
+
+    def update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+        """Clipped value regression onto ``returns``; loop structure as ``Actor.update_policy``."""
+        with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.optimizer_offload):
+            return self._update_critic(batch, mini_batch_rows, seed)
+
+    def _update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+        cfg = self.cfg
+        self.model.train()
+        B = batch["responses"].shape[0]
+        metrics, grad_norms = UpdateMetrics(), []
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
+            for start in range(0, B, mini_batch_rows):
+                mini = select_rows(batch, order[start:start + mini_batch_rows])
+                groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                            cfg.ppo_max_token_len_per_gpu, self.sync_max)
+                tokens, seqs = algos.global_batch_counts([mini["response_mask"][g] for g in groups],
+                                                         all_reduce=self.all_reduce)
+                kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=self.norm_const)
+                self.optimizer.zero_grad(set_to_none=True)
+                metrics.new_mini_batch()
+                for g in groups:
+                    micro = select_rows(mini, g) if g else dummy_rows(mini)
+                    weight = 1.0 if g else 0.0
+                    v = per_token_values(self.model, micro, self.remove_padding)
+                    loss, clipfrac = algos.value_loss(v, micro["returns"], micro["values"], micro["response_mask"],
+                                                      cfg.cliprange_value, cfg.loss_agg_mode, **kw)
+                    (loss * (self.dp_size * weight)).backward()
+                    metrics.share("critic/vf_loss", weight * loss.item())
+                    n_tokens = weight * micro["response_mask"].sum().item()
+                    metrics.token_mean("critic/vf_clipfrac", clipfrac.item(), n_tokens)
+                    metrics.token_mean("critic/vpred_mean",
+                                       algos.masked_mean(v.detach(), micro["response_mask"]).item(), n_tokens)
+                grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
+                grad_norms.append(grad_norm)
+                if torch.isfinite(torch.tensor(grad_norm)):
+                    self.optimizer.step()
+                else:
+                    self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.scheduler is not None:
+            self.scheduler.step()
+        out = metrics.reduce(self.all_reduce)
+        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["critic/lr"] = lr
+        return out

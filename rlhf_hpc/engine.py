@@ -1,0 +1,82 @@
+"""The training engine: actor, reference and critic built from the config on their FSDP2 meshes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlhf_hpc.actor import Actor
+from rlhf_hpc.config import Config, FSDPConfig
+from rlhf_hpc.critic import Critic
+from rlhf_hpc.dist import DistContext, all_reduce_max_int, all_reduce_sum, build_train_mesh
+from rlhf_hpc.models import attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
+from rlhf_hpc.optim import build_lr_scheduler, build_optimizer
+from rlhf_hpc.parallel import parallelize
+
+
+@dataclass
+class Engine:
+    actor: Actor
+    ref: Optional[Actor]  # None when no KL is used anywhere
+    critic: Optional[Critic]  # None for critic-free estimators (grpo, rloo, ...)
+
+    def checkpoint_components(self) -> dict:
+        comps = {"actor": (self.actor.model, self.actor.optimizer)}
+        if self.critic is not None:
+            comps["critic"] = (self.critic.model, self.critic.optimizer)
+        return comps
+
+
+def _shard(model, fsdp: FSDPConfig, ctx: DistContext, grad_ckpt: bool):
+    mesh = build_train_mesh(ctx.device, ctx.world_size, fsdp.fsdp_size)
+    return parallelize(model, mesh, fsdp, ctx.device, gradient_checkpointing=grad_ckpt)
+
+
+def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
+    """Build and shard the models on every rank (collective). ``total_steps`` sizes the LR schedules.
+
+    Every rank builds the full model on the host from the same weights (seeded for tiny models),
+    then shards it: simple and exact, at the cost of one host copy per rank during start-up.
+    """
+    arr, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
+    mcfg, seed = arr.model, cfg.trainer.seed
+    attn = attn_implementation(ctx.device)
+    sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
+    common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
+                  norm_const=float(cfg.data.max_response_length))
+
+    model = build_causal_lm(mcfg.path, torch_dtype(actor_cfg.fsdp_config.model_dtype), "cpu",
+                            mcfg.override_config, seed, mcfg.trust_remote_code, attn)
+    _shard(model, actor_cfg.fsdp_config, ctx, mcfg.enable_gradient_checkpointing)
+    opt = build_optimizer(model, actor_cfg.optim)
+    on_gpu = ctx.device.type == "cuda"
+    actor = Actor(model, actor_cfg, temperature=arr.rollout.temperature, remove_padding=mcfg.use_remove_padding,
+                  optimizer=opt, scheduler=build_lr_scheduler(opt, actor_cfg.optim, total_steps),
+                  optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, **common)
+
+    ref = None
+    if actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref_model = build_causal_lm(mcfg.path, torch_dtype(arr.ref.fsdp_config.model_dtype), "cpu",
+                                    mcfg.override_config, seed, mcfg.trust_remote_code, attn)
+        ref_model.requires_grad_(False)
+        _shard(ref_model, arr.ref.fsdp_config, ctx, grad_ckpt=False)
+        ref = Actor(ref_model, actor_cfg, temperature=arr.rollout.temperature,
+                    remove_padding=mcfg.use_remove_padding, **common)
+
+    critic = None
+    if cfg.critic.enable:
+        ccfg = cfg.critic
+        # a random tiny actor has no checkpoint to share: copy its backbone so both start equal
+        init_from = build_causal_lm(mcfg.path, torch.float32, "cpu", mcfg.override_config, seed,
+                                    mcfg.trust_remote_code, attn) if is_tiny(ccfg.model.path) else None
+        cmodel = build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), "cpu",
+                              ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code, attn,
+                              init_from=init_from)
+        del init_from
+        _shard(cmodel, ccfg.model.fsdp_config, ctx, ccfg.model.enable_gradient_checkpointing)
+        copt = build_optimizer(cmodel, ccfg.optim)
+        critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
+                        scheduler=build_lr_scheduler(copt, ccfg.optim, total_steps),
+                        optimizer_offload=on_gpu and ccfg.model.fsdp_config.optimizer_offload, **common)
+    return Engine(actor=actor, ref=ref, critic=critic)

@@ -1,0 +1,144 @@
+"""Building the actor, critic and reference models (and tiny random-weight test models).
+
+``model.path`` is a Hugging Face directory or hub name (resolved from the local cache; nothing is
+downloaded at run time), or ``tiny://qwen2`` for a small Qwen2 built in code with random weights:
+query parameters set config fields, e.g. ``tiny://qwen2?hidden_size=128&num_hidden_layers=4``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any, Optional
+from urllib.parse import parse_qsl, urlparse
+
+import torch
+from torch import nn
+
+TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def is_tiny(path: str) -> bool:
+    return path.startswith("tiny://")
+
+
+def attn_implementation(device: torch.device) -> str:
+    """flash_attention_2 on a GPU where flash-attn is installed, else sdpa."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def model_config(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
+    """The transformers config for ``path`` with ``override`` applied."""
+    from transformers import AutoConfig, Qwen2Config
+    if is_tiny(path):
+        url = urlparse(path)
+        if url.netloc != "qwen2":
+            raise ValueError(f"unknown tiny model '{path}'; only tiny://qwen2 is built in")
+        fields = dict(TINY_QWEN2)
+        fields.update({k: _parse_value(v) for k, v in parse_qsl(url.query)})
+        config = Qwen2Config(**fields)
+    else:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    for k, v in (override or {}).items():
+        setattr(config, k, v)
+    return config
+
+
+def build_causal_lm(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                    override: Optional[dict] = None, seed: int = 0, trust_remote_code: bool = False,
+                    attn: str = "sdpa") -> nn.Module:
+    """Actor / reference model in ``dtype`` on ``device`` ("meta" builds the structure only)."""
+    from transformers import AutoModelForCausalLM
+    config = model_config(path, override, trust_remote_code)
+    config._attn_implementation = attn
+    if is_tiny(path) or str(device) == "meta":
+        with torch.device(device):
+            torch.manual_seed(seed)  # same random weights on every rank
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
+    model.config.use_cache = False
+    return model
+
+
+class CriticModel(nn.Module):
+    """A causal LM's backbone with a scalar value head: (B, L) tokens -> (B, L) values."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    # the parts of the transformers model interface that parallelize() uses
+    @property
+    def _no_split_modules(self):
+        return self.model._no_split_modules
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+    def init_value_head(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            w = torch.randn(self.value_head.weight.shape, generator=g) / math.sqrt(self.value_head.in_features + 1)
+            self.value_head.weight.copy_(w.to(self.value_head.weight.dtype))
+            self.value_head.bias.zero_()
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, **kwargs).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 override: Optional[dict] = None, seed: int = 0, trust_remote_code: bool = False,
+                 attn: str = "sdpa", init_from: Optional[nn.Module] = None) -> CriticModel:
+    """Value model: the backbone of ``path`` (or a copy of ``init_from``'s backbone, e.g. the
+    freshly built tiny actor) and a new value head."""
+    from transformers import AutoModel
+    config = model_config(path, override, trust_remote_code)
+    config._attn_implementation = attn
+    if is_tiny(path) or str(device) == "meta":
+        with torch.device(device):
+            torch.manual_seed(seed)
+            backbone = AutoModel.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if init_from is not None:
+        backbone.load_state_dict(init_from.model.state_dict())
+    with torch.device(device):
+        critic = CriticModel(backbone, config.hidden_size).to(dtype)
+    if str(device) != "meta":
+        critic.init_value_head(seed)
+    return critic
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]

@@ -1,0 +1,68 @@
+"""AdamW, the learning-rate schedule (warm-up, then constant or cosine), optimizer-state offload."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from rlhf_hpc.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                             weight_decay=optim.weight_decay)
+
+
+def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """LR factor at scheduler step ``step`` (0-based): linear warm-up, then constant or cosine
+    decay to ``min_lr_ratio`` over the remaining steps (``num_cycles`` = 0.5: one half-wave)."""
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if optim.warmup_style == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    coef = 0.5 * (1.0 + math.cos(math.pi * optim.num_cycles * 2.0 * min(progress, 1.0)))
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * coef
+
+
+def build_lr_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, optim, total_steps))
+
+
+@contextlib.contextmanager
+def optimizer_state_on(opt: torch.optim.Optimizer, device: torch.device, enabled: bool):
+    """With ``enabled`` (``optimizer_offload`` on a GPU), Adam's moments live on the host and are
+    brought to ``device`` for the duration of an update only."""
+    if enabled:
+        move_optimizer_state(opt, device)
+    try:
+        yield
+    finally:
+        if enabled:
+            move_optimizer_state(opt, "cpu")
+
+
+def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move Adam's moments between host and accelerator (optimizer offload between updates)."""
+    for state in opt.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and k != "step":
+                state[k] = v.to(device, non_blocking=True)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip gradients to ``max_norm`` (total L2 norm over all shards) and return the norm before
+    clipping. Works for plain tensors and FSDP2's DTensor shards alike."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if torch.isfinite(total) and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total.item()

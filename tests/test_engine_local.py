@@ -1,0 +1,161 @@
+"""Engine pieces in one process: packing, token-budget micro-batches, LR schedule, models."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_hpc.actor import Actor, per_token_logprobs
+from rlhf_hpc.batching import (make_padded_batch, micro_batch_groups, pack, restore_order, select_rows,
+                               token_budget_micro_batches)
+from rlhf_hpc.config import ActorConfig, OptimConfig
+from rlhf_hpc.critic import per_token_values
+from rlhf_hpc.models import build_causal_lm, build_critic, model_config
+from rlhf_hpc.optim import build_optimizer, lr_multiplier
+
+
+def skewed_batch(n=6, P=9, R=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 256, (int(k),), generator=g).tolist() for k in torch.randint(1, P + 1, (n,), generator=g)]
+    resps = [torch.randint(1, 256, (int(k),), generator=g).tolist() for k in torch.randint(1, R + 1, (n,), generator=g)]
+    b = make_padded_batch(prompts, resps, 0, P, R)
+    b["advantages"] = torch.randn(n, R, generator=g) * b["response_mask"]
+    return b
+
+
+def grads_of(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def test_padded_layout():
+    b = make_padded_batch([[5, 6], [7]], [[8], [9, 10, 11]], 0, 3, 3)
+    assert b["input_ids"].tolist() == [[0, 5, 6, 8, 0, 0], [0, 0, 7, 9, 10, 11]]
+    assert b["position_ids"].tolist() == [[0, 0, 1, 2, 2, 2], [0, 0, 0, 1, 2, 3]]
+    assert b["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    with pytest.raises(ValueError, match="row 0: prompt 4 / response 1 tokens exceed 3 / 3"):
+        make_padded_batch([[1, 2, 3, 4]], [[1]], 0, 3, 3)
+
+
+def test_pack_restarts_positions_and_points_at_the_predicting_logits():
+    b = make_padded_batch([[5, 6], [7]], [[8], [9, 10]], 0, 3, 2)
+    p = pack(b)
+    assert p.input_ids.tolist() == [[5, 6, 8, 7, 9, 10]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert p.gather_index.tolist() == [[1, 0], [3, 4]]  # token 8 is predicted at packed position 1
+
+
+def test_packed_equals_padded_logprobs_entropy_values_and_gradients():
+    b = skewed_batch()
+    actor = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
+    lp_pack, ent_pack = per_token_logprobs(actor, b, 0.7, remove_padding=True, with_entropy=True)
+    (lp_pack.sum() + ent_pack.sum()).backward()
+    g_pack = grads_of(actor)
+    actor.zero_grad()
+    lp_pad, ent_pad = per_token_logprobs(actor, b, 0.7, remove_padding=False, with_entropy=True)
+    (lp_pad.sum() + ent_pad.sum()).backward()
+    torch.testing.assert_close(lp_pack, lp_pad, atol=2e-6, rtol=0)
+    torch.testing.assert_close(ent_pack, ent_pad, atol=2e-6, rtol=0)
+    torch.testing.assert_close(g_pack, grads_of(actor), atol=2e-5, rtol=1e-4)
+    critic = build_critic("tiny://qwen2", torch.float32, seed=1, init_from=actor)
+    torch.testing.assert_close(per_token_values(critic, b, True), per_token_values(critic, b, False),
+                               atol=2e-6, rtol=0)
+
+
+def test_token_budget_groups_respect_the_budget_and_balance():
+    lens = [30, 3, 17, 9, 9, 25, 2, 11, 40, 5]
+    groups = token_budget_micro_batches(lens, 50)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    loads = [sum(lens[i] for i in g) for g in groups]
+    assert max(loads) <= 50
+    assert len(groups) == math.ceil(sum(lens) / 50)  # as few as the total allows here
+    assert max(loads) - min(loads) <= max(lens)
+    assert token_budget_micro_batches([70, 10], 50) == [[0], [1]]  # a row over budget stands alone
+    out = restore_order([torch.tensor([float(i) for i in g]) for g in groups], groups)
+    assert out.tolist() == [float(i) for i in range(len(lens))]
+
+
+def test_groups_are_padded_to_the_count_other_ranks_need():
+    b = skewed_batch(n=4)
+    groups = micro_batch_groups(b, 2, True, 10_000, sync_max=lambda k: 6)
+    assert len(groups) == 6 and sorted(i for g in groups for i in g) == [0, 1, 2, 3]
+    assert sum(1 for g in groups if not g) == 2  # run as zero-weight dummies
+
+
+def test_dynamic_micro_batches_give_the_same_update_as_fixed_ones():
+    b = skewed_batch(n=8)
+    results = []
+    for dyn in (False, True):
+        model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
+        cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=dyn, ppo_max_token_len_per_gpu=24,
+                          clip_ratio_low=0.2, clip_ratio_high=0.2)
+        actor = Actor(model, cfg, remove_padding=True, optimizer=build_optimizer(model, cfg.optim))
+        lp, _ = actor.compute_log_prob(b, 2, dyn, 24)
+        batch = dict(b, old_log_probs=lp - 0.1 * b["response_mask"])
+        metrics = actor.update_policy(batch, mini_batch_rows=8)
+        results.append((lp, grads_of(model), metrics))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-5)
+    assert results[0][2]["actor/pg_loss"] == pytest.approx(results[1][2]["actor/pg_loss"], abs=1e-6)
+
+
+def test_lr_schedule():
+    const = OptimConfig(lr_warmup_steps=4)
+    assert [lr_multiplier(s, const, 10) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = OptimConfig(lr_warmup_steps_ratio=0.2, warmup_style="cosine", min_lr_ratio=0.1)
+    assert lr_multiplier(0, cos, 10) == 0.5  # warm-up of 2 steps
+    assert lr_multiplier(2, cos, 10) == pytest.approx(1.0)
+    assert lr_multiplier(6, cos, 10) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
+    assert lr_multiplier(10, cos, 10) == pytest.approx(0.1)
+
+
+def test_tiny_model_config_from_the_path():
+    c = model_config("tiny://qwen2?hidden_size=32&num_hidden_layers=3", override={"rms_norm_eps": 1e-5})
+    assert (c.hidden_size, c.num_hidden_layers, c.rms_norm_eps, c.vocab_size) == (32, 3, 1e-5, 256)
+    with pytest.raises(ValueError, match="unknown tiny model 'tiny://llama'"):
+        model_config("tiny://llama")
+
+
+def test_same_seed_same_weights_on_every_rank():
+    a = build_causal_lm("tiny://qwen2", torch.float32, seed=7).state_dict()
+    b = build_causal_lm("tiny://qwen2", torch.float32, seed=7).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    critic = build_critic("tiny://qwen2", torch.float32, seed=7, init_from=build_causal_lm("tiny://qwen2", torch.float32, seed=7))
+    assert torch.equal(critic.model.embed_tokens.weight, a["model.embed_tokens.weight"])
+
+
+@pytest.fixture
+def world_of_one():
+    import socket
+
+    import torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_build_engine_from_a_recipe(world_of_one):
+    from torch.distributed.tensor import DTensor
+
+    from rlhf_hpc.dist import DistContext
+    from rlhf_hpc.engine import build_engine
+    from rlhf_hpc.recipe import load_config
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    cfg, _ = load_config("tiny_klppo", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.use_kl_loss=true",
+                                        "actor_rollout_ref.actor.optim.lr_warmup_steps=2"])
+    eng = build_engine(cfg, ctx, total_steps=10)
+    assert isinstance(next(eng.actor.model.parameters()), DTensor)
+    assert eng.ref is not None and not any(p.requires_grad for p in eng.ref.model.parameters())
+    assert eng.critic is not None and set(eng.checkpoint_components()) == {"actor", "critic"}
+    assert eng.actor.optimizer.param_groups[0]["lr"] == pytest.approx(3e-4 * 0.5)  # warm-up step 0 of 2
+    # the critic starts from the actor's backbone
+    a = eng.actor.model.model.embed_tokens.weight.full_tensor()
+    c = eng.critic.model.model.embed_tokens.weight.full_tensor()
+    assert torch.equal(a, c)
+    cfg2, _ = load_config("tiny_klppo", ["trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo",
+                                         "algorithm.use_kl_in_reward=false"])
+    eng2 = build_engine(cfg2, ctx, total_steps=10)
+    assert eng2.critic is None and eng2.ref is None
