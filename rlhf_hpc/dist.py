@@ -93,3 +93,19 @@ def all_reduce_max_int(value: int, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def build_rollout_tp_group(tp: int, ranks_per_node: int):
+    """The process group of this rank's rollout tensor-parallel group: ``tp`` consecutive ranks
+    inside one node (vLLM's external launcher groups ranks the same way). None when tp == 1."""
+    if tp == 1 or not dist.is_initialized():
+        return None
+    if ranks_per_node % tp:
+        raise ValueError(f"rollout tensor_model_parallel_size {tp} does not divide {ranks_per_node} ranks per node")
+    mine = None
+    for start in range(0, dist.get_world_size(), tp):
+        ranks = list(range(start, start + tp))
+        group = dist.new_group(ranks, backend="gloo")  # carries Python objects (prompt lists)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine

@@ -14,7 +14,8 @@ from urllib.parse import parse_qsl, urlparse
 import torch
 from torch import nn
 
-TINY_QWEN2 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+# head_dim 32: vLLM's CPU attention kernels do not support head_dim 16
+TINY_QWEN2 = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
 

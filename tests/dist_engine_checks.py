@@ -114,7 +114,7 @@ def run_actor_equivalence(name: str, fsdp_size: int, results: dict, rank: int, w
         sharded_lp = torch.cat(lp_all)[order]
         results[name] = {
             "logprob_max_diff": (sharded_lp - ref_lp).abs().max().item(),
-            "metric_max_diff": {k: max(abs(s[k] - r[k]) for s, r in zip(sharded_metrics, ref_metrics))
+            "metric_max_diff": {k: max(abs(s[k] - r[k]) / max(1.0, abs(r[k])) for s, r in zip(sharded_metrics, ref_metrics))
                                 for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm",
                                           "actor/ppo_kl", "actor/pg_clipfrac")},
             "pg_clipfrac_max": max(m["actor/pg_clipfrac"] for m in sharded_metrics),
@@ -151,7 +151,7 @@ def run_critic_equivalence(results: dict, rank: int, world: int) -> Critic:
         ref_metrics = [ref.update_critic(ref_batch, PER_RANK_MINI * world) for _ in range(3)]
         results["critic_2x2"] = {
             "value_max_diff": (torch.cat(v_all)[order] - ref_values).abs().max().item(),
-            "metric_max_diff": {k: max(abs(s[k] - r[k]) for s, r in zip(metrics, ref_metrics))
+            "metric_max_diff": {k: max(abs(s[k] - r[k]) / max(1.0, abs(r[k])) for s, r in zip(metrics, ref_metrics))
                                 for k in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
                                           "critic/vpred_mean")},
             "vf_clipfrac_max": max(m["critic/vf_clipfrac"] for m in metrics),

@@ -1,0 +1,143 @@
+"""Training layout -> rollout engine: a streaming, bucketed, in-place weight reshard.
+
+The FSDP2 actor holds a dim-0 shard of every parameter. ``stream_full_params`` yields each
+parameter as a full tensor, in the rollout dtype, one bucket at a time: while the consumer (the
+engine copying tensors into its own weights) works on bucket k, the all-gathers of bucket k+1 are
+already in flight (async collectives), so communication overlaps the copy. At most two buckets of
+gathered tensors exist at once, so the extra memory per rank stays near two buckets plus the
+largest tensor, never a second copy of the model.
+
+``sync_weights_to_rollout`` runs that stream into an engine's ``update_weights`` and reports time
+and the engine's expectation checks.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+# wrappers that change parameter names but not the model (activation checkpointing, compile)
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def hf_name(name: str) -> str:
+    """Training-model parameter name -> Hugging Face checkpoint name (what engines load)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _shard_info(p: torch.Tensor):
+    """(local tensor, process group of the sharded mesh dim or None, full dim-0 size)."""
+    if not isinstance(p, DTensor):
+        return p, None, p.shape[0] if p.dim() else None
+    dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    if not dims:
+        return p.to_local(), None, p.shape[0]
+    if len(dims) > 1 or p.placements[dims[0]].dim != 0:
+        raise ValueError(f"only dim-0 sharding is supported, got {p.placements}")
+    return p.to_local(), p.device_mesh.get_group(dims[0]), p.shape[0]
+
+
+def _buckets(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, bucket_bytes: int):
+    """Consecutive parameters grouped so that each bucket's full tensors fit ``bucket_bytes``;
+    a tensor larger than a bucket forms a bucket of its own."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bucket, size = [], 0
+    for name, p in params:
+        nbytes = p.numel() * itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _launch(bucket, dtype: torch.dtype, piece_bytes: int):
+    """Start the all-gathers of one bucket; returns handles to finish later.
+
+    Each full tensor is gathered straight into its final buffer, in row pieces of at most
+    ``piece_bytes``: a collective backend that stages its output (gloo does) then needs only one
+    piece of scratch memory, not a second copy of the whole tensor.
+    """
+    pending = []
+    for name, p in bucket:
+        local, group, dim0 = _shard_info(p)
+        local = local.detach().to(dtype)  # cast before the gather: half the traffic for bf16
+        if group is None:
+            pending.append((name, p.shape, [], [local], dim0))
+            continue
+        n = dist.get_world_size(group)
+        chunk = -(-dim0 // n)  # FSDP2 shards dim 0 like torch.chunk: ceil-sized, last ones short
+        if local.shape[0] < chunk:  # all_gather needs equal sizes: pad, trim after
+            pad = local.new_zeros((chunk - local.shape[0], *local.shape[1:]))
+            local = torch.cat([local, pad])
+        full = local.new_empty((n * chunk, *local.shape[1:]))
+        row_bytes = max(1, local[0].numel() * local.element_size()) if chunk else 1
+        rows = max(1, piece_bytes // (n * row_bytes))
+        works = []
+        for a in range(0, chunk, rows):
+            b = min(a + rows, chunk)
+            outs = [full[r * chunk + a:r * chunk + b] for r in range(n)]
+            works.append(dist.all_gather(outs, local[a:b].contiguous(), group=group, async_op=True))
+        pending.append((name, p.shape, works, [full], dim0))
+    return pending
+
+
+def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
+                       name_map: Callable[[str], str] = hf_name) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective generator (every rank iterates it fully, in step): ``(name, full tensor)`` for
+    each parameter of ``model``, cast to ``dtype``, gathered ``bucket_mb`` MiB at a time with the
+    next bucket's all-gathers in flight while this one is consumed."""
+    params = list(model.named_parameters())
+    bucket_bytes = int(bucket_mb * 2**20)
+    buckets = list(_buckets(params, dtype, bucket_bytes))
+    if not buckets:
+        return
+    pending = _launch(buckets[0], dtype, bucket_bytes)
+    for k in range(len(buckets)):
+        current = pending
+        pending = _launch(buckets[k + 1], dtype, bucket_bytes) if k + 1 < len(buckets) else []
+        for name, shape, works, outs, dim0 in current:
+            for work in works:
+                work.wait()
+            full = outs.pop()[:dim0].reshape(shape)  # the bucket list no longer holds it
+            yield name_map(name), full
+            del full
+
+
+def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket_mb: float,
+                            name_map: Callable[[str], str] = hf_name) -> dict[str, float]:
+    """Stream the actor's weights into ``engine`` in place. Returns ``timing_s/update_weights``."""
+    t0 = time.perf_counter()
+    engine.update_weights(stream_full_params(model, dtype, bucket_mb, name_map))
+    if dist.is_initialized():
+        dist.barrier()
+    return {"timing_s/update_weights": time.perf_counter() - t0}
+
+
+def peak_rss_bytes() -> Optional[int]:
+    """This process's peak resident memory since the last ``reset_peak_rss`` (Linux VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (writes 5 to /proc/self/clear_refs; Linux only)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

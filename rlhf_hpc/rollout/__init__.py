@@ -1,0 +1,1 @@
+"""Generation engines behind one interface (``base.RolloutEngine``): ``vllm`` and ``hf``."""

@@ -1,0 +1,92 @@
+"""The rollout interface: token ids in, sampled responses with per-token log-probs out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class Sampling:
+    """How to sample. ``temperature == 0`` or ``do_sample=False`` is greedy decoding."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_tokens: int = 512
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS
+    ignore_eos: bool = False
+    do_sample: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+@dataclass
+class Response:
+    """One sampled response. ``logprobs[i]`` is log p(token_ids[i]) after temperature/top-k/top-p
+    (what the sampler used); a stop/EOS token that ended the response is its last token."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens)
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
+        """For each prompt, ``sampling.n`` responses (in prompt order)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors (Hugging Face names), consuming the iterator lazily, one at a time."""
+
+    def weight_spec(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes the engine expects from ``update_weights``."""
+
+    def release(self) -> None:
+        """Free generation memory (KV cache) before the training phase."""
+
+    def resume(self) -> None:
+        """Re-allocate it before generating: weights first, then KV cache."""
+
+    def close(self) -> None:
+        """Shut down (last thing a rank does: vLLM's teardown ends the process group too)."""
+
+
+def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor,
+                     response_mask: torch.Tensor) -> dict[str, float]:
+    """Standing check of the weight sync: |engine - actor| log-probs of the same sampled tokens.
+    (B, R) each -> ``rollout/logprob_diff_max``, ``rollout/logprob_diff_mean``."""
+    mask = response_mask.bool()
+    diff = (engine_logprobs.float() - actor_logprobs.float()).abs()[mask]
+    if diff.numel() == 0:
+        return {"rollout/logprob_diff_max": 0.0, "rollout/logprob_diff_mean": 0.0}
+    return {"rollout/logprob_diff_max": diff.max().item(), "rollout/logprob_diff_mean": diff.mean().item()}
+
+
+def check_weight(name: str, tensor: torch.Tensor, spec: dict[str, tuple[int, ...]]) -> None:
+    """Loud failure for a name the engine does not know or a shape it does not expect."""
+    if name not in spec:
+        import difflib
+        close = difflib.get_close_matches(name, list(spec), n=1)
+        hint = f" (closest engine parameter: '{close[0]}')" if close else ""
+        raise ValueError(f"weight sync: the engine has no parameter '{name}'{hint}; check the name mapping")
+    if tuple(tensor.shape) != tuple(spec[name]):
+        raise ValueError(f"weight sync: parameter '{name}' has shape {tuple(tensor.shape)} but the engine "
+                         f"expects {tuple(spec[name])}")
+
+
+def make_engine(cfg, model_path: str, device: torch.device, tp_group=None) -> RolloutEngine:
+    """The engine ``actor_rollout_ref.rollout.name`` asks for."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "vllm":
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("actor_rollout_ref.rollout.name=vllm but vLLM is not installed here: install it "
+                               "(env/setup.sh) or set actor_rollout_ref.rollout.name=hf")
+        from rlhf_hpc.rollout.vllm_engine import VLLMEngine
+        return VLLMEngine(cfg, model_path, device, tp_group)
+    from rlhf_hpc.rollout.hf_engine import HFEngine
+    return HFEngine(cfg, model_path, device)

@@ -1,0 +1,98 @@
+"""The ``hf`` rollout engine: ``transformers`` generate behind the rollout interface.
+
+For machines without vLLM and for debugging. It keeps its own inference copy of the model in the
+rollout dtype (as vLLM does); that copy starts with random weights and must receive the actor's
+weights through ``update_weights`` before the first ``generate``.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from rlhf_hpc.models import build_causal_lm, torch_dtype
+from rlhf_hpc.rollout.base import Response, Sampling, check_weight
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, cfg, model_path: str, device: torch.device, seed: int = 0):
+        mcfg, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
+        self.device = device
+        self.model = build_causal_lm(model_path, torch_dtype(rollout.dtype), "cpu", mcfg.override_config,
+                                     seed=cfg.trainer.seed, trust_remote_code=mcfg.trust_remote_code).to(device)
+        self.model.eval().requires_grad_(False)
+        self._params = dict(self.model.named_parameters())
+        self._spec = {k: tuple(v.shape) for k, v in self._params.items()}
+        self.synced = False
+        self.seed = seed
+        self._calls = 0
+
+    def weight_spec(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._spec)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loaded = set()
+        for name, tensor in named_tensors:
+            check_weight(name, tensor, self._spec)
+            self._params[name].copy_(tensor)
+            loaded.add(name)
+        missing = set(self._spec) - loaded
+        if missing:
+            raise ValueError(f"weight sync: {len(missing)} engine parameters received nothing, e.g. "
+                             f"'{sorted(missing)[0]}'")
+        self.synced = True
+
+    def release(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
+        if not self.synced:
+            raise RuntimeError("hf engine: generate() before the first update_weights(); its weights are random")
+        prompts = [p for p in prompt_token_ids for _ in range(sampling.n)]
+        width = max(len(p) for p in prompts)
+        pad = 0
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        stops = [] if sampling.ignore_eos else list(sampling.stop_token_ids)
+        kwargs = dict(max_new_tokens=sampling.max_tokens, eos_token_id=stops or None, pad_token_id=pad,
+                      output_scores=True, return_dict_in_generate=True, use_cache=True)
+        if sampling.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                          top_k=sampling.top_k if sampling.top_k > 0 else None)
+        self._calls += 1
+        # sampling draws from the global RNG: fork it, so generation neither disturbs nor depends on
+        # the trainer's stream, and one seed replays the same rollouts
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.seed * 1_000_003 + self._calls)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        new = out.sequences[:, width:].cpu()
+        # scores are the processed logits the sampler drew from (after temperature/top-k/top-p)
+        logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).cpu()
+        picked = logprobs.gather(-1, new[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+        results = []
+        for i in range(len(prompts)):
+            toks, lps = new[i].tolist(), picked[i].tolist()
+            end, reason = len(toks), "length"
+            for j, t in enumerate(toks):
+                if t in stops:
+                    end, reason = j + 1, "stop"
+                    break
+            results.append(Response(token_ids=toks[:end], logprobs=lps[:end], finish_reason=reason))
+        return [results[i * sampling.n:(i + 1) * sampling.n] for i in range(len(prompt_token_ids))]

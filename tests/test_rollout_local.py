@@ -1,0 +1,60 @@
+"""Rollout pieces in one process: buckets, names, engine choice, the mismatch metric."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from rlhf_hpc.recipe import load_config
+from rlhf_hpc.reshard import _buckets, hf_name, stream_full_params
+from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
+
+
+def test_buckets_respect_the_size_and_give_a_big_tensor_its_own():
+    params = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("big", torch.zeros(100)), ("c", torch.zeros(5))]
+    groups = [[n for n, _ in b] for b in _buckets(params, torch.float32, bucket_bytes=80)]
+    assert groups == [["a", "b"], ["big"], ["c"]]
+    groups = [[n for n, _ in b] for b in _buckets(params, torch.bfloat16, bucket_bytes=10_000)]
+    assert groups == [["a", "b", "big", "c"]]
+
+
+def test_plain_module_streams_its_own_tensors_cast():
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    out = dict(stream_full_params(m, torch.bfloat16, bucket_mb=1e-5))
+    assert list(out) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert torch.equal(out["0.weight"], m[0].weight.detach().to(torch.bfloat16))
+
+
+def test_wrapper_prefixes_are_removed():
+    assert hf_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert hf_name("_orig_mod.lm_head.weight") == "lm_head.weight"
+
+
+def test_logprob_mismatch_only_counts_valid_tokens():
+    e = torch.tensor([[-1.0, -2.0, 5.0]])
+    a = torch.tensor([[-1.5, -2.0, 0.0]])
+    m = torch.tensor([[1, 1, 0]])
+    assert logprob_mismatch(e, a, m) == {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.25}
+
+
+def test_greedy_sampling():
+    assert Sampling(temperature=0.0).greedy and Sampling(do_sample=False).greedy and not Sampling().greedy
+
+
+def test_asking_for_vllm_without_it_names_the_key_and_the_alternative(monkeypatch):
+    cfg, _ = load_config("tiny_klppo")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(RuntimeError, match=r"actor_rollout_ref.rollout.name=vllm but vLLM is not installed here: "
+                                           r"install it \(env/setup.sh\) or set actor_rollout_ref.rollout.name=hf"):
+        make_engine(cfg, "tiny://qwen2", torch.device("cpu"))
+
+
+def test_hf_engine_refuses_to_generate_with_random_weights():
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=hf"])
+    engine = make_engine(cfg, "tiny://qwen2", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="before the first update_weights"):
+        engine.generate([[1, 2]], Sampling(max_tokens=2))
+    with pytest.raises(ValueError, match="received nothing, e.g. 'lm_head.weight'"):
+        engine.update_weights(iter([("model.embed_tokens.weight", torch.zeros(256, 128))]))
