@@ -126,7 +126,7 @@ class ValKwargs:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm", "hf"] = "vllm"
+    name: Literal["vllm", "hf", "auto"] = "vllm"  # auto: vllm where installed, else hf
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -265,6 +265,8 @@ class TrainerConfig:
     seed: int = 42
     # process-group timeout; long enough for the slowest rank's checkpoint write
     dist_timeout_s: int = 1800
+    # peak dense bf16 TFLOP/s of one device for perf/mfu/actor; null: a table by GPU name
+    peak_tflops: Optional[float] = None
 
 
 @dataclass

@@ -87,6 +87,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    """MIN over all ranks (host tensors make a round trip through the device under NCCL)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t.clone()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    out = t.to(device, copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.MIN)
+    return out.to(t.device)
+
+
 def all_reduce_max_int(value: int, device: torch.device) -> int:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value

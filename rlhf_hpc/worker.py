@@ -9,9 +9,6 @@ import torch.distributed as dist
 from rlhf_hpc.dist import init_distributed
 from rlhf_hpc.recipe import ConfigError, load_resolved
 
-# Exit code of a worker whose process group came up but which has no training loop to run yet.
-EXIT_NO_TRAINER = 3
-
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
@@ -32,16 +29,10 @@ def main(argv: list[str]) -> int:
     if ctx.is_main:
         print(f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
               f"device {ctx.device.type}", flush=True)
-    try:
-        from rlhf_hpc.trainer import fit  # noqa: F401  (arrives with the training-loop issue)
-    except ImportError:
-        if ctx.is_main:
-            print("[rlhf-hpc] the training loop is not part of this version yet; stopping after the "
-                  "process-group check", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
-        return EXIT_NO_TRAINER
+    from rlhf_hpc.trainer import fit
     fit(cfg, ctx)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a vLLM engine's shutdown already ended the group
+        dist.destroy_process_group()
     return 0
 
 

@@ -178,7 +178,8 @@ def phase_train(out: Path) -> None:
     # ---- sharded checkpoint on the 2x2 mesh, then a save that dies half-way
     run = out / "run"
     if rank == 0:
-        write_resolved(load_config("tiny_klppo", [f"trainer.default_local_dir={run}"])[0], run)
+        write_resolved(load_config("tiny_klppo", [f"trainer.default_local_dir={run}",
+                                                  "actor_rollout_ref.model.path=tiny://qwen2"])[0], run)
     dist.barrier()
     components = {"actor": (actor.model, actor.optimizer), "critic": (critic.model, critic.optimizer)}
     ckpt.save_checkpoint(run, 3, components, extra={"global_step": 3, "kl_ctrl": {"value": 0.01}})

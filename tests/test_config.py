@@ -301,10 +301,10 @@ def test_resolved_config_round_trips_and_never_overwrites_an_earlier_one(tmp_pat
     path = write_resolved(cfg, tmp_path)
     assert load_resolved(path) == cfg
     assert write_resolved(cfg, tmp_path) == path and not (tmp_path / "config.prev-1.yaml").exists()
-    cfg2 = tiny("actor_rollout_ref.actor.optim.lr=1e-3")
+    cfg2 = tiny("actor_rollout_ref.actor.optim.lr=5e-4")
     write_resolved(cfg2, tmp_path)
     assert load_resolved(tmp_path / "config.prev-1.yaml") == cfg
-    assert load_resolved(path).actor_rollout_ref.actor.optim.lr == 1e-3
+    assert load_resolved(path).actor_rollout_ref.actor.optim.lr == 5e-4
 
 
 def test_flatten_gives_dotted_keys():

@@ -150,7 +150,8 @@ def test_build_engine_from_a_recipe(world_of_one):
     assert isinstance(next(eng.actor.model.parameters()), DTensor)
     assert eng.ref is not None and not any(p.requires_grad for p in eng.ref.model.parameters())
     assert eng.critic is not None and set(eng.checkpoint_components()) == {"actor", "critic"}
-    assert eng.actor.optimizer.param_groups[0]["lr"] == pytest.approx(3e-4 * 0.5)  # warm-up step 0 of 2
+    lr = cfg.actor_rollout_ref.actor.optim.lr
+    assert eng.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 0.5)  # warm-up step 0 of 2
     # the critic starts from the actor's backbone
     a = eng.actor.model.model.embed_tokens.weight.full_tensor()
     c = eng.critic.model.model.embed_tokens.weight.full_tensor()

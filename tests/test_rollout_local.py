@@ -42,13 +42,16 @@ def test_greedy_sampling():
     assert Sampling(temperature=0.0).greedy and Sampling(do_sample=False).greedy and not Sampling().greedy
 
 
-def test_asking_for_vllm_without_it_names_the_key_and_the_alternative(monkeypatch):
-    cfg, _ = load_config("tiny_klppo")
+def test_asking_for_vllm_without_it_names_the_key_and_the_alternative(monkeypatch, capsys):
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(RuntimeError, match=r"actor_rollout_ref.rollout.name=vllm but vLLM is not installed here: "
                                            r"install it \(env/setup.sh\) or set actor_rollout_ref.rollout.name=hf"):
         make_engine(cfg, "tiny://qwen2", torch.device("cpu"))
+    cfg.actor_rollout_ref.rollout.name = "auto"  # the demo recipe's choice: falls back to hf, and says so
+    assert make_engine(cfg, "tiny://qwen2", torch.device("cpu")).name == "hf"
+    assert "rollout.name=auto: using the hf engine" in capsys.readouterr().out
 
 
 def test_hf_engine_refuses_to_generate_with_random_weights():

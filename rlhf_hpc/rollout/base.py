@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Iterable, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -18,6 +19,8 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS
     ignore_eos: bool = False
     do_sample: bool = True
+    # fixes the draws of one generate() call (a resumed run replays the same rollouts); None: engine RNG
+    seed: Optional[int] = None
 
     @property
     def greedy(self) -> bool:
@@ -80,9 +83,14 @@ def check_weight(name: str, tensor: torch.Tensor, spec: dict[str, tuple[int, ...
 
 def make_engine(cfg, model_path: str, device: torch.device, tp_group=None) -> RolloutEngine:
     """The engine ``actor_rollout_ref.rollout.name`` asks for."""
+    import importlib.util
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name == "vllm":
-        import importlib.util
+    name = rollout.name
+    if name == "auto":
+        name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[rlhf-hpc] actor_rollout_ref.rollout.name=auto: using the {name} engine", flush=True)
+    if name == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("actor_rollout_ref.rollout.name=vllm but vLLM is not installed here: install it "
                                "(env/setup.sh) or set actor_rollout_ref.rollout.name=hf")

@@ -80,7 +80,7 @@ class HFEngine:
         # the trainer's stream, and one seed replays the same rollouts
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.seed * 1_000_003 + self._calls)
+            torch.manual_seed(sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         new = out.sequences[:, width:].cpu()
         # scores are the processed logits the sampler drew from (after temperature/top-k/top-p)

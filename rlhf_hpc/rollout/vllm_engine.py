@@ -85,6 +85,8 @@ class VLLMEngine:
                 log.info("vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
                          "stays allocated (VLLM_CPU_KVCACHE_SPACE GiB)")
         self.llm = LLM(**kwargs)
+        self.on_gpu = on_gpu
+        self.max_batched_tokens = kwargs["max_num_batched_tokens"]
 
     def weight_spec(self) -> dict[str, tuple[int, ...]]:
         return dict(self._spec)
@@ -133,13 +135,18 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         self._wake_kv_cache()
         prompts, mine = self._gather_tp(prompt_token_ids)
-        params = SamplingParams(
-            n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p,
-            top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
-            max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
-            ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        def params(i: int) -> SamplingParams:
+            return SamplingParams(
+                n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
+                top_p=1.0 if sampling.greedy else sampling.top_p,
+                top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
+                max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
+                ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False,
+                seed=None if sampling.seed is None else sampling.seed + i)
+        outs = []
+        for chunk in self._chunks(prompts, sampling.seed is not None, sampling.n):
+            outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chunk],
+                                      [params(i) for i in chunk], use_tqdm=False)
         results = []
         for out in outs[mine]:
             group = []
@@ -149,6 +156,22 @@ class VLLMEngine:
                                       finish_reason="stop" if c.finish_reason == "stop" else "length"))
             results.append(group)
         return results
+
+    def _chunks(self, prompts: list[list[int]], seeded: bool, n: int) -> list[list[int]]:
+        """Prompt indices per generate() call. On CPU, a seeded request whose prefill gets split
+        into chunks kills the engine ("CPU Generator does not use offset"), so seeded calls are
+        sized to prefill in one scheduler step: their prompt tokens fit max_num_batched_tokens."""
+        if not seeded or self.on_gpu:
+            return [list(range(len(prompts)))]
+        chunks, cur, used = [], [], 0
+        for i, p in enumerate(prompts):
+            need = len(p) * n
+            if cur and used + need > self.max_batched_tokens:
+                chunks.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += need
+        return chunks + ([cur] if cur else [])
 
     def _gather_tp(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
         """All prompts of this tensor-parallel group, and the slice that belongs to this rank."""

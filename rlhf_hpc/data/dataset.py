@@ -1,0 +1,137 @@
+"""Prompt datasets in the reference (verl) parquet format, tokenised once at start-up.
+
+A row: ``data_source`` (str), ``prompt`` (a list of chat messages ``{role, content}``),
+``ability`` (str, optional), ``reward_model`` (``{style, ground_truth}``), ``extra_info`` (dict,
+optional). Prompts go through the tokenizer's chat template with the generation prompt appended.
+Every problem is found before training starts and named by file, row index and column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from rlhf_hpc.config import DataConfig
+from rlhf_hpc.data.synthetic import synthetic_rows
+
+
+class DataError(ValueError):
+    """A bad data file or row; the message names the file, the row and the column."""
+
+
+@dataclass
+class Example:
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict = field(default_factory=dict)
+    index: int = 0
+
+
+def read_rows(path: str, split_seed: int = 0) -> list[dict]:
+    """Rows of a parquet file (or a ``synthetic://`` task) as dicts."""
+    if path.startswith("synthetic://"):
+        return synthetic_rows(path, split_seed)
+    import pyarrow.parquet as pq
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        return pq.read_table(p).to_pylist()
+    except Exception as e:  # pyarrow raises several types for a file that is not parquet
+        raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+
+
+def _check_row(row: dict, where: str, prompt_key: str) -> None:
+    def bad(column: str, what: str) -> DataError:
+        return DataError(f"{where}, column '{column}': {what}")
+    for col in ("data_source", prompt_key, "reward_model"):
+        if col not in row or row[col] is None:
+            raise bad(col, "missing")
+    if not isinstance(row["data_source"], str):
+        raise bad("data_source", f"expected a string, got {type(row['data_source']).__name__}")
+    msgs = row[prompt_key]
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+        raise bad(prompt_key, "expected a non-empty list of chat messages {role: str, content: str}, got "
+                              f"{str(msgs)[:80]!r}")
+    rm = row["reward_model"]
+    if not isinstance(rm, dict) or rm.get("ground_truth") is None:
+        raise bad("reward_model", f"expected a mapping with a non-null 'ground_truth', got {str(rm)[:80]!r}")
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise bad("extra_info", f"expected a mapping, got {type(extra).__name__}")
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_seed: int = 0) -> list[Example]:
+    """Read, check and tokenise every row; apply ``max_prompt_length`` with ``truncation``
+    (error | left | right) and ``filter_overlong_prompts``."""
+    files = [files] if isinstance(files, str) else list(files)
+    out: list[Example] = []
+    for path in files:
+        rows = read_rows(path, split_seed)
+        for i, row in enumerate(rows):
+            where = f"{path}, row {i}"
+            _check_row(row, where, data.prompt_key)
+            ids = chat_token_ids(tokenizer, row[data.prompt_key])
+            if len(ids) > data.max_prompt_length:
+                if data.filter_overlong_prompts:
+                    continue
+                if data.truncation == "error":
+                    raise DataError(f"{where}, column '{data.prompt_key}': the prompt is {len(ids)} tokens, more than "
+                                    f"data.max_prompt_length={data.max_prompt_length} (set data.truncation=left|right "
+                                    f"or data.filter_overlong_prompts=true)")
+                ids = ids[-data.max_prompt_length:] if data.truncation == "left" else ids[:data.max_prompt_length]
+            out.append(Example(prompt_ids=ids, data_source=row["data_source"],
+                               ground_truth=row["reward_model"]["ground_truth"],
+                               extra_info=dict(row.get("extra_info") or {}), index=len(out)))
+    if not out:
+        raise DataError(f"{', '.join(files)}: no usable rows (all filtered as longer than "
+                        f"data.max_prompt_length={data.max_prompt_length}?)")
+    return out
+
+
+class StatefulSampler:
+    """Batches of example indices: a new permutation per epoch (seeded), position saved in
+    checkpoints, so a resumed run continues mid-epoch with the prompts an uninterrupted run would
+    have used. The last incomplete batch of an epoch is dropped (every step has a full batch)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True):
+        if batch_size > n:
+            raise DataError(f"data.train_batch_size={batch_size} is larger than the dataset ({n} prompts)")
+        self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+        self.epoch, self.pos = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // self.batch_size
+
+    def _order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.n)
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def next_batch(self) -> list[int]:
+        if self.pos + self.batch_size > self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+        idx = self._order()[self.pos:self.pos + self.batch_size].tolist()
+        self.pos += self.batch_size
+        return idx
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n:
+            raise DataError(f"the checkpoint's sampler saw {state['n']} prompts, this dataset has {self.n}: "
+                            f"resuming on different training data would not continue the same run")
+        self.epoch, self.pos = state["epoch"], state["pos"]

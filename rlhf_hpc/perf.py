@@ -1,0 +1,89 @@
+"""Timers, model FLOPs and MFU, memory figures."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Optional
+
+import torch
+
+# Dense bf16 peak FLOP/s per device (no sparsity), by a substring of the device name.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A40": 150e12,
+              "A6000": 155e12, "V100": 125e12, "MI300X": 1307e12, "MI250": 362e12}
+# CPU has no meaningful table entry; a nominal 1e11 FLOP/s per rank keeps the metric defined there
+CPU_NOMINAL_FLOPS = 1e11
+
+
+def peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> float:
+    """Peak FLOP/s of one device: ``override_tflops`` (trainer.peak_tflops) or the table."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return CPU_NOMINAL_FLOPS
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS.items():
+        if key in name:
+            return flops
+    return 989e12  # unknown GPU: assume an H100-class part; set trainer.peak_tflops to be exact
+
+
+def flops_per_token(config, seq_len: float) -> float:
+    """Forward FLOPs per token of a decoder: 2 x (non-embedding matmul params) + attention scores.
+
+    Matmul parameters of one layer: q/o (h x h each), k/v (h x kv_dim each), MLP (3 x h x i); plus the
+    LM head (h x V). Attention: 4 x layers x h x seq_len (QK^T and AV) averaged over positions.
+    """
+    h, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_dim = h // heads * kv_heads
+    per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * inter
+    matmul = layers * per_layer + h * vocab
+    return 2 * matmul + 2 * layers * h * seq_len  # causal: half of 4 x h x L on average
+
+
+class Timer:
+    """``with timer("gen"):`` accumulates seconds under ``timing_s/gen``."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times[f"timing_s/{name}"] = self.times.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    out = {"perf/cpu_memory_used_gb": _rss_bytes() / 2**30}
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+    else:
+        out["perf/max_memory_allocated_gb"] = _peak_rss_bytes() / 2**30
+    return out
+
+
+def _rss_bytes() -> int:
+    return _status_field("VmRSS")
+
+
+def _peak_rss_bytes() -> int:
+    return _status_field("VmHWM")
+
+
+def _status_field(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

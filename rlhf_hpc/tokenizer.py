@@ -1,0 +1,47 @@
+"""Tokenizers: a Hugging Face tokenizer by path/name, or ``tiny://chars`` built in code.
+
+``tiny://chars`` is a character-level tokenizer (digits, lowercase letters, a little punctuation)
+with Qwen2's chat-format special tokens and a ChatML chat template: small enough for the tiny demo
+model (its vocabulary fits ``vocab_size=64``) and needing no files.
+"""
+from __future__ import annotations
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def build_tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"], padding_side="left")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """``tiny://chars`` or anything ``AutoTokenizer.from_pretrained`` takes (offline: from HF_HOME)."""
+    if path.startswith("tiny://"):
+        if path != "tiny://chars":
+            raise ValueError(f"unknown built-in tokenizer '{path}'; the built-in one is tiny://chars")
+        return build_tiny_tokenizer()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tokenizer_path(cfg) -> str:
+    """Which tokenizer a config uses: data.tokenizer, else the model's tokenizer_path, else the model
+    path (a tiny:// model uses tiny://chars)."""
+    m = cfg.actor_rollout_ref.model
+    path = cfg.data.tokenizer or m.tokenizer_path or m.path
+    return "tiny://chars" if path.startswith("tiny://") else path

@@ -1,0 +1,132 @@
+"""Where metrics go: ``metrics.jsonl`` in the run directory (always), one console line per step, and
+optionally TensorBoard and Weights & Biases (``trainer.logger``). Only rank 0 writes."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from rlhf_hpc.recipe import flatten, to_dict
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class Tracker:
+    def __init__(self, cfg, run_dir: str | Path, is_main: bool, total_steps: int,
+                 wandb_id: Optional[str] = None):
+        self.cfg, self.run_dir, self.is_main, self.total = cfg, Path(run_dir), is_main, total_steps
+        self.loggers = set(cfg.trainer.logger)
+        self._t_start, self._steps_timed = time.time(), 0
+        self.wandb_run = self.tb = None
+        self.wandb_id = wandb_id
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if "tensorboard" in self.loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("trainer.logger has tensorboard but the tensorboard package is not installed "
+                                   "(pip install tensorboard, or drop it from trainer.logger)") from None
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in self.loggers:
+            self._init_wandb()
+
+    def _init_wandb(self) -> None:
+        import wandb
+        id_file = self.run_dir / WANDB_ID_FILE
+        if self.wandb_id is None and id_file.is_file():
+            self.wandb_id = id_file.read_text().strip()
+        if self.wandb_id is None:
+            self.wandb_id = uuid.uuid4().hex[:12]
+        commit = git_commit()
+        self.wandb_run = wandb.init(
+            project=self.cfg.trainer.project_name, name=self.cfg.trainer.experiment_name, id=self.wandb_id,
+            resume="allow", dir=str(self.run_dir), config=flatten(to_dict(self.cfg)),
+            tags=[t for t in (self.cfg.trainer.experiment_name, commit and f"git-{commit}") if t])
+        id_file.write_text(self.wandb_id)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.is_main:
+            return
+        record = {"training/global_step": step, **{k: _num(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        if "console" in self.loggers:
+            print(self.progress_line(metrics, step), flush=True)
+
+    def progress_line(self, m: dict, step: int) -> str:
+        dt = m.get("timing_s/step", 0.0)
+        eta = dt * max(0, self.total - step)
+        parts = [f"step {step}/{self.total}"]
+        for key, label in (("critic/score/mean", "score"), ("actor/reward_kl_penalty", "kl"), ("actor/kl_loss", "kl_loss"),
+                           ("response_length/mean", "resp_len"), ("actor/pg_loss", "pg_loss"),
+                           ("critic/vf_loss", "vf_loss"), ("rollout/logprob_diff_max", "lp_diff")):
+            if key in m:
+                parts.append(f"{label} {m[key]:.4g}")
+        parts.append(f"{dt:.2f}s/step  ETA {_fmt_duration(eta)}")
+        return " | ".join(parts)
+
+    def log_line(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        self._jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _num(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf: keep them visible as strings
+    return v
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Records of ``metrics.jsonl``, one per step in step order; when a resumed run logged a step
+    again, the later record wins."""
+    by_step: dict[int, dict] = {}
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["training/global_step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+if os.environ.get("WANDB_SILENT") is None:
+    os.environ["WANDB_SILENT"] = "true"

@@ -1,0 +1,358 @@
+"""The KL-PPO training loop, SPMD on every rank.
+
+``fit`` is the algorithm written down: sync weights -> generate -> old/ref log-probs and values ->
+rewards -> KL -> advantages -> critic update -> actor update -> metrics -> validation ->
+checkpoint. Each rank holds ``train_batch_size / ranks`` prompts of a step and their ``rollout.n``
+responses each; everything global (normalisation, whitening, KL controller, metrics) goes through
+all-reduces, so every rank takes the same decisions.
+
+The step batch (one dict of tensors, rows = this rank's responses):
+
+    input_ids, attention_mask, position_ids   (B, P + R)  prompt left-padded, response right-padded
+    responses, response_mask                  (B, R)
+    engine_log_probs                          (B, R)  from the rollout engine (sampling dist.)
+    old_log_probs, ref_log_prob, values       (B, R)  actor / reference / critic before the update
+    token_scores, token_rewards               (B, R)  score on the last valid token; minus KL if in reward
+    advantages, returns                       (B, R)
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+import zlib
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf_hpc import algos, checkpoint as ckpt
+from rlhf_hpc.batching import make_padded_batch
+from rlhf_hpc.config import Config
+from rlhf_hpc.data.dataset import Example, StatefulSampler, load_examples
+from rlhf_hpc.dist import DistContext, all_reduce_min, all_reduce_sum, build_rollout_tp_group
+from rlhf_hpc.engine import Engine, build_engine
+from rlhf_hpc.models import model_config, torch_dtype
+from rlhf_hpc.perf import Timer, flops_per_token, memory_metrics, peak_flops
+from rlhf_hpc.reshard import sync_weights_to_rollout
+from rlhf_hpc.rewards import RewardFunction
+from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
+from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
+from rlhf_hpc.tracking import Tracker
+
+
+def fit(cfg: Config, ctx: DistContext) -> None:
+    """Train until ``trainer.total_training_steps`` (or ``total_epochs``) on every rank."""
+    tr, arr = cfg.trainer, cfg.actor_rollout_ref
+    run_dir = Path(tr.default_local_dir).expanduser()
+    torch.manual_seed(tr.seed)
+    tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code)
+    train = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed)
+    val = load_examples(cfg.data.val_files, tokenizer, cfg.data, split_seed=cfg.data.seed + 1) if cfg.data.val_files else []
+    sampler = StatefulSampler(len(train), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+    total_steps = tr.total_training_steps or sampler.batches_per_epoch * tr.total_epochs
+
+    engine = build_engine(cfg, ctx, total_steps)
+    tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
+    rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
+    kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
+    reward_fn = RewardFunction(cfg)
+
+    step, wandb_id = 0, None
+    resume_from = find_resume_checkpoint(cfg, run_dir)
+    if resume_from is not None:
+        extra = ckpt.load_checkpoint(resume_from, engine.checkpoint_components())
+        step, wandb_id = extra["global_step"], extra.get("wandb_run_id")
+        sampler.load_state_dict(extra["sampler"])
+        kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        engine.actor.scheduler.load_state_dict(extra["actor_scheduler"])
+        if engine.critic is not None:
+            engine.critic.scheduler.load_state_dict(extra["critic_scheduler"])
+    else:
+        torch.manual_seed(tr.seed + ctx.rank)  # vLLM re-seeds the global RNG when it starts
+    tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id)
+    if resume_from is not None:
+        tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
+
+    def save(at_step: int) -> None:
+        extra = {"global_step": at_step, "sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
+                 "actor_scheduler": engine.actor.scheduler.state_dict(), "wandb_run_id": tracker.wandb_id}
+        if engine.critic is not None:
+            extra["critic_scheduler"] = engine.critic.scheduler.state_dict()
+        ckpt.save_checkpoint(run_dir, at_step, engine.checkpoint_components(), extra, tr.max_ckpt_to_keep)
+
+    if tr.val_before_train and val and step == 0:
+        tracker.log(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn), step)
+
+    flops_tok = flops_per_token(model_config(arr.model.path, arr.model.override_config),
+                                cfg.data.max_prompt_length + cfg.data.max_response_length)
+    while step < total_steps:
+        step += 1
+        timer, metrics = Timer(), {}
+        with timer("step"):
+            # 1. weights: training layout -> engine (streamed, bucketed, in place)
+            with timer("update_weights"):
+                rollout.resume()
+                sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
+                                        arr.rollout.update_weights_bucket_mb)
+            # 2. rollout: this rank's prompts, n responses each
+            examples = rank_share(train, sampler.next_batch(), ctx)
+            with timer("gen"):
+                responses = rollout.generate([e.prompt_ids for e in examples],
+                                             sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, ctx.rank)))
+            rollout.release()
+            batch, rows = make_step_batch(cfg, tokenizer, examples, responses)
+            # 3. old log-probs (the PPO anchor), reference log-probs, values
+            with timer("old_log_prob"):
+                batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
+                    batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
+                    arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
+            metrics.update(global_logprob_mismatch(batch["engine_log_probs"], batch["old_log_probs"],
+                                                   batch["response_mask"]))
+            if engine.ref is not None:
+                with timer("ref"):
+                    batch["ref_log_prob"], _ = engine.ref.compute_log_prob(
+                        batch, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
+                        arr.ref.log_prob_max_token_len_per_gpu)
+            if engine.critic is not None:
+                with timer("values"):
+                    batch["values"] = engine.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
+            # 4. rewards: a score per response, on its last valid token
+            with timer("reward"):
+                scores = score_responses(reward_fn, tokenizer, rows, batch)
+                batch["token_scores"] = scores_on_last_token(scores, batch["response_mask"])
+            # 5. KL: in the reward (controller) and/or as a loss in the actor update
+            if cfg.algorithm.use_kl_in_reward:
+                batch["token_rewards"], kl_metrics = algos.apply_kl_to_rewards(
+                    batch["token_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
+                    kl_ctrl, cfg.algorithm.kl_penalty, all_reduce=all_reduce_sum)
+                metrics.update(kl_metrics)
+            else:
+                batch["token_rewards"] = batch["token_scores"]
+            # 6. advantages
+            with timer("adv"):
+                batch["advantages"], batch["returns"] = compute_advantages(cfg, batch, rows)
+            # 7. critic, then 8. actor (the actor waits for critic_warmup steps)
+            per_rank_mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * arr.rollout.n // ctx.world_size
+            if engine.critic is not None:
+                with timer("update_critic"):
+                    metrics.update(engine.critic.update_critic(
+                        batch, cfg.critic.ppo_mini_batch_size * arr.rollout.n // ctx.world_size, seed=step))
+            if step > tr.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(engine.actor.update_policy(batch, per_rank_mini, seed=step))
+                    metrics["actor/kl_coef"] = cfg.actor_rollout_ref.actor.kl_loss_coef
+        # 9. metrics (global over ranks)
+        metrics.update(data_metrics(batch, entropy, engine.critic is not None))
+        metrics.update(timer.times)
+        metrics.update(perf_metrics(cfg, ctx, batch, timer.times, flops_tok))
+        metrics["training/epoch"] = sampler.epoch
+        # 10. validation, 11. checkpoint
+        if val and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == total_steps):
+            t0 = time.perf_counter()
+            metrics.update(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn))
+            metrics["timing_s/testing"] = time.perf_counter() - t0
+        if tr.save_freq > 0 and (step % tr.save_freq == 0 or step == total_steps):
+            t0 = time.perf_counter()
+            save(step)
+            metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
+        tracker.log(metrics, step)
+    tracker.close()
+    rollout.close()
+
+
+# ----------------------------------------------------------------------------------- pieces
+def find_resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[Path]:
+    mode = cfg.trainer.resume_mode
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        return ckpt.latest_checkpoint(run_dir)
+    path = Path(mode).expanduser()
+    if not (path / ckpt.COMPLETE).is_file():
+        raise RuntimeError(f"trainer.resume_mode: {path} is not a complete checkpoint")
+    return path
+
+
+def rank_share(train: list[Example], indices: list[int], ctx: DistContext) -> list[Example]:
+    """This rank's contiguous slice of the step's prompts."""
+    per = len(indices) // ctx.world_size
+    return [train[i] for i in indices[ctx.rank * per:(ctx.rank + 1) * per]]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Sampling seed of a step on a rank: a resumed run draws exactly the same rollouts."""
+    return zlib.crc32(f"{seed}/{step}/{rank}".encode()) & 0x7FFFFFFF
+
+
+def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False) -> Sampling:
+    r = cfg.actor_rollout_ref.rollout
+    stops = sorted({t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None})
+    if validation:
+        v = r.val_kwargs
+        return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample,
+                        max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos,
+                        seed=seed)
+    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample,
+                    max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos, seed=seed)
+
+
+def make_step_batch(cfg: Config, tokenizer, examples: list[Example], responses) -> tuple[dict, list[dict]]:
+    """Responses -> the padded step batch, plus per-row metadata (example, uid)."""
+    P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
+    prompts, resps, lps, rows = [], [], [], []
+    for ex, group in zip(examples, responses):
+        for r in group:
+            prompts.append(ex.prompt_ids)
+            resps.append(r.token_ids[:R])
+            lps.append(r.logprobs[:R])
+            rows.append({"example": ex, "uid": ex.index, "finish_reason": r.finish_reason})
+    batch = make_padded_batch(prompts, resps, tokenizer.pad_token_id or 0, P, R)
+    engine_lp = torch.zeros(len(rows), R)
+    for i, lp in enumerate(lps):
+        engine_lp[i, :len(lp)] = torch.tensor(lp)
+    batch["engine_log_probs"] = engine_lp
+    batch["uid"] = torch.tensor([r["uid"] for r in rows])
+    return batch, rows
+
+
+def score_responses(reward_fn: RewardFunction, tokenizer, rows: list[dict], batch: dict) -> torch.Tensor:
+    scores = []
+    for i, row in enumerate(rows):
+        n = int(batch["response_mask"][i].sum())
+        text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
+        ex = row["example"]
+        scores.append(reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index))
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) scores -> (B, R) with each score on its row's last valid response token."""
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.sum(-1).long()
+    has = lengths > 0
+    token_scores[has.nonzero().squeeze(-1), (lengths[has] - 1)] = scores[has]
+    return token_scores
+
+
+def compute_advantages(cfg: Config, batch: dict, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    a, mask, rewards = cfg.algorithm, batch["response_mask"].float(), batch["token_rewards"]
+    if a.adv_estimator == "gae":
+        adv, ret = algos.gae_advantages(rewards, batch["values"], mask, a.gamma, a.lam)
+        # whitened over the global batch (the reference whitens inside its GAE)
+        return algos.masked_whiten(adv, mask, all_reduce=all_reduce_sum) * mask, ret
+    index = batch["uid"]
+    if a.adv_estimator == "grpo":
+        return algos.grpo_advantages(rewards, mask, index, norm_by_std=a.norm_adv_by_std_in_grpo)
+    if a.adv_estimator == "rloo":
+        return algos.rloo_advantages(rewards, mask, index)
+    if a.adv_estimator == "reinforce_plus_plus":
+        return algos.reinforce_pp_advantages(rewards, mask, a.gamma, all_reduce=all_reduce_sum)
+    return algos.reinforce_pp_baseline_advantages(rewards, mask, index, all_reduce=all_reduce_sum)
+
+
+def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``{name: 1-D tensor}`` -> name/mean, name/max, name/min over all ranks (three all-reduces)."""
+    names = sorted(values)
+    sums = torch.tensor([[values[n].double().sum().item(), float(values[n].numel())] for n in names], dtype=torch.float64)
+    maxs = torch.tensor([values[n].max().item() if values[n].numel() else -math.inf for n in names], dtype=torch.float64)
+    mins = torch.tensor([values[n].min().item() if values[n].numel() else math.inf for n in names], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sums = all_reduce_sum(sums)
+        maxs, mins = -all_reduce_min(-maxs), all_reduce_min(mins)
+    out = {}
+    for i, n in enumerate(names):
+        out[f"{n}/mean"] = (sums[i, 0] / max(sums[i, 1], 1.0)).item()
+        out[f"{n}/max"], out[f"{n}/min"] = maxs[i].item(), mins[i].item()
+    return out
+
+
+def data_metrics(batch: dict, entropy: torch.Tensor, use_critic: bool) -> dict[str, float]:
+    """The reference's per-step data metrics, global over ranks."""
+    mask = batch["response_mask"].bool()
+    resp_len = mask.sum(-1).float()
+    prompt_len = batch["attention_mask"].sum(-1).float() - resp_len
+    R, P = mask.shape[1], batch["attention_mask"].shape[1] - mask.shape[1]
+    values = {"critic/score": batch["token_scores"].sum(-1), "critic/rewards": batch["token_rewards"].sum(-1),
+              "critic/advantages": batch["advantages"][mask], "critic/returns": batch["returns"][mask],
+              "response_length": resp_len, "prompt_length": prompt_len,
+              "actor/rollout_entropy": entropy[mask]}
+    if use_critic:
+        values["critic/values"] = batch["values"][mask]
+    out = reduce_stats(values)
+    clipped = all_reduce_sum(torch.tensor([(resp_len >= R).sum().item(), (prompt_len >= P).sum().item(),
+                                           float(len(resp_len))], dtype=torch.float64))
+    out["response_length/clip_ratio"] = (clipped[0] / clipped[2]).item()
+    out["prompt_length/clip_ratio"] = (clipped[1] / clipped[2]).item()
+    if use_critic:
+        # explained variance of the returns by the values (1 = perfect value function)
+        ret, val = batch["returns"][mask].double(), batch["values"][mask].double()
+        s = all_reduce_sum(torch.stack([ret.sum(), (ret ** 2).sum(), (ret - val).sum(), ((ret - val) ** 2).sum(),
+                                        torch.tensor(float(ret.numel()), dtype=torch.float64)]))
+        n = max(s[4].item(), 1.0)
+        var_ret = s[1].item() / n - (s[0].item() / n) ** 2
+        var_err = s[3].item() / n - (s[2].item() / n) ** 2
+        out["critic/vf_explained_var"] = 1.0 - var_err / (var_ret + 1e-8)
+    # KL between the rollout policy and the reference, mean and variance over tokens
+    if "ref_log_prob" in batch:
+        kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], "kl")[mask].double()
+        s = all_reduce_sum(torch.stack([kl.sum(), (kl ** 2).sum(), torch.tensor(float(kl.numel()), dtype=torch.float64)]))
+        n = max(s[2].item(), 1.0)
+        out["actor/ref_kl_mean"] = s[0].item() / n
+        out["actor/ref_kl_var"] = s[1].item() / n - (s[0].item() / n) ** 2
+    return out
+
+
+def global_logprob_mismatch(engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    local = logprob_mismatch(engine_lp, actor_lp, mask)
+    n = float(mask.sum())
+    t = torch.tensor([local["rollout/logprob_diff_mean"] * n, n], dtype=torch.float64)
+    m = torch.tensor([local["rollout/logprob_diff_max"]], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = all_reduce_sum(t)
+        m = -all_reduce_min(-m)
+    return {"rollout/logprob_diff_max": m.item(), "rollout/logprob_diff_mean": (t[0] / max(t[1].item(), 1.0)).item()}
+
+
+def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, flops_tok: float) -> dict[str, float]:
+    tokens = all_reduce_sum(torch.tensor([float(batch["attention_mask"].sum())], dtype=torch.float64)).item()
+    step_s = times.get("timing_s/step", 0.0)
+    out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s,
+           "perf/throughput": tokens / max(step_s, 1e-9) / ctx.world_size}
+    update_s = times.get("timing_s/update_actor")
+    if update_s:
+        # forward + backward = 3 x forward, per epoch
+        flops = 3 * flops_tok * tokens * cfg.actor_rollout_ref.actor.ppo_epochs
+        out["perf/mfu/actor"] = flops / update_s / (peak_flops(ctx.device, cfg.trainer.peak_tflops) * ctx.world_size)
+    out.update(memory_metrics(ctx.device))
+    return out
+
+
+def validate(cfg: Config, ctx: DistContext, engine: Engine, rollout, val: list[Example], tokenizer,
+             reward_fn: RewardFunction) -> dict[str, float]:
+    """Greedy (``rollout.val_kwargs``) on the validation set, split over ranks: the mean score per
+    data source as ``val-core/<data_source>/reward/mean@<n>``."""
+    arr = cfg.actor_rollout_ref
+    n_val = len(val) if not cfg.data.val_batch_size else min(len(val), cfg.data.val_batch_size)
+    mine = val[ctx.rank:n_val:ctx.world_size]
+    rollout.resume()
+    sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb)
+    sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1, ctx.rank), validation=True)
+    outs = rollout.generate([e.prompt_ids for e in mine], sampling) if mine else []
+    rollout.release()
+    sources = sorted({e.data_source for e in val[:n_val]})
+    sums = torch.zeros(len(sources), 2, dtype=torch.float64)
+    for ex, group in zip(mine, outs):
+        for r in group:
+            text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            sums[sources.index(ex.data_source)] += torch.tensor(
+                [reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index), 1.0], dtype=torch.float64)
+    sums = all_reduce_sum(sums)
+    n = arr.rollout.val_kwargs.n
+    return {f"val-core/{s}/reward/mean@{n}": (sums[i, 0] / max(sums[i, 1].item(), 1.0)).item()
+            for i, s in enumerate(sources)}
+
+
+if os.environ.get("TOKENIZERS_PARALLELISM") is None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
