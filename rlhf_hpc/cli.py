@@ -1,6 +1,8 @@
 """What ``launch.py`` calls: parse ``recipe=NAME key=value ...``, validate, then dry-run or launch."""
 from __future__ import annotations
 
+import itertools
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -8,10 +10,11 @@ from typing import Optional
 
 from rlhf_hpc.config import Config
 from rlhf_hpc.recipe import (ConfigError, dump_yaml, get_key, list_recipes, load_config,
-                             to_dict, write_resolved)
+                             parse_override, to_dict, write_resolved)
 
 USAGE = """\
-usage: python launch.py recipe=NAME [key.path=value ...] [--dry-run]
+usage: python launch.py recipe=NAME [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
+       python launch.py status|logs|cancel RUN_DIR
        python launch.py export RUN_DIR/global_step_N --out DIR [--dtype bfloat16|float32]
        python launch.py --help
 
@@ -19,7 +22,9 @@ usage: python launch.py recipe=NAME [key.path=value ...] [--dry-run]
   key.path=value   override any config key; values are YAML: lr=1e-6, x=null, a.b=[1,2]
   cluster=auto|local|slurm
                    where to run (launcher.cluster): auto = Slurm when sbatch exists, else here
-  --dry-run        validate, print the resolved config and the exact command; run nothing
+  sweep.key=[a,b]  one run per value (several sweep keys: the grid); on Slurm one array job
+  --dry-run        validate, print the resolved config and the exact command (for Slurm: the
+                   sbatch script); run nothing
 """
 
 # The keys most runs touch, shown by --help with their defaults.
@@ -55,8 +60,8 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, bool]]:
-    recipe, overrides = None, []
+def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, list], dict[str, bool]]:
+    recipe, overrides, sweeps = None, [], {}
     flags = {"dry_run": False, "help": False}
     for arg in argv:
         if arg in ("-h", "--help", "help"):
@@ -70,33 +75,37 @@ def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, boo
         elif "=" not in arg:
             raise ConfigError(f"argument '{arg}' is not of the form key.path=value; "
                               f"see python launch.py --help")
+        elif arg.startswith("sweep."):
+            key, value = parse_override(arg[len("sweep."):])
+            if not isinstance(value, list) or not value:
+                raise ConfigError(f"{arg}: a sweep needs a non-empty list of values, e.g. sweep.{key}=[1,2]")
+            sweeps[key] = value
         else:
             overrides.append(arg)
-    return recipe, overrides, flags
+    return recipe, overrides, sweeps, flags
 
 
-def export(argv: list[str]) -> int:
-    """``export CKPT --out DIR``: a sharded checkpoint's actor as a Hugging Face model directory."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python launch.py export",
-                                     description="Write the actor of a checkpoint as a Hugging Face model.")
-    parser.add_argument("checkpoint", help="a global_step_N directory of a run")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    args = parser.parse_args(argv)
-    from rlhf_hpc.checkpoint import export_hf
-    try:
-        out = export_hf(args.checkpoint, args.out, dtype=args.dtype)
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    print(f"[rlhf-hpc] exported {args.checkpoint} -> {out}")
-    return 0
+def sweep_elements(overrides: list[str], sweeps: dict[str, list]) -> list[tuple[list[str], str]]:
+    """(overrides, name suffix) per element of the grid of sweep values."""
+    if not sweeps:
+        return [(overrides, "")]
+    keys = list(sweeps)
+    out = []
+    for values in itertools.product(*(sweeps[k] for k in keys)):
+        extra = [f"{k}={json.dumps(v)}" for k, v in zip(keys, values)]
+        suffix = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values))
+        out.append((overrides + extra, suffix))
+    return out
 
 
 def run(argv: list[str]) -> int:
     if argv and argv[0] == "export":
         return export(argv[1:])
-    recipe, overrides, flags = parse_args(argv)
+    if argv and argv[0] in ("status", "logs", "cancel"):
+        return jobs_command(argv[0], argv[1:])
+    if argv and argv[0] == "prepare":
+        return prepare_run(argv[1:])
+    recipe, overrides, sweeps, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())
         return 0
@@ -106,16 +115,27 @@ def run(argv: list[str]) -> int:
     dry = flags["dry_run"]
     # A dry run may be prepared away from the cluster, where the data and model paths don't exist:
     # missing files are reported but do not stop it. A real launch checks them first.
-    cfg, warnings = load_config(recipe, overrides, check_files=not dry)
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
-
+    elements = []
+    for element_overrides, suffix in sweep_elements(overrides, sweeps):
+        cfg, warnings = load_config(recipe, element_overrides, check_files=not dry)
+        if suffix:
+            cfg, _ = load_config(recipe, element_overrides + [
+                f"trainer.experiment_name={cfg.trainer.experiment_name}_{suffix}"], check_files=not dry)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        elements.append(cfg)
+    run_dirs = [Path(c.trainer.default_local_dir).expanduser() for c in elements]
+    if len(set(run_dirs)) < len(run_dirs):
+        raise ConfigError("sweep elements share one trainer.default_local_dir: put ${trainer.experiment_name} in it "
+                          "so each element gets its own run directory")
+    cfg = elements[0]
     if cfg.launcher.cluster == "slurm":
-        raise ConfigError("launcher.cluster=slurm: submitting through Slurm is not implemented in this "
-                          "version; run on one machine with cluster=local")
+        return launch_slurm(elements, run_dirs, dry)
+    if len(elements) > 1:
+        raise ConfigError("sweeps need cluster=slurm (one array job); locally, run the elements one by one")
 
     from rlhf_hpc.launch.local import run_local, torchrun_command
-    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+    run_dir = run_dirs[0]
     config_path = run_dir / "config.yaml"
     cmd = torchrun_command(cfg, config_path)
     if dry:
@@ -127,6 +147,58 @@ def run(argv: list[str]) -> int:
     write_resolved(cfg, run_dir)
     print(f"[rlhf-hpc] run directory: {run_dir}\n[rlhf-hpc] {shlex.join(cmd)}", flush=True)
     return run_local(cfg, config_path)
+
+
+def prepare_run(argv: list[str]) -> int:
+    """``prepare recipe=... [k=v]``: validate and write the run's config.yaml, print its path. What
+    slurm/klppo.sbatch runs first, so a plain sbatch job uses the same resolved config."""
+    recipe, overrides, sweeps, _ = parse_args(argv)
+    if not recipe or sweeps:
+        raise ConfigError("usage: python launch.py prepare recipe=NAME [key=value ...] (no sweeps)")
+    cfg, warnings = load_config(recipe, overrides + ["launcher.cluster=slurm"])
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(write_resolved(cfg, Path(cfg.trainer.default_local_dir).expanduser()).resolve())
+    return 0
+
+
+def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
+    from rlhf_hpc.launch import slurm
+    cfg = elements[0]
+    if dry:
+        for c, d in zip(elements, run_dirs):
+            print(f"# resolved config (written to {d / 'config.yaml'} at submission)")
+            print(dump_yaml(to_dict(c)))
+        print(f"# sbatch script (cluster=slurm{', array of %d' % len(elements) if len(elements) > 1 else ''})")
+        print(slurm.sbatch_text(cfg, run_dirs[0] / "slurm"))
+        return 0
+    if not slurm.have_slurm():
+        raise ConfigError("launcher.cluster=slurm but sbatch is not on PATH: run on a login node of the cluster, "
+                          "or cluster=local to run here")
+    slurm.check_cluster(cfg)
+    paths = [write_resolved(c, d) for c, d in zip(elements, run_dirs)]
+    ids = slurm.submit(list(zip(elements, paths)))
+    for job_id, d in zip(ids, run_dirs):
+        print(f"[rlhf-hpc] submitted job {job_id}: run directory {d}")
+    return 0
+
+
+def jobs_command(what: str, argv: list[str]) -> int:
+    from rlhf_hpc.launch import slurm
+    if len(argv) != 1:
+        raise ConfigError(f"usage: python launch.py {what} RUN_DIR")
+    records = slurm.run_jobs(Path(argv[0]))
+    for rec in records:
+        if what == "status":
+            print(f"{rec['job_id']}\t{slurm.job_state(rec['job_id'])}")
+        elif what == "cancel":
+            slurm.cancel(rec["job_id"])
+            print(f"[rlhf-hpc] cancelled {rec['job_id']}")
+        else:
+            for f in slurm.log_files(rec):
+                print(f"==> {f} <==")
+                print(f.read_text(errors="replace")[-20000:])
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

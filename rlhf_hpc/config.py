@@ -273,20 +273,27 @@ class TrainerConfig:
 class LauncherConfig:
     # auto: Slurm when `sbatch` is on PATH, else this machine
     cluster: Literal["auto", "local", "slurm"] = "auto"
+    # slurm/clusters/<name>.yaml: site specifics (partition, account, GPU syntax, modules, container)
     cluster_profile: Optional[str] = None
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
     constraint: Optional[str] = None
+    # how the site wants GPUs asked for: --gpus-per-node=N, --gres=gpu:N, or not at all (CPU nodes)
+    gpu_request: Literal["gpus-per-node", "gres", "none"] = "gpus-per-node"
     time_min: int = 240
     cpus_per_task: Optional[int] = None
     mem_gb: Optional[int] = None
     exclusive: bool = False
-    additional_sbatch: list[str] = field(default_factory=list)
-    setup: list[str] = field(default_factory=list)
+    additional_sbatch: list[str] = field(default_factory=list)  # extra "#SBATCH" lines, e.g. --mail-type=END
+    setup: list[str] = field(default_factory=list)  # shell lines before the job: module loads, venv
+    container: Optional[str] = None  # command prefix, e.g. "apptainer exec --nv /path/rlhf-hpc-gpu.sif"
+    # preemption / time limit: Slurm sends USR2 this long before the end (large models need minutes
+    # to save); independently, the loop saves and requeues when less than time_margin_s remain
     signal_lead_s: int = 120
+    time_margin_s: int = 300
     max_requeues: int = 3
-    max_restarts: int = 0
+    max_restarts: int = 0  # torchrun restarts of crashed workers
     array_parallelism: int = 16
 
 

@@ -97,6 +97,10 @@ def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    return -all_reduce_min(-t)
+
+
 def all_reduce_max_int(value: int, device: torch.device) -> int:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value

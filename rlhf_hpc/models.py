@@ -111,7 +111,8 @@ class CriticModel(nn.Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False, **kwargs).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        # a fresh tensor, not a view: FSDP2 hooks on a view can be dropped by in-place ops
+        return self.value_head(hidden).squeeze(-1).float().clone()
 
 
 def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",

@@ -595,9 +595,30 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- entry points
+def profiles_dir() -> Path:
+    return Path(os.environ.get("RLHF_HPC_CLUSTERS", Path(__file__).resolve().parent.parent / "slurm" / "clusters"))
+
+
+def apply_cluster_profile(tree: dict) -> dict:
+    """``launcher.cluster_profile=NAME``: slurm/clusters/NAME.yaml fills launcher keys the recipe
+    and the command line left unset (they win over the profile)."""
+    name = (tree.get("launcher") or {}).get("cluster_profile")
+    if not name:
+        return tree
+    path = profiles_dir() / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+        raise ConfigError(f"launcher.cluster_profile: no profile '{name}'{_did_you_mean(name, known)}; available: "
+                          f"{', '.join(known) or 'none'} (files in {profiles_dir()})")
+    profile = parse_yaml(path.read_text()) or {}
+    if not isinstance(profile, dict):
+        raise ConfigError(f"{path}: expected a mapping of launcher keys")
+    return deep_merge({"launcher": profile}, tree)
+
+
 def load_config(recipe: str, overrides: Iterable[str] = (), check_files: bool = True) -> tuple[Config, list[str]]:
     """Recipe name/path + overrides -> (resolved, validated Config, warnings)."""
-    tree = apply_overrides(load_recipe_tree(recipe), overrides)
+    tree = apply_cluster_profile(apply_overrides(load_recipe_tree(recipe), overrides))
     cfg = resolve(build(tree))
     warnings = validate(cfg, check_files=check_files)
     return cfg, warnings

@@ -31,7 +31,8 @@ from rlhf_hpc import algos, checkpoint as ckpt
 from rlhf_hpc.batching import make_padded_batch
 from rlhf_hpc.config import Config
 from rlhf_hpc.data.dataset import Example, StatefulSampler, load_examples
-from rlhf_hpc.dist import DistContext, all_reduce_min, all_reduce_sum, build_rollout_tp_group
+from rlhf_hpc.dist import DistContext, all_reduce_max, all_reduce_min, all_reduce_sum, build_rollout_tp_group
+from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.engine import Engine, build_engine
 from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.perf import Timer, flops_per_token, memory_metrics, peak_flops
@@ -74,6 +75,9 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id)
     if resume_from is not None:
         tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
+    stopper = StopCheck(run_dir, cfg.launcher.time_margin_s, all_reduce_max)
+    if ctx.is_main:
+        (run_dir / STOPPED).unlink(missing_ok=True)
 
     def save(at_step: int) -> None:
         extra = {"global_step": at_step, "sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
@@ -153,11 +157,20 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             t0 = time.perf_counter()
             metrics.update(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn))
             metrics["timing_s/testing"] = time.perf_counter() - t0
-        if tr.save_freq > 0 and (step % tr.save_freq == 0 or step == total_steps):
+        saved = tr.save_freq > 0 and (step % tr.save_freq == 0 or step == total_steps)
+        if saved:
             t0 = time.perf_counter()
             save(step)
             metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
         tracker.log(metrics, step)
+        # preemption signal, stop request or the end of the allocation: all ranks stop together
+        if step < total_steps and stopper.should_stop(metrics["timing_s/step"]):
+            if not saved:
+                save(step)
+            if ctx.is_main:
+                stopper.mark_stopped()
+            tracker.log_line(f"[rlhf-hpc] stopping after step {step}: {stopper.reason}; checkpoint saved")
+            break
     tracker.close()
     rollout.close()
 

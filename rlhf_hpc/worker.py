@@ -19,6 +19,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"rank config error: {e}", file=sys.stderr)
         return 2
+    from rlhf_hpc.launch.stop import install_signal_handler
+    install_signal_handler()  # Slurm's USR2: finish the step, save, stop
     ctx = init_distributed(cfg)
     # one collective proves every rank joined the same group on the chosen backend
     ranks = torch.tensor([float(ctx.rank)], device=ctx.device)

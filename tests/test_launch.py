@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,18 +62,27 @@ def test_real_launch_checks_files_first(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_slurm_stops_with_a_clear_message(tmp_path):
-    out = run_launch("recipe=tiny_klppo", "cluster=slurm", f"trainer.default_local_dir={tmp_path}/run")
+def test_slurm_without_sbatch_is_a_clear_error(tmp_path):
+    out = run_launch("recipe=tiny_klppo", "cluster=slurm", f"trainer.default_local_dir={tmp_path}/run",
+                     env={"PATH": str(tmp_path)})
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "launcher.cluster=slurm: submitting through Slurm is not implemented in this version" in out.stderr
+    assert "launcher.cluster=slurm but sbatch is not on PATH" in out.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_auto_cluster_picks_local_without_sbatch(tmp_path):
-    env = {"PATH": os.path.dirname(shutil.which("python") or "/usr/bin/python") + ":/usr/bin:/bin"}
-    require("a PATH without sbatch", not any(Path(p, "sbatch").exists() for p in env["PATH"].split(":")))
-    out = run_launch("recipe=tiny_klppo", "cluster=auto", "--dry-run", env=env)
+    out = run_launch("recipe=tiny_klppo", "cluster=auto", "--dry-run", env={"PATH": str(tmp_path)})  # no sbatch
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout.partition("# command")[0])["launcher"]["cluster"] == "local"
+
+
+def test_auto_cluster_picks_slurm_where_sbatch_exists(tmp_path):
+    fake = tmp_path / "sbatch"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    out = run_launch("recipe=tiny_klppo", "cluster=auto", "--dry-run", env={"PATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "# sbatch script (cluster=slurm)" in out.stdout
 
 
 @pytest.mark.slow

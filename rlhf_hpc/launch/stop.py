@@ -1,0 +1,77 @@
+"""Stopping a run cleanly at a step boundary: preemption signals, stop requests, time limits.
+
+Every rank calls ``StopCheck.should_stop()`` after each step (a collective): a rank that got USR2,
+a stop-request file in the run directory (written by the submitit job's signal handler), or an
+allocation that ends within ``launcher.time_margin_s`` makes every rank stop together, save a
+checkpoint and exit. ``STOPPED`` in the run directory then tells the launcher why, so it requeues.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+STOP_REQUEST = "STOP_REQUESTED"
+STOPPED = "STOPPED"
+REASONS = {1: "preempted (signal)", 2: "stop requested", 3: "allocation time limit near"}
+
+_signal_received = False
+
+
+def _on_usr2(signum, frame) -> None:
+    global _signal_received
+    _signal_received = True
+
+
+def install_signal_handler() -> None:
+    """USR2 (Slurm's advance warning) sets a flag; the step finishes, then the run stops."""
+    signal.signal(signal.SIGUSR2, _on_usr2)
+
+
+def request_stop(run_dir: str | Path, reason: str) -> None:
+    path = Path(run_dir) / STOP_REQUEST
+    tmp = path.with_name(f".{STOP_REQUEST}.tmp")
+    tmp.write_text(reason)
+    os.replace(tmp, path)
+
+
+def clear(run_dir: str | Path) -> None:
+    for name in (STOP_REQUEST, STOPPED):
+        (Path(run_dir) / name).unlink(missing_ok=True)
+
+
+def read_stopped(run_dir: str | Path) -> Optional[str]:
+    path = Path(run_dir) / STOPPED
+    return path.read_text().strip() if path.is_file() else None
+
+
+class StopCheck:
+    def __init__(self, run_dir: Path, margin_s: float, all_reduce_max):
+        self.run_dir, self.margin_s, self.all_reduce_max = Path(run_dir), margin_s, all_reduce_max
+        end = os.environ.get("RLHF_HPC_JOB_END_TIME")
+        self.end_time = float(end) if end else None
+        self.reason: Optional[str] = None
+
+    def _local_code(self, step_seconds: float) -> int:
+        if _signal_received:
+            return 1
+        if (self.run_dir / STOP_REQUEST).is_file():
+            return 2
+        # stop when the rest of the allocation would not fit the margin plus one more step
+        if self.end_time is not None and self.end_time - time.time() < self.margin_s + step_seconds:
+            return 3
+        return 0
+
+    def should_stop(self, step_seconds: float) -> bool:
+        """Collective: True on every rank when any rank has a reason to stop."""
+        code = int(self.all_reduce_max(torch.tensor([float(self._local_code(step_seconds))]))[0].item())
+        if code:
+            self.reason = REASONS[code]
+        return bool(code)
+
+    def mark_stopped(self) -> None:
+        (self.run_dir / STOPPED).write_text(self.reason or "stopped")

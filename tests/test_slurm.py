@@ -1,0 +1,200 @@
+"""Slurm launching against a real local Slurm (``slurm/dev-cluster.sh up``; started by .ci/run).
+
+Jobs here run the tiny recipe on the single 2-CPU node: submission and completion, USR2
+preemption -> checkpoint -> requeue -> bit-identical resume, a time limit shorter than the run,
+a 2-element sweep as one array job, two "nodes" forming one process group, and bad requests
+refused before anything is queued. The dry-run sbatch text is pinned by a golden file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_hpc.tracking import read_metrics
+from tests.conftest import REPO, require, run_launch
+
+GOLDEN = REPO / "tests" / "golden" / "qwen7b_klppo.sbatch"
+TINY = ["recipe=tiny_klppo", "cluster=slurm", "launcher.cluster_profile=local", "trainer.test_freq=-1",
+        "trainer.val_before_train=false"]
+NONDETERMINISTIC = ("timing_s/", "perf/")
+
+
+def slurm_up() -> bool:
+    if shutil.which("sbatch") is None:
+        return False
+    out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    return "is UP" in out.stdout
+
+
+@pytest.fixture
+def slurm():
+    require("a running Slurm", slurm_up(), "start it with: bash slurm/dev-cluster.sh up")
+
+
+def job_ids(run: Path) -> list[str]:
+    return [r["job_id"] for r in json.loads((run / "slurm_jobs.json").read_text())]
+
+
+def state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True)
+    states = out.stdout.split()
+    return states[-1] if states else "UNKNOWN"
+
+
+def wait_done(job_id: str, timeout: float = 600) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = state(job_id)
+        queued = subprocess.run(["squeue", "-h", "-j", job_id.split("_")[0]], capture_output=True, text=True).stdout
+        if s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL") and not queued.strip():
+            return s
+        time.sleep(3)
+    subprocess.run(["scancel", job_id.split("_")[0]])
+    raise AssertionError(f"job {job_id} not done after {timeout} s (state {state(job_id)})")
+
+
+def raw_steps(run: Path) -> list[int]:
+    return [json.loads(line)["training/global_step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(records: dict, steps) -> dict:
+    return {s: {k: v for k, v in records[s].items() if not k.startswith(NONDETERMINISTIC)} for s in steps}
+
+
+# ----------------------------------------------------------------------------- no daemons needed
+def test_dry_run_sbatch_matches_the_golden_file(tmp_path):
+    out = run_launch("recipe=qwen7b_klppo", "cluster=slurm", "launcher.cluster_profile=example-gpu", "--dry-run",
+                     f"trainer.default_local_dir={tmp_path}/run", env={"WANDB_API_KEY": "secret-key-123"})
+    assert out.returncode == 0, out.stderr
+    script = out.stdout.split("# sbatch script (cluster=slurm)\n", 1)[1]
+    script = script.replace(str(tmp_path), "<TMP>").replace(sys.executable, "<PYTHON>")
+    assert "secret-key-123" not in out.stdout + out.stderr
+    if os.environ.get("RLHF_HPC_UPDATE_GOLDEN"):
+        GOLDEN.write_text(script)
+    assert script == GOLDEN.read_text()
+
+
+def test_unknown_profile_is_refused():
+    out = run_launch(*TINY, "launcher.cluster_profile=locl", "--dry-run")
+    assert out.returncode == 2
+    assert "launcher.cluster_profile: no profile 'locl' (did you mean 'local'?); available: example-gpu, local" \
+        in out.stderr
+
+
+def test_two_nodes_form_one_process_group(tmp_path):
+    """The node function as node 0 and node 1 of a 2-node allocation (each with its own Slurm
+    environment) forms one 2-node, 2-rank group and trains."""
+    require("scontrol", shutil.which("scontrol") is not None)
+    run = tmp_path / "run"
+    from rlhf_hpc.recipe import load_config, write_resolved
+    cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={run}", "trainer.nnodes=2",
+                                        "trainer.n_gpus_per_node=1", "cluster=slurm",
+                                        "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=2",
+                                        "trainer.test_freq=-1", "trainer.val_before_train=false",
+                                        "actor_rollout_ref.rollout.tensor_model_parallel_size=1"])
+    path = write_resolved(cfg, run)
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    procs, job_id = [], str(400000 + os.getpid() % 100000)  # a fresh rendezvous id and port per run
+    for node in (0, 1):
+        env = dict(os.environ, SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST=f"{host},{host}", SLURM_NODEID=str(node),
+                   SLURM_JOB_NUM_NODES="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "rlhf_hpc.launch.node", str(path)], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    # c10d rendezvous hands out global ranks in arrival order: either node may hold rank 0
+    assert any("process group up: 2 ranks, backend gloo" in o for o in outs), outs
+    assert raw_steps(run) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- real Slurm jobs
+def test_submitted_job_completes(slurm, tmp_path):
+    run = tmp_path / "run"
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=4",
+                     "trainer.save_freq=2")
+    assert out.returncode == 0, out.stderr
+    (job,) = job_ids(run)
+    assert f"submitted job {job}: run directory {run}" in out.stdout
+    assert wait_done(job) == "COMPLETED"
+    assert raw_steps(run) == [1, 2, 3, 4]
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_2", "global_step_4"]
+    status = run_launch("status", str(run))
+    assert status.stdout.strip() == f"{job}\tCOMPLETED"
+    logs = run_launch("logs", str(run))
+    assert "step 4/4 | score" in logs.stdout
+
+
+def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path):
+    steps = 12
+    common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=100", "actor_rollout_ref.rollout.name=vllm"]
+    run = tmp_path / "preempted"
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", *common)
+    assert out.returncode == 0, out.stderr
+    (job,) = job_ids(run)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(raw_steps(run)) >= 3):
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert wait_done(job) == "COMPLETED"
+    log = "".join(p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out"))
+    assert "stopping after step" in log and "preempted (signal); checkpoint saved" in log
+    assert "resumed from" in log
+    # no step trained twice or skipped
+    assert raw_steps(run) == list(range(1, steps + 1))
+    # the same steps uninterrupted (here, same code path) give the same metrics
+    whole = tmp_path / "whole"
+    local = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={whole}", "trainer.test_freq=-1",
+                       "trainer.val_before_train=false", "cluster=local", *common, timeout=600)
+    assert local.returncode == 0, local.stderr[-3000:]
+    a = {r["training/global_step"]: r for r in read_metrics(whole)}
+    b = {r["training/global_step"]: r for r in read_metrics(run)}
+    assert deterministic(b, range(1, steps + 1)) == deterministic(a, range(1, steps + 1))
+
+
+def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm, tmp_path):
+    run = tmp_path / "run"
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=45",
+                     "trainer.save_freq=100", "launcher.time_min=1", "launcher.signal_lead_s=20",
+                     "launcher.time_margin_s=15", "actor_rollout_ref.rollout.name=hf")
+    assert out.returncode == 0, out.stderr
+    (job,) = job_ids(run)
+    assert wait_done(job, timeout=900) == "COMPLETED"
+    assert raw_steps(run) == list(range(1, 46))
+    log = "".join(p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out"))
+    assert log.count("resumed from") >= 1  # at least two allocations
+
+
+def test_sweep_is_one_array_job_with_a_run_directory_each(slurm, tmp_path):
+    out = run_launch(*TINY, f"trainer.default_local_dir={tmp_path}/" + "${trainer.experiment_name}",
+                     "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=hf",
+                     "sweep.algorithm.kl_ctrl.kl_coef=[0.001,0.01]")
+    assert out.returncode == 0, out.stderr
+    runs = [tmp_path / "tiny_klppo_kl_coef=0.001", tmp_path / "tiny_klppo_kl_coef=0.01"]
+    ids = [job_ids(r)[0] for r in runs]
+    assert ids[0].split("_")[0] == ids[1].split("_")[0] and {i.split("_")[1] for i in ids} == {"0", "1"}
+    for job, run in zip(ids, runs):
+        assert wait_done(job) == "COMPLETED"
+        assert raw_steps(run) == [1, 2]
+    from rlhf_hpc.recipe import load_resolved
+    assert [load_resolved(r / "config.yaml").algorithm.kl_ctrl.kl_coef for r in runs] == [0.001, 0.01]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("launcher.partition=gpu-h100", "launcher.partition: 'gpu-h100' is not a partition of this cluster (sinfo lists: debug)"),
+    ("launcher.cpus_per_task=64", "Slurm rejects the resource request"),
+])
+def test_bad_requests_are_refused_before_submission(slurm, tmp_path, override, message):
+    run = tmp_path / "run"
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", override)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert message in out.stderr
+    assert not run.exists()
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
