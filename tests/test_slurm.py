@@ -198,3 +198,17 @@ def test_bad_requests_are_refused_before_submission(slurm, tmp_path, override, m
     assert message in out.stderr
     assert not run.exists()
     assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
+
+
+def test_plain_sbatch_runs_the_same_job(slurm, tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run(["sbatch", "--parsable", "--cpus-per-task=2", f"--output={tmp_path}/job-%j.out",
+                          "--export=ALL,RLHF_HPC_PYTHON=" + sys.executable, "slurm/klppo.sbatch", "recipe=tiny_klppo",
+                          f"trainer.default_local_dir={run}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                          "trainer.val_before_train=false", "actor_rollout_ref.rollout.name=hf"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip().split(";")[0]
+    assert wait_done(job) == "COMPLETED", (tmp_path / f"job-{job}.out").read_text()[-3000:]
+    assert raw_steps(run) == [1, 2]
+    assert "step 2/2 | score" in (tmp_path / f"job-{job}.out").read_text()
