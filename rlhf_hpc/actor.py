@@ -12,9 +12,9 @@ from torch import nn
 
 from rlhf_hpc import algos
 from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows
-from rlhf_hpc.metrics import UpdateMetrics
-from rlhf_hpc.optim import clip_grad_norm, optimizer_state_on
 from rlhf_hpc.config import ActorConfig
+from rlhf_hpc.optim import optimizer_state_on
+from rlhf_hpc.update import ppo_update
 
 
 def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, remove_padding: bool = True,
@@ -102,60 +102,26 @@ class Actor:
 
     def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
         cfg = self.cfg
-        self.model.train()
-        B = batch["responses"].shape[0]
-        metrics = UpdateMetrics()
-        grad_norms, nonfinite = [], 0
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
-            for start in range(0, B, mini_batch_rows):
-                mini = select_rows(batch, order[start:start + mini_batch_rows])
-                groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                            cfg.ppo_max_token_len_per_gpu, self.sync_max)
-                tokens, seqs = algos.global_batch_counts([mini["response_mask"][g] for g in groups],
-                                                         all_reduce=self.all_reduce)
-                kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=self.norm_const)
-                self.optimizer.zero_grad(set_to_none=True)
-                metrics.new_mini_batch()
-                for g in groups:
-                    micro = select_rows(mini, g) if g else dummy_rows(mini)
-                    weight = 1.0 if g else 0.0
-                    lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
-                                                 with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
-                    mask = micro["response_mask"]
-                    pg_loss, pgm = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask,
-                                                     cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                                                     cfg.loss_agg_mode, **kw)
-                    loss = pg_loss
-                    ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
-                    if cfg.entropy_coeff != 0:
-                        loss = loss - cfg.entropy_coeff * ent_loss
-                    if cfg.use_kl_loss:
-                        kl = algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type)
-                        kl_loss = algos.agg_loss(kl, mask, cfg.loss_agg_mode, **kw)
-                        loss = loss + cfg.kl_loss_coef * kl_loss
-                        metrics.share("actor/kl_loss", weight * kl_loss.item())
-                    (loss * (self.dp_size * weight)).backward()
-                    metrics.share("actor/pg_loss", weight * pg_loss.item())
-                    metrics.share("actor/entropy", weight * ent_loss.item())
-                    n_tokens = weight * mask.sum().item()
-                    for k, v in pgm.items():
-                        metrics.token_mean(f"actor/{k}", v.item(), n_tokens)
-                grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
-                grad_norms.append(grad_norm)
-                finite = bool(torch.isfinite(torch.tensor(grad_norm)))
-                nonfinite += not finite
-                if finite:
-                    self.optimizer.step()
-                else:  # a non-finite gradient would poison the weights: skip this step
-                    self.optimizer.zero_grad(set_to_none=True)
-        lr = self.optimizer.param_groups[0]["lr"]
-        if self.scheduler is not None:
-            self.scheduler.step()
-        out = metrics.reduce(self.all_reduce)
-        # the norm is of the global gradient: already the same on every rank
-        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["actor/grad_norm_nonfinite"] = float(nonfinite)
-        out["actor/lr"] = lr
-        return out
+
+        def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
+            lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
+                                         with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
+            mask = micro["response_mask"]
+            pg_loss, pgm = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask,
+                                             cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
+                                             cfg.loss_agg_mode, **kw)
+            ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
+            loss = pg_loss - cfg.entropy_coeff * ent_loss if cfg.entropy_coeff != 0 else pg_loss
+            if cfg.use_kl_loss:
+                kl_loss = algos.agg_loss(algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type), mask,
+                                         cfg.loss_agg_mode, **kw)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                metrics.share("actor/kl_loss", weight * kl_loss.item())
+            metrics.share("actor/pg_loss", weight * pg_loss.item())
+            metrics.share("actor/entropy", weight * ent_loss.item())
+            for k, v in pgm.items():
+                metrics.token_mean(f"actor/{k}", v.item(), weight * mask.sum().item())
+            return loss
+
+        return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
+                          "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const)

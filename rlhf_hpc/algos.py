@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 # Sums a tensor over data-parallel ranks (e.g. an all_reduce wrapper). None = this process only.

@@ -98,6 +98,24 @@ def sweep_elements(overrides: list[str], sweeps: dict[str, list]) -> list[tuple[
     return out
 
 
+def export(argv: list[str]) -> int:
+    """``export CKPT --out DIR``: a sharded checkpoint's actor as a Hugging Face model directory."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python launch.py export",
+                                     description="Write the actor of a checkpoint as a Hugging Face model.")
+    parser.add_argument("checkpoint", help="a global_step_N directory of a run")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    args = parser.parse_args(argv)
+    from rlhf_hpc.checkpoint import export_hf
+    try:
+        out = export_hf(args.checkpoint, args.out, dtype=args.dtype)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    print(f"[rlhf-hpc] exported {args.checkpoint} -> {out}")
+    return 0
+
+
 def run(argv: list[str]) -> int:
     if argv and argv[0] == "export":
         return export(argv[1:])

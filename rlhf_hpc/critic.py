@@ -12,8 +12,8 @@ from torch import nn
 from rlhf_hpc import algos
 from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, unpack_per_token
 from rlhf_hpc.config import CriticConfig
-from rlhf_hpc.metrics import UpdateMetrics
-from rlhf_hpc.optim import clip_grad_norm, optimizer_state_on
+from rlhf_hpc.optim import optimizer_state_on
+from rlhf_hpc.update import ppo_update
 
 
 def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True) -> torch.Tensor:
@@ -63,43 +63,17 @@ class Critic:
 
     def _update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
         cfg = self.cfg
-        self.model.train()
-        B = batch["responses"].shape[0]
-        metrics, grad_norms = UpdateMetrics(), []
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
-            for start in range(0, B, mini_batch_rows):
-                mini = select_rows(batch, order[start:start + mini_batch_rows])
-                groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                            cfg.ppo_max_token_len_per_gpu, self.sync_max)
-                tokens, seqs = algos.global_batch_counts([mini["response_mask"][g] for g in groups],
-                                                         all_reduce=self.all_reduce)
-                kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=self.norm_const)
-                self.optimizer.zero_grad(set_to_none=True)
-                metrics.new_mini_batch()
-                for g in groups:
-                    micro = select_rows(mini, g) if g else dummy_rows(mini)
-                    weight = 1.0 if g else 0.0
-                    v = per_token_values(self.model, micro, self.remove_padding)
-                    loss, clipfrac = algos.value_loss(v, micro["returns"], micro["values"], micro["response_mask"],
-                                                      cfg.cliprange_value, cfg.loss_agg_mode, **kw)
-                    (loss * (self.dp_size * weight)).backward()
-                    metrics.share("critic/vf_loss", weight * loss.item())
-                    n_tokens = weight * micro["response_mask"].sum().item()
-                    metrics.token_mean("critic/vf_clipfrac", clipfrac.item(), n_tokens)
-                    metrics.token_mean("critic/vpred_mean",
-                                       algos.masked_mean(v.detach(), micro["response_mask"]).item(), n_tokens)
-                grad_norm = clip_grad_norm(self.model, cfg.grad_clip)
-                grad_norms.append(grad_norm)
-                if torch.isfinite(torch.tensor(grad_norm)):
-                    self.optimizer.step()
-                else:
-                    self.optimizer.zero_grad(set_to_none=True)
-        lr = self.optimizer.param_groups[0]["lr"]
-        if self.scheduler is not None:
-            self.scheduler.step()
-        out = metrics.reduce(self.all_reduce)
-        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["critic/lr"] = lr
-        return out
+
+        def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
+            v = per_token_values(self.model, micro, self.remove_padding)
+            mask = micro["response_mask"]
+            loss, clipfrac = algos.value_loss(v, micro["returns"], micro["values"], mask, cfg.cliprange_value,
+                                              cfg.loss_agg_mode, **kw)
+            n_tokens = weight * mask.sum().item()
+            metrics.share("critic/vf_loss", weight * loss.item())
+            metrics.token_mean("critic/vf_clipfrac", clipfrac.item(), n_tokens)
+            metrics.token_mean("critic/vpred_mean", algos.masked_mean(v.detach(), mask).item(), n_tokens)
+            return loss
+
+        return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
+                          "critic", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const)

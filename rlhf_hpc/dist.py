@@ -76,25 +76,24 @@ def build_train_mesh(device: torch.device, world_size: int, fsdp_size: int):
     return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """SUM over all ranks, returning a new tensor (for the ``all_reduce`` hooks of ``algos``)."""
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    """``op`` over all ranks into a new tensor on ``t``'s device. NCCL reduces device tensors only:
+    host tensors (metrics, counts) make a round trip."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return t.clone()
-    # NCCL reduces device tensors only: host tensors (metrics, counts) make a round trip
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
     out = t.to(device, copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=op)
     return out.to(t.device)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """SUM over all ranks, returning a new tensor (for the ``all_reduce`` hooks of ``algos``)."""
+    return _all_reduce(t, dist.ReduceOp.SUM)
 
 
 def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
-    """MIN over all ranks (host tensors make a round trip through the device under NCCL)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return t.clone()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
-    out = t.to(device, copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.MIN)
-    return out.to(t.device)
+    return _all_reduce(t, dist.ReduceOp.MIN)
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:

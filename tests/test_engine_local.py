@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from rlhf_hpc.actor import Actor, per_token_logprobs
-from rlhf_hpc.batching import (make_padded_batch, micro_batch_groups, pack, restore_order, select_rows,
-                               token_budget_micro_batches)
+from rlhf_hpc.batching import make_padded_batch, micro_batch_groups, pack, restore_order, token_budget_micro_batches
 from rlhf_hpc.config import ActorConfig, OptimConfig
 from rlhf_hpc.critic import per_token_values
 from rlhf_hpc.models import build_causal_lm, build_critic, model_config

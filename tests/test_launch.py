@@ -4,13 +4,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from rlhf_hpc.recipe import load_resolved
-from tests.conftest import REPO, require, run_launch
+from tests.conftest import REPO, run_launch
 
 
 def test_help_lists_recipes_and_main_keys():

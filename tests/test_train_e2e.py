@@ -4,7 +4,6 @@ one (same sampler position, RNG-seeded rollouts, optimizer, KL controller, W&B r
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from pathlib import Path
 

@@ -87,8 +87,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
           f"{args.rows} rows, {results[0]['valid_tokens']} valid tokens, "
           f"{batch['input_ids'].numel()} padded; best of {args.reps}")
-    print(f"| batching | compute dtype | params (M) | update (s) | valid tokens/s | vs padded fp32 |")
-    print(f"| --- | --- | --- | --- | --- | --- |")
+    print("| batching | compute dtype | params (M) | update (s) | valid tokens/s | vs padded fp32 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['batching']} | {r['dtype']} | {r['params_M']:.1f} | {r['update_s']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x |")

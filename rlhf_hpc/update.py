@@ -1,0 +1,62 @@
+"""The update loop the actor and the critic share: epochs x mini-batches x micro-batches with
+gradient accumulation, losses normalised by the counts of the whole global mini-batch, gradient
+clipping, one optimizer step per mini-batch, one scheduler step per call."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from rlhf_hpc import algos
+from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, select_rows
+from rlhf_hpc.metrics import UpdateMetrics
+from rlhf_hpc.optim import clip_grad_norm
+
+# (micro-batch, agg_loss keyword arguments, metrics, weight 0/1) -> the loss to backpropagate
+MicroLoss = Callable[[Batch, dict, UpdateMetrics, float], torch.Tensor]
+
+
+def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch, mini_batch_rows: int,
+               cfg, micro_loss: MicroLoss, prefix: str, seed: int, dp_size: int,
+               all_reduce: Optional[Callable] = None, sync_max: Optional[Callable] = None,
+               norm_const: Optional[float] = None) -> dict[str, float]:
+    """Run the update; ``cfg`` has ppo_epochs, shuffle, ppo_micro_batch_size_per_gpu, use_dynamic_bsz,
+    ppo_max_token_len_per_gpu and grad_clip (ActorConfig or CriticConfig). Returns metrics that are
+    the same on every rank."""
+    model.train()
+    B = batch["responses"].shape[0]
+    metrics = UpdateMetrics()
+    grad_norms, nonfinite = [], 0
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
+        for start in range(0, B, mini_batch_rows):
+            mini = select_rows(batch, order[start:start + mini_batch_rows])
+            groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                        cfg.ppo_max_token_len_per_gpu, sync_max)
+            tokens, seqs = algos.global_batch_counts([mini["response_mask"][g] for g in groups], all_reduce=all_reduce)
+            kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=norm_const)
+            optimizer.zero_grad(set_to_none=True)
+            metrics.new_mini_batch()
+            for g in groups:
+                weight = 1.0 if g else 0.0  # an empty group runs a dummy row: collectives stay in step
+                loss = micro_loss(select_rows(mini, g) if g else dummy_rows(mini), kw, metrics, weight)
+                # FSDP averages gradients over dp_size ranks; the loss is this rank's share of a sum
+                (loss * (dp_size * weight)).backward()
+            grad_norm = clip_grad_norm(model, cfg.grad_clip)
+            grad_norms.append(grad_norm)
+            if torch.isfinite(torch.tensor(grad_norm)):
+                optimizer.step()
+            else:  # a non-finite gradient would poison the weights: skip this step
+                nonfinite += 1
+                optimizer.zero_grad(set_to_none=True)
+    lr = optimizer.param_groups[0]["lr"]
+    if scheduler is not None:
+        scheduler.step()
+    out = metrics.reduce(all_reduce)
+    # the norm is of the global gradient: already the same on every rank
+    out[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out[f"{prefix}/grad_norm_nonfinite"] = float(nonfinite)
+    out[f"{prefix}/lr"] = lr
+    return out
