@@ -81,9 +81,12 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
-                    extra: dict[str, Any], max_to_keep: Optional[int] = None) -> Path:
+                    extra: dict[str, Any], max_to_keep: Optional[int] = None, good: bool = True,
+                    config_text: Optional[str] = None) -> Path:
     """Collective: every rank calls it. ``components``: name -> (model, optimizer or None).
-    ``extra``: trainer state, plain Python values and tensors only (loaded with weights_only)."""
+    ``extra``: trainer state, plain Python values and tensors only (loaded with weights_only).
+    ``good``: whether the stability guard vouches for it (rollbacks only go to good ones).
+    ``config_text``: the run's resolved config, kept with the checkpoint for compatibility checks."""
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp-global_step_{step}"
     if _rank() == 0:
@@ -98,10 +101,14 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     if _rank() == 0:
         torch.save(extra, tmp / "extra.pt")
+        if config_text is not None:
+            (tmp / "config.yaml").write_text(config_text)
     _barrier()
     if _rank() == 0:
-        _write_atomic(tmp / COMPLETE, json.dumps({"step": step, "world_size": _world(),
-                                                  "components": sorted(components)}))
+        # the manifest (every file's size) lets a resume detect a damaged checkpoint before loading it
+        manifest = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        _write_atomic(tmp / COMPLETE, json.dumps({"step": step, "world_size": _world(), "good": good,
+                                                  "components": sorted(components), "files": manifest}))
         if final.exists():  # an older save of the same step (e.g. re-run after a rollback)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -128,6 +135,29 @@ def list_checkpoints(root: str | Path) -> list[int]:
         if (p / COMPLETE).is_file() and p.name.split("_")[-1].isdigit():
             steps.append(int(p.name.split("_")[-1]))
     return sorted(steps)
+
+
+def verify_checkpoint(path: str | Path) -> Optional[str]:
+    """None if every file the manifest lists is there with its size, else what is wrong."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError) as e:
+        return f"no readable {COMPLETE} marker ({e})"
+    for rel, size in meta.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def checkpoint_is_good(path: str | Path) -> bool:
+    try:
+        return bool(json.loads((Path(path) / COMPLETE).read_text()).get("good", True))
+    except (OSError, ValueError):
+        return False
 
 
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
@@ -193,3 +223,73 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
         from transformers import AutoTokenizer
         AutoTokenizer.from_pretrained(tok, trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
     return out_dir
+
+
+# ------------------------------------------------------------------------------ resume safety
+# Keys that must match for a checkpoint to continue the same run; anything else (world size, mesh,
+# micro-batches, learning rate, loggers, Slurm resources, total steps) may change between restarts.
+RESUME_KEYS = (
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.override_config", "actor_rollout_ref.model.tokenizer_path",
+    "data.tokenizer", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
+    "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
+    "critic.enable", "critic.model.path", "critic.model.override_config", "algorithm.adv_estimator",
+    "algorithm.kl_ctrl.type",
+)
+
+
+def incompatible_keys(saved_config_text: str, cfg) -> list[str]:
+    """``key: saved -> now`` for every RESUME_KEYS entry that differs."""
+    from rlhf_hpc.recipe import flatten, parse_yaml, to_dict
+    saved = flatten(parse_yaml(saved_config_text) or {})
+    now = flatten(to_dict(cfg))
+    out = []
+    for key in RESUME_KEYS:
+        old = {k: v for k, v in saved.items() if k == key or k.startswith(key + ".")}
+        new = {k: v for k, v in now.items() if k == key or k.startswith(key + ".")}
+        if old != new:
+            out.append(f"{key}: {old.get(key, old) or '{}'} -> {new.get(key, new) or '{}'}")
+    return out
+
+
+def choose_resume(root: str | Path, log=print) -> Optional[Path]:
+    """The newest complete, undamaged checkpoint under ``root``: ``latest`` first; a damaged one
+    (a file missing or truncated against the manifest) is skipped, and the log says so."""
+    root = Path(root)
+    latest = latest_checkpoint(root)
+    order = ([latest] if latest else []) + [step_dir(root, s) for s in reversed(list_checkpoints(root))
+                                            if latest is None or step_dir(root, s) != latest]
+    for path in order:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log(f"[rlhf-hpc] checkpoint {path} is damaged ({problem}); falling back to the previous one")
+    return None
+
+
+def check_resume_compatible(path: Path, cfg) -> None:
+    saved = path / "config.yaml"
+    if not saved.is_file():
+        return
+    diff = incompatible_keys(saved.read_text(), cfg)
+    if diff:
+        from rlhf_hpc.recipe import ConfigError
+        raise ConfigError([f"cannot resume from {path}: the run's config changed in keys that define it"] + diff +
+                          ["use a new trainer.default_local_dir, or trainer.resume_mode=disable to start over"])
+
+
+def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
+    """Before anything starts: the run directory can be created and written, with enough free space."""
+    from rlhf_hpc.recipe import ConfigError
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"trainer.default_local_dir: cannot write to '{run_dir}' ({e.strerror or e}); choose a "
+                          f"directory you can write, on a filesystem every node sees") from None
+    free_gb = shutil.disk_usage(run_dir).free / 2**30
+    if free_gb < min_free_gb:
+        raise ConfigError(f"trainer.default_local_dir: only {free_gb:.2f} GB free at '{run_dir}', less than "
+                          f"trainer.min_free_disk_gb={min_free_gb}; checkpoints would not fit")

@@ -162,9 +162,21 @@ def run(argv: list[str]) -> int:
         print("# command (cluster=local)")
         print(shlex.join(cmd))
         return 0
+    check_before_start(cfg, run_dir)
     write_resolved(cfg, run_dir)
     print(f"[rlhf-hpc] run directory: {run_dir}\n[rlhf-hpc] {shlex.join(cmd)}", flush=True)
     return run_local(cfg, config_path)
+
+
+def check_before_start(cfg, run_dir: Path) -> None:
+    """The run directory is writable with room to spare, and a checkpoint it would resume from
+    belongs to the same run (model, tokenizer, data, ...)."""
+    from rlhf_hpc import checkpoint as ckpt
+    ckpt.check_run_dir(run_dir, cfg.trainer.min_free_disk_gb)
+    if cfg.trainer.resume_mode == "auto":
+        latest = ckpt.choose_resume(run_dir, log=lambda *_: None)
+        if latest is not None:
+            ckpt.check_resume_compatible(latest, cfg)
 
 
 def prepare_run(argv: list[str]) -> int:
@@ -194,6 +206,8 @@ def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
         raise ConfigError("launcher.cluster=slurm but sbatch is not on PATH: run on a login node of the cluster, "
                           "or cluster=local to run here")
     slurm.check_cluster(cfg)
+    for c, d in zip(elements, run_dirs):
+        check_before_start(c, d)
     paths = [write_resolved(c, d) for c, d in zip(elements, run_dirs)]
     ids = slurm.submit(list(zip(elements, paths)))
     for job_id, d in zip(ids, run_dirs):

@@ -240,6 +240,20 @@ class AlgorithmConfig:
 
 
 @dataclass
+class GuardConfig:
+    """Divergence checks after every step; a trip rolls back to the last good checkpoint."""
+    enable: bool = True
+    max_kl: Optional[float] = None  # KL(actor || reference) per token above which the step is rejected
+    kl_rise_threshold: Optional[float] = None  # ... or above this for kl_rise_steps steps in a row
+    kl_rise_steps: int = 3
+    vf_jump_factor: Optional[float] = 10.0  # value loss over this x the median of the last `window` steps
+    window: int = 5
+    lr_decay: float = 0.5  # actor LR multiplier applied at each rollback
+    kl_coef_mult: float = 1.0  # KL coefficient multiplier at each rollback (in reward and in loss)
+    max_rollbacks: int = 3
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "rlhf-hpc"
     experiment_name: str = "gsm8k-klppo"
@@ -267,6 +281,12 @@ class TrainerConfig:
     dist_timeout_s: int = 1800
     # peak dense bf16 TFLOP/s of one device for perf/mfu/actor; null: a table by GPU name
     peak_tflops: Optional[float] = None
+    # refuse to start with less free space than this where the run directory lives
+    min_free_disk_gb: float = 1.0
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    # testing: make a fault happen on purpose, "KIND@STEP[:RANK]" with KIND in nan_grad, lr_x1000,
+    # kill (this rank dies mid-step, first attempt only), kill_in_save
+    inject_fault: Optional[str] = None
 
 
 @dataclass

@@ -46,14 +46,17 @@ class Timer:
 
     def __init__(self):
         self.times: dict[str, float] = {}
+        self.current = "step"  # the innermost phase running (named in out-of-memory reports)
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        outer, self.current = self.current, name
         t0 = time.perf_counter()
         try:
             yield
+            self.current = outer
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()

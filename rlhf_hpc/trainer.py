@@ -17,6 +17,7 @@ The step batch (one dict of tensors, rows = this rank's responses):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -34,6 +35,7 @@ from rlhf_hpc.data.dataset import Example, StatefulSampler, load_examples
 from rlhf_hpc.dist import DistContext, all_reduce_max, all_reduce_min, all_reduce_sum, build_rollout_tp_group
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.engine import Engine, build_engine
+from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.perf import Timer, flops_per_token, memory_metrics, peak_flops
 from rlhf_hpc.reshard import sync_weights_to_rollout
@@ -60,16 +62,37 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
     reward_fn = RewardFunction(cfg)
 
-    step, wandb_id = 0, None
-    resume_from = find_resume_checkpoint(cfg, run_dir)
-    if resume_from is not None:
-        extra = ckpt.load_checkpoint(resume_from, engine.checkpoint_components())
-        step, wandb_id = extra["global_step"], extra.get("wandb_run_id")
+    guard = StabilityGuard(tr.guard)
+    base_kl_loss_coef = arr.actor.kl_loss_coef
+    fault = parse_fault(tr.inject_fault)
+
+    def restore(path: Path) -> dict:
+        """Load a checkpoint into every piece of training state; the guard's scales are re-applied."""
+        extra = ckpt.load_checkpoint(path, engine.checkpoint_components())
         sampler.load_state_dict(extra["sampler"])
         kl_ctrl.load_state_dict(extra["kl_ctrl"])
         engine.actor.scheduler.load_state_dict(extra["actor_scheduler"])
         if engine.critic is not None:
             engine.critic.scheduler.load_state_dict(extra["critic_scheduler"])
+        return extra
+
+    base_lrs = list(engine.actor.scheduler.base_lrs)  # before any rollback scaled them
+
+    def apply_guard_scales() -> None:
+        sched = engine.actor.scheduler
+        sched.base_lrs = [lr * guard.lr_scale for lr in base_lrs]
+        for group, base, fn in zip(engine.actor.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * fn(sched.last_epoch)
+        engine.actor.cfg.kl_loss_coef = base_kl_loss_coef * guard.kl_scale
+
+    step, wandb_id = 0, None
+    resume_from = find_resume_checkpoint(cfg, run_dir, log=print if ctx.is_main else (lambda *_: None))
+    if resume_from is not None:
+        extra = restore(resume_from)
+        step, wandb_id = extra["global_step"], extra.get("wandb_run_id")
+        if "guard" in extra:
+            guard.load_state_dict(extra["guard"])
+            apply_guard_scales()
     else:
         torch.manual_seed(tr.seed + ctx.rank)  # vLLM re-seeds the global RNG when it starts
     tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id)
@@ -78,13 +101,18 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     stopper = StopCheck(run_dir, cfg.launcher.time_margin_s, all_reduce_max)
     if ctx.is_main:
         (run_dir / STOPPED).unlink(missing_ok=True)
+    config_text = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else None
 
     def save(at_step: int) -> None:
         extra = {"global_step": at_step, "sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
-                 "actor_scheduler": engine.actor.scheduler.state_dict(), "wandb_run_id": tracker.wandb_id}
+                 "actor_scheduler": engine.actor.scheduler.state_dict(), "wandb_run_id": tracker.wandb_id,
+                 "guard": guard.state_dict()}
         if engine.critic is not None:
             extra["critic_scheduler"] = engine.critic.scheduler.state_dict()
-        ckpt.save_checkpoint(run_dir, at_step, engine.checkpoint_components(), extra, tr.max_ckpt_to_keep)
+        if fault.get("kill_in_save") == at_step and first_attempt():
+            ckpt.dcp.save = _dying_after_first(ckpt.dcp.save, ctx.rank == fault.get("rank", 0))
+        ckpt.save_checkpoint(run_dir, at_step, engine.checkpoint_components(), extra, tr.max_ckpt_to_keep,
+                             good=True, config_text=config_text)
 
     if tr.val_before_train and val and step == 0:
         tracker.log(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn), step)
@@ -94,7 +122,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     while step < total_steps:
         step += 1
         timer, metrics = Timer(), {}
-        with timer("step"):
+        with timer("step"), out_of_memory_report(timer, ctx.device):
             # 1. weights: training layout -> engine (streamed, bucketed, in place)
             with timer("update_weights"):
                 rollout.resume()
@@ -106,6 +134,8 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                 responses = rollout.generate([e.prompt_ids for e in examples],
                                              sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, ctx.rank)))
             rollout.release()
+            if fault.get("kill") == step and ctx.rank == fault.get("rank", 1) and first_attempt():
+                os._exit(17)  # fault injection: this worker dies in the middle of a step
             batch, rows = make_step_batch(cfg, tokenizer, examples, responses)
             # 3. old log-probs (the PPO anchor), reference log-probs, values
             with timer("old_log_prob"):
@@ -144,9 +174,9 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                     metrics.update(engine.critic.update_critic(
                         batch, cfg.critic.ppo_mini_batch_size * arr.rollout.n // ctx.world_size, seed=step))
             if step > tr.critic_warmup:
-                with timer("update_actor"):
+                with timer("update_actor"), injected(fault, step, engine, batch):
                     metrics.update(engine.actor.update_policy(batch, per_rank_mini, seed=step))
-                    metrics["actor/kl_coef"] = cfg.actor_rollout_ref.actor.kl_loss_coef
+                    metrics["actor/kl_coef"] = engine.actor.cfg.kl_loss_coef
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
         metrics.update(timer.times)
@@ -157,6 +187,23 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             t0 = time.perf_counter()
             metrics.update(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn))
             metrics["timing_s/testing"] = time.perf_counter() - t0
+        # the stability guard: a divergent step is not kept; training continues from the last good
+        # checkpoint with a smaller learning rate
+        reason = guard.check(metrics)
+        metrics["guard/rollbacks"] = float(guard.rollbacks)
+        if reason is not None:
+            message = guard.trip(reason)
+            tracker.log({**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(guard.rollbacks)}, step)
+            tracker.log_line(f"[rlhf-hpc] step {step}: {message}")
+            target = ckpt.choose_resume(run_dir, tracker.log_line)
+            if target is None:
+                raise RuntimeError(f"stability guard tripped at step {step} ({reason}) before any checkpoint exists; "
+                                   f"set trainer.save_freq so a good checkpoint is there to roll back to")
+            step = restore(target)["global_step"]
+            kl_ctrl.value *= tr.guard.kl_coef_mult
+            apply_guard_scales()
+            tracker.log_line(f"[rlhf-hpc] rolled back to {target} (step {step})")
+            continue
         saved = tr.save_freq > 0 and (step % tr.save_freq == 0 or step == total_steps)
         if saved:
             t0 = time.perf_counter()
@@ -176,15 +223,77 @@ def fit(cfg: Config, ctx: DistContext) -> None:
 
 
 # ----------------------------------------------------------------------------------- pieces
-def find_resume_checkpoint(cfg: Config, run_dir: Path) -> Optional[Path]:
+def parse_fault(spec: Optional[str]) -> dict:
+    """``trainer.inject_fault``: "KIND@STEP[:RANK]" -> {KIND: STEP, "rank": RANK}."""
+    if not spec:
+        return {}
+    kind, _, rest = spec.partition("@")
+    step, _, rank = rest.partition(":")
+    if kind not in ("nan_grad", "lr_x1000", "kill", "kill_in_save") or not step.isdigit():
+        raise ValueError(f"trainer.inject_fault: '{spec}' is not KIND@STEP[:RANK] with KIND in nan_grad, lr_x1000, "
+                         f"kill, kill_in_save")
+    out = {kind: int(step)}
+    if rank:
+        out["rank"] = int(rank)
+    return out
+
+
+@contextlib.contextmanager
+def out_of_memory_report(timer: Timer, device: torch.device):
+    """An out-of-memory error names the phase, the peak and the keys that shrink that phase."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        from rlhf_hpc.guard import oom_message
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        raise RuntimeError(oom_message(timer.current, peak, str(device))) from e
+
+
+def first_attempt() -> bool:
+    """Before any torchrun restart of the workers (faults fire once, so the restart can recover)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def _dying_after_first(save_fn, dies: bool):
+    """dcp.save that lets the first component through, then kills this process (a crash mid-write)."""
+    calls = {"n": 0}
+
+    def save(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2 and dies:
+            os._exit(17)
+        return save_fn(*args, **kwargs)
+    return save
+
+
+@contextlib.contextmanager
+def injected(fault: dict, step: int, engine: Engine, batch: dict):
+    """Fault injection around the actor update (testing the stability guard)."""
+    # each fault fires once: after the rollback the same step runs clean
+    if fault.get("nan_grad") == step:
+        del fault["nan_grad"]
+        batch["advantages"][0, 0] = float("nan")  # -> NaN loss -> NaN gradient
+    if fault.get("lr_x1000") == step:
+        del fault["lr_x1000"]
+        for g in engine.actor.optimizer.param_groups:
+            g["lr"] *= 1000.0
+    yield  # the update's scheduler step sets the learning rate afresh from its schedule
+
+
+
+def find_resume_checkpoint(cfg: Config, run_dir: Path, log=print) -> Optional[Path]:
     mode = cfg.trainer.resume_mode
     if mode == "disable":
         return None
     if mode == "auto":
-        return ckpt.latest_checkpoint(run_dir)
-    path = Path(mode).expanduser()
-    if not (path / ckpt.COMPLETE).is_file():
-        raise RuntimeError(f"trainer.resume_mode: {path} is not a complete checkpoint")
+        path = ckpt.choose_resume(run_dir, log)
+    else:
+        path = Path(mode).expanduser()
+        problem = ckpt.verify_checkpoint(path)
+        if problem:
+            raise RuntimeError(f"trainer.resume_mode: {path} is not a usable checkpoint: {problem}")
+    if path is not None:
+        ckpt.check_resume_compatible(path, cfg)
     return path
 
 

@@ -1,0 +1,101 @@
+"""Stability guard: after each step, decide whether training diverged; if so, the trainer rolls
+back to the last good checkpoint with a smaller learning rate (and optionally a stronger KL pull).
+
+Checks (``trainer.guard``): non-finite losses or gradient norms; KL(actor || reference) above
+``max_kl``; KL above ``kl_rise_threshold`` for ``kl_rise_steps`` steps in a row; value loss more
+than ``vf_jump_factor`` times the median of the last ``window`` steps. Every rank sees the same
+(globally reduced) metrics, so every rank takes the same decision.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional
+
+from rlhf_hpc.config import GuardConfig
+
+WATCHED_FINITE = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "actor/kl_loss",
+                  "actor/entropy", "critic/score/mean", "actor/ref_kl_mean")
+
+
+class StabilityGuard:
+    def __init__(self, cfg: GuardConfig):
+        self.cfg = cfg
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.kl_scale = 1.0
+        self._kl_run = 0
+        self._vf: list[float] = []
+
+    def check(self, m: dict[str, float]) -> Optional[str]:
+        """The reason this step's metrics are divergent, or None."""
+        c = self.cfg
+        if not c.enable:
+            return None
+        for key in WATCHED_FINITE:
+            if key in m and not math.isfinite(m[key]):
+                return f"{key} is {m[key]}"
+        if m.get("actor/grad_norm_nonfinite", 0) > 0:
+            return "non-finite actor gradient (the optimizer step was skipped)"
+        kl = m.get("actor/ref_kl_mean")
+        if kl is not None and c.max_kl is not None and kl > c.max_kl:
+            return f"KL(actor || reference) {kl:.4g} > trainer.guard.max_kl={c.max_kl}"
+        if kl is not None and c.kl_rise_threshold is not None:
+            self._kl_run = self._kl_run + 1 if kl > c.kl_rise_threshold else 0
+            if self._kl_run >= c.kl_rise_steps:
+                return (f"KL {kl:.4g} above trainer.guard.kl_rise_threshold={c.kl_rise_threshold} for "
+                        f"{self._kl_run} steps")
+        vf = m.get("critic/vf_loss")
+        if vf is not None and c.vf_jump_factor is not None:
+            if len(self._vf) >= c.window and vf > c.vf_jump_factor * statistics.median(self._vf[-c.window:]):
+                return (f"critic/vf_loss {vf:.4g} > {c.vf_jump_factor} x the median of the last {c.window} steps "
+                        f"({statistics.median(self._vf[-c.window:]):.4g})")
+            self._vf.append(vf)
+        return None
+
+    def trip(self, reason: str) -> str:
+        """Count a rollback and tighten the knobs; raises after ``max_rollbacks``."""
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.max_rollbacks:
+            raise RuntimeError(f"stability guard: {reason}; stopping after {self.cfg.max_rollbacks} rollbacks "
+                               f"(trainer.guard.max_rollbacks). Lower the learning rate or raise the KL coefficient.")
+        self.lr_scale *= self.cfg.lr_decay
+        self.kl_scale *= self.cfg.kl_coef_mult
+        self._kl_run, self._vf = 0, []
+        return (f"stability guard tripped: {reason}; rolling back (#{self.rollbacks}), actor LR x{self.lr_scale:g}, "
+                f"KL coefficient x{self.kl_scale:g}")
+
+    def state_dict(self) -> dict:
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollbacks, self.lr_scale, self.kl_scale = state["rollbacks"], state["lr_scale"], state["kl_scale"]
+
+
+# Config keys that shrink the memory of each phase, in the order worth trying.
+MEMORY_KEYS = {
+    "update_weights": ["actor_rollout_ref.rollout.update_weights_bucket_mb"],
+    "gen": ["actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.max_num_seqs",
+            "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "actor_rollout_ref.rollout.free_cache_engine"],
+    "old_log_prob": ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (with log_prob_use_dynamic_bsz=true)"],
+    "ref": ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.fsdp_config.param_offload",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu (with log_prob_use_dynamic_bsz=true)"],
+    "values": ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu (with use_dynamic_bsz=true)"],
+    "update_critic": ["critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu (with use_dynamic_bsz=true)",
+                      "critic.model.enable_gradient_checkpointing", "critic.model.fsdp_config.param_offload",
+                      "critic.model.fsdp_config.optimizer_offload"],
+    "update_actor": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (with use_dynamic_bsz=true)",
+                     "actor_rollout_ref.model.enable_gradient_checkpointing",
+                     "actor_rollout_ref.actor.fsdp_config.param_offload",
+                     "actor_rollout_ref.actor.fsdp_config.optimizer_offload"],
+}
+
+
+def oom_message(phase: str, peak_gb: float, device: str) -> str:
+    """What to say instead of a bare out-of-memory traceback."""
+    keys = MEMORY_KEYS.get(phase, ["data.train_batch_size", "data.max_response_length"])
+    return (f"out of memory in phase '{phase}' on {device} (peak {peak_gb:.1f} GB allocated). Keys that reduce "
+            f"this phase's memory: " + "; ".join(keys))
