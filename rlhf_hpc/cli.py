@@ -15,6 +15,7 @@ from rlhf_hpc.recipe import (ConfigError, dump_yaml, get_key, list_recipes, load
 USAGE = """\
 usage: python launch.py recipe=NAME [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
        python launch.py status|logs|cancel RUN_DIR
+       python launch.py compare RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out DIR]
        python launch.py export RUN_DIR/global_step_N --out DIR [--dtype bfloat16|float32]
        python launch.py --help
 
@@ -123,6 +124,9 @@ def run(argv: list[str]) -> int:
         return jobs_command(argv[0], argv[1:])
     if argv and argv[0] == "prepare":
         return prepare_run(argv[1:])
+    if argv and argv[0] == "compare":
+        from rlhf_hpc.compare import main as compare_main
+        return compare_main(argv[1:])
     recipe, overrides, sweeps, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())
@@ -131,6 +135,8 @@ def run(argv: list[str]) -> int:
         raise ConfigError("no recipe given: add recipe=NAME (one of: "
                           f"{', '.join(list_recipes())}) or recipe=path/to/recipe.yaml")
     dry = flags["dry_run"]
+    if not any(o.startswith("trainer.recipe=") for o in overrides):
+        overrides = [f"trainer.recipe={Path(recipe).stem}"] + overrides
     # A dry run may be prepared away from the cluster, where the data and model paths don't exist:
     # missing files are reported but do not stop it. A real launch checks them first.
     elements = []

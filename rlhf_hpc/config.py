@@ -257,6 +257,8 @@ class GuardConfig:
 class TrainerConfig:
     project_name: str = "rlhf-hpc"
     experiment_name: str = "gsm8k-klppo"
+    recipe: Optional[str] = None  # set by launch.py: the recipe the run started from
+    wandb_group: Optional[str] = None  # null: the recipe (runs of one recipe and a sweep's elements share it)
     # "auto": cuda when torch sees a GPU, else cpu (gloo)
     device: Literal["auto", "cuda", "cpu"] = "auto"
     nnodes: int = 1

@@ -25,6 +25,25 @@ def git_commit() -> Optional[str]:
         return None
 
 
+# keys that name or place a run rather than define the experiment (left out of the config hash)
+RUN_SPECIFIC = ("trainer.default_local_dir", "trainer.experiment_name", "trainer.resume_mode")
+
+
+def config_hash(cfg) -> str:
+    """Short hash of the resolved config, identical for runs that are the same experiment."""
+    import hashlib
+    flat = {k: v for k, v in flatten(to_dict(cfg)).items() if k not in RUN_SPECIFIC}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def wandb_tags(cfg) -> list[str]:
+    commit = git_commit()
+    tags = [f"recipe:{cfg.trainer.recipe}" if cfg.trainer.recipe else None,
+            f"profile:{cfg.launcher.cluster_profile}" if cfg.launcher.cluster_profile else None,
+            f"git:{commit}" if commit else None, f"config:{config_hash(cfg)}"]
+    return [t for t in tags if t]
+
+
 def _fmt_duration(seconds: float) -> str:
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
@@ -61,11 +80,11 @@ class Tracker:
             self.wandb_id = id_file.read_text().strip()
         if self.wandb_id is None:
             self.wandb_id = uuid.uuid4().hex[:12]
-        commit = git_commit()
+        tr = self.cfg.trainer
         self.wandb_run = wandb.init(
-            project=self.cfg.trainer.project_name, name=self.cfg.trainer.experiment_name, id=self.wandb_id,
-            resume="allow", dir=str(self.run_dir), config=flatten(to_dict(self.cfg)),
-            tags=[t for t in (self.cfg.trainer.experiment_name, commit and f"git-{commit}") if t])
+            project=tr.project_name, name=tr.experiment_name, id=self.wandb_id, resume="allow",
+            group=tr.wandb_group or tr.recipe or tr.experiment_name, dir=str(self.run_dir),
+            config=flatten(to_dict(self.cfg)), tags=wandb_tags(self.cfg))
         id_file.write_text(self.wandb_id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -250,8 +250,8 @@ def out_of_memory_report(timer: Timer, device: torch.device):
 
 
 def first_attempt() -> bool:
-    """Before any torchrun restart of the workers (faults fire once, so the restart can recover)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    """Before any restart of the workers (faults fire once, so the restart can recover)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("RLHF_HPC_ATTEMPT", "0") == "0"
 
 
 def _dying_after_first(save_fn, dies: bool):

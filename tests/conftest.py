@@ -38,3 +38,28 @@ def run_launch(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict | N
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def wandb_run_record(wandb_file: Path):
+    """The run record (id, group, tags, config) of an offline W&B run file (``run-<id>.wandb``):
+    a 7-byte header, then leveldb-log blocks of 32 KiB holding protobuf ``Record`` messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = Path(wandb_file).read_bytes()
+    block, hdr, pos, buf = 32768, 7, 7, b""
+    while pos + hdr <= len(data):
+        left = block - pos % block
+        if left < hdr:  # block trailer padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + hdr])
+        chunk = data[pos + hdr:pos + hdr + length]
+        pos += hdr + length
+        buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST continue
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            if rec.WhichOneof("record_type") == "run":
+                return rec.run
+    return None

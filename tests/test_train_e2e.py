@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_hpc.tracking import read_metrics
-from tests.conftest import require, run_launch
+from tests.conftest import require, run_launch, wandb_run_record
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +102,8 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     # W&B (offline): the resumed run continued the same run id, with the config and the keys
     runs = sorted((parts / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in runs}) == 1
+    ids = {wandb_run_record(next(r.glob("run-*.wandb"))).run_id for r in runs}
+    assert ids == {(parts / "wandb_run_id").read_text()}  # the resumed run continued the same W&B run
     for r in runs:  # the offline run file holds the flattened config and the logged keys
         data = next(r.glob("run-*.wandb")).read_bytes()
         assert b"actor_rollout_ref.actor.optim.lr" in data and b"algorithm.kl_ctrl.kl_coef" in data

@@ -12,8 +12,7 @@ from rlhf_hpc.config import Config
 def torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
     """The exact command line local mode runs (also what ``--dry-run`` prints)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
-            f"--max-restarts={cfg.launcher.max_restarts}",
+            f"--nproc-per-node={cfg.trainer.n_gpus_per_node}", "--max-restarts=0",
             "-m", "rlhf_hpc.worker", str(config_path)]
 
 
@@ -28,6 +27,18 @@ def worker_env(cfg: Config) -> dict[str, str]:
 
 
 def run_local(cfg: Config, config_path: str | Path) -> int:
-    """Start torchrun in the foreground; its exit code is the job's."""
-    proc = subprocess.run(torchrun_command(cfg, config_path), env=worker_env(cfg))
-    return proc.returncode
+    """Start torchrun in the foreground; its exit code is the job's. ``launcher.max_restarts``:
+    when the workers fail, a new torchrun (fresh rendezvous) resumes from the latest checkpoint.
+    torchrun's own in-place restarts are not used here: on gloo its restarted group sometimes
+    never connects (seen with torch 2.13 on this kind of machine)."""
+    attempts = cfg.launcher.max_restarts + 1
+    for attempt in range(attempts):
+        env = worker_env(cfg)
+        env["RLHF_HPC_ATTEMPT"] = str(attempt)
+        code = subprocess.run(torchrun_command(cfg, config_path), env=env).returncode
+        if code == 0:
+            return 0
+        if attempt + 1 < attempts:
+            print(f"[rlhf-hpc] workers failed (exit {code}); restart {attempt + 1}/{cfg.launcher.max_restarts} "
+                  f"from the latest checkpoint", flush=True)
+    return code
