@@ -51,6 +51,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
             # the ranks stopped on their own (allocation ending): requeue through submitit's path
             os.kill(os.getpid(), signal.SIGUSR2)
             return f"stopped: {reason}"
+        # training is over: a time-limit warning arriving while the job exits must neither requeue
+        # it nor kill it (USR2's default action) and turn a finished job into a failed one
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         return "completed"
 
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
