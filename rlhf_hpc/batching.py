@@ -56,10 +56,6 @@ def dummy_rows(batch: Batch) -> Batch:
     return select_rows(batch, [0])
 
 
-def concat_batches(batches: list[Batch]) -> Batch:
-    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-
-
 # ------------------------------------------------------------------------------------ packing
 @dataclass
 class Packed:

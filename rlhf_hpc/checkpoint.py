@@ -153,13 +153,6 @@ def verify_checkpoint(path: str | Path) -> Optional[str]:
     return None
 
 
-def checkpoint_is_good(path: str | Path) -> bool:
-    try:
-        return bool(json.loads((Path(path) / COMPLETE).read_text()).get("good", True))
-    except (OSError, ValueError):
-        return False
-
-
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
     """The checkpoint ``latest_checkpointed_iteration.txt`` names, if it is complete."""
     root = Path(root)
