@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from rlhf_hpc import algos
-from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows
+from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
 from rlhf_hpc.config import ActorConfig
 from rlhf_hpc.optim import optimizer_state_on
 from rlhf_hpc.update import ppo_update
@@ -54,15 +54,17 @@ class Actor:
     """The policy on its training mesh (or a plain module with ``dp_size=1`` for references).
 
     ``all_reduce``: SUM over the data-parallel ranks (None when alone); ``dp_size``: the number of
-    ranks FSDP averages gradients over (all ranks, replicate x shard).
+    ranks FSDP averages gradients over (all ranks, replicate x shard). ``device``: where the model
+    computes (with parameter offload its parameters live on the host, so it is not their device).
+    Batches stay on the host; outputs come back to the host.
     """
 
     def __init__(self, model: nn.Module, cfg: ActorConfig, temperature: float = 1.0, remove_padding: bool = True,
                  optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
-                 optimizer_offload: bool = False):
-        self.model, self.cfg = model, cfg
+                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu")):
+        self.model, self.cfg, self.device = model, cfg, device
         self.temperature, self.remove_padding = temperature, remove_padding
         self.optimizer, self.scheduler = optimizer, scheduler
         self.dp_size, self.all_reduce, self.sync_max = dp_size, all_reduce, sync_max
@@ -79,11 +81,11 @@ class Actor:
         groups = micro_batch_groups(batch, micro_batch_size, use_dynamic_bsz, max_token_len, self.sync_max)
         lps, ents, kept = [], [], []
         for g in groups:
-            micro = select_rows(batch, g) if g else dummy_rows(batch)
+            micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
             lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding, with_entropy)
             if g:
-                lps.append(lp)
-                ents.append(ent)
+                lps.append(lp.cpu())
+                ents.append(ent.cpu() if with_entropy else None)
                 kept.append(g)
         lp = restore_order(lps, kept)
         ent = restore_order(ents, kept) if with_entropy else None
@@ -124,4 +126,4 @@ class Actor:
             return loss
 
         return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
-                          "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const)
+                          "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device)

@@ -50,6 +50,12 @@ def select_rows(batch: Batch, rows: torch.Tensor | list[int] | slice) -> Batch:
     return {k: v[rows] for k, v in batch.items()}
 
 
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A micro-batch on the compute device. Step batches stay on the host (they are small: token
+    ids and per-token floats); only what one forward needs moves to the accelerator."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def dummy_rows(batch: Batch) -> Batch:
     """A one-row stand-in for an empty micro-batch: it runs the collectives every rank must join,
     and the caller weights its loss by 0."""
@@ -78,9 +84,10 @@ def pack(batch: Batch) -> Packed:
     starts = torch.cumsum(lengths, 0) - lengths
     prompt_lens = mask[:, :P].sum(-1)
     input_ids = batch["input_ids"][mask].unsqueeze(0)
-    position_ids = torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0)
+    # one host round trip for the lengths, not one per row
+    position_ids = torch.cat([torch.arange(n) for n in lengths.tolist()]).unsqueeze(0)
     # response token j of row b sits at starts[b] + prompt_lens[b] + j; its logits at one before
-    j = torch.arange(R).unsqueeze(0)
+    j = torch.arange(R, device=mask.device).unsqueeze(0)
     index = (starts + prompt_lens).unsqueeze(1) + j - 1
     resp_mask = batch["response_mask"].bool()
     index = torch.where(resp_mask, index, torch.zeros_like(index))

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from rlhf_hpc import algos
-from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, unpack_per_token
+from rlhf_hpc.batching import (Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device,
+                               unpack_per_token)
 from rlhf_hpc.config import CriticConfig
 from rlhf_hpc.optim import optimizer_state_on
 from rlhf_hpc.update import ppo_update
@@ -36,8 +37,8 @@ class Critic:
                  optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
-                 optimizer_offload: bool = False):
-        self.model, self.cfg, self.remove_padding = model, cfg, remove_padding
+                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu")):
+        self.model, self.cfg, self.remove_padding, self.device = model, cfg, remove_padding, device
         self.optimizer, self.scheduler = optimizer, scheduler
         self.dp_size, self.all_reduce, self.sync_max, self.norm_const = dp_size, all_reduce, sync_max, norm_const
         self.optimizer_offload = optimizer_offload
@@ -50,9 +51,10 @@ class Critic:
                                     self.cfg.forward_max_token_len_per_gpu, self.sync_max)
         outs, kept = [], []
         for g in groups:
-            v = per_token_values(self.model, select_rows(batch, g) if g else dummy_rows(batch), self.remove_padding)
+            micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
+            v = per_token_values(self.model, micro, self.remove_padding)
             if g:
-                outs.append(v)
+                outs.append(v.cpu())
                 kept.append(g)
         return restore_order(outs, kept)
 
@@ -76,4 +78,4 @@ class Critic:
             return loss
 
         return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
-                          "critic", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const)
+                          "critic", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device)

@@ -44,7 +44,7 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     attn = attn_implementation(ctx.device)
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
     common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
-                  norm_const=float(cfg.data.max_response_length))
+                  norm_const=float(cfg.data.max_response_length), device=ctx.device)
 
     model = build_causal_lm(mcfg.path, torch_dtype(actor_cfg.fsdp_config.model_dtype), "cpu",
                             mcfg.override_config, seed, mcfg.trust_remote_code, attn)

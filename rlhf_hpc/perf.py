@@ -27,18 +27,25 @@ def peak_flops(device: torch.device, override_tflops: Optional[float] = None) ->
     return 989e12  # unknown GPU: assume an H100-class part; set trainer.peak_tflops to be exact
 
 
-def flops_per_token(config, seq_len: float) -> float:
-    """Forward FLOPs per token of a decoder: 2 x (non-embedding matmul params) + attention scores.
+def model_flops(config, seq_lens, head_tokens: Optional[float] = None) -> float:
+    """Forward FLOPs of a decoder over sequences of ``seq_lens`` tokens (each attends only to itself,
+    as packed sequences do): 2 x the matmul parameters of the layers per token (q/o: h x h, k/v:
+    h x kv_dim, MLP: 3 x h x i), causal attention 2 x layers x h x L^2 per sequence (QK^T and AV,
+    half of the L x L square), and the LM head 2 x h x V on ``head_tokens`` tokens (default: all;
+    training computes logits only where a response token is predicted).
 
-    Matmul parameters of one layer: q/o (h x h each), k/v (h x kv_dim each), MLP (3 x h x i); plus the
-    LM head (h x V). Attention: 4 x layers x h x seq_len (QK^T and AV) averaged over positions.
+    Backward is twice the forward; activation recomputation is not counted (model FLOPs, not
+    hardware FLOPs), so MFU with checkpointing on measures the cost of the recompute too.
     """
     h, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kv_dim = h // heads * kv_heads
+    kv_dim = getattr(config, "head_dim", None) or h // heads
+    kv_dim *= kv_heads
     per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * inter
-    matmul = layers * per_layer + h * vocab
-    return 2 * matmul + 2 * layers * h * seq_len  # causal: half of 4 x h x L on average
+    lens = [float(n) for n in seq_lens]
+    tokens = sum(lens)
+    head = tokens if head_tokens is None else float(head_tokens)
+    return 2 * layers * per_layer * tokens + 2 * layers * h * sum(n * n for n in lens) + 2 * h * vocab * head
 
 
 class Timer:

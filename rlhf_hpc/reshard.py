@@ -32,15 +32,20 @@ def hf_name(name: str) -> str:
 
 
 def _shard_info(p: torch.Tensor):
-    """(local tensor, process group of the sharded mesh dim or None, full dim-0 size)."""
+    """(local tensor on the mesh's device, process group of the sharded mesh dim or None, full
+    dim-0 size). With parameter offload the shard lives on the host while the mesh (and NCCL)
+    is on the GPU: the shard is copied over first, which is also where the engine wants it."""
     if not isinstance(p, DTensor):
         return p, None, p.shape[0] if p.dim() else None
+    local = p.to_local()
+    if p.device_mesh.device_type == "cuda" and local.device.type != "cuda":
+        local = local.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
     dims = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
     if not dims:
-        return p.to_local(), None, p.shape[0]
+        return local, None, p.shape[0]
     if len(dims) > 1 or p.placements[dims[0]].dim != 0:
         raise ValueError(f"only dim-0 sharding is supported, got {p.placements}")
-    return p.to_local(), p.device_mesh.get_group(dims[0]), p.shape[0]
+    return local, p.device_mesh.get_group(dims[0]), p.shape[0]
 
 
 def _buckets(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, bucket_bytes: int):

@@ -37,7 +37,7 @@ from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.engine import Engine, build_engine
 from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
-from rlhf_hpc.perf import Timer, flops_per_token, memory_metrics, peak_flops
+from rlhf_hpc.perf import Timer, memory_metrics, model_flops, peak_flops
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
@@ -117,8 +117,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     if tr.val_before_train and val and step == 0:
         tracker.log(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn), step)
 
-    flops_tok = flops_per_token(model_config(arr.model.path, arr.model.override_config),
-                                cfg.data.max_prompt_length + cfg.data.max_response_length)
+    model_cfg = model_config(arr.model.path, arr.model.override_config)  # for the FLOP count
     while step < total_steps:
         step += 1
         timer, metrics = Timer(), {}
@@ -180,7 +179,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
         metrics.update(timer.times)
-        metrics.update(perf_metrics(cfg, ctx, batch, timer.times, flops_tok))
+        metrics.update(perf_metrics(cfg, ctx, batch, timer.times, model_cfg))
         metrics["training/epoch"] = sampler.epoch
         # 10. validation, 11. checkpoint
         if val and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == total_steps):
@@ -437,15 +436,19 @@ def global_logprob_mismatch(engine_lp: torch.Tensor, actor_lp: torch.Tensor, mas
     return {"rollout/logprob_diff_max": m.item(), "rollout/logprob_diff_mean": (t[0] / max(t[1].item(), 1.0)).item()}
 
 
-def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, flops_tok: float) -> dict[str, float]:
-    tokens = all_reduce_sum(torch.tensor([float(batch["attention_mask"].sum())], dtype=torch.float64)).item()
+def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, model_cfg) -> dict[str, float]:
+    # forward FLOPs of this rank's sequences (logits only on response tokens), summed over ranks
+    local = torch.tensor([float(batch["attention_mask"].sum()),
+                          model_flops(model_cfg, batch["attention_mask"].sum(-1).tolist(),
+                                      float(batch["response_mask"].sum()))], dtype=torch.float64)
+    tokens, fwd_flops = all_reduce_sum(local).tolist()
     step_s = times.get("timing_s/step", 0.0)
     out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s,
            "perf/throughput": tokens / max(step_s, 1e-9) / ctx.world_size}
     update_s = times.get("timing_s/update_actor")
     if update_s:
         # forward + backward = 3 x forward, per epoch
-        flops = 3 * flops_tok * tokens * cfg.actor_rollout_ref.actor.ppo_epochs
+        flops = 3 * fwd_flops * cfg.actor_rollout_ref.actor.ppo_epochs
         out["perf/mfu/actor"] = flops / update_s / (peak_flops(ctx.device, cfg.trainer.peak_tflops) * ctx.world_size)
     out.update(memory_metrics(ctx.device))
     return out

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rlhf_hpc import algos
-from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, select_rows
+from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, select_rows, to_device
 from rlhf_hpc.metrics import UpdateMetrics
 from rlhf_hpc.optim import clip_grad_norm
 
@@ -20,9 +20,10 @@ MicroLoss = Callable[[Batch, dict, UpdateMetrics, float], torch.Tensor]
 def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch, mini_batch_rows: int,
                cfg, micro_loss: MicroLoss, prefix: str, seed: int, dp_size: int,
                all_reduce: Optional[Callable] = None, sync_max: Optional[Callable] = None,
-               norm_const: Optional[float] = None) -> dict[str, float]:
+               norm_const: Optional[float] = None, device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """Run the update; ``cfg`` has ppo_epochs, shuffle, ppo_micro_batch_size_per_gpu, use_dynamic_bsz,
-    ppo_max_token_len_per_gpu and grad_clip (ActorConfig or CriticConfig). Returns metrics that are
+    ppo_max_token_len_per_gpu and grad_clip (ActorConfig or CriticConfig). ``batch`` lives on the
+    host; each micro-batch moves to ``device`` for its forward/backward. Returns metrics that are
     the same on every rank."""
     model.train()
     B = batch["responses"].shape[0]
@@ -41,7 +42,8 @@ def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
             metrics.new_mini_batch()
             for g in groups:
                 weight = 1.0 if g else 0.0  # an empty group runs a dummy row: collectives stay in step
-                loss = micro_loss(select_rows(mini, g) if g else dummy_rows(mini), kw, metrics, weight)
+                micro = to_device(select_rows(mini, g) if g else dummy_rows(mini), device)
+                loss = micro_loss(micro, kw, metrics, weight)
                 # FSDP averages gradients over dp_size ranks; the loss is this rank's share of a sum
                 (loss * (dp_size * weight)).backward()
             grad_norm = clip_grad_norm(model, cfg.grad_clip)

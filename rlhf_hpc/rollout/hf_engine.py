@@ -10,7 +10,7 @@ from typing import Iterable
 
 import torch
 
-from rlhf_hpc.models import build_causal_lm, torch_dtype
+from rlhf_hpc.models import build_causal_lm, is_tiny, torch_dtype
 from rlhf_hpc.rollout.base import Response, Sampling, check_weight
 
 
@@ -20,8 +20,10 @@ class HFEngine:
     def __init__(self, cfg, model_path: str, device: torch.device, seed: int = 0):
         mcfg, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
         self.device = device
-        self.model = build_causal_lm(model_path, torch_dtype(rollout.dtype), "cpu", mcfg.override_config,
-                                     seed=cfg.trainer.seed, trust_remote_code=mcfg.trust_remote_code).to(device)
+        # a random-weight model is built straight on the device (no host copy, fast init on a GPU)
+        self.model = build_causal_lm(model_path, torch_dtype(rollout.dtype), device if is_tiny(model_path) else "cpu",
+                                     mcfg.override_config, seed=cfg.trainer.seed,
+                                     trust_remote_code=mcfg.trust_remote_code).to(device)
         self.model.eval().requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self._spec = {k: tuple(v.shape) for k, v in self._params.items()}
@@ -82,10 +84,13 @@ class HFEngine:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls)
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
-        new = out.sequences[:, width:].cpu()
-        # scores are the processed logits the sampler drew from (after temperature/top-k/top-p)
-        logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).cpu()
-        picked = logprobs.gather(-1, new[:, : logprobs.shape[1]].unsqueeze(-1)).squeeze(-1)
+        new_dev = out.sequences[:, width:]
+        new = new_dev.cpu()
+        # scores are the processed logits the sampler drew from (after temperature/top-k/top-p);
+        # one step at a time: a (rows, steps, vocab) stack would be the size of all the scores again
+        picked = torch.stack([torch.log_softmax(s.float(), -1).gather(-1, new_dev[:, t:t + 1]).squeeze(-1)
+                              for t, s in enumerate(out.scores)], 1).cpu()
+        del out
         results = []
         for i in range(len(prompts)):
             toks, lps = new[i].tolist(), picked[i].tolist()

@@ -1,0 +1,144 @@
+"""The GPU readiness script (``python -m rlhf_hpc.bench.gpu_check``) on tiny shapes on the CPU, as
+the GPU machine will see it: no vLLM, flash-attn, W&B or submitit importable. Plus the FLOP
+formula its MFU (and the trainer's ``perf/mfu/actor``) divides by, against torch's FLOP counter.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+# packages the GPU machine does not have: hidden from imports and from importlib.util.find_spec
+ABSENT = ("vllm", "flash_attn", "wandb", "submitit")
+BOOT = ("import sys, runpy\n"
+        f"for name in {ABSENT!r}:\n"
+        "    sys.modules[name] = None\n"
+        "sys.argv = ['gpu_check'] + sys.argv[1:]\n"
+        "runpy.run_module('rlhf_hpc.bench.gpu_check', run_name='__main__')\n")
+
+
+def _params(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, tied: bool) -> int:
+    head_dim, kv_dim = hidden // heads, hidden // heads * kv
+    attn = hidden * hidden + hidden + 2 * (hidden * kv_dim + kv_dim) + hidden * hidden  # q (bias), k/v (bias), o
+    layer = attn + 3 * hidden * inter + 2 * hidden  # MLP, two RMSNorms
+    assert head_dim == 32
+    return layers * layer + vocab * hidden * (1 if tied else 2) + hidden
+
+
+SMOKE_L_PARAMS = _params(192, 512, 2, 6, 2, 512, tied=False)
+
+
+def run_check(out_dir, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", BOOT, str(out_dir), "--cpu-smoke", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    # a generous budget: the smoke run takes ~15 s alone, but CI machines are shared
+    proc = run_check(out, "--budget-s", "400")
+    return proc, out, json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
+
+
+def test_smoke_runs_every_case_without_optional_packages(smoke):
+    proc, out, data = smoke
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["mode"] == "cpu-smoke"
+    env = data["env"]
+    assert env["vllm_installed"] is False and env["flash_attn_installed"] is False
+    assert env["backend"] == "gloo" and env["attn_implementation"] == "sdpa"
+    assert env["matmul_bf16_tflops"] > 0
+    cases = data["cases"]
+    failed = [(c["model"], c["case"], c["status"], c.get("note"), c.get("traceback")) for c in cases
+              if c["status"] != "ok"]
+    assert not failed, failed
+    names = {(c["model"], c["case"]) for c in cases}
+    for model in ("smoke-s", "smoke-m"):
+        assert (model, "actor update: packed+dynamic, AC off") in names
+        assert (model, "actor update: packed+dynamic, AC on") in names
+        assert (model, "rollout: weight sync + hf generate") in names
+        assert (model, "reference log-prob forward") in names
+        assert (model, "critic value forward") in names
+    assert ("smoke-l", "7B-shape fwd/bwd micro-batch, offload off") in names
+    assert ("smoke-l", "7B-shape fwd/bwd micro-batch, param+optim offload") in names
+    assert ("tiny_klppo", "tiny KL-PPO: 2 steps end to end (fit)") in names
+
+
+def test_smoke_figures_are_measurements(smoke):
+    _, _, data = smoke
+    by = {(c["model"], c["case"]): c for c in data["cases"]}
+    for (model, case), c in by.items():
+        if model == "-":
+            continue
+        assert c["tokens_per_s"] > 0 and math.isfinite(c["tokens_per_s"]), (model, case)
+        assert c["time_s"] > 0 and c["peak_gib"] > 0, (model, case)
+        if "mfu" in c:
+            assert 0 < c["mfu"] and math.isfinite(c["mfu"]), (model, case)
+    for model in ("smoke-s", "smoke-m"):
+        off = by[(model, "actor update: packed+dynamic, AC off")]
+        on = by[(model, "actor update: packed+dynamic, AC on")]
+        # the same batch: identical FLOP counts, so MFU ratios are time ratios
+        assert off["model_tflop"] == on["model_tflop"] and off["valid_tokens"] == on["valid_tokens"]
+        assert math.isclose(off["mfu"] / on["mfu"], on["time_s"] / off["time_s"], rel_tol=1e-9)
+        sync = by[(model, "rollout: weight sync + hf generate")]
+        assert sync["sync_s"] > 0 and sync["bucket_mb"] > 0
+    for case in ("7B-shape fwd/bwd micro-batch, offload off", "7B-shape fwd/bwd micro-batch, param+optim offload"):
+        big = by[("smoke-l", case)]
+        # every parameter streamed once in bf16 (the untied head and embedding both)
+        assert big["streamed_gib"] * 2**30 == pytest.approx(2 * SMOKE_L_PARAMS, rel=1e-9)
+    padded = by[("smoke-s", "actor update: padded fixed micro-batches, AC off")]
+    assert padded["computed_tokens"] > padded["valid_tokens"]  # the padding it computes on
+    tiny = by[("tiny_klppo", "tiny KL-PPO: 2 steps end to end (fit)")]
+    assert tiny["logprob_diff_max"] < 1e-4  # fp32 engine and actor agree after the weight sync
+    attn = by[("-", "attention: packed, dense mask vs per sequence")]
+    assert attn["max_abs_diff"] < 2e-2  # bf16: the dense block-diagonal mask is per-sequence attention
+
+
+def test_smoke_prints_the_table_last_and_writes_it(smoke):
+    proc, out, data = smoke
+    lines = proc.stdout.strip().splitlines()
+    n = len(data["cases"])
+    table = lines[-(n + 2):]
+    assert table[0].startswith("| model | case | status |")
+    assert all(line.startswith("| ") for line in table)
+    assert (out / "gpu_check.md").read_text().strip().splitlines() == table
+
+
+def test_budget_skips_cases_and_says_so(tmp_path):
+    proc = run_check(tmp_path, "--budget-s", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["cases"] and all(c["status"] == "skipped" for c in data["cases"])
+    assert all("of the budget left" in c["note"] for c in data["cases"])
+    assert "skipped" in proc.stdout.splitlines()[-1]
+
+
+def test_model_flops_match_torch_flop_counter():
+    """The FLOP formula behind every MFU figure, against torch's count of the matmuls of a real
+    forward (one sequence; eager attention, whose matmuls the counter sees: it computes the full
+    L x L square, the formula counts the causal half)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rlhf_hpc.models import build_causal_lm
+    from rlhf_hpc.perf import model_flops
+    model = build_causal_lm("tiny://qwen2?vocab_size=320&num_hidden_layers=3&intermediate_size=384", torch.float32,
+                            attn="eager")
+    cfg = model.config
+    for L, keep in ((48, 48), (80, 16)):
+        ids = torch.randint(0, cfg.vocab_size, (1, L))
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(input_ids=ids, logits_to_keep=keep)
+        expected = model_flops(cfg, [L], head_tokens=keep) + 2 * cfg.num_hidden_layers * cfg.hidden_size * L * L
+        assert counter.get_total_flops() == pytest.approx(expected, rel=1e-9), (L, keep)
+    # packed sequences: attention grows with each sequence's own length, the rest with tokens
+    a, b = model_flops(cfg, [30, 50], 10), model_flops(cfg, [80], 10)
+    assert b - a == 2 * cfg.num_hidden_layers * cfg.hidden_size * (80**2 - 30**2 - 50**2)
