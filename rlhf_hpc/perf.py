@@ -29,7 +29,7 @@ def peak_flops(device: torch.device, override_tflops: Optional[float] = None) ->
 
 def model_flops(config, seq_lens, head_tokens: Optional[float] = None) -> float:
     """Forward FLOPs of a decoder over sequences of ``seq_lens`` tokens (each attends only to itself,
-    as packed sequences do): 2 x the matmul parameters of the layers per token (q/o: h x h, k/v:
+    as packed sequences do): 2 x the matmul parameters of the layers per token (q/o: h x q_dim, k/v:
     h x kv_dim, MLP: 3 x h x i), causal attention 2 x layers x h x L^2 per sequence (QK^T and AV,
     half of the L x L square), and the LM head 2 x h x V on ``head_tokens`` tokens (default: all;
     training computes logits only where a response token is predicted).
@@ -39,13 +39,13 @@ def model_flops(config, seq_lens, head_tokens: Optional[float] = None) -> float:
     """
     h, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kv_dim = getattr(config, "head_dim", None) or h // heads
-    kv_dim *= kv_heads
-    per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * inter
+    q_dim = (getattr(config, "head_dim", None) or h // heads) * heads
+    kv_dim = q_dim // heads * kv_heads
+    per_layer = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * inter
     lens = [float(n) for n in seq_lens]
     tokens = sum(lens)
     head = tokens if head_tokens is None else float(head_tokens)
-    return 2 * layers * per_layer * tokens + 2 * layers * h * sum(n * n for n in lens) + 2 * h * vocab * head
+    return 2 * layers * per_layer * tokens + 2 * layers * q_dim * sum(n * n for n in lens) + 2 * h * vocab * head
 
 
 class Timer:
