@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+# values of override_config.attn_implementation (verl's key); varlen: rlhf_hpc/attention.py
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
+
 KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                  "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",

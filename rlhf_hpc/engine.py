@@ -41,7 +41,7 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     """
     arr, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
     mcfg, seed = arr.model, cfg.trainer.seed
-    attn = attn_implementation(ctx.device)
+    attn = attn_implementation(ctx.device, mcfg.override_config)
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
     common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
                   norm_const=float(cfg.data.max_response_length), device=ctx.device)
@@ -71,8 +71,8 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
         init_from = build_causal_lm(mcfg.path, torch.float32, "cpu", mcfg.override_config, seed,
                                     mcfg.trust_remote_code, attn) if is_tiny(ccfg.model.path) else None
         cmodel = build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), "cpu",
-                              ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code, attn,
-                              init_from=init_from)
+                              ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
+                              attn_implementation(ctx.device, ccfg.model.override_config), init_from=init_from)
         del init_from
         _shard(cmodel, ccfg.model.fsdp_config, ctx, ccfg.model.enable_gradient_checkpointing)
         copt = build_optimizer(cmodel, ccfg.optim)

@@ -33,11 +33,21 @@ def is_tiny(path: str) -> bool:
     return path.startswith("tiny://")
 
 
-def attn_implementation(device: torch.device) -> str:
-    """flash_attention_2 on a GPU where flash-attn is installed, else sdpa."""
+def attn_implementation(device: torch.device, override: Optional[dict] = None) -> str:
+    """``override_config.attn_implementation`` when set (verl's key; ``varlen``: rlhf_hpc.attention),
+    else flash_attention_2 on a GPU where flash-attn is installed, else sdpa."""
+    if override and override.get("attn_implementation"):
+        return override["attn_implementation"]
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
+
+
+def _use_attn(config, attn: str) -> None:
+    if attn == "varlen":
+        from rlhf_hpc import attention
+        attention.register()
+    config._attn_implementation = attn
 
 
 def model_config(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
@@ -53,7 +63,8 @@ def model_config(path: str, override: Optional[dict] = None, trust_remote_code: 
     else:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for k, v in (override or {}).items():
-        setattr(config, k, v)
+        if k != "attn_implementation":  # chosen per build (attn_implementation()), not a config field
+            setattr(config, k, v)
     return config
 
 
@@ -63,7 +74,7 @@ def build_causal_lm(path: str, dtype: torch.dtype, device: torch.device | str = 
     """Actor / reference model in ``dtype`` on ``device`` ("meta" builds the structure only)."""
     from transformers import AutoModelForCausalLM
     config = model_config(path, override, trust_remote_code)
-    config._attn_implementation = attn
+    _use_attn(config, attn)
     if is_tiny(path) or str(device) == "meta":
         with torch.device(device):
             torch.manual_seed(seed)  # same random weights on every rank
@@ -122,7 +133,7 @@ def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cp
     freshly built tiny actor) and a new value head."""
     from transformers import AutoModel
     config = model_config(path, override, trust_remote_code)
-    config._attn_implementation = attn
+    _use_attn(config, attn)
     if is_tiny(path) or str(device) == "meta":
         with torch.device(device):
             torch.manual_seed(seed)

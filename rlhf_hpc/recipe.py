@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from rlhf_hpc.config import Config
+from rlhf_hpc.config import ATTN_IMPLEMENTATIONS, Config
 
 RECIPE_META_KEYS = ("base", "description")
 
@@ -492,6 +492,11 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
               positive("actor_rollout_ref.rollout.n", rollout.n),
               positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
               positive("critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)])
+    for key, override in (("actor_rollout_ref.model", arr.model.override_config), ("critic.model", critic.model.override_config)):
+        attn = override.get("attn_implementation")
+        if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
+            errors.append(f"{key}.override_config.attn_implementation={attn!r} is not one of "
+                          f"{', '.join(ATTN_IMPLEMENTATIONS)}{_did_you_mean(str(attn), ATTN_IMPLEMENTATIONS)}")
     for key in ("data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.actor.ppo_epochs",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.update_weights_bucket_mb",

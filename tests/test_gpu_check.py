@@ -65,6 +65,7 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     for model in ("smoke-s", "smoke-m"):
         assert (model, "actor update: packed+dynamic, AC off") in names
         assert (model, "actor update: packed+dynamic, AC on") in names
+        assert (model, "actor update: packed+dynamic, AC off, varlen attn") in names
         assert (model, "rollout: weight sync + hf generate") in names
         assert (model, "reference log-prob forward") in names
         assert (model, "critic value forward") in names
@@ -89,6 +90,9 @@ def test_smoke_figures_are_measurements(smoke):
         # the same batch: identical FLOP counts, so MFU ratios are time ratios
         assert off["model_tflop"] == on["model_tflop"] and off["valid_tokens"] == on["valid_tokens"]
         assert math.isclose(off["mfu"] / on["mfu"], on["time_s"] / off["time_s"], rel_tol=1e-9)
+        varlen = by[(model, "actor update: packed+dynamic, AC off, varlen attn")]
+        assert varlen["model_tflop"] == off["model_tflop"]
+        assert varlen["logprob_diff_vs_sdpa_mean"] < 2e-2  # bf16 compute: close, not bit-equal
         sync = by[(model, "rollout: weight sync + hf generate")]
         assert sync["sync_s"] > 0 and sync["bucket_mb"] > 0
     for case in ("7B-shape fwd/bwd micro-batch, offload off", "7B-shape fwd/bwd micro-batch, param+optim offload"):

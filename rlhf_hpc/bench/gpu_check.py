@@ -12,7 +12,8 @@ downloads, no vLLM or flash-attn needed) and measures, each case on its own fres
   tiny KL-PPO      two steps of the ``tiny_klppo`` recipe end to end on the device (fit(), hf engine,
                    critic, reference, checkpoint, validation)
   actor update     tokens/s, MFU, peak memory: packed + dynamic token budget, activation
-                   checkpointing off/on (and padded fixed micro-batches on 0.5B as the baseline)
+                   checkpointing off/on, attention sdpa or varlen (rlhf_hpc/attention.py, checked
+                   against sdpa's log-probs first), padded fixed micro-batches on 0.5B as the baseline
   forward          reference log-probs and critic values, tokens/s
   rollout          streaming weight sync into the hf engine (time, peak memory rise), then
                    generate (tokens/s)
@@ -304,14 +305,14 @@ class Models:
                           mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"))
 
     def actor(self, shape: Shape, work: Workload, grad_ckpt: bool = False, offload: bool = False,
-              train: bool = True, packed: bool = True):
+              train: bool = True, packed: bool = True, attn: str = "sdpa"):
         from rlhf_hpc.actor import Actor
         from rlhf_hpc.config import ActorConfig
         from rlhf_hpc.dist import build_train_mesh
         from rlhf_hpc.models import build_causal_lm
         from rlhf_hpc.optim import build_optimizer
         from rlhf_hpc.parallel import parallelize
-        model = build_causal_lm(shape.path, torch.float32, self.device, seed=0)
+        model = build_causal_lm(shape.path, torch.float32, self.device, seed=0, attn=attn)
         if not train:
             model.requires_grad_(False)
         parallelize(model, build_train_mesh(self.device, 1, -1), self.fsdp(offload), self.device,
@@ -352,9 +353,10 @@ def env_info(device: torch.device, work: Workload) -> dict:
             "peak_tflops_assumed": peak_flops(device) / 1e12}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
+        nccl = torch.cuda.nccl.version()  # a tuple in recent releases, an int in old ones
         info.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())), bf16=torch.cuda.is_bf16_supported(),
-                    sm_count=props.multi_processor_count)
+                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+                    bf16=torch.cuda.is_bf16_supported(), sm_count=props.multi_processor_count)
     else:
         info.update(cpu_cores=os.cpu_count(), threads=torch.get_num_threads())
     n = work.matmul
@@ -458,11 +460,26 @@ def tiny_klppo_case(device: torch.device) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def attention_agreement(models: Models, shape: Shape, work: Workload, actor, batch: dict) -> dict:
+    """Log-probs of ``actor`` (another attention implementation) against sdpa with the same
+    weights (same seed) on the same batch; raises when they disagree beyond bf16 noise."""
+    lp, _ = actor.compute_log_prob(batch, work.padded_micro, True, work.max_token_len)
+    reference = models.actor(shape, work, train=False)
+    lp_ref, _ = reference.compute_log_prob(batch, work.padded_micro, True, work.max_token_len)
+    diff = (lp - lp_ref).abs()[batch["response_mask"].bool()]
+    out = {"logprob_diff_vs_sdpa_max": diff.max().item(), "logprob_diff_vs_sdpa_mean": diff.mean().item()}
+    if not out["logprob_diff_vs_sdpa_mean"] < 2e-2:
+        raise RuntimeError(f"attention disagrees with sdpa: mean |log-prob diff| {out['logprob_diff_vs_sdpa_mean']:.3g}")
+    return out
+
+
 def actor_update_case(models: Models, shape: Shape, work: Workload, device: torch.device, grad_ckpt: bool,
-                      packed: bool = True) -> dict:
+                      packed: bool = True, attn: str = "sdpa") -> dict:
     from rlhf_hpc.perf import peak_flops
-    actor = models.actor(shape, work, grad_ckpt=grad_ckpt, packed=packed)
+    actor = models.actor(shape, work, grad_ckpt=grad_ckpt, packed=packed, attn=attn)
     batch = rollout_batch(work, shape.vocab_size)
+    agreement = attention_agreement(models, shape, work, actor, batch) if attn != "sdpa" else {}
+    free_memory(device)
     resident = used_memory_gib(device)
     reset_peak(device)
     secs, metrics = timed(lambda: actor.update_policy(batch, work.rows), device, work.reps)
@@ -472,10 +489,12 @@ def actor_update_case(models: Models, shape: Shape, work: Workload, device: torc
     valid = int(batch["attention_mask"].sum())
     computed = valid if packed else batch["input_ids"].numel()
     micro = (f"token budget {work.max_token_len}" if packed else f"{work.padded_micro} rows/micro-batch")
+    note = f"{work.rows} rows, {valid} tokens, {micro}"
+    if agreement:
+        note += f"; log-probs vs sdpa: mean diff {agreement['logprob_diff_vs_sdpa_mean']:.1e}"
     return {"time_s": secs, "tokens_per_s": valid / secs, "mfu": flops / secs / peak_flops(device),
             "peak_gib": peak_memory_gib(device), "resident_gib": resident, "valid_tokens": valid,
-            "computed_tokens": computed, "model_tflop": flops / 1e12,
-            "note": f"{work.rows} rows, {valid} tokens, {micro}"}
+            "computed_tokens": computed, "model_tflop": flops / 1e12, **agreement, "note": note}
 
 
 def forward_case(models: Models, shape: Shape, work: Workload, device: torch.device, critic: bool) -> dict:
@@ -600,7 +619,9 @@ def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> 
         out += [Case("actor update: packed+dynamic, AC off", shape.name, 25 * t * k,
                      lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=False)),
                 Case("actor update: packed+dynamic, AC on", shape.name, 25 * t * k,
-                     lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=True))]
+                     lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=True)),
+                Case("actor update: packed+dynamic, AC off, varlen attn", shape.name, 30 * t * k,
+                     lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=False, attn="varlen"))]
         if shape is small:
             out += [Case("reference log-prob forward", shape.name, 15 * t * k,
                          lambda s=shape: forward_case(models, s, work, device, critic=False)),

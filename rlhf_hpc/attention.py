@@ -1,0 +1,115 @@
+"""Packed-sequence attention without the flash-attn package: ``attn_implementation="varlen"``.
+
+A packed row holds several sequences, position ids restarting at 0 for each. With sdpa,
+transformers gives the kernel a dense block-diagonal mask over the whole row: every pair of the
+row's N tokens is computed (N^2, and a masked sdpa cannot use its flash kernel) where the sequences
+need only the sum of L_i^2. "varlen" gives each sequence its own causal attention:
+
+- on a GPU in fp16/bf16: torch's variable-length flash kernel
+  (``torch.nn.attention.varlen.varlen_attn``, part of torch, no extra package);
+- elsewhere: causal sdpa once per sequence (the reference the kernel is checked against).
+
+Calls that carry a padding mask (padded batches) go to sdpa unchanged, and so does decoding with a
+KV cache. Select it with ``actor_rollout_ref.model.override_config.attn_implementation: varlen``
+(verl's key); the default stays flash_attention_2 where flash-attn is installed, else sdpa.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+NAME = "varlen"
+
+# one forward passes the same position_ids tensor to every layer: find its sequences once
+_cached: tuple[Optional[torch.Tensor], Optional[torch.Tensor], int] = (None, None, 0)
+
+
+def register() -> str:
+    """Make ``NAME`` a transformers attention implementation (idempotent); returns ``NAME``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    AttentionMaskInterface.register(NAME, varlen_mask)
+    return NAME
+
+
+def varlen_mask(*args, **kwargs):
+    """No mask where the position ids say where sequences start (packed or unpadded rows); the sdpa
+    mask where a padding mask is given."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+    return sdpa_mask(*args, **kwargs)
+
+
+def sequence_starts(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(B, L) position ids -> (cu_seqlens (S+1,) int32 over the flattened B*L tokens, longest
+    sequence). A sequence starts where its position id is 0, and at every row start."""
+    global _cached
+    if _cached[0] is position_ids:
+        return _cached[1], _cached[2]
+    B, L = position_ids.shape
+    start = position_ids == 0
+    start[:, 0] = True
+    starts = start.reshape(-1).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([B * L])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    _cached = (position_ids, cu, longest)
+    return cu, longest
+
+
+def _kernel():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def kernel_arguments(kernel, scaling: Optional[float], heads: int, kv_heads: int) -> tuple[dict, int]:
+    """Keyword arguments for this torch's ``varlen_attn`` (its causal switch and GQA support
+    changed between releases), and how many times to repeat each key/value head without GQA."""
+    params = inspect.signature(kernel).parameters
+    kw = {"scale": scaling}
+    kw.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+    if kv_heads != heads and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+        return kw, 1
+    return kw, heads // kv_heads
+
+
+def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                             position_ids: Optional[torch.Tensor] = None, **kwargs):
+    """transformers attention function. query (B, H, L, D), key/value (B, Hkv, L, D) ->
+    ((B, L, H, D), None)."""
+    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if sliding_window is not None or dropout:
+        raise ValueError("attn_implementation=varlen supports neither sliding-window attention nor attention "
+                         "dropout; use sdpa or flash_attention_2 for this model")
+    B, H, L, D = query.shape
+    kv_heads = key.shape[1]
+    cu, longest = sequence_starts(position_ids.reshape(B, L))
+    q = query.transpose(1, 2).reshape(B * L, H, D)
+    k = key.transpose(1, 2).reshape(B * L, kv_heads, D)
+    v = value.transpose(1, 2).reshape(B * L, kv_heads, D)
+    kernel = _kernel()
+    if kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        kw, repeat = kernel_arguments(kernel, scaling, H, kv_heads)
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+        out = kernel(q, k, v, cu, cu, longest, longest, **kw)
+    else:
+        bounds = cu.tolist()
+        out = torch.cat([
+            F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                           is_causal=True, scale=scaling, enable_gqa=kv_heads != H).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:])])
+    return out.reshape(B, L, H, D), None

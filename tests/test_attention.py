@@ -1,0 +1,99 @@
+"""``attn_implementation=varlen`` (rlhf_hpc/attention.py): per-sequence attention for packed rows.
+
+On the CPU it runs its reference path (causal sdpa per sequence); the GPU kernel is checked by the
+GPU readiness script against sdpa. Here: the same log-probs and gradients as sdpa for packed,
+padded and unpadded batches, the sequence boundaries it used, and its selection by config.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_hpc import attention
+from rlhf_hpc.actor import per_token_logprobs
+from rlhf_hpc.batching import make_padded_batch, pack
+from rlhf_hpc.models import attn_implementation, build_causal_lm, build_critic
+from rlhf_hpc.recipe import ConfigError, load_config
+
+URL = "tiny://qwen2?vocab_size=200&num_hidden_layers=2&num_attention_heads=4&num_key_value_heads=2"
+
+
+def batch(prompt_lens, resp_lens, P, R, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in prompt_lens]
+    resps = [torch.randint(1, 200, (n,), generator=g).tolist() for n in resp_lens]
+    return make_padded_batch(prompts, resps, 0, P, R)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return (build_causal_lm(URL, torch.float32, attn="sdpa", seed=3),
+            build_causal_lm(URL, torch.float32, attn="varlen", seed=3))
+
+
+def test_varlen_matches_sdpa_packed_padded_and_unpadded(models):
+    sdpa, varlen = models
+    assert varlen.config._attn_implementation == "varlen"
+    ragged = batch((12, 5, 9), (10, 3, 7), 12, 10)
+    full = batch((6, 6), (4, 4), 6, 4)  # no padding at all: sdpa's mask is skipped, varlen takes over
+    for b, packed in ((ragged, True), (ragged, False), (full, False)):
+        lp_ref, _ = per_token_logprobs(sdpa, b, remove_padding=packed)
+        lp, _ = per_token_logprobs(varlen, b, remove_padding=packed)
+        assert (lp - lp_ref).abs().max().item() < 1e-5, packed
+    # the packed forward split the row where the sequences are
+    lens = ragged["attention_mask"].sum(-1)
+    per_token_logprobs(varlen, ragged, remove_padding=True)
+    cu = attention._cached[1].tolist()
+    assert cu == [0] + torch.cumsum(lens, 0).tolist()
+    assert attention._cached[2] == int(lens.max())
+
+
+def test_varlen_gradients_match_sdpa(models):
+    sdpa, varlen = models
+    b = batch((12, 5, 9, 2), (10, 3, 7, 10), 12, 10, seed=4)
+    for m in models:
+        m.zero_grad()
+        lp, _ = per_token_logprobs(m, b, remove_padding=True)
+        (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+    diffs = [(p.grad - q.grad).abs().max().item() for p, q in zip(sdpa.parameters(), varlen.parameters())]
+    assert max(diffs) < 1e-5
+
+
+def test_sequence_starts_of_packed_positions():
+    # two rows: a packed row of lengths 3, 2, 4 and a row whose positions start mid-sequence
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [5, 6, 7, 8, 0, 1, 2, 3, 4]])
+    cu, longest = attention.sequence_starts(pos)
+    assert cu.tolist() == [0, 3, 5, 9, 13, 18] and cu.dtype == torch.int32
+    assert longest == 5
+    p = pack(batch((4, 2), (3, 3), 4, 3))
+    cu, _ = attention.sequence_starts(p.position_ids)
+    assert cu.tolist() == [0, 7, 12]
+
+
+def test_varlen_is_chosen_by_verl_override_key_and_validated():
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.override_config.attn_implementation=varlen"])
+    mcfg = cfg.actor_rollout_ref.model
+    assert attn_implementation(torch.device("cpu"), mcfg.override_config) == "varlen"
+    assert attn_implementation(torch.device("cpu"), cfg.critic.model.override_config) == "sdpa"
+    critic = build_critic(URL, torch.float32, attn="varlen", seed=1)
+    assert critic.model.config._attn_implementation == "varlen"
+    with pytest.raises(ConfigError, match=r"critic.model.override_config.attn_implementation='varlne'.*did you mean 'varlen'"):
+        load_config("tiny_klppo", ["critic.model.override_config.attn_implementation=varlne"])
+
+
+def test_kernel_arguments_fit_this_torchs_varlen_kernel():
+    """The GPU kernel cannot run here, but its call can be bound against this torch's signature
+    (torch 2.11 has window_size and no enable_gqa; later releases add enable_gqa)."""
+    import inspect
+    kernel = attention._kernel()
+    if kernel is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    q = torch.zeros(10, 4, 32)
+    for heads, kv_heads in ((4, 4), (4, 2)):
+        kw, repeat = attention.kernel_arguments(kernel, 0.125, heads, kv_heads)
+        k = torch.zeros(10, kv_heads * repeat, 32)
+        assert kv_heads * repeat == heads or kw.get("enable_gqa")
+        bound = inspect.signature(kernel).bind(q, k, k, torch.zeros(3, dtype=torch.int32),
+                                               torch.zeros(3, dtype=torch.int32), 5, 5, **kw)
+        causal = bound.arguments.get("is_causal") or bound.arguments.get("window_size") == (-1, 0)
+        assert causal and bound.arguments["scale"] == 0.125
