@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.dist import init_distributed
+from rlhf_hpc.dist import exit_process, init_distributed
 from rlhf_hpc.recipe import ConfigError, load_resolved
 
 
@@ -39,4 +39,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -22,7 +22,7 @@ from rlhf_hpc.actor import Actor
 from rlhf_hpc.batching import make_padded_batch, select_rows
 from rlhf_hpc.config import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.critic import Critic
-from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh
+from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
 from rlhf_hpc.models import build_causal_lm, build_critic
 from rlhf_hpc.optim import build_optimizer
 from rlhf_hpc.parallel import parallelize
@@ -268,3 +268,4 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     {"train": phase_train, "reload": phase_reload}[phase](out_dir)
     dist.destroy_process_group()
+    exit_process(0)

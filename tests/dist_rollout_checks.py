@@ -18,7 +18,7 @@ from rlhf_hpc.actor import Actor, per_token_logprobs
 from rlhf_hpc.batching import make_padded_batch
 from rlhf_hpc.checkpoint import full_model_state
 from rlhf_hpc.config import FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh
+from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
 from rlhf_hpc.models import build_causal_lm
 from rlhf_hpc.optim import build_optimizer
 from rlhf_hpc.recipe import load_config
@@ -149,3 +149,4 @@ def main(engine_name: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    exit_process(0)

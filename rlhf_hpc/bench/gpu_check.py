@@ -703,4 +703,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_hpc.dist import exit_process
+    exit_process(main())
