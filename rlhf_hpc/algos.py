@@ -340,35 +340,47 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 # --------------------------------------------------------------- outcome-reward estimators
-def _group_stats(scores: torch.Tensor, index: list | torch.Tensor):
-    """Per-row (group mean, group std unbiased, group size) for rows sharing an index."""
+def group_stats(scores: torch.Tensor, index, all_reduce: AllReduce = None, num_groups: Optional[int] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (group mean, unbiased group std, group size) over rows sharing an index; (B,) each.
+
+    ``index`` (B,): group id per row. Locally any ids work. With ``all_reduce`` the groups span
+    ranks (a prompt's responses may sit on different ranks): ids must then be ``0..num_groups-1``
+    with the same meaning on every rank (the prompt's position in the step), and the per-group
+    sums are all-reduced in float64. A group of one response has nothing to compare with: mean 0,
+    std 1 (as the reference does)."""
     keys = index.tolist() if isinstance(index, torch.Tensor) else list(index)
-    groups: dict = {}
-    for i, k in enumerate(keys):
-        groups.setdefault(k, []).append(i)
-    mean = torch.zeros_like(scores)
-    std = torch.ones_like(scores)
-    size = torch.ones_like(scores)
-    for rows in groups.values():
-        s = scores[rows]
-        size[rows] = float(len(rows))
-        if len(rows) > 1:  # a single response has no group to compare with: mean 0, std 1
-            mean[rows] = s.mean()
-            std[rows] = s.std()
-    return mean, std, size
+    if num_groups is None:
+        if all_reduce is not None:
+            raise ValueError("group_stats across ranks needs num_groups (ids 0..num_groups-1 on every rank)")
+        dense: dict = {}
+        keys = [dense.setdefault(k, len(dense)) for k in keys]
+        num_groups = len(dense)
+    ids = torch.tensor(keys, dtype=torch.long)
+    s = scores.double()
+    sums = torch.zeros(num_groups, 3, dtype=torch.float64)
+    sums.index_add_(0, ids, torch.stack([s, s * s, torch.ones_like(s)], dim=-1))
+    sums = _reduce(sums, all_reduce)
+    total, total_sq, count = sums[ids, 0], sums[ids, 1], sums[ids, 2]
+    many = count > 1
+    mean = torch.where(many, total / count, torch.zeros_like(total))
+    var = (total_sq - total * total / count) / (count - 1).clamp_min(1)
+    std = torch.where(many, var.clamp_min(0).sqrt(), torch.ones_like(var))
+    return mean.to(scores.dtype), std.to(scores.dtype), count.to(scores.dtype)
 
 
 def grpo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
-                    norm_by_std: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                    norm_by_std: bool = True, eps: float = 1e-6, all_reduce: AllReduce = None,
+                    num_groups: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: (score - group mean) / (group std + eps), broadcast over the response.
 
     Args: token_rewards, response_mask (B, T); index: group id per row (B,) (responses to the same
     prompt share one). score = sum of the row's token rewards. ``norm_by_std=False`` is Dr. GRPO.
-    Returns (advantages, returns), both (B, T), equal, zero where masked.
+    Groups spanning ranks: ``all_reduce`` and ``num_groups`` as in ``group_stats``. Returns (advantages, returns), both (B, T), equal, zero where masked.
     """
     mask = response_mask.to(token_rewards.dtype)
     scores = (token_rewards * mask).sum(-1)
-    mean, std, _ = _group_stats(scores, index)
+    mean, std, _ = group_stats(scores, index, all_reduce, num_groups)
     adv = scores - mean
     if norm_by_std:
         adv = adv / (std + eps)
@@ -376,7 +388,8 @@ def grpo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, in
     return out, out
 
 
-def rloo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index
+def rloo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                    all_reduce: AllReduce = None, num_groups: Optional[int] = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: score minus the mean of the *other* responses of its group, n/(n-1) (score - mean).
 
@@ -384,7 +397,7 @@ def rloo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, in
     """
     mask = response_mask.to(token_rewards.dtype)
     scores = (token_rewards * mask).sum(-1)
-    mean, _, n = _group_stats(scores, index)
+    mean, _, n = group_stats(scores, index, all_reduce, num_groups)
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp_min(1), scores)
     out = adv.unsqueeze(-1) * mask
     return out, out
@@ -406,12 +419,13 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Te
 
 
 def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
-                                     all_reduce: AllReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                     all_reduce: AllReduce = None, num_groups: Optional[int] = None
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a baseline: (score - group mean) broadcast over the response, then
     whitened over the batch. Shapes as ``grpo_advantages``."""
     mask = response_mask.to(token_rewards.dtype)
     scores = (token_rewards * mask).sum(-1)
-    mean, _, _ = _group_stats(scores, index)
+    mean, _, _ = group_stats(scores, index, all_reduce if num_groups is not None else None, num_groups)
     centred = (scores - mean).unsqueeze(-1) * mask
     adv = masked_whiten(centred, mask, all_reduce=all_reduce) * mask
     return adv, adv

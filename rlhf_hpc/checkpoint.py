@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -82,11 +82,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
                     extra: dict[str, Any], max_to_keep: Optional[int] = None, good: bool = True,
-                    config_text: Optional[str] = None) -> Path:
+                    config_text: Optional[str] = None,
+                    after_component: Optional[Callable[[str], None]] = None) -> Path:
     """Collective: every rank calls it. ``components``: name -> (model, optimizer or None).
     ``extra``: trainer state, plain Python values and tensors only (loaded with weights_only).
     ``good``: whether the stability guard vouches for it (rollbacks only go to good ones).
-    ``config_text``: the run's resolved config, kept with the checkpoint for compatibility checks."""
+    ``config_text``: the run's resolved config, kept with the checkpoint for compatibility checks.
+    ``after_component``: called with each component's name once it is written (fault injection)."""
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp-global_step_{step}"
     if _rank() == 0:
@@ -97,6 +99,8 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
     for name, (model, optimizer) in components.items():
         model_sd, optim_sd = _state(model, optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / name))
+        if after_component is not None:
+            after_component(name)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     if _rank() == 0:

@@ -13,13 +13,14 @@ from rlhf_hpc.recipe import (ConfigError, dump_yaml, get_key, list_recipes, load
                              parse_override, to_dict, write_resolved)
 
 USAGE = """\
-usage: python launch.py recipe=NAME [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
+usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
        python launch.py status|logs|cancel RUN_DIR
        python launch.py compare RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out DIR]
        python launch.py export RUN_DIR/global_step_N --out DIR [--dtype bfloat16|float32]
        python launch.py --help
 
-  recipe=NAME      a recipe in recipes/ (NAME.yaml) or a path to a YAML file
+  recipe=NAME      a recipe in recipes/ (NAME.yaml) or a path to a YAML file; without it the
+                   defaults (verl's ppo_trainer.yaml values) are the base
   key.path=value   override any config key; values are YAML: lr=1e-6, x=null, a.b=[1,2]
   cluster=auto|local|slurm
                    where to run (launcher.cluster): auto = Slurm when sbatch exists, else here
@@ -131,11 +132,9 @@ def run(argv: list[str]) -> int:
     if flags["help"]:
         print(help_text())
         return 0
-    if not recipe:
-        raise ConfigError("no recipe given: add recipe=NAME (one of: "
-                          f"{', '.join(list_recipes())}) or recipe=path/to/recipe.yaml")
     dry = flags["dry_run"]
-    if not any(o.startswith("trainer.recipe=") for o in overrides):
+    # without recipe= the defaults (verl's) are the base, so a verl command line runs as it is
+    if recipe and not any(o.startswith("trainer.recipe=") for o in overrides):
         overrides = [f"trainer.recipe={Path(recipe).stem}"] + overrides
     # A dry run may be prepared away from the cluster, where the data and model paths don't exist:
     # missing files are reported but do not stop it. A real launch checks them first.
@@ -153,6 +152,8 @@ def run(argv: list[str]) -> int:
         raise ConfigError("sweep elements share one trainer.default_local_dir: put ${trainer.experiment_name} in it "
                           "so each element gets its own run directory")
     cfg = elements[0]
+    for c in elements:
+        check_data(c)
     if cfg.launcher.cluster == "slurm":
         return launch_slurm(elements, run_dirs, dry)
     if len(elements) > 1:
@@ -174,6 +175,21 @@ def run(argv: list[str]) -> int:
     return run_local(cfg, config_path)
 
 
+class BadData(ConfigError):
+    def __str__(self) -> str:
+        return f"bad data: {self.errors[0]}"
+
+
+def check_data(cfg) -> None:
+    """Bad rows are found here, on the launching machine in about a second, not after the queue
+    and the workers' start-up; one line names the file, the row and the column."""
+    from rlhf_hpc.data.dataset import DataError, check_data_files
+    try:
+        check_data_files(cfg.data)
+    except DataError as e:
+        raise BadData(str(e)) from None
+
+
 def check_before_start(cfg, run_dir: Path) -> None:
     """The run directory is writable with room to spare, and a checkpoint it would resume from
     belongs to the same run (model, tokenizer, data, ...)."""
@@ -189,11 +205,12 @@ def prepare_run(argv: list[str]) -> int:
     """``prepare recipe=... [k=v]``: validate and write the run's config.yaml, print its path. What
     slurm/klppo.sbatch runs first, so a plain sbatch job uses the same resolved config."""
     recipe, overrides, sweeps, _ = parse_args(argv)
-    if not recipe or sweeps:
-        raise ConfigError("usage: python launch.py prepare recipe=NAME [key=value ...] (no sweeps)")
+    if sweeps:
+        raise ConfigError("usage: python launch.py prepare [recipe=NAME] [key=value ...] (no sweeps)")
     cfg, warnings = load_config(recipe, overrides + ["launcher.cluster=slurm"])
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
+    check_data(cfg)
     print(write_resolved(cfg, Path(cfg.trainer.default_local_dir).expanduser()).resolve())
     return 0
 

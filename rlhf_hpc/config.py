@@ -33,11 +33,14 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024
-    val_batch_size: Optional[int] = None
+    val_batch_size: Optional[int] = None  # prompts per engine call in validation (null: all at once)
     truncation: Literal["error", "left", "right"] = "error"
     filter_overlong_prompts: bool = False
+    # extra keyword arguments of the tokenizer's apply_chat_template (e.g. enable_thinking: false)
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     shuffle: bool = True
     seed: int = 1
+    # no loader processes here (prompts are tokenised once at start-up): only 0 is accepted
     dataloader_num_workers: int = 0
 
 
@@ -47,12 +50,14 @@ class OptimConfig:
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    # warm-up: an absolute step count wins over the ratio when >= 0 (as in verl)
+    # warm-up (rlhf_hpc.optim.lr_multiplier, verl's schedules): lr_warmup_steps when > 0, else
+    # lr_warmup_steps_ratio x total steps; the LR rises as step / warmup from 0
     lr_warmup_steps: int = -1
     lr_warmup_steps_ratio: float = 0.0
-    warmup_style: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.0
-    num_cycles: float = 0.5
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    warmup_style: Optional[Literal["constant", "cosine"]] = None  # verl's deprecated name: sets lr_scheduler_type
+    min_lr_ratio: float = 0.0  # cosine: the floor, as a fraction of lr
+    num_cycles: float = 0.5  # cosine: 0.5 = one half-wave from lr to the floor
     # filled in by the trainer from the dataset size when left at -1
     total_training_steps: int = -1
 
@@ -86,12 +91,12 @@ class ModelConfig:
     # nodes), or "tiny://qwen2" for a tiny random-weight Qwen2 built in code
     path: str = "~/models/Qwen2.5-7B-Instruct"
     tokenizer_path: Optional[str] = None
-    custom_chat_template: Optional[str] = None
+    custom_chat_template: Optional[str] = None  # a Jinja chat template replacing the tokenizer's
     override_config: dict[str, Any] = field(default_factory=dict)
     enable_gradient_checkpointing: bool = True
     use_remove_padding: bool = True
     trust_remote_code: bool = False
-    external_lib: Optional[str] = None
+    external_lib: Optional[str] = None  # a module imported before models are built (registers custom ones)
 
 
 @dataclass
@@ -147,22 +152,23 @@ class RolloutConfig:
     enable_chunked_prefill: bool = True
     update_weights_bucket_mb: int = 512
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # null -> actor.use_dynamic_bsz (as verl)
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 
 @dataclass
 class RefConfig:
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
-    log_prob_use_dynamic_bsz: bool = False
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # null -> actor.use_dynamic_bsz (as verl)
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
 
 
 @dataclass
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = True
+    hybrid_engine: bool = True  # actor and rollout share the GPUs; the only layout here
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -176,7 +182,8 @@ class CriticModelConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     enable_gradient_checkpointing: bool = True
     use_remove_padding: bool = True
-    trust_remote_code: bool = False
+    trust_remote_code: Optional[bool] = None  # null -> actor_rollout_ref.model's (as verl)
+    external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -186,16 +193,17 @@ class CriticConfig:
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
-    ppo_mini_batch_size: Optional[int] = None  # null -> actor's
-    ppo_micro_batch_size_per_gpu: Optional[int] = None
-    use_dynamic_bsz: bool = False
+    # "actor": null takes the actor's value, as verl interpolates it (${oc.select:actor_rollout_ref.actor...})
+    ppo_mini_batch_size: Optional[int] = None  # actor
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole per-rank mini-batch (as the actor)
+    use_dynamic_bsz: Optional[bool] = None  # actor
     ppo_max_token_len_per_gpu: int = 32768
-    forward_max_token_len_per_gpu: int = 32768
-    ppo_epochs: Optional[int] = None  # null -> actor's
-    shuffle: bool = False
+    forward_max_token_len_per_gpu: Optional[int] = None  # null -> critic.ppo_max_token_len_per_gpu
+    ppo_epochs: Optional[int] = None  # actor
+    shuffle: Optional[bool] = None  # actor
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
-    loss_agg_mode: LossAggMode = "token-mean"
+    loss_agg_mode: Optional[LossAggMode] = None  # actor
 
 
 @dataclass
@@ -269,13 +277,15 @@ class TrainerConfig:
     n_gpus_per_node: int = 8
     total_epochs: int = 30
     total_training_steps: Optional[int] = None
+    # a bare string is taken as a one-item list (as verl does)
     logger: list[Literal["console", "wandb", "tensorboard"]] = field(
         default_factory=lambda: ["console", "wandb"])
-    log_val_generations: int = 0
+    log_val_generations: int = 0  # not supported: only 0 is accepted
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True
-    critic_warmup: int = 0
+    critic_warmup: int = 0  # the actor is not updated while critic_warmup > step (steps count from 1)
+    # assign a step's rows to ranks so each rank's token count is as even as possible
     balance_batch: bool = True
     resume_mode: str = "auto"  # auto | disable | <path to a global_step_N directory>
     # the run directory: checkpoints, metrics.jsonl, the resolved config.yaml, logs

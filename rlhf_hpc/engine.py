@@ -1,6 +1,7 @@
 """The training engine: actor, reference and critic built from the config on their FSDP2 meshes."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +34,18 @@ def _shard(model, fsdp: FSDPConfig, ctx: DistContext, grad_ckpt: bool):
     return parallelize(model, mesh, fsdp, ctx.device, gradient_checkpointing=grad_ckpt)
 
 
+def import_external_libs(*names: Optional[str]) -> list[str]:
+    """``model.external_lib`` (verl's key): import each named module before any model is built,
+    so it can register custom architectures with transformers' Auto classes. Returns the names
+    imported."""
+    done = []
+    for name in names:
+        if name and name not in done:
+            importlib.import_module(name)
+            done.append(name)
+    return done
+
+
 def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     """Build and shard the models on every rank (collective). ``total_steps`` sizes the LR schedules.
 
@@ -41,6 +54,7 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     """
     arr, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
     mcfg, seed = arr.model, cfg.trainer.seed
+    import_external_libs(mcfg.external_lib, cfg.critic.model.external_lib if cfg.critic.enable else None)
     attn = attn_implementation(ctx.device, mcfg.override_config)
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
     common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,

@@ -3,7 +3,9 @@ back to the last good checkpoint with a smaller learning rate (and optionally a 
 
 Checks (``trainer.guard``): non-finite losses or gradient norms; KL(actor || reference) above
 ``max_kl``; KL above ``kl_rise_threshold`` for ``kl_rise_steps`` steps in a row; value loss more
-than ``vf_jump_factor`` times the median of the last ``window`` steps. Every rank sees the same
+than ``vf_jump_factor`` times the median of the last ``window`` steps *and* above what a critic
+predicting 0 would lose on the step's returns (``value_loss_floor``), so a tiny, noisy value loss
+(0.001 -> 0.014 in the CPU demo) is not taken for a divergence. Every rank sees the same
 (globally reduced) metrics, so every rank takes the same decision.
 """
 from __future__ import annotations
@@ -16,6 +18,14 @@ from rlhf_hpc.config import GuardConfig
 
 WATCHED_FINITE = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "actor/kl_loss",
                   "actor/entropy", "critic/score/mean", "actor/ref_kl_mean")
+
+
+def value_loss_floor(m: dict[str, float]) -> float:
+    """The largest value loss (0.5 x squared error) a critic that outputs 0 could have on this
+    step's returns: 0.5 x max |return|^2. A healthy critic stays below it; 0 when the step's
+    returns are unknown (then the relative check alone decides)."""
+    top = max(abs(m.get("critic/returns/max", 0.0)), abs(m.get("critic/returns/min", 0.0)))
+    return 0.5 * top * top
 
 
 class StabilityGuard:
@@ -47,9 +57,15 @@ class StabilityGuard:
                         f"{self._kl_run} steps")
         vf = m.get("critic/vf_loss")
         if vf is not None and c.vf_jump_factor is not None:
-            if len(self._vf) >= c.window and vf > c.vf_jump_factor * statistics.median(self._vf[-c.window:]):
-                return (f"critic/vf_loss {vf:.4g} > {c.vf_jump_factor} x the median of the last {c.window} steps "
-                        f"({statistics.median(self._vf[-c.window:]):.4g})")
+            if len(self._vf) >= c.window:
+                median = statistics.median(self._vf[-c.window:])
+                floor = value_loss_floor(m)
+                # a jump only counts when the loss is also worse than a critic that predicts 0
+                # everywhere: small, noisy value losses jump by 10x without anything diverging
+                if vf > c.vf_jump_factor * median and vf > floor:
+                    return (f"critic/vf_loss {vf:.4g} > {c.vf_jump_factor} x the median of the last {c.window} "
+                            f"steps ({median:.4g}) and > {floor:.4g}, the loss of predicting 0 for returns "
+                            f"up to {max(abs(m.get('critic/returns/max', 0.0)), abs(m.get('critic/returns/min', 0.0))):.4g}")
             self._vf.append(vf)
         return None
 

@@ -17,17 +17,27 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
                              weight_decay=optim.weight_decay)
 
 
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """verl's rule: ``lr_warmup_steps`` when > 0, else ``lr_warmup_steps_ratio`` x total steps."""
+    if optim.lr_warmup_steps > 0:
+        return optim.lr_warmup_steps
+    return int(optim.lr_warmup_steps_ratio * total_steps)
+
+
 def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """LR factor at scheduler step ``step`` (0-based): linear warm-up, then constant or cosine
-    decay to ``min_lr_ratio`` over the remaining steps (``num_cycles`` = 0.5: one half-wave)."""
-    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
+    """LR factor at scheduler step ``step`` (0-based; the scheduler steps once per update, after
+    it, so the first update runs at ``lr_multiplier(0)``), exactly verl's schedules
+    (``verl.utils.torch_functional``): a linear warm-up ``step / W`` (the first update runs at LR 0
+    when W > 0), then constant, or cosine from 1 down to ``min_lr_ratio`` over the remaining steps
+    (``num_cycles`` 0.5 = one half-wave; more cycles rise again, floored at ``min_lr_ratio``)."""
+    warmup = warmup_steps(optim, total_steps)
     if step < warmup:
-        return (step + 1) / warmup
-    if optim.warmup_style == "constant":
+        return step / max(1, warmup)
+    if optim.lr_scheduler_type == "constant":
         return 1.0
     progress = (step - warmup) / max(1, total_steps - warmup)
-    coef = 0.5 * (1.0 + math.cos(math.pi * optim.num_cycles * 2.0 * min(progress, 1.0)))
-    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * coef
+    coef, intercept = 0.5 * (1.0 - optim.min_lr_ratio), 0.5 * (1.0 + optim.min_lr_ratio)
+    return max(optim.min_lr_ratio, math.cos(math.pi * optim.num_cycles * 2.0 * progress) * coef + intercept)
 
 
 def build_lr_scheduler(opt: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):

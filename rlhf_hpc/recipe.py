@@ -234,6 +234,8 @@ def _coerce(tp: Any, value: Any, key: str, errors: list[str]) -> tuple[bool, Any
         errors.append(f"{key}: expected {_type_name(tp)}, got {_describe(value)}{hint}")
         return False, None
     if origin is list:
+        if isinstance(value, str):
+            value = [value]  # trainer.logger=console: a bare string is a one-item list (as in verl)
         if not isinstance(value, list):
             errors.append(f"{key}: expected {_type_name(tp)}, got {_describe(value)}")
             return False, None
@@ -412,10 +414,23 @@ def resolve(cfg: Config) -> Config:
         critic.model.path = arr.model.path
     if critic.model.tokenizer_path is None:
         critic.model.tokenizer_path = arr.model.tokenizer_path
-    if critic.ppo_mini_batch_size is None:
-        critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
-    if critic.ppo_epochs is None:
-        critic.ppo_epochs = actor.ppo_epochs
+    # keys verl interpolates from the actor's (or another key) when they are left unset
+    for section, key, source in (
+            (critic, "ppo_mini_batch_size", actor), (critic, "ppo_epochs", actor), (critic, "use_dynamic_bsz", actor),
+            (critic, "shuffle", actor), (critic, "loss_agg_mode", actor),
+            (critic.model, "trust_remote_code", arr.model), (critic.model, "external_lib", arr.model)):
+        if getattr(section, key) is None:
+            setattr(section, key, getattr(source, key))
+    if critic.forward_max_token_len_per_gpu is None:
+        critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
+    for section in (arr.rollout, arr.ref):
+        if section.log_prob_use_dynamic_bsz is None:
+            section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if section.log_prob_max_token_len_per_gpu is None:
+            section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    for optim in (actor.optim, critic.optim):
+        if optim.warmup_style is not None:  # verl's deprecated name wins, as in verl
+            optim.lr_scheduler_type, optim.warmup_style = optim.warmup_style, None
     for fsdp in (actor.fsdp_config, arr.ref.fsdp_config, critic.model.fsdp_config,
                  cfg.reward_model.model.fsdp_config):
         if fsdp.fsdp_size is None:
@@ -504,34 +519,44 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
                 "trainer.total_training_steps", "actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
         ok &= positive(key, get_key(cfg, key))
 
-    # batch sizes: prompts x n responses are split evenly over ranks, then into mini/micro batches
+    # batch sizes, as verl accepts them: prompts x n responses are spread evenly over the ranks
+    # (rlhf_hpc.distribute), each rank's share is cut into mini-batches of
+    # ppo_mini_batch_size x n / ranks rows (rounded down; the last one may be smaller), those
+    # into micro-batches
     if ok:
         if d.train_batch_size * rollout.n % world:
             errors.append(f"data.train_batch_size ({d.train_batch_size}) x actor_rollout_ref.rollout.n "
                           f"({rollout.n}) = {d.train_batch_size * rollout.n} responses must be divisible by "
-                          f"the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = {world}")
+                          f"the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = {world}, so every "
+                          f"rank trains on the same number of responses")
         for who, mbs, micro, dyn in (
                 ("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
                  actor.use_dynamic_bsz),
                 ("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz)):
             if who == "critic" and not critic.enable:
                 continue
-            if mbs > d.train_batch_size or d.train_batch_size % mbs:
-                errors.append(f"{who}.ppo_mini_batch_size ({mbs}) must divide data.train_batch_size "
-                              f"({d.train_batch_size}): each step is split into whole PPO mini-batches")
-            elif mbs * rollout.n % world:
+            per_rank = per_rank_mini_batch(mbs, rollout.n, world)
+            if mbs > d.train_batch_size:
+                errors.append(f"{who}.ppo_mini_batch_size ({mbs}) is larger than data.train_batch_size "
+                              f"({d.train_batch_size}): a step holds at most one mini-batch")
+            elif per_rank == 0:
                 errors.append(f"{who}.ppo_mini_batch_size ({mbs}) x actor_rollout_ref.rollout.n ({rollout.n}) "
-                              f"must be divisible by the number of ranks ({world}) so every rank gets the "
-                              f"same share of a mini-batch")
-            elif not dyn and micro >= per_rank_mini_batch(mbs, rollout.n, world):
-                if micro > per_rank_mini_batch(mbs, rollout.n, world):
+                              f"must be at least the number of ranks ({world}): each rank needs a row per "
+                              f"mini-batch")
+            else:
+                if d.train_batch_size % mbs:
+                    warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) does not divide data.train_batch_size "
+                                    f"({d.train_batch_size}): the last mini-batch of each epoch is smaller")
+                if mbs * rollout.n % world:
+                    warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) x rollout.n ({rollout.n}) is not divisible "
+                                    f"by the {world} ranks: mini-batches hold {per_rank} rows per rank, "
+                                    f"{per_rank * world} in all")
+                if not dyn and micro > per_rank:
                     warnings.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) is larger than the per-rank "
-                                    f"mini-batch ({per_rank_mini_batch(mbs, rollout.n, world)}): each "
-                                    f"mini-batch runs as one micro-batch")
-            elif not dyn and per_rank_mini_batch(mbs, rollout.n, world) % micro:
-                per_rank = per_rank_mini_batch(mbs, rollout.n, world)
-                errors.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank "
-                              f"mini-batch, {who}.ppo_mini_batch_size x rollout.n / ranks = {per_rank}")
+                                    f"mini-batch ({per_rank}): each mini-batch runs as one micro-batch")
+                elif not dyn and per_rank % micro:
+                    errors.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank "
+                                  f"mini-batch, {who}.ppo_mini_batch_size x rollout.n / ranks = {per_rank}")
         seq_len = d.max_prompt_length + d.max_response_length
         for key in ("actor_rollout_ref.actor", "critic"):
             section = get_key(cfg, key)
@@ -589,6 +614,8 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
         errors.append(f"trainer.nnodes={tr.nnodes} needs several machines: use cluster=slurm "
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")
 
+    errors.extend(unsupported_values(cfg))
+
     files = missing_files(cfg)
     if check_files:
         errors.extend(files)
@@ -597,6 +624,62 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     if errors:
         raise ConfigError(errors)
     return warnings
+
+
+def unsupported_values(cfg: Config) -> list[str]:
+    """Keys the config has (verl's names) for features this project does not have: their default
+    is accepted, any other value refused here, so no key is taken and then ignored."""
+    errors = []
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    if d.dataloader_num_workers != 0:
+        errors.append(f"data.dataloader_num_workers={d.dataloader_num_workers}: there is no data loader pool here "
+                      f"(prompts are tokenised once at start-up); remove the key or set it to 0")
+    if d.reward_fn_key != "data_source":
+        errors.append(f"data.reward_fn_key={d.reward_fn_key!r}: rewards are chosen by the data_source column only; "
+                      f"remove the key")
+    if not arr.hybrid_engine:
+        errors.append("actor_rollout_ref.hybrid_engine=false: only the hybrid engine exists here (actor and rollout "
+                      "share the GPUs); remove the key")
+    if cfg.trainer.log_val_generations:
+        errors.append(f"trainer.log_val_generations={cfg.trainer.log_val_generations}: logging validation "
+                      f"generations is not supported; remove the key or set it to 0")
+    for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
+                "critic.model.fsdp_config"):
+        if get_key(cfg, key).mixed_precision.buffer_dtype not in ("float32", "fp32"):
+            errors.append(f"{key}.mixed_precision.buffer_dtype: FSDP2 keeps buffers in the model's dtype; only "
+                          f"float32 is accepted")
+    # a reward model on the training mesh is not implemented: its section must stay at the defaults
+    from rlhf_hpc.config import RewardModelConfig
+    if cfg.reward_model.enable:
+        errors.append("reward_model.enable=true: reward-model scoring is not available yet; score with rules "
+                      "(data_source) or custom_reward_function.path")
+    else:
+        default = flatten(dataclasses.asdict(RewardModelConfig()))
+        changed = [k for k, v in flatten(dataclasses.asdict(cfg.reward_model)).items()
+                   if k != "enable" and not k.endswith("fsdp_size") and v != default.get(k)]
+        if changed:
+            errors.append(f"reward_model.{changed[0]}: reward-model scoring is not available yet, so reward_model.* "
+                          f"keys have no effect; remove them")
+    template = arr.model.custom_chat_template
+    if template is not None:
+        import jinja2
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            errors.append(f"actor_rollout_ref.model.custom_chat_template: not a valid Jinja template ({e})")
+    for key in ("actor_rollout_ref.model.external_lib", "critic.model.external_lib"):
+        lib = get_key(cfg, key)
+        if lib and _module_missing(lib):
+            errors.append(f"{key}={lib!r}: no such Python module here (it must be importable by the workers)")
+    return errors
+
+
+def _module_missing(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
 
 
 # ---------------------------------------------------------------------------------- entry points
@@ -621,10 +704,13 @@ def apply_cluster_profile(tree: dict) -> dict:
     return deep_merge({"launcher": profile}, tree)
 
 
-def load_config(recipe: str, overrides: Iterable[str] = (), check_files: bool = True) -> tuple[Config, list[str]]:
-    """Recipe name/path + overrides -> (resolved, validated Config, warnings)."""
-    tree = apply_cluster_profile(apply_overrides(load_recipe_tree(recipe), overrides))
-    cfg = resolve(build(tree))
+def load_config(recipe: Optional[str], overrides: Iterable[str] = (), check_files: bool = True
+                ) -> tuple[Config, list[str]]:
+    """Recipe name/path (None: the defaults alone, which are verl's) + overrides -> (resolved,
+    validated Config, warnings)."""
+    from rlhf_hpc.verl_keys import drop_out_of_scope_keys
+    tree = apply_cluster_profile(apply_overrides(load_recipe_tree(recipe) if recipe else {}, overrides))
+    cfg = resolve(build(drop_out_of_scope_keys(tree, set(all_keys()))))
     warnings = validate(cfg, check_files=check_files)
     return cfg, warnings
 

@@ -6,6 +6,8 @@ model (its vocabulary fits ``vocab_size=64``) and needing no files.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
 TINY_CHAT_TEMPLATE = (
@@ -26,16 +28,21 @@ def build_tiny_tokenizer():
     return fast
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """``tiny://chars`` or anything ``AutoTokenizer.from_pretrained`` takes (offline: from HF_HOME)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: Optional[str] = None):
+    """``tiny://chars`` or anything ``AutoTokenizer.from_pretrained`` takes (offline: from HF_HOME).
+    ``chat_template`` (``actor_rollout_ref.model.custom_chat_template``, a Jinja template) replaces
+    the tokenizer's own, for prompts and for every later use of the template."""
     if path.startswith("tiny://"):
         if path != "tiny://chars":
             raise ValueError(f"unknown built-in tokenizer '{path}'; the built-in one is tiny://chars")
-        return build_tiny_tokenizer()
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+        tok = build_tiny_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+    if chat_template is not None:
+        tok.chat_template = chat_template
     return tok
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 from rlhf_hpc.recipe import flatten, to_dict
 
 WANDB_ID_FILE = "wandb_run_id"
+GLOBAL_STEP, LOG_STEP = "training/global_step", "training/log_step"
 
 
 def git_commit() -> Optional[str]:
@@ -62,7 +63,11 @@ class Tracker:
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.run_dir / "metrics.jsonl"
+        # the loggers' x-axis step: one per logged row, across rollbacks (which repeat training
+        # steps), resumes and requeues; W&B drops a row whose step is not larger than the last
+        self.log_step = sum(1 for line in path.open() if line.strip()) if path.is_file() else 0
+        self._jsonl = open(path, "a", buffering=1)
         if "tensorboard" in self.loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -85,19 +90,26 @@ class Tracker:
             project=tr.project_name, name=tr.experiment_name, id=self.wandb_id, resume="allow",
             group=tr.wandb_group or tr.recipe or tr.experiment_name, dir=str(self.run_dir),
             config=flatten(to_dict(self.cfg)), tags=wandb_tags(self.cfg))
+        # charts are drawn against the training step; W&B's own step is the row counter
+        self.wandb_run.define_metric(GLOBAL_STEP)
+        self.wandb_run.define_metric("*", step_metric=GLOBAL_STEP)
+        self.log_step = max(self.log_step, int(getattr(self.wandb_run, "step", 0) or 0))
         id_file.write_text(self.wandb_id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        """One row: ``training/global_step`` is ``step`` (it repeats after a rollback), and every
+        logger's own step is ``training/log_step``, which only grows, so no row is dropped."""
         if not self.is_main:
             return
-        record = {"training/global_step": step, **{k: _num(v) for k, v in metrics.items()}}
+        self.log_step += 1
+        record = {GLOBAL_STEP: step, LOG_STEP: self.log_step, **{k: _num(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         if self.tb is not None:
-            for k, v in metrics.items():
+            for k, v in {GLOBAL_STEP: step, **metrics}.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
+                    self.tb.add_scalar(k, v, self.log_step)
         if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+            self.wandb_run.log({**metrics, GLOBAL_STEP: step}, step=self.log_step)
         if "console" in self.loggers:
             print(self.progress_line(metrics, step), flush=True)
 
@@ -134,8 +146,8 @@ def _num(v):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """Records of ``metrics.jsonl``, one per step in step order; when a resumed run logged a step
-    again, the later record wins."""
+    """Records of ``metrics.jsonl``, one per step in step order; when a step was logged again (a
+    resumed run, or a rollback that repeated it), the later record wins: the step that was kept."""
     by_step: dict[int, dict] = {}
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():

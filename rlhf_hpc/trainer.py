@@ -2,15 +2,18 @@
 
 ``fit`` is the algorithm written down: sync weights -> generate -> old/ref log-probs and values ->
 rewards -> KL -> advantages -> critic update -> actor update -> metrics -> validation ->
-checkpoint. Each rank holds ``train_batch_size / ranks`` prompts of a step and their ``rollout.n``
-responses each; everything global (normalisation, whitening, KL controller, metrics) goes through
-all-reduces, so every rank takes the same decisions.
+checkpoint. Each rank generates for an even share of a step's prompts (``rollout.n`` responses
+each); the responses are then redistributed so every rank trains on ``train_batch_size * n / ranks``
+rows, balanced by token count (``rlhf_hpc.distribute``). Everything global (normalisation,
+whitening, group statistics, KL controller, metrics) goes through all-reduces, so every rank takes
+the same decisions.
 
 The step batch (one dict of tensors, rows = this rank's responses):
 
     input_ids, attention_mask, position_ids   (B, P + R)  prompt left-padded, response right-padded
     responses, response_mask                  (B, R)
     engine_log_probs                          (B, R)  from the rollout engine (sampling dist.)
+    uid                                       (B,)    the prompt's position in the step (its group)
     old_log_probs, ref_log_prob, values       (B, R)  actor / reference / critic before the update
     token_scores, token_rewards               (B, R)  score on the last valid token; minus KL if in reward
     advantages, returns                       (B, R)
@@ -33,11 +36,14 @@ from rlhf_hpc.batching import make_padded_batch
 from rlhf_hpc.config import Config
 from rlhf_hpc.data.dataset import Example, StatefulSampler, load_examples
 from rlhf_hpc.dist import DistContext, all_reduce_max, all_reduce_min, all_reduce_sum, build_rollout_tp_group
-from rlhf_hpc.launch.stop import STOPPED, StopCheck
+from rlhf_hpc.distribute import RolloutRow, coverage, prompt_share, redistribute_rows
 from rlhf_hpc.engine import Engine, build_engine
+from rlhf_hpc.faults import FaultInjector
+from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.perf import Timer, memory_metrics, model_flops, peak_flops
+from rlhf_hpc.recipe import per_rank_mini_batch
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
@@ -50,7 +56,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     tr, arr = cfg.trainer, cfg.actor_rollout_ref
     run_dir = Path(tr.default_local_dir).expanduser()
     torch.manual_seed(tr.seed)
-    tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code)
+    tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
     train = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed)
     val = load_examples(cfg.data.val_files, tokenizer, cfg.data, split_seed=cfg.data.seed + 1) if cfg.data.val_files else []
     sampler = StatefulSampler(len(train), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
@@ -64,7 +70,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
 
     guard = StabilityGuard(tr.guard)
     base_kl_loss_coef = arr.actor.kl_loss_coef
-    fault = parse_fault(tr.inject_fault)
+    faults = FaultInjector(tr.inject_fault, ctx.rank)
 
     def restore(path: Path) -> dict:
         """Load a checkpoint into every piece of training state; the guard's scales are re-applied."""
@@ -109,10 +115,24 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                  "guard": guard.state_dict()}
         if engine.critic is not None:
             extra["critic_scheduler"] = engine.critic.scheduler.state_dict()
-        if fault.get("kill_in_save") == at_step and first_attempt():
-            ckpt.dcp.save = _dying_after_first(ckpt.dcp.save, ctx.rank == fault.get("rank", 0))
         ckpt.save_checkpoint(run_dir, at_step, engine.checkpoint_components(), extra, tr.max_ckpt_to_keep,
-                             good=True, config_text=config_text)
+                             good=True, config_text=config_text, after_component=faults.checkpoint_hook(at_step))
+
+    def roll_back(at_step: int, reason: str) -> int:
+        """The stability guard rejected this step: continue from the last good checkpoint with a
+        smaller actor LR (and a stronger KL pull when ``kl_coef_mult`` says so). Returns its step."""
+        tracker.log_line(f"[rlhf-hpc] step {at_step}: {guard.trip(reason)}")
+        target = ckpt.choose_resume(run_dir, tracker.log_line)
+        if target is None:
+            raise RuntimeError(f"stability guard tripped at step {at_step} ({reason}) before any checkpoint exists; "
+                               f"set trainer.save_freq so a good checkpoint is there to roll back to")
+        extra = restore(target)
+        # the reward's KL coefficient as saved, times the rollbacks' scale since that checkpoint
+        kl_ctrl.value *= guard.kl_scale / extra.get("guard", {}).get("kl_scale", 1.0)
+        apply_guard_scales()
+        back_to = extra["global_step"]
+        tracker.log_line(f"[rlhf-hpc] rolled back to {target} (step {back_to})")
+        return back_to
 
     if tr.val_before_train and val and step == 0:
         tracker.log(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn), step)
@@ -127,15 +147,20 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                 rollout.resume()
                 sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
                                         arr.rollout.update_weights_bucket_mb)
-            # 2. rollout: this rank's prompts, n responses each
-            examples = rank_share(train, sampler.next_batch(), ctx)
+            # 2. rollout: an even share of the step's prompts on each rank, n responses each
+            prompts = sampler.next_batch()
+            mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
             with timer("gen"):
-                responses = rollout.generate([e.prompt_ids for e in examples],
+                responses = rollout.generate([train[prompts[p]].prompt_ids for p in mine],
                                              sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, ctx.rank)))
             rollout.release()
-            if fault.get("kill") == step and ctx.rank == fault.get("rank", 1) and first_attempt():
-                os._exit(17)  # fault injection: this worker dies in the middle of a step
-            batch, rows = make_step_batch(cfg, tokenizer, examples, responses)
+            faults.after_generation(step)
+            # every rank trains on the same number of rows; balance_batch evens out their tokens
+            rows, balance = redistribute_rows(rollout_rows(train, prompts, mine, responses), ctx.world_size,
+                                              ctx.rank, tr.balance_batch)
+            metrics.update(balance)
+            metrics.update(coverage([r.prompt_pos for r in rows], len(prompts)))
+            batch = make_step_batch(cfg, tokenizer, rows)
             # 3. old log-probs (the PPO anchor), reference log-probs, values
             with timer("old_log_prob"):
                 batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
@@ -153,7 +178,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                     batch["values"] = engine.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
             # 4. rewards: a score per response, on its last valid token
             with timer("reward"):
-                scores = score_responses(reward_fn, tokenizer, rows, batch)
+                scores = score_responses(reward_fn, tokenizer, train, rows, batch)
                 batch["token_scores"] = scores_on_last_token(scores, batch["response_mask"])
             # 5. KL: in the reward (controller) and/or as a loss in the actor update
             if cfg.algorithm.use_kl_in_reward:
@@ -163,46 +188,39 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                 metrics.update(kl_metrics)
             else:
                 batch["token_rewards"] = batch["token_scores"]
-            # 6. advantages
+            # 6. advantages (a prompt's responses may sit on several ranks: group statistics are global)
             with timer("adv"):
-                batch["advantages"], batch["returns"] = compute_advantages(cfg, batch, rows)
-            # 7. critic, then 8. actor (the actor waits for critic_warmup steps)
-            per_rank_mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * arr.rollout.n // ctx.world_size
+                batch["advantages"], batch["returns"] = compute_advantages(cfg, batch, num_groups=len(prompts))
+            # 7. critic, then 8. actor: as verl, the actor waits while trainer.critic_warmup > step
             if engine.critic is not None:
                 with timer("update_critic"):
                     metrics.update(engine.critic.update_critic(
-                        batch, cfg.critic.ppo_mini_batch_size * arr.rollout.n // ctx.world_size, seed=step))
-            if step > tr.critic_warmup:
-                with timer("update_actor"), injected(fault, step, engine, batch):
-                    metrics.update(engine.actor.update_policy(batch, per_rank_mini, seed=step))
+                        batch, per_rank_mini_batch(cfg.critic.ppo_mini_batch_size, arr.rollout.n, ctx.world_size),
+                        seed=step))
+            if tr.critic_warmup <= step:
+                with timer("update_actor"), faults.around_actor_update(step, engine.actor.optimizer, batch):
+                    metrics.update(engine.actor.update_policy(
+                        batch, per_rank_mini_batch(arr.actor.ppo_mini_batch_size, arr.rollout.n, ctx.world_size),
+                        seed=step))
                     metrics["actor/kl_coef"] = engine.actor.cfg.kl_loss_coef
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
         metrics.update(timer.times)
         metrics.update(perf_metrics(cfg, ctx, batch, timer.times, model_cfg))
         metrics["training/epoch"] = sampler.epoch
-        # 10. validation, 11. checkpoint
+        # 10. validation
         if val and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == total_steps):
             t0 = time.perf_counter()
             metrics.update(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn))
             metrics["timing_s/testing"] = time.perf_counter() - t0
-        # the stability guard: a divergent step is not kept; training continues from the last good
-        # checkpoint with a smaller learning rate
+        # 11. the stability guard: a divergent step is logged, then undone
         reason = guard.check(metrics)
         metrics["guard/rollbacks"] = float(guard.rollbacks)
         if reason is not None:
-            message = guard.trip(reason)
-            tracker.log({**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(guard.rollbacks)}, step)
-            tracker.log_line(f"[rlhf-hpc] step {step}: {message}")
-            target = ckpt.choose_resume(run_dir, tracker.log_line)
-            if target is None:
-                raise RuntimeError(f"stability guard tripped at step {step} ({reason}) before any checkpoint exists; "
-                                   f"set trainer.save_freq so a good checkpoint is there to roll back to")
-            step = restore(target)["global_step"]
-            kl_ctrl.value *= tr.guard.kl_coef_mult
-            apply_guard_scales()
-            tracker.log_line(f"[rlhf-hpc] rolled back to {target} (step {step})")
+            tracker.log({**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(guard.rollbacks + 1)}, step)
+            step = roll_back(step, reason)
             continue
+        # 12. checkpoint
         saved = tr.save_freq > 0 and (step % tr.save_freq == 0 or step == total_steps)
         if saved:
             t0 = time.perf_counter()
@@ -222,21 +240,6 @@ def fit(cfg: Config, ctx: DistContext) -> None:
 
 
 # ----------------------------------------------------------------------------------- pieces
-def parse_fault(spec: Optional[str]) -> dict:
-    """``trainer.inject_fault``: "KIND@STEP[:RANK]" -> {KIND: STEP, "rank": RANK}."""
-    if not spec:
-        return {}
-    kind, _, rest = spec.partition("@")
-    step, _, rank = rest.partition(":")
-    if kind not in ("nan_grad", "lr_x1000", "kill", "kill_in_save") or not step.isdigit():
-        raise ValueError(f"trainer.inject_fault: '{spec}' is not KIND@STEP[:RANK] with KIND in nan_grad, lr_x1000, "
-                         f"kill, kill_in_save")
-    out = {kind: int(step)}
-    if rank:
-        out["rank"] = int(rank)
-    return out
-
-
 @contextlib.contextmanager
 def out_of_memory_report(timer: Timer, device: torch.device):
     """An out-of-memory error names the phase, the peak and the keys that shrink that phase."""
@@ -246,38 +249,6 @@ def out_of_memory_report(timer: Timer, device: torch.device):
         from rlhf_hpc.guard import oom_message
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         raise RuntimeError(oom_message(timer.current, peak, str(device))) from e
-
-
-def first_attempt() -> bool:
-    """Before any restart of the workers (faults fire once, so the restart can recover)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("RLHF_HPC_ATTEMPT", "0") == "0"
-
-
-def _dying_after_first(save_fn, dies: bool):
-    """dcp.save that lets the first component through, then kills this process (a crash mid-write)."""
-    calls = {"n": 0}
-
-    def save(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2 and dies:
-            os._exit(17)
-        return save_fn(*args, **kwargs)
-    return save
-
-
-@contextlib.contextmanager
-def injected(fault: dict, step: int, engine: Engine, batch: dict):
-    """Fault injection around the actor update (testing the stability guard)."""
-    # each fault fires once: after the rollback the same step runs clean
-    if fault.get("nan_grad") == step:
-        del fault["nan_grad"]
-        batch["advantages"][0, 0] = float("nan")  # -> NaN loss -> NaN gradient
-    if fault.get("lr_x1000") == step:
-        del fault["lr_x1000"]
-        for g in engine.actor.optimizer.param_groups:
-            g["lr"] *= 1000.0
-    yield  # the update's scheduler step sets the learning rate afresh from its schedule
-
 
 
 def find_resume_checkpoint(cfg: Config, run_dir: Path, log=print) -> Optional[Path]:
@@ -296,10 +267,12 @@ def find_resume_checkpoint(cfg: Config, run_dir: Path, log=print) -> Optional[Pa
     return path
 
 
-def rank_share(train: list[Example], indices: list[int], ctx: DistContext) -> list[Example]:
-    """This rank's contiguous slice of the step's prompts."""
-    per = len(indices) // ctx.world_size
-    return [train[i] for i in indices[ctx.rank * per:(ctx.rank + 1) * per]]
+def rollout_rows(train: list[Example], prompts: list[int], mine: range, responses) -> list[RolloutRow]:
+    """This rank's generated responses as rows: ``responses[i]`` answers prompt ``mine[i]`` of the
+    step (``prompts`` holds the step's dataset indices)."""
+    return [RolloutRow(prompt_pos=pos, example=prompts[pos], prompt_ids=train[prompts[pos]].prompt_ids,
+                       token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason)
+            for pos, group in zip(mine, responses) for r in group]
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -319,31 +292,28 @@ def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation:
                     max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos, seed=seed)
 
 
-def make_step_batch(cfg: Config, tokenizer, examples: list[Example], responses) -> tuple[dict, list[dict]]:
-    """Responses -> the padded step batch, plus per-row metadata (example, uid)."""
+def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
+    """This rank's rows -> the padded step batch; ``uid`` is the prompt's position in the step."""
     P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
-    prompts, resps, lps, rows = [], [], [], []
-    for ex, group in zip(examples, responses):
-        for r in group:
-            prompts.append(ex.prompt_ids)
-            resps.append(r.token_ids[:R])
-            lps.append(r.logprobs[:R])
-            rows.append({"example": ex, "uid": ex.index, "finish_reason": r.finish_reason})
-    batch = make_padded_batch(prompts, resps, tokenizer.pad_token_id or 0, P, R)
+    batch = make_padded_batch([r.prompt_ids for r in rows], [r.token_ids[:R] for r in rows],
+                              tokenizer.pad_token_id or 0, P, R)
     engine_lp = torch.zeros(len(rows), R)
-    for i, lp in enumerate(lps):
+    for i, r in enumerate(rows):
+        lp = r.logprobs[:R]
         engine_lp[i, :len(lp)] = torch.tensor(lp)
     batch["engine_log_probs"] = engine_lp
-    batch["uid"] = torch.tensor([r["uid"] for r in rows])
-    return batch, rows
+    batch["uid"] = torch.tensor([r.prompt_pos for r in rows])
+    return batch
 
 
-def score_responses(reward_fn: RewardFunction, tokenizer, rows: list[dict], batch: dict) -> torch.Tensor:
+def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], rows: list[RolloutRow],
+                    batch: dict) -> torch.Tensor:
+    """(B,) rule/custom scores of the decoded responses."""
     scores = []
     for i, row in enumerate(rows):
         n = int(batch["response_mask"][i].sum())
         text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
-        ex = row["example"]
+        ex = train[row.example]
         scores.append(reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index))
     return torch.tensor(scores, dtype=torch.float32)
 
@@ -357,20 +327,22 @@ def scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> t
     return token_scores
 
 
-def compute_advantages(cfg: Config, batch: dict, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(cfg: Config, batch: dict, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), (B, R) each. ``batch["uid"]`` is each row's group (its prompt's
+    position in the step, ``0..num_groups-1``); group statistics are reduced over all ranks."""
     a, mask, rewards = cfg.algorithm, batch["response_mask"].float(), batch["token_rewards"]
     if a.adv_estimator == "gae":
         adv, ret = algos.gae_advantages(rewards, batch["values"], mask, a.gamma, a.lam)
         # whitened over the global batch (the reference whitens inside its GAE)
         return algos.masked_whiten(adv, mask, all_reduce=all_reduce_sum) * mask, ret
-    index = batch["uid"]
+    index, groups = batch["uid"], dict(all_reduce=all_reduce_sum, num_groups=num_groups)
     if a.adv_estimator == "grpo":
-        return algos.grpo_advantages(rewards, mask, index, norm_by_std=a.norm_adv_by_std_in_grpo)
+        return algos.grpo_advantages(rewards, mask, index, norm_by_std=a.norm_adv_by_std_in_grpo, **groups)
     if a.adv_estimator == "rloo":
-        return algos.rloo_advantages(rewards, mask, index)
+        return algos.rloo_advantages(rewards, mask, index, **groups)
     if a.adv_estimator == "reinforce_plus_plus":
         return algos.reinforce_pp_advantages(rewards, mask, a.gamma, all_reduce=all_reduce_sum)
-    return algos.reinforce_pp_baseline_advantages(rewards, mask, index, all_reduce=all_reduce_sum)
+    return algos.reinforce_pp_baseline_advantages(rewards, mask, index, **groups)
 
 
 def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -456,23 +428,27 @@ def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, model_
 
 def validate(cfg: Config, ctx: DistContext, engine: Engine, rollout, val: list[Example], tokenizer,
              reward_fn: RewardFunction) -> dict[str, float]:
-    """Greedy (``rollout.val_kwargs``) on the validation set, split over ranks: the mean score per
-    data source as ``val-core/<data_source>/reward/mean@<n>``."""
+    """Generate for the whole validation set (``rollout.val_kwargs``; greedy by default) and report
+    the mean score per data source as ``val-core/<data_source>/reward/mean@<n>``. As in verl,
+    ``data.val_batch_size`` only sets how many prompts go to the engine at once (all at once when
+    null); each such chunk is split evenly over the ranks."""
     arr = cfg.actor_rollout_ref
-    n_val = len(val) if not cfg.data.val_batch_size else min(len(val), cfg.data.val_batch_size)
-    mine = val[ctx.rank:n_val:ctx.world_size]
     rollout.resume()
     sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb)
-    sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1, ctx.rank), validation=True)
-    outs = rollout.generate([e.prompt_ids for e in mine], sampling) if mine else []
-    rollout.release()
-    sources = sorted({e.data_source for e in val[:n_val]})
+    sources = sorted({e.data_source for e in val})
     sums = torch.zeros(len(sources), 2, dtype=torch.float64)
-    for ex, group in zip(mine, outs):
-        for r in group:
-            text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
-            sums[sources.index(ex.data_source)] += torch.tensor(
-                [reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index), 1.0], dtype=torch.float64)
+    chunk = cfg.data.val_batch_size or len(val)
+    for c, start in enumerate(range(0, len(val), chunk)):
+        part = val[start:start + chunk]
+        mine = [part[i] for i in prompt_share(len(part), ctx.world_size, ctx.rank)]
+        sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, ctx.rank), validation=True)
+        outs = rollout.generate([e.prompt_ids for e in mine], sampling)
+        for ex, group in zip(mine, outs):
+            for r in group:
+                text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
+                score = reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index)
+                sums[sources.index(ex.data_source)] += torch.tensor([score, 1.0], dtype=torch.float64)
+    rollout.release()
     sums = all_reduce_sum(sums)
     n = arr.rollout.val_kwargs.n
     return {f"val-core/{s}/reward/mean@{n}": (sums[i, 0] / max(sums[i, 1].item(), 1.0)).item()

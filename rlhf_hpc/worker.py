@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,12 +15,14 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m rlhf_hpc.worker RUN_DIR/config.yaml", file=sys.stderr)
         return 2
+    from rlhf_hpc.data.dataset import DataError
+    from rlhf_hpc.launch.stop import install_signal_handler, record_user_error
+    run_dir = Path(argv[0]).parent
     try:
         cfg = load_resolved(argv[0])
     except ConfigError as e:
-        print(f"rank config error: {e}", file=sys.stderr)
-        return 2
-    from rlhf_hpc.launch.stop import install_signal_handler
+        record_user_error(run_dir, f"error: {e}")  # the launcher prints it once for the job
+        return 0
     install_signal_handler()  # Slurm's USR2: finish the step, save, stop
     ctx = init_distributed(cfg)
     # one collective proves every rank joined the same group on the chosen backend
@@ -32,7 +35,12 @@ def main(argv: list[str]) -> int:
         print(f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
               f"device {ctx.device.type}", flush=True)
     from rlhf_hpc.trainer import fit
-    fit(cfg, ctx)
+    try:
+        fit(cfg, ctx)
+    except (ConfigError, DataError) as e:
+        # a user error every rank meets alike: one line for the job (printed by the launcher),
+        # not a traceback per rank and torchrun's failure report
+        record_user_error(run_dir, f"error: {e}")
     if dist.is_initialized():  # a vLLM engine's shutdown already ended the group
         dist.destroy_process_group()
     return 0

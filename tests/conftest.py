@@ -40,9 +40,9 @@ def run_launch(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict | N
                           capture_output=True, text=True, timeout=timeout)
 
 
-def wandb_run_record(wandb_file: Path):
-    """The run record (id, group, tags, config) of an offline W&B run file (``run-<id>.wandb``):
-    a 7-byte header, then leveldb-log blocks of 32 KiB holding protobuf ``Record`` messages."""
+def wandb_records(wandb_file):
+    """The protobuf ``Record`` messages of an offline W&B run file (``run-<id>.wandb``): a 7-byte
+    header, then leveldb-log blocks of 32 KiB."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -60,6 +60,23 @@ def wandb_run_record(wandb_file: Path):
         if kind in (1, 4):
             rec = pb.Record()
             rec.ParseFromString(buf)
-            if rec.WhichOneof("record_type") == "run":
-                return rec.run
+            yield rec
+
+
+def wandb_run_record(wandb_file: Path):
+    """The run record (id, group, tags, config) of an offline W&B run file."""
+    for rec in wandb_records(wandb_file):
+        if rec.WhichOneof("record_type") == "run":
+            return rec.run
     return None
+
+
+def wandb_history(wandb_file: Path) -> list[dict]:
+    """The rows W&B kept (its history records), each as {key: value}, ``_step`` included."""
+    import json
+    rows = []
+    for rec in wandb_records(wandb_file):
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+                         for item in rec.history.item})
+    return rows

@@ -128,7 +128,8 @@ def run_actor_equivalence(name: str, fsdp_size: int, results: dict, rank: int, w
 
 def run_critic_equivalence(results: dict, rank: int, world: int) -> Critic:
     batch = global_batch()
-    cfg = CriticConfig(ppo_micro_batch_size_per_gpu=1, ppo_epochs=1, cliprange_value=0.5)
+    cfg = CriticConfig(ppo_micro_batch_size_per_gpu=1, ppo_epochs=1, cliprange_value=0.5, use_dynamic_bsz=False,
+                       shuffle=False, loss_agg_mode="token-mean")
     cfg.optim.lr = 1e-3
     actor_init = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
     model = build_critic("tiny://qwen2", torch.float32, seed=1, init_from=actor_init)

@@ -198,15 +198,20 @@ def test_batch_not_divisible_by_ranks():
     errors = errors_of(tiny, "trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
                        "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1")
     assert errors[0] == ("data.train_batch_size (16) x actor_rollout_ref.rollout.n (2) = 32 responses must be "
-                         "divisible by the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = 3")
+                         "divisible by the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = 3, so every "
+                         "rank trains on the same number of responses")
 
 
-def test_mini_batch_must_divide_the_train_batch():
-    errors = errors_of(tiny, "actor_rollout_ref.actor.ppo_mini_batch_size=6")
-    assert errors == ["actor_rollout_ref.actor.ppo_mini_batch_size (6) must divide data.train_batch_size (16): "
-                      "each step is split into whole PPO mini-batches",
-                      "critic.ppo_mini_batch_size (6) must divide data.train_batch_size (16): "
-                      "each step is split into whole PPO mini-batches"]
+def test_mini_batch_that_does_not_divide_the_step_is_accepted_as_verl_does():
+    # verl splits the step into mini-batches of this size; the last one is smaller
+    _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+    assert ("actor_rollout_ref.actor.ppo_mini_batch_size (6) does not divide data.train_batch_size (16): the last "
+            "mini-batch of each epoch is smaller") in warnings
+    assert any(w.startswith("critic.ppo_mini_batch_size (6) does not divide") for w in warnings)  # the actor's
+    errors = errors_of(tiny, "actor_rollout_ref.actor.ppo_mini_batch_size=32")
+    assert errors[0] == ("actor_rollout_ref.actor.ppo_mini_batch_size (32) is larger than data.train_batch_size (16): "
+                         "a step holds at most one mini-batch")
 
 
 def test_micro_batch_must_divide_the_per_rank_mini_batch():
@@ -234,10 +239,13 @@ def test_rollout_tp_must_divide_gpus_per_node():
 
 
 def test_token_budget_must_hold_one_sequence():
-    (msg,) = errors_of(tiny, "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20")
-    assert msg == ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu (20) is smaller than one full sequence, "
-                   "data.max_prompt_length + data.max_response_length = 40")
+    msgs = errors_of(tiny, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20")
+    assert msgs[0] == ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu (20) is smaller than one full sequence, "
+                       "data.max_prompt_length + data.max_response_length = 40")
+    # the forward passes take the actor's budget unless set (as verl interpolates them)
+    assert msgs[1:] == [f"actor_rollout_ref.{k}.log_prob_max_token_len_per_gpu (20) is smaller than one full sequence "
+                        f"(40 tokens)" for k in ("rollout", "ref")]
 
 
 def test_algorithm_checks():

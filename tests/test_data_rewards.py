@@ -115,9 +115,32 @@ def test_gsm8k_strict_and_flexible():
     assert gsm8k_score("so the answer is\n#### 1,234", "1234") == 1.0
     assert gsm8k_score("#### 12 and later #### 13", "13") == 1.0
     assert gsm8k_score("the answer is 13", "13") == 0.0  # strict needs the #### format
-    assert extract_answer("the answer is 13.", "flexible") == "13."
+    assert extract_answer("the answer is 13.", "flexible") == "13"
     assert extract_answer("x = 5, y = 13", "flexible") == "13"
     assert extract_answer("no digits", "flexible") is None
+
+
+# formats of a correct final answer a person reads as the number itself
+RIGHT = ["#### 18", "#### $18", "####18", "#### 18.00", "#### 18.", "#### $ 18", "#### 18 dollars",
+         "so she makes $18.\n#### 18.0", "#### 1,234 is wrong, the total is\n#### 18"]
+
+
+@pytest.mark.parametrize("text", RIGHT)
+def test_gsm8k_formats_of_a_right_answer_score_one(text):
+    assert gsm8k_score(text, "18") == 1.0
+    assert gsm8k_score(text, "18", method="flexible") == 1.0  # the last number is the answer too
+
+
+@pytest.mark.parametrize("text,truth", [("#### 1,234", "1234"), ("#### $1,234.00", "1234"), ("#### -7", "-7"),
+                                        ("#### 0.50", "0.5"), ("#### .5", "0.5"), ("#### 1,234,567", "1234567")])
+def test_gsm8k_number_formats(text, truth):
+    assert gsm8k_score(text, truth) == 1.0 and gsm8k_score(text, truth, method="flexible") == 1.0
+
+
+@pytest.mark.parametrize("text", ["#### 19", "#### 18.5", "#### 180", "#### 1,8", "#### -18", "#### eighteen",
+                                  "18", "#### 18 then #### 17"])
+def test_gsm8k_wrong_answers_stay_wrong(text):
+    assert gsm8k_score(text, "18") == 0.0
 
 
 def test_boxed_math():
@@ -152,6 +175,7 @@ def test_gsm8k_reference_answers_score_one_and_perturbed_zero(shared_dir):
     for rec, r in zip(records, rows):
         truth = r["reward_model"]["ground_truth"]
         assert gsm8k_score(rec["answer"], truth) == 1.0
+        assert gsm8k_score(rec["answer"], truth, method="flexible") == 1.0
         perturbed = rec["answer"].rsplit("#### ", 1)[0] + f"#### {int(float(truth)) + 1}"
         assert gsm8k_score(perturbed, truth) == 0.0
 

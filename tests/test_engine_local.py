@@ -99,13 +99,26 @@ def test_dynamic_micro_batches_give_the_same_update_as_fixed_ones():
 
 
 def test_lr_schedule():
+    # verl: the first update runs at LR 0 (step / warmup), the ratio applies when the count is <= 0
     const = OptimConfig(lr_warmup_steps=4)
-    assert [lr_multiplier(s, const, 10) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    cos = OptimConfig(lr_warmup_steps_ratio=0.2, warmup_style="cosine", min_lr_ratio=0.1)
-    assert lr_multiplier(0, cos, 10) == 0.5  # warm-up of 2 steps
+    assert [lr_multiplier(s, const, 10) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    for count in (0, -1):
+        ratio = OptimConfig(lr_warmup_steps=count, lr_warmup_steps_ratio=0.3)
+        assert [lr_multiplier(s, ratio, 10) for s in range(4)] == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0])
+    assert lr_multiplier(0, OptimConfig(), 10) == 1.0  # no warm-up
+    cos = OptimConfig(lr_warmup_steps_ratio=0.2, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    assert lr_multiplier(0, cos, 10) == 0.0 and lr_multiplier(1, cos, 10) == 0.5  # warm-up of 2 steps
     assert lr_multiplier(2, cos, 10) == pytest.approx(1.0)
     assert lr_multiplier(6, cos, 10) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
     assert lr_multiplier(10, cos, 10) == pytest.approx(0.1)
+    # verl's num_cycles: a full cycle comes back up; the value never goes below min_lr_ratio
+    full = OptimConfig(lr_scheduler_type="cosine", num_cycles=1.0, min_lr_ratio=0.2)
+    assert lr_multiplier(5, full, 10) == pytest.approx(0.2) and lr_multiplier(10, full, 10) == pytest.approx(1.0)
+    # against verl's formula written out independently (get_cosine_schedule_with_warmup)
+    for s in range(12):
+        w, m, c = 2, 0.1, 0.5
+        ref = s / w if s < w else max(m, math.cos(math.pi * c * 2 * (s - w) / (10 - w)) * (1 - m) / 2 + (1 + m) / 2)
+        assert lr_multiplier(s, cos, 10) == pytest.approx(ref)
 
 
 def test_tiny_model_config_from_the_path():
@@ -150,7 +163,9 @@ def test_build_engine_from_a_recipe(world_of_one):
     assert eng.ref is not None and not any(p.requires_grad for p in eng.ref.model.parameters())
     assert eng.critic is not None and set(eng.checkpoint_components()) == {"actor", "critic"}
     lr = cfg.actor_rollout_ref.actor.optim.lr
-    assert eng.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 0.5)  # warm-up step 0 of 2
+    assert eng.actor.optimizer.param_groups[0]["lr"] == 0.0  # warm-up step 0 of 2: verl's first update is at LR 0
+    eng.actor.scheduler.step()
+    assert eng.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 0.5)
     # the critic starts from the actor's backbone
     a = eng.actor.model.model.embed_tokens.weight.full_tensor()
     c = eng.critic.model.model.embed_tokens.weight.full_tensor()

@@ -44,9 +44,13 @@ def test_user_error_exits_non_zero_without_traceback():
             "'actor_rollout_ref.actor'; did you mean 'actor_rollout_ref.actor.optim.lr'?") in out.stderr
 
 
-def test_missing_recipe_and_bad_arguments():
-    out = run_launch("--dry-run")
-    assert out.returncode == 2 and "no recipe given: add recipe=NAME" in out.stderr
+def test_no_recipe_means_the_defaults_and_bad_arguments():
+    # as verl: its defaults (ppo_trainer.yaml's, which are this project's) are enough to start from
+    out = run_launch("--dry-run", "cluster=local")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout.partition("# command (cluster=local)\n")[0])
+    assert cfg["trainer"]["recipe"] is None and cfg["data"]["train_batch_size"] == 1024
+    assert cfg["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 256
     out = run_launch("recipe=tiny_klppo", "lr")
     assert out.returncode == 2 and "argument 'lr' is not of the form key.path=value" in out.stderr
     out = run_launch("recipe=tiny_klppo", "--dryrun")

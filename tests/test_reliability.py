@@ -1,6 +1,8 @@
 """Reliability: the stability guard, damaged checkpoints, resume safety, faults in real processes."""
 from __future__ import annotations
 
+import copy
+import json
 import math
 import os
 import pickle
@@ -12,11 +14,13 @@ import torch
 from rlhf_hpc import checkpoint as ckpt
 from rlhf_hpc.config import GuardConfig
 from rlhf_hpc.guard import StabilityGuard
-from rlhf_hpc.recipe import load_config
+from rlhf_hpc.checkpoint import RESUME_KEYS, check_resume_compatible
+from rlhf_hpc.recipe import ConfigError, dump_yaml, get_key, load_config, to_dict
 from rlhf_hpc.tracking import read_metrics
-from tests.conftest import run_launch
+from tests.conftest import run_launch, wandb_history
 
-NONDETERMINISTIC = ("timing_s/", "perf/")
+# what may differ between two runs of the same steps (a restarted run repeats steps: log_step)
+NONDETERMINISTIC = ("timing_s/", "perf/", "training/log_step")
 
 
 # ------------------------------------------------------------------------------------- guard
@@ -33,6 +37,25 @@ def test_guard_checks():
     for v in (1.0, 2.0, 1.5):
         assert g3.check({"critic/vf_loss": v}) is None
     assert g3.check({"critic/vf_loss": 16.0}).startswith("critic/vf_loss 16 > 10 x the median of the last 3 steps (1.5)")
+
+
+def test_guard_ignores_a_small_noisy_value_loss_and_catches_a_blow_up():
+    # the CPU demo's false alarm: vf_loss 0.0012 for a while, then 0.014 with returns in [0, 1]
+    demo = {"critic/returns/max": 1.0, "critic/returns/min": 0.0}
+    g = StabilityGuard(GuardConfig())
+    for v in (0.0011, 0.0012, 0.0013, 0.0012, 0.0010, 0.0012):
+        assert g.check({**demo, "critic/vf_loss": v}) is None
+    assert g.check({**demo, "critic/vf_loss": 0.014}) is None
+    # a critic gone wrong: worse than predicting 0 on every token, and 10x its recent median
+    reason = g.check({**demo, "critic/vf_loss": 3.0})
+    assert reason.startswith("critic/vf_loss 3 > 10.0 x the median of the last 5 steps (0.0012)") and "> 0.5, the loss" in reason
+    # returns of a larger scale raise the floor with them
+    big = {"critic/returns/max": 20.0, "critic/returns/min": -4.0}
+    g = StabilityGuard(GuardConfig())
+    for v in (1.0, 1.2, 0.9, 1.1, 1.0):
+        assert g.check({**big, "critic/vf_loss": v}) is None
+    assert g.check({**big, "critic/vf_loss": 150.0}) is None  # < 0.5 x 20^2
+    assert g.check({**big, "critic/vf_loss": 250.0}) is not None
 
 
 def test_guard_trips_scale_and_stop():
@@ -113,8 +136,8 @@ FAST = ["recipe=tiny_klppo", "actor_rollout_ref.rollout.name=hf", "trainer.test_
         "trainer.val_before_train=false", "trainer.save_freq=2"]
 
 
-def train(run: Path, *extra: str, ok: bool = True):
-    out = run_launch(*FAST, f"trainer.default_local_dir={run}", *extra, timeout=600)
+def train(run: Path, *extra: str, ok: bool = True, env: dict | None = None):
+    out = run_launch(*FAST, f"trainer.default_local_dir={run}", *extra, timeout=600, env=env)
     if ok:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     return out
@@ -176,7 +199,8 @@ def test_corrupted_newest_checkpoint_is_detected_on_resume(tmp_path, uninterrupt
 def test_guard_rolls_back_a_divergent_step_and_the_run_finishes(tmp_path, fault, trip_step, expect):
     run = tmp_path / "run"
     out = train(run, "trainer.total_training_steps=6", f"trainer.inject_fault={fault}", "trainer.guard.max_kl=0.5",
-                "algorithm.use_kl_in_reward=true")
+                "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true",
+                "trainer.guard.kl_coef_mult=2.0", "trainer.logger=[console,wandb]", env={"WANDB_MODE": "offline"})
     assert f"[rlhf-hpc] step {trip_step}: stability guard tripped: {expect}" in out.stdout, out.stdout[-3000:]
     assert f"rolled back to {run}/global_step_2 (step 2)" in out.stdout
     final = read_metrics(run)
@@ -184,8 +208,69 @@ def test_guard_rolls_back_a_divergent_step_and_the_run_finishes(tmp_path, fault,
     last = final[-1]
     assert all(math.isfinite(v) for v in last.values() if isinstance(v, float))
     assert last["guard/rollbacks"] == 1.0
-    lr = load_config("tiny_klppo")[0].actor_rollout_ref.actor.optim.lr
-    assert last["actor/lr"] == pytest.approx(lr * 0.5)
+    cfg = load_config("tiny_klppo")[0]
+    assert last["actor/lr"] == pytest.approx(cfg.actor_rollout_ref.actor.optim.lr * 0.5)
+    # the KL pull doubled, in the loss and in the reward (fixed controller: the coefficient itself)
+    assert last["actor/kl_coef"] == pytest.approx(cfg.actor_rollout_ref.actor.kl_loss_coef * 2)
+    assert last["actor/reward_kl_penalty_coeff"] == pytest.approx(cfg.algorithm.kl_ctrl.kl_coef * 2)
+    before = {r["training/global_step"]: r for r in final if r["training/global_step"] <= 2}
+    assert before[2]["actor/kl_coef"] == pytest.approx(cfg.actor_rollout_ref.actor.kl_loss_coef)
+    # every logged row, the divergent step and the repeated ones included, is in each logger: W&B's
+    # own step only grows, and training/global_step carries the training step
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["training/global_step"] for r in rows]
+    assert steps == [1, 2, *range(3, trip_step + 1), *range(3, 7)]  # the rolled-back steps repeat
+    assert [r["training/log_step"] for r in rows] == list(range(1, len(rows) + 1))
+    history = wandb_history(next((run / "wandb").glob("offline-run-*/run-*.wandb")))
+    assert [h["_step"] for h in history] == [r["training/log_step"] for r in rows]
+    assert [h["training/global_step"] for h in history] == steps
+    assert [h.get("guard/tripped") for h in history].count(1.0) == 1
+
+
+@pytest.mark.slow
+def test_guard_gives_up_after_max_rollbacks(tmp_path):
+    run = tmp_path / "run"
+    out = train(run, "trainer.total_training_steps=4", "trainer.inject_fault=nan_grad@3", "trainer.guard.max_rollbacks=0",
+                ok=False)
+    assert out.returncode != 0
+    assert ("stability guard: actor/pg_loss is nan; stopping after 0 rollbacks (trainer.guard.max_rollbacks)"
+            in out.stdout + out.stderr)
+    assert [r["training/global_step"] for r in read_metrics(run)] == [1, 2, 3]  # the divergent step is logged
+    assert (run / "global_step_2").is_dir()  # what was saved before is kept
+
+
+@pytest.mark.parametrize("key", RESUME_KEYS)
+def test_resume_is_refused_when_any_defining_key_changed(tmp_path, key):
+    cfg, _ = load_config("tiny_klppo")
+    ckpt_dir = tmp_path / "global_step_1"
+    ckpt_dir.mkdir()
+    (ckpt_dir / "config.yaml").write_text(dump_yaml(to_dict(cfg)))
+    check_resume_compatible(ckpt_dir, cfg)  # unchanged: fine
+    changed = copy.deepcopy(cfg)
+    parent, _, leaf = key.rpartition(".")
+    node = get_key(changed, parent)
+    setattr(node, leaf, _different(getattr(node, leaf)))
+    with pytest.raises(ConfigError) as e:
+        check_resume_compatible(ckpt_dir, changed)
+    assert any(line.startswith(f"{key}: ") for line in e.value.errors), e.value.errors
+
+
+def _different(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, dict):
+        return {**value, "rope_theta": 1234.0}
+    if isinstance(value, list):
+        return value + ["synthetic://copy?size=8"]
+    if value is None:
+        return "tiny://chars"
+    if value == "fixed":
+        return "adaptive"
+    if value == "gae":
+        return "grpo"
+    return value + "?size=8" if value.startswith("synthetic://") else value + "-other"
 
 
 def test_run_files_are_not_world_writable(uninterrupted):

@@ -26,8 +26,9 @@ STEP_METRICS = [
     "perf/max_memory_allocated_gb", "perf/cpu_memory_used_gb", "training/global_step", "training/epoch",
     "rollout/logprob_diff_max", "rollout/logprob_diff_mean", "actor/ref_kl_mean", "actor/ref_kl_var",
 ]
-# what may differ between two runs of the same steps: wall-clock and memory figures
-NONDETERMINISTIC = ("timing_s/", "perf/")
+# what may differ between two runs of the same steps: wall-clock and memory figures, and the
+# loggers' row counter (a restarted run repeats steps)
+NONDETERMINISTIC = ("timing_s/", "perf/", "training/log_step")
 
 
 def engine_available(name: str) -> None:

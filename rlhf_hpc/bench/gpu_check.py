@@ -333,7 +333,8 @@ class Models:
         model = build_critic(shape.path, torch.float32, self.device, seed=1)
         model.requires_grad_(False)
         parallelize(model, build_train_mesh(self.device, 1, -1), self.fsdp(), self.device)
-        return Critic(model, CriticConfig(use_dynamic_bsz=True), remove_padding=True, dp_size=1, device=self.device)
+        return Critic(model, CriticConfig(use_dynamic_bsz=True, forward_max_token_len_per_gpu=32768, shuffle=False,
+                                     loss_agg_mode="token-mean"), remove_padding=True, dp_size=1, device=self.device)
 
 
 # ------------------------------------------------------------------------------------ cases

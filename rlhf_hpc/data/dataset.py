@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -65,8 +65,27 @@ def _check_row(row: dict, where: str, prompt_key: str) -> None:
         raise bad("extra_info", f"expected a mapping, got {type(extra).__name__}")
 
 
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def check_data_files(data: DataConfig) -> int:
+    """Every row of the train and validation files has the columns training needs, checked where
+    the launch command runs, before anything starts or is queued. Raises ``DataError`` naming the
+    file, row and column of the first bad row; returns the number of rows checked. Prompt lengths
+    need the tokenizer and are checked by the workers at start-up."""
+    n = 0
+    for key in ("train_files", "val_files"):
+        value = getattr(data, key)
+        for path in [value] if isinstance(value, str) else list(value or []):
+            if path.startswith("synthetic://") or not Path(path).expanduser().is_file():
+                continue  # built in code / reported by the config check
+            for i, row in enumerate(read_rows(path)):
+                _check_row(row, f"{path}, row {i}", data.prompt_key)
+                n += 1
+    return n
+
+
+def chat_token_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None) -> list[int]:
+    """Token ids of the chat-formatted prompt, generation prompt appended; ``template_kwargs``
+    (``data.apply_chat_template_kwargs``) go to the template, e.g. ``enable_thinking``."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -82,7 +101,7 @@ def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_see
         for i, row in enumerate(rows):
             where = f"{path}, row {i}"
             _check_row(row, where, data.prompt_key)
-            ids = chat_token_ids(tokenizer, row[data.prompt_key])
+            ids = chat_token_ids(tokenizer, row[data.prompt_key], data.apply_chat_template_kwargs)
             if len(ids) > data.max_prompt_length:
                 if data.filter_overlong_prompts:
                     continue

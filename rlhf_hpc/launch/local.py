@@ -31,11 +31,18 @@ def run_local(cfg: Config, config_path: str | Path) -> int:
     when the workers fail, a new torchrun (fresh rendezvous) resumes from the latest checkpoint.
     torchrun's own in-place restarts are not used here: on gloo its restarted group sometimes
     never connects (seen with torch 2.13 on this kind of machine)."""
+    from rlhf_hpc.launch.stop import USER_ERROR, read_user_error
+    run_dir = Path(config_path).parent
+    (run_dir / USER_ERROR).unlink(missing_ok=True)
     attempts = cfg.launcher.max_restarts + 1
     for attempt in range(attempts):
         env = worker_env(cfg)
         env["RLHF_HPC_ATTEMPT"] = str(attempt)
         code = subprocess.run(torchrun_command(cfg, config_path), env=env).returncode
+        user_error = read_user_error(run_dir)
+        if user_error:
+            print(user_error, file=sys.stderr, flush=True)
+            return 2
         if code == 0:
             return 0
         if attempt + 1 < attempts:

@@ -115,7 +115,7 @@ class NodeRun:
 
 def main(argv: list[str]) -> int:
     """``python -m rlhf_hpc.launch.node RUN_DIR/config.yaml``: run this node's share (plain sbatch)."""
-    from rlhf_hpc.launch.stop import clear, read_stopped
+    from rlhf_hpc.launch.stop import clear, read_stopped, read_user_error
     from rlhf_hpc.recipe import load_resolved
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's warning is for the workers, not for us
     cfg = load_resolved(argv[0])
@@ -123,6 +123,11 @@ def main(argv: list[str]) -> int:
     if info.node_rank == 0:
         clear(Path(argv[0]).parent)
     code = NodeRun(cfg, argv[0], info).wait()
+    user_error = read_user_error(Path(argv[0]).parent)
+    if user_error:  # found by the workers (bad data, ...): once in the job's log, no requeue
+        if info.node_rank == 0:
+            print(user_error, file=sys.stderr, flush=True)
+        return 2
     stopped = read_stopped(Path(argv[0]).parent)
     if code == 0 and stopped and info.restart_count >= cfg.launcher.max_requeues:
         print(f"[rlhf-hpc] stopped ({stopped}) but launcher.max_requeues={cfg.launcher.max_requeues} is used up",

@@ -44,6 +44,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
             stop.clear(run_dir)
         self._run = NodeRun(cfg, self.config_path, info)
         code = self._run.wait()
+        user_error = stop.read_user_error(run_dir)
+        if user_error:  # found by the workers (bad data, ...): one line in the job's result, no requeue
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+            raise RuntimeError(user_error)
         if code != 0:
             raise RuntimeError(f"torchrun exited with code {code} on node {info.node_rank} (job {info.job_id})")
         reason = stop.read_stopped(run_dir)

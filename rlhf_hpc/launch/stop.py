@@ -17,6 +17,9 @@ import torch
 
 STOP_REQUEST = "STOP_REQUESTED"
 STOPPED = "STOPPED"
+# a user error (bad data, a config a checkpoint cannot resume) found by the workers: the launcher
+# prints it once for the job and exits 2, instead of a traceback per rank
+USER_ERROR = "USER_ERROR"
 REASONS = {1: "preempted (signal)", 2: "stop requested", 3: "allocation time limit near"}
 
 _signal_received = False
@@ -40,8 +43,20 @@ def request_stop(run_dir: str | Path, reason: str) -> None:
 
 
 def clear(run_dir: str | Path) -> None:
-    for name in (STOP_REQUEST, STOPPED):
+    for name in (STOP_REQUEST, STOPPED, USER_ERROR):
         (Path(run_dir) / name).unlink(missing_ok=True)
+
+
+def record_user_error(run_dir: str | Path, message: str) -> None:
+    path = Path(run_dir) / USER_ERROR
+    tmp = path.with_name(f".{USER_ERROR}.tmp-{os.getpid()}")
+    tmp.write_text(message)
+    os.replace(tmp, path)
+
+
+def read_user_error(run_dir: str | Path) -> Optional[str]:
+    path = Path(run_dir) / USER_ERROR
+    return path.read_text().strip() if path.is_file() else None
 
 
 def read_stopped(run_dir: str | Path) -> Optional[str]:

@@ -1,24 +1,44 @@
-"""GSM8K rule reward, scored as the reference does: the last ``#### N`` (strict) or the last number
-(flexible) in the final 300 characters, equal to the ground truth -> 1.0, else ``format_score``."""
+"""GSM8K rule reward: the last ``#### N`` (strict) or the last number (flexible) in the final 300
+characters, equal to the ground truth -> 1.0, else ``format_score``; no answer found -> 0.0.
+
+Numbers are compared as numbers a person would read alike: ``#### $18``, ``#### 1,234``,
+``#### 18.00``, ``18.`` at the end of a sentence all mean what they say. This differs from the
+reference's regex, which compares strings (``18.00`` != ``18``) and needs a digit right after
+``#### `` (``#### $18`` finds nothing); see the README's table of differences.
+"""
 from __future__ import annotations
 
 import re
 from typing import Optional
 
 _CLIP_CHARS = 300
+# a number: thousands groups with commas (1,234,567) or plain digits, optional decimals
+_NUMBER = r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"
+_STRICT = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
+_FLEXIBLE = re.compile(r"(?<![\d.,])\$?(" + _NUMBER + r")")
+
+
+def canonical_number(text: str) -> str:
+    """``"1,234.50"`` -> ``"1234.5"``, ``"$18"`` -> ``"18"``, ``"18.00"`` -> ``"18"``, ``"-0"`` -> ``"0"``."""
+    t = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    if "." in t:
+        t = t.rstrip("0").rstrip(".")
+    if t.startswith("+"):
+        t = t[1:]
+    if t.lstrip("-").lstrip("0") == "":
+        return "0"
+    sign = "-" if t.startswith("-") else ""
+    digits = t.lstrip("-").lstrip("0")
+    return sign + (digits if not digits.startswith(".") else "0" + digits)
 
 
 def extract_answer(text: str, method: str = "strict") -> Optional[str]:
+    """The answer in canonical form (``canonical_number``), or None when there is none."""
     if method not in ("strict", "flexible"):
         raise ValueError(f"unknown GSM8K extraction method '{method}'; use strict or flexible")
     text = text[-_CLIP_CHARS:]
-    if method == "strict":
-        found = re.findall(r"#### (\-?[0-9\.\,]+)", text)
-        return found[-1].replace(",", "").replace("$", "") if found else None
-    for candidate in reversed(re.findall(r"(\-?[0-9\.\,]+)", text)):
-        if candidate not in ("", "."):
-            return candidate
-    return None
+    found = (_STRICT if method == "strict" else _FLEXIBLE).findall(text)
+    return canonical_number(found[-1]) if found else None
 
 
 def gsm8k_score(response: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
@@ -26,7 +46,7 @@ def gsm8k_score(response: str, ground_truth: str, method: str = "strict", format
     answer = extract_answer(response, method)
     if answer is None:
         return 0.0
-    return score if answer == ground_truth else format_score
+    return score if answer == canonical_number(str(ground_truth)) else format_score
 
 
 def ground_truth_from_answer(answer: str) -> str:

@@ -61,6 +61,8 @@ class HFEngine:
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
         if not self.synced:
             raise RuntimeError("hf engine: generate() before the first update_weights(); its weights are random")
+        if not prompt_token_ids:  # a rank may hold no prompt of a small step
+            return []
         prompts = [p for p in prompt_token_ids for _ in range(sampling.n)]
         width = max(len(p) for p in prompts)
         pad = 0

@@ -36,6 +36,42 @@ def hf_weight_spec(model_path: str, override: dict | None = None, trust_remote_c
     return {k: tuple(v.shape) for k, v in model.named_parameters()}
 
 
+# Warnings vLLM prints that say nothing is wrong here (logger -> message prefixes):
+# - "RotaryEmbedding: Failed to load weights", on every weight reload: its cos/sin cache is a
+#   buffer computed from the config, never in a checkpoint, so an in-place reload finds no weights
+#   for it and puts back the cache it had (vllm/model_executor/model_loader/reload/layerwise.py).
+# - "Using None for EOS token id ...", "Chat template warmup failed" (with a traceback, at start):
+#   the engine runs without a tokenizer (skip_tokenizer_init); prompts arrive as token ids and
+#   every request carries its stop token ids (rlhf_hpc.trainer.sampling_for).
+HARMLESS_VLLM_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+    "vllm.renderers.base": ("Using None for EOS token id because tokenizer is not initialized",
+                            "Chat template warmup failed"),
+}
+
+
+class _DropHarmless(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def quiet_vllm_logging() -> None:
+    """vLLM logs at WARNING unless the user set ``VLLM_LOGGING_LEVEL`` (then it is theirs; at DEBUG
+    nothing is dropped either); the per-step warnings above are dropped. The filters sit on the
+    emitting loggers, which survive vLLM reconfiguring its handlers. Call before importing vllm."""
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if level.upper() == "DEBUG":
+        return
+    for name, prefixes in HARMLESS_VLLM_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropHarmless) for f in logger.filters):
+            logger.addFilter(_DropHarmless(prefixes))
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -48,6 +84,7 @@ class VLLMEngine:
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("LOCAL_RANK", "0"))
+        quiet_vllm_logging()
         from vllm import LLM
 
         self.tp = rollout.tensor_model_parallel_size
@@ -135,6 +172,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         self._wake_kv_cache()
         prompts, mine = self._gather_tp(prompt_token_ids)
+        if not prompts:  # no prompt on this rank (and none in its tensor-parallel group)
+            return []
         def params(i: int) -> SamplingParams:
             return SamplingParams(
                 n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,

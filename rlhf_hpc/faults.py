@@ -1,0 +1,76 @@
+"""Fault injection for tests (``trainer.inject_fault``): the one seam through which tests make
+a run fail on purpose. The trainer calls these hooks at fixed points of its loop; with no fault
+configured each hook does nothing. Nothing here replaces module attributes.
+
+``KIND@STEP[:RANK]`` with KIND:
+- ``nan_grad``: a NaN advantage before the actor update (-> NaN loss and gradient);
+- ``lr_x1000``: the actor's learning rate x1000 for that update (a divergent step);
+- ``kill``: this rank dies after generation, first attempt only (a crashed worker);
+- ``kill_in_save``: this rank dies after the first checkpoint component was written, first
+  attempt only (a crash in the middle of a checkpoint write).
+Each fault fires once: after a rollback or restart the same step runs clean.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Optional
+
+KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save")
+DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0}
+
+
+def parse_fault(spec: Optional[str]) -> dict:
+    """``"KIND@STEP[:RANK]"`` -> ``{KIND: STEP, "rank": RANK}``; ``{}`` for no fault."""
+    if not spec:
+        return {}
+    kind, _, rest = spec.partition("@")
+    step, _, rank = rest.partition(":")
+    if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+        raise ValueError(f"trainer.inject_fault: '{spec}' is not KIND@STEP[:RANK] with KIND in {', '.join(KINDS)}")
+    out = {kind: int(step)}
+    if rank:
+        out["rank"] = int(rank)
+    return out
+
+
+def first_attempt() -> bool:
+    """Before any restart of the workers (faults fire once, so the restart can recover)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("RLHF_HPC_ATTEMPT", "0") == "0"
+
+
+class FaultInjector:
+    def __init__(self, spec: Optional[str], rank: int):
+        self.fault = parse_fault(spec)
+        self.rank = rank
+
+    def _mine(self, kind: str, step: int) -> bool:
+        if self.fault.get(kind) != step:
+            return False
+        return self.rank == self.fault.get("rank", DEFAULT_RANK[kind]) or DEFAULT_RANK[kind] is None
+
+    def after_generation(self, step: int) -> None:
+        if self._mine("kill", step) and first_attempt():
+            os._exit(17)  # a worker dies in the middle of a step
+
+    @contextlib.contextmanager
+    def around_actor_update(self, step: int, optimizer, batch: dict):
+        if self.fault.get("nan_grad") == step:
+            del self.fault["nan_grad"]
+            batch["advantages"][0, 0] = float("nan")
+        if self.fault.get("lr_x1000") == step:
+            del self.fault["lr_x1000"]
+            for g in optimizer.param_groups:
+                g["lr"] *= 1000.0
+        yield  # the update's scheduler step sets the learning rate afresh from its schedule
+
+    def checkpoint_hook(self, step: int) -> Optional[Callable[[str], None]]:
+        """Called by ``save_checkpoint`` after each component it wrote (``kill_in_save``)."""
+        if not (self.fault.get("kill_in_save") == step and first_attempt()):
+            return None
+        dies = self.rank == self.fault.get("rank", DEFAULT_RANK["kill_in_save"])
+
+        def after_component(name: str) -> None:
+            if dies:
+                os._exit(17)
+        return after_component

@@ -1,0 +1,256 @@
+"""A verl user's recipe behaves here as in verl: command lines, key defaults, refused features,
+data checked before the launch, chat templates, and a 4-rank run of a step whose prompts do not
+divide over the ranks (every prompt trained, critic warm-up, chunked validation)."""
+from __future__ import annotations
+
+import json
+import shlex
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from rlhf_hpc.recipe import ConfigError, load_config
+from rlhf_hpc.tracking import read_metrics
+from tests.conftest import run_launch
+
+# Command lines written the way verl's examples/ppo_trainer and examples/grpo_trainer scripts are
+# (FSDP + vLLM, GSM8K), with `python3 -m verl.trainer.main_ppo` replaced by `launch.py`.
+VERL_PPO = """
+    algorithm.adv_estimator=gae data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet data.train_batch_size=1024 data.max_prompt_length=512
+    data.max_response_length=512 data.filter_overlong_prompts=True data.truncation='error'
+    actor_rollout_ref.model.path=deepseek-ai/deepseek-llm-7b-chat actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32
+    actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.4 critic.optim.lr=1e-5 critic.model.use_remove_padding=True
+    critic.model.path=deepseek-ai/deepseek-llm-7b-chat critic.model.enable_gradient_checkpointing=True
+    critic.ppo_micro_batch_size_per_gpu=32 critic.model.fsdp_config.param_offload=False
+    critic.model.fsdp_config.optimizer_offload=False algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+    trainer.logger='["console","wandb"]' trainer.project_name='verl_example_gsm8k'
+    trainer.experiment_name='deepseek_llm_7b_function_rm' trainer.n_gpus_per_node=8 trainer.nnodes=1
+    trainer.save_freq=20 trainer.test_freq=1 trainer.use_legacy_worker_impl=auto trainer.total_epochs=15
+"""
+VERL_GRPO = """
+    algorithm.adv_estimator=grpo data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet data.train_batch_size=1024 data.max_prompt_length=512
+    data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation='error'
+    actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40 actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger=console
+    trainer.project_name='verl_grpo_example_gsm8k' trainer.experiment_name='qwen2_7b_function_rm'
+    trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+"""
+# the same, with verl's token-budget ("seq balance") and its rollout mode set to synchronous
+VERL_GRPO_SEQ_BALANCE = VERL_GRPO.replace("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", """
+    actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000
+    actor_rollout_ref.rollout.mode=sync data.return_raw_chat=False""")
+
+
+def verl_args(text: str, home: str) -> list[str]:
+    return shlex.split(textwrap.dedent(text).replace("$HOME", home))
+
+
+@pytest.mark.parametrize("script", [VERL_PPO, VERL_GRPO, VERL_GRPO_SEQ_BALANCE], ids=["ppo", "grpo", "grpo_seq_balance"])
+def test_verl_example_command_lines_dry_run_unchanged(script, tmp_path):
+    out = run_launch(*verl_args(script, str(tmp_path)), "cluster=local", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout.partition("# command (cluster=local)\n")[0])
+    assert cfg["trainer"]["recipe"] is None  # no recipe: verl's defaults are the base
+    assert isinstance(cfg["trainer"]["logger"], list)
+    # keys verl interpolates from the actor arrive the same way here
+    actor = cfg["actor_rollout_ref"]["actor"]
+    assert cfg["actor_rollout_ref"]["rollout"]["log_prob_use_dynamic_bsz"] == actor["use_dynamic_bsz"]
+    assert cfg["critic"]["ppo_mini_batch_size"] == actor["ppo_mini_batch_size"]
+
+
+@pytest.mark.parametrize("extra,feature", [
+    ("actor_rollout_ref.rollout.mode=async", "asynchronous rollout"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=True", "multi-turn rollout with tools"),
+    ("data.return_raw_chat=True", "raw chat prompts"),
+    ("reward_model.use_reward_loop=True", "the reward loop"),
+    ("actor_rollout_ref.model.lora_rank=64", "LoRA training"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "Ulysses sequence parallelism"),
+    ("actor_rollout_ref.model.use_fused_kernels=True", "fused log-prob kernels"),
+    ("algorithm.use_pf_ppo=True", "PF-PPO"),
+    ("trainer.use_legacy_worker_impl=disable", "worker implementations"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size=64", "use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ("reward_model.model.use_remove_padding=True", "reward-model scoring"),
+])
+def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path):
+    out = run_launch(*verl_args(VERL_GRPO, str(tmp_path)), extra, "cluster=local", "--dry-run")
+    assert out.returncode == 2
+    assert feature in out.stderr and "is not available in rlhf-hpc" in out.stderr, out.stderr
+    assert "unknown key" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("reward_model.enable=true", "reward_model.enable=true: reward-model scoring is not available yet"),
+    ("data.dataloader_num_workers=8", "data.dataloader_num_workers=8: there is no data loader pool here"),
+    ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.hybrid_engine=false: only the hybrid engine"),
+    ("trainer.log_val_generations=10", "trainer.log_val_generations=10: logging validation generations"),
+    ("data.reward_fn_key=ability", "data.reward_fn_key='ability': rewards are chosen by the data_source column"),
+    ("actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=bf16", "buffer_dtype: FSDP2 keeps buffers"),
+    ("reward_model.micro_batch_size_per_gpu=4", "reward_model.micro_batch_size_per_gpu: reward-model scoring is "
+                                                "not available yet"),
+    ("actor_rollout_ref.model.custom_chat_template='{% for m in messages %}'", "not a valid Jinja template"),
+    ("actor_rollout_ref.model.external_lib=no_such_module_here", "no such Python module here"),
+])
+def test_keys_without_an_effect_here_refuse_non_default_values(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny_klppo", [override])
+    assert any(message in line for line in e.value.errors), e.value.errors
+
+
+def test_keys_verl_takes_from_the_actor_default_to_the_actor():
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                                        "actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                                        "critic.ppo_max_token_len_per_gpu=8192",
+                                        "actor_rollout_ref.actor.optim.warmup_style=cosine"])
+    c, arr = cfg.critic, cfg.actor_rollout_ref
+    assert (c.loss_agg_mode, c.shuffle, c.use_dynamic_bsz) == ("seq-mean-token-mean", True, True)
+    assert c.forward_max_token_len_per_gpu == 8192
+    assert arr.rollout.log_prob_use_dynamic_bsz and arr.ref.log_prob_use_dynamic_bsz
+    assert arr.rollout.log_prob_max_token_len_per_gpu == arr.ref.log_prob_max_token_len_per_gpu == 4096
+    assert arr.actor.optim.lr_scheduler_type == "cosine"  # verl's deprecated name still works
+    # set explicitly, the critic keeps its own
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                                        "critic.loss_agg_mode=token-mean", "critic.shuffle=false"])
+    assert cfg.critic.loss_agg_mode == "token-mean" and cfg.critic.shuffle is False
+
+
+def test_batch_sizes_verl_accepts_are_accepted():
+    # 12 prompts x 2 on 8 ranks (verl accepts it): every rank gets 3 responses
+    cfg, warnings = load_config("tiny_klppo", ["trainer.n_gpus_per_node=8", "data.train_batch_size=12",
+                                               "actor_rollout_ref.actor.ppo_mini_batch_size=12",
+                                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+    assert cfg.data.train_batch_size == 12
+    # 4 prompts x 4 on 8 ranks: 2 each
+    load_config("tiny_klppo", ["trainer.n_gpus_per_node=8", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                               "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    # a mini-batch that does not divide the step: verl runs a smaller last one; said as a warning
+    _, warnings = load_config("tiny_klppo", ["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
+    assert any("the last mini-batch of each epoch is smaller" in w for w in warnings)
+    with pytest.raises(ConfigError, match=r"data.train_batch_size \(6\) x actor_rollout_ref.rollout.n \(1\) = 6 "
+                                          r"responses must be divisible by the number of ranks"):
+        load_config("tiny_klppo", ["trainer.n_gpus_per_node=4", "data.train_batch_size=6", "actor_rollout_ref.rollout.n=1",
+                                   "actor_rollout_ref.actor.ppo_mini_batch_size=6"])
+    with pytest.raises(ConfigError, match=r"must be at least the number of ranks \(8\)"):
+        load_config("tiny_klppo", ["trainer.n_gpus_per_node=8", "data.train_batch_size=16",
+                                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2"])
+
+
+# ------------------------------------------------------------------- data checked before launch
+def bad_parquet(path, n=7473):
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"index": i}} for i in range(n)]
+    rows[n // 2]["reward_model"] = None
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_bad_row_is_reported_in_one_line_before_anything_starts(tmp_path):
+    bad_parquet(tmp_path / "train.parquet")
+    out = run_launch("recipe=tiny_klppo", f"data.train_files={tmp_path}/train.parquet",
+                     f"trainer.default_local_dir={tmp_path}/run")
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"error: bad data: {tmp_path}/train.parquet, row 3736, column 'reward_model': missing"
+    assert out.stdout == "" and not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_data_check_takes_well_under_a_second_for_gsm8k_size(tmp_path):
+    import time
+
+    from rlhf_hpc.data.dataset import DataError, check_data_files
+    bad_parquet(tmp_path / "train.parquet")
+    cfg, _ = load_config("tiny_klppo", [f"data.train_files={tmp_path}/train.parquet"])
+    t0 = time.perf_counter()
+    with pytest.raises(DataError):
+        check_data_files(cfg.data)
+    assert time.perf_counter() - t0 < 1.0
+
+
+# ---------------------------------------------------------------------------------- chat template
+def test_custom_chat_template_and_template_kwargs_shape_the_prompts():
+    from rlhf_hpc.config import DataConfig
+    from rlhf_hpc.data.dataset import chat_token_ids
+    from rlhf_hpc.tokenizer import load_tokenizer
+    msgs = [{"role": "user", "content": "abc"}]
+    plain = load_tokenizer("tiny://chars")
+    custom = load_tokenizer("tiny://chars", chat_template="q: {{ messages[0]['content'] }}{% if loud %}!{% endif %}.")
+    assert plain.decode(chat_token_ids(plain, msgs)) == "<|im_start|>user\nabc<|im_end|>\n<|im_start|>assistant\n"
+    assert custom.decode(chat_token_ids(custom, msgs)) == "q: abc."
+    assert custom.decode(chat_token_ids(custom, msgs, {"loud": True})) == "q: abc!."
+    assert DataConfig().apply_chat_template_kwargs == {}
+
+
+def test_external_lib_is_imported_before_models_are_built(tmp_path, monkeypatch):
+    (tmp_path / "my_models_lib.py").write_text("REGISTERED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from rlhf_hpc.engine import import_external_libs
+    assert import_external_libs("my_models_lib", None, "my_models_lib") == ["my_models_lib"]
+    import sys
+    assert sys.modules["my_models_lib"].REGISTERED
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.external_lib=my_models_lib"])
+    assert cfg.critic.model.external_lib == "my_models_lib"  # verl's interpolation
+
+
+# ----------------------------------------------- 4 ranks, 6 prompts x 2: the step is not divisible
+FOUR_RANKS = ["recipe=tiny_klppo", "actor_rollout_ref.rollout.name=hf", "trainer.n_gpus_per_node=4",
+              "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "trainer.total_training_steps=3",
+              "trainer.critic_warmup=2", "trainer.save_freq=-1", "trainer.test_freq=3",
+              "data.val_files=synthetic://copy?size=10"]
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    runs = {}
+    for name, val_batch in (("whole", "null"), ("chunked", "3")):
+        run = tmp_path_factory.mktemp(name) / "run"
+        out = run_launch(*FOUR_RANKS, f"data.val_batch_size={val_batch}", f"trainer.default_local_dir={run}",
+                         timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+        runs[name] = read_metrics(run)
+    return runs
+
+
+@pytest.mark.slow
+def test_four_ranks_train_on_every_prompt_of_a_step_that_does_not_divide(four_rank_runs):
+    records = four_rank_runs["whole"]
+    assert [r["training/global_step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["training/prompts_trained"] == 6 and r["training/responses_trained"] == 12
+        assert 1.0 <= r["perf/balance_ratio"] <= r["perf/balance_ratio_unbalanced"] + 1e-9
+
+
+@pytest.mark.slow
+def test_critic_warmup_holds_the_actor_back_as_verl_does(four_rank_runs):
+    # verl updates the actor once trainer.critic_warmup <= step (steps count from 1)
+    updated = ["actor/pg_loss" in r for r in four_rank_runs["whole"]]
+    assert updated == [False, True, True]
+    assert all("critic/vf_loss" in r for r in four_rank_runs["whole"])
+
+
+@pytest.mark.slow
+def test_validation_scores_the_whole_set_whatever_val_batch_size(four_rank_runs):
+    key = "val-core/synthetic/copy/reward/mean@1"
+    whole, chunked = four_rank_runs["whole"][-1], four_rank_runs["chunked"][-1]
+    assert key in whole and whole[key] == pytest.approx(chunked[key], abs=1e-6)
+    # chunking the validation changes nothing about training
+    assert whole["critic/score/mean"] == chunked["critic/score/mean"]
