@@ -113,3 +113,20 @@ def test_worker_refuses_a_group_of_the_wrong_size(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "torchrun started 1 ranks but trainer.nnodes x trainer.n_gpus_per_node = 2" in proc.stderr
+
+
+def test_user_error_found_by_the_workers_is_one_line_for_the_job(tmp_path):
+    # the launching machine checks columns; only the workers (with the tokenizer) see a prompt's length
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"data_source": "synthetic/copy", "prompt": [{"role": "user", "content": "copy: " + "a" * n}],
+             "reward_model": {"ground_truth": "a"}} for n in (3, 4, 60, 5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    out = run_launch("recipe=tiny_klppo", f"data.train_files={tmp_path}/train.parquet", "data.train_batch_size=2",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                     "actor_rollout_ref.rollout.name=hf", f"trainer.default_local_dir={tmp_path}/run", timeout=300)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == [f"error: {tmp_path}/train.parquet, row 2, column 'prompt': the prompt is 85 tokens, more than "
+                     f"data.max_prompt_length=32 (set data.truncation=left|right or data.filter_overlong_prompts=true)"]
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr

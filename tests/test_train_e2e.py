@@ -56,6 +56,8 @@ def test_every_metric_is_present_and_finite_every_step(demo_run):
         bad = [k for k, v in r.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
         assert not bad, (r["training/global_step"], bad)
         assert r["rollout/logprob_diff_max"] < 1e-4  # the weight sync is right at every step
+        assert r["guard/rollbacks"] == 0  # the demo never trips its own stability guard
+        assert r["training/prompts_trained"] == 16 and r["training/responses_trained"] == 32
 
 
 def test_the_demo_learns(demo_run):
