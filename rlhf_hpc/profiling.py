@@ -245,12 +245,18 @@ class CommHint:
             return (f"raise actor_rollout_ref.rollout.update_weights_bucket_mb (now {arr.rollout.update_weights_bucket_mb}; "
                     f"fewer, larger all-gathers overlapping the engine's copy)")
         if group == "train":
-            fsdp = arr.actor.fsdp_config
-            return (f"shard inside a node with HSDP, actor_rollout_ref.actor.fsdp_config.fsdp_size={tr.n_gpus_per_node} "
-                    f"(now {fsdp.fsdp_size}; also critic.model.fsdp_config.fsdp_size), overlap the all-gathers with "
-                    f"fsdp_config.forward_prefetch=true, or skip the backward all-gather with "
-                    f"fsdp_config.reshard_after_forward=false (more memory); sequence parallelism (verl's "
-                    f"ulysses_sequence_parallel_size) is not available in rlhf-hpc yet")
+            fsdp, keys = arr.actor.fsdp_config, []
+            if (tr.nnodes > 1 and fsdp.fsdp_size in (-1, None)) or (fsdp.fsdp_size or 0) > tr.n_gpus_per_node:
+                keys.append(f"shard inside a node with HSDP: actor_rollout_ref.actor.fsdp_config.fsdp_size="
+                            f"{tr.n_gpus_per_node} (now {fsdp.fsdp_size}; likewise critic.model.fsdp_config.fsdp_size)")
+            keys.append(f"larger actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (now "
+                        f"{arr.actor.ppo_micro_batch_size_per_gpu}; every micro-batch gathers the weights again)")
+            if not fsdp.forward_prefetch:
+                keys.append("fsdp_config.forward_prefetch=true (overlap the next layer's all-gather)")
+            if fsdp.reshard_after_forward:
+                keys.append("fsdp_config.reshard_after_forward=false (no second all-gather in backward; more memory)")
+            return "; ".join(keys) + ("; sequence parallelism (verl's ulysses_sequence_parallel_size) is not "
+                                      "available in rlhf-hpc yet")
         if group == "rollout":
             return (f"lower actor_rollout_ref.rollout.tensor_model_parallel_size (now "
                     f"{arr.rollout.tensor_model_parallel_size}) if the model fits")
