@@ -65,6 +65,7 @@ def load_mlflow_run(run_id: str, uri: str) -> Run:
     artifact (else its parameters)."""
     if uri.startswith("file:") or "://" not in uri:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
     client = MlflowClient(uri)

@@ -4,8 +4,9 @@ optionally TensorBoard, Weights & Biases and MLflow (``trainer.logger``). Only r
 MLflow: the tracking URI is ``MLFLOW_TRACKING_URI`` when set (a group's server), else a file store in
 ``<run dir>/mlruns`` (no server needed on compute nodes; MLflow >= 3.7 keeps its file store behind
 ``MLFLOW_ALLOW_FILE_STORE=true``, which is set for it). Experiment = ``trainer.project_name``, run
-name = ``trainer.experiment_name``; parameters = the flat resolved config; tags = W&B's (recipe,
-profile, git, config hash, group); the resolved ``config.yaml`` as an artifact; metrics per step
+name = ``trainer.experiment_name``; parameters = the flat resolved config (values as JSON, strings
+as they are); tags = W&B's (recipe, profile, git, config hash, group); the resolved ``config.yaml``
+as an artifact; metrics per step
 under W&B's names passed through ``mlflow_metric_name``. A resumed or requeued run continues the
 same MLflow run (its id is in the checkpoint and in ``<run dir>/mlflow_run_id``)."""
 from __future__ import annotations
@@ -112,7 +113,11 @@ class Tracker:
         self.mlflow = MlflowClient(mlflow_tracking_uri(self.run_dir))
         tr = self.cfg.trainer
         if self.mlflow_id is not None:
-            self.mlflow.update_run(self.mlflow_id, status="RUNNING")  # a resumed/requeued run: the same run
+            # a resumed/requeued run continues the same MLflow run; its parameters stay those of the
+            # launch that created it (MLflow parameters cannot change), tags and config.yaml follow this one
+            self.mlflow.update_run(self.mlflow_id, status="RUNNING")
+            for key, value in mlflow_tags(self.cfg).items():
+                self.mlflow.set_tag(self.mlflow_id, key, value)
         else:
             exp = self.mlflow.get_experiment_by_name(tr.project_name)
             exp_id = exp.experiment_id if exp is not None else self.mlflow.create_experiment(tr.project_name)

@@ -145,6 +145,7 @@ def test_mlflow_run_read_back_continues_across_the_resume(run):
     assert tags["recipe"] == "tiny_klppo" and tags["config"] == config_hash(cfg) and tags["group"] == "tiny_klppo"
     params = found.data.params
     assert params["algorithm.kl_ctrl.kl_coef"] == "0.001" and params["trainer.logger"] == '["console", "mlflow"]'
+    assert params["trainer.total_training_steps"] == "3"  # the creating launch's: MLflow parameters are fixed
     assert params["trainer.default_local_dir"] == str(run_dir)
     local = client.download_artifacts(run_id, "config.yaml", str(run_dir.parent))
     assert Path(local).read_text() == (run_dir / "config.yaml").read_text()
