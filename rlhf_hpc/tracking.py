@@ -110,12 +110,19 @@ class Tracker:
         id_file = self.run_dir / MLFLOW_ID_FILE
         if self.mlflow_id is None and id_file.is_file():
             self.mlflow_id = id_file.read_text().strip()
-        self.mlflow = MlflowClient(mlflow_tracking_uri(self.run_dir))
+        uri = mlflow_tracking_uri(self.run_dir)
+        self.mlflow = MlflowClient(uri)
         tr = self.cfg.trainer
         if self.mlflow_id is not None:
             # a resumed/requeued run continues the same MLflow run; its parameters stay those of the
             # launch that created it (MLflow parameters cannot change), tags and config.yaml follow this one
-            self.mlflow.update_run(self.mlflow_id, status="RUNNING")
+            from mlflow.exceptions import MlflowException
+            try:
+                self.mlflow.update_run(self.mlflow_id, status="RUNNING")
+            except MlflowException as e:
+                raise RuntimeError(f"MLflow run {self.mlflow_id} (this run's, from its checkpoint) is not in the "
+                                   f"tracking store {uri}: set MLFLOW_TRACKING_URI to the store the run started "
+                                   f"with ({str(e).splitlines()[0]})") from None
             for key, value in mlflow_tags(self.cfg).items():
                 self.mlflow.set_tag(self.mlflow_id, key, value)
         else:

@@ -191,6 +191,8 @@ def test_mlflow_tracking_uri_from_the_environment(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "mlruns").exists()
     got = MlflowClient(store.as_uri()).get_run(tracker.mlflow_id).data.metrics
     assert got["val-core/openai/gsm8k/reward/mean_1"] == 0.5 and got["critic/score/mean"] != got["critic/score/mean"]
+    with pytest.raises(RuntimeError, match="MLflow run 0123456789abcdef .* is not in the tracking store file://"):
+        Tracker(cfg, tmp_path / "run", is_main=True, total_steps=2, mlflow_id="0123456789abcdef")
 
 
 def test_mlflow_metric_names_map_rejected_characters_one_way():
