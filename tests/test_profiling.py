@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from rlhf_hpc.compare import compare, load_run, series
-from rlhf_hpc.profiling import GROUPS, HINT_STEPS, CommHint
+from rlhf_hpc.perf import Timer
+from rlhf_hpc.profiling import GROUPS, HINT_STEPS, CommHint, StepProfiler, collective
 from rlhf_hpc.recipe import ConfigError, load_config, load_resolved
 from rlhf_hpc.tracking import Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri, read_metrics
 from tests.conftest import REPO, run_launch
@@ -30,9 +31,11 @@ from mlflow import MlflowClient  # noqa: E402
 
 NSYS_GOLDEN = REPO / "tests" / "golden" / "qwen7b_klppo_nsys.sbatch"
 TRACED_STEP = 2
-# the meter's time and the profiler's may differ by this share of the profiler's figure: the meter
-# also holds the hand-off to gloo's worker thread and back (about 0.2 ms per collective here)
-COMM_TOLERANCE = 0.25
+# The meter's time encloses what the profiler records of each collective (blocking calls), plus the
+# hand-off to gloo's worker thread and back, which grows with CPU load (measured here: 0.01-0.6 ms
+# per collective). Tolerance: 0.9 x profiler <= meter <= 1.1 x profiler + 1 ms per collective.
+COMM_REL_TOLERANCE = 0.1
+HANDOFF_S = 1e-3
 COLLECTIVE_OPS = ("c10d::", "_c10d_functional::")
 NOT_COLLECTIVES = ("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd")
 
@@ -105,7 +108,8 @@ def test_comm_meter_agrees_with_the_profiler_on_the_traced_step(run):
         print(f"rank {rank}: meter {meter['calls']} collectives {meter['comm_s']:.3f} s, profiler {calls} "
               f"collectives {seconds:.3f} s, step {meter['step_s']:.3f} s")
         assert meter["calls"] == calls  # every collective of the step went through the meter
-        assert abs(meter["comm_s"] - seconds) <= COMM_TOLERANCE * seconds
+        assert (1 - COMM_REL_TOLERANCE) * seconds <= meter["comm_s"]
+        assert meter["comm_s"] <= (1 + COMM_REL_TOLERANCE) * seconds + HANDOFF_S * calls
         assert meter["by_phase_s"]["train"] > 0 and meter["by_phase_s"]["weight_sync"] > 0
 
 
@@ -226,6 +230,29 @@ def test_hint_after_three_steps_over_a_fifth_once_per_stretch():
                         check_files=False)[0]
     assert "fsdp_config.fsdp_size=8 (now -1" in CommHint(multi).keys_for("train")
     assert "update_weights_bucket_mb" in CommHint(cfg).keys_for("weight_sync")
+
+
+def test_profiler_ranks_and_save_path_choose_what_is_traced_where(tmp_path):
+    cfg = load_config("tiny_klppo", ["global_profiler.steps=[2]", "global_profiler.ranks=[1]",
+                                     f"global_profiler.save_path={tmp_path / 'elsewhere'}"])[0]
+    for rank in (0, 1):
+        profiler = StepProfiler(cfg, rank, torch.device("cpu"), tmp_path / "run")
+        for step in (1, 2):
+            timer = Timer()
+            with profiler.step(step, timer), timer("step"):
+                with timer("update_actor"), collective(calls=3):  # three collectives of the actor update
+                    torch.ones(1000).cumsum(0)
+                with collective():  # one outside any phase
+                    pass
+            m = profiler.metrics(timer.times)
+            assert m["perf/comm_fraction_train"] > 0 and m["perf/comm_fraction_weight_sync"] == 0
+            assert m["perf/comm_fraction"] == pytest.approx(m["perf/comm_fraction_train"] + m["perf/comm_fraction_other"])
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["elsewhere/step2/rank1.comm.json", "elsewhere/step2/rank1.pt.trace.json"]
+    summary = json.loads((tmp_path / "elsewhere" / "step2" / "rank1.comm.json").read_text())
+    assert summary["calls"] == 4 and summary["by_phase_s"]["train"] > 0
+    trace = json.loads((tmp_path / "elsewhere" / "step2" / "rank1.pt.trace.json").read_text())
+    assert {"phase/step", "phase/update_actor"} <= {e["name"] for e in trace["traceEvents"]}
 
 
 def test_profiler_keys_are_checked():
