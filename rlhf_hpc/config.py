@@ -330,6 +330,7 @@ class LauncherConfig:
 class GlobalProfilerConfig:
     """verl's ``global_profiler`` (tool torch): torch.profiler traces of chosen steps
     (on the command line ``trainer.profile_steps=[3,4]`` is a shorthand for ``global_profiler.steps``)."""
+    tool: str = "torch"  # verl's key; only torch here (Nsight Systems: launcher.nsys=true)
     steps: Optional[list[int]] = None  # global steps to trace, e.g. [3, 4]; null: none
     ranks: Optional[list[int]] = None  # ranks that trace them; null: every rank
     save_path: Optional[str] = None  # null: <run dir>/profile

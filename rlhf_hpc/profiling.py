@@ -14,6 +14,8 @@ reduce-scatters (``time_fsdp_collectives`` installs FSDP2's custom-comm hooks, w
 - CUDA (NCCL): CUDA events around the call on the current stream (FSDP2 issues on its
   all-gather/reduce-scatter streams), read once at the end of the step. Overlapped collectives are
   counted too: on CUDA the figure is time in collectives, not only exposed communication.
+  Collectives on host memory (the rollout's prompt exchange on a gloo group) use the wall clock.
+  Untested on a GPU so far.
 
 Not seen by the meter: HSDP's replicate all-reduce inside FSDP2 (FSDP2 has no hook around it) and
 vLLM's internal tensor-parallel collectives during generation.
@@ -67,14 +69,14 @@ class CommMeter:
         self._depth = 0
 
     @contextlib.contextmanager
-    def measure(self, calls: int) -> Iterator[None]:
+    def measure(self, calls: int, host: bool = False) -> Iterator[None]:
         self.calls += calls
         if self._depth:  # inside a measured region already: the time is counted there
             yield
             return
         group = phase_group(self._phase())
         self._depth += 1
-        if self._cuda:
+        if self._cuda and not host:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             try:
@@ -108,14 +110,15 @@ _active: Optional[CommMeter] = None  # the meter of the step now running on this
 
 
 @contextlib.contextmanager
-def collective(calls: int = 1) -> Iterator[None]:
+def collective(calls: int = 1, host: bool = False) -> Iterator[None]:
     """Around a collective (``calls``: the collective ops it issues; 0 for a wait): its time goes
-    to the running step's ``CommMeter``. Costs nothing measurable outside a step."""
+    to the running step's ``CommMeter``. ``host``: a collective on host memory (a gloo group), timed
+    by wall clock also on CUDA. Costs nothing measurable outside a step."""
     meter = _active
     if meter is None:
         yield
         return
-    with meter.measure(calls):
+    with meter.measure(calls, host):
         yield
 
 

@@ -442,6 +442,9 @@ def _looks_like_hub_id(path: str) -> bool:
 
 def profiler_problems(cfg: Config) -> list[str]:
     gp, problems = cfg.global_profiler, []
+    if gp.tool != "torch":
+        problems.append(f"global_profiler.tool={gp.tool!r}: rlhf-hpc traces steps with torch.profiler (tool torch); "
+                        f"for Nsight Systems set launcher.nsys=true (the whole job, phases as NVTX ranges)")
     bad_steps = [s for s in gp.steps or [] if s < 1]
     if bad_steps:
         problems.append(f"global_profiler.steps: {bad_steps} are not global steps (they count from 1)")

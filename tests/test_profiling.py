@@ -262,6 +262,8 @@ def test_profiler_keys_are_checked():
         load_config("tiny_klppo", ["global_profiler.steps=[0,2]"])
     with pytest.raises(ConfigError, match=r"global_profiler.ranks: \[2\] are not ranks of this job \(0..1\)"):
         load_config("tiny_klppo", ["global_profiler.ranks=[2]"])
+    with pytest.raises(ConfigError, match="global_profiler.tool='nsys': rlhf-hpc traces steps with torch.profiler"):
+        load_config("tiny_klppo", ["global_profiler.tool=nsys"])
     with pytest.raises(ConfigError, match="launcher.nsys=true wraps the nodes of a Slurm job"):
         load_config("tiny_klppo", ["launcher.nsys=true", "cluster=local"])
 

@@ -179,7 +179,7 @@ class VLLMEngine:
         if self.tp == 1 or self.tp_group is None:
             return prompts, slice(0, len(prompts))
         gathered: list = [None] * self.tp
-        with collective(calls=2):  # object all-gather: sizes, then the pickled lists
+        with collective(calls=2, host=True):  # object all-gather on a gloo group: sizes, then the lists
             dist.all_gather_object(gathered, prompts, group=self.tp_group)
         me = dist.get_rank(self.tp_group)
         start = sum(len(g) for g in gathered[:me])
