@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow import MlflowClient  # in the test extras (setup.cfg)
 
 from rlhf_hpc.compare import compare, load_run, series
 from rlhf_hpc.perf import Timer
@@ -25,9 +26,6 @@ from rlhf_hpc.profiling import GROUPS, HINT_STEPS, CommHint, StepProfiler, colle
 from rlhf_hpc.recipe import ConfigError, load_config, load_resolved
 from rlhf_hpc.tracking import Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri, read_metrics
 from tests.conftest import REPO, run_launch
-
-pytest.importorskip("mlflow")
-from mlflow import MlflowClient  # noqa: E402
 
 NSYS_GOLDEN = REPO / "tests" / "golden" / "qwen7b_klppo_nsys.sbatch"
 TRACED_STEP = 2
