@@ -17,8 +17,10 @@ reduce-scatters (``time_fsdp_collectives`` installs FSDP2's custom-comm hooks, w
   Collectives on host memory (the rollout's prompt exchange on a gloo group) use the wall clock.
   Untested on a GPU so far.
 
-Not seen by the meter: HSDP's replicate all-reduce inside FSDP2 (FSDP2 has no hook around it) and
-vLLM's internal tensor-parallel collectives during generation.
+HSDP's replicate all-reduce inside FSDP2 has no hook around it; FSDP2's all-reduce hook runs right
+after it, so it is timed from the reduce-scatter's return to that hook (with a shard group of one
+rank there is no reduce-scatter, and it goes unmeasured). Not seen by the meter: vLLM's internal
+tensor-parallel collectives during generation.
 
 ``perf/comm_fraction`` = time in collectives / ``timing_s/step`` (rank 0's), split by phase into
 ``perf/comm_fraction_{weight_sync,train,rollout,other}``. When it stays above 20% for 3 steps
@@ -93,6 +95,26 @@ class CommMeter:
                 self._depth -= 1
                 self.seconds[group] += time.perf_counter() - t0
 
+    def mark(self):
+        """A point in time to measure a collective from (``add_since``): a recorded CUDA event on the
+        current stream, or the wall clock."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add_since(self, mark, calls: int = 1) -> None:
+        """Count the collective that ran between ``mark`` and now (where no hook surrounds it)."""
+        self.calls += calls
+        group = phase_group(self._phase())
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((group, mark, end))
+        else:
+            self.seconds[group] += time.perf_counter() - mark
+
     def finish(self) -> dict[str, float]:
         """Seconds by group (on CUDA this waits for the recorded events)."""
         for group, start, end in self._events:
@@ -122,6 +144,10 @@ def collective(calls: int = 1, host: bool = False) -> Iterator[None]:
         yield
 
 
+def _mark():
+    return _active.mark() if _active is not None else None
+
+
 # ------------------------------------------------------------------------------ FSDP2 hooks
 try:  # FSDP2's custom-comm interface (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -145,21 +171,43 @@ if AllGather is not None:
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
 
+        def __init__(self):
+            self.done = None  # when the last reduce-scatter returned (for HSDP's all-reduce after it)
+
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             with collective():
-                return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
+                work = dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
                                                   async_op=async_op)
+            self.done = _mark()
+            return work
+
+    class HSDPAllReduceTimer:
+        """FSDP2's all-reduce hook, which HSDP runs right after its replicate all-reduce (no hook
+        surrounds that all-reduce): the time since the group's reduce-scatter returned is that
+        all-reduce. Leaves the gradients as they are."""
+
+        def __init__(self, reduce_scatter: TimedReduceScatter):
+            self.reduce_scatter = reduce_scatter
+
+        def __call__(self, reduce_output: torch.Tensor) -> None:
+            mark, self.reduce_scatter.done = self.reduce_scatter.done, None
+            if mark is not None and _active is not None:
+                _active.add_since(mark)
 
 
-def time_fsdp_collectives(model: torch.nn.Module) -> None:
-    """Route every FSDP2 group of ``model`` through the measured all-gather/reduce-scatter."""
+def time_fsdp_collectives(model: torch.nn.Module, hsdp: bool = False) -> None:
+    """Route every FSDP2 group of ``model`` through the measured all-gather/reduce-scatter; with
+    ``hsdp`` (a 2-D mesh) also time the replicate all-reduce that follows each reduce-scatter."""
     if AllGather is None:
         return
     from torch.distributed.fsdp import FSDPModule
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            reduce_scatter = TimedReduceScatter()
             module.set_custom_all_gather(TimedAllGather())
-            module.set_custom_reduce_scatter(TimedReduceScatter())
+            module.set_custom_reduce_scatter(reduce_scatter)
+            if hsdp:
+                module.set_all_reduce_hook(HSDPAllReduceTimer(reduce_scatter))
 
 
 # ------------------------------------------------------------------------------ the step

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -129,6 +130,24 @@ def test_console_hint_follows_the_logged_fractions(run):
     fractions = [r["perf/comm_fraction"] for r in read_metrics(run_dir)[:3]]
     hinted = "[rlhf-hpc] communication took" in first
     assert hinted == all(f > 0.2 for f in fractions), (fractions, first[-2000:])
+
+
+def test_meter_counts_hsdp_replicate_all_reduces(tmp_path):
+    """4 ranks on a (2, 2) HSDP mesh: FSDP2's replicate all-reduce (timed through its all-reduce
+    hook) is counted like every other collective. Time is compared on the 2-rank run above only:
+    4 ranks on 2 cores spend long stretches descheduled inside collectives, which the meter counts
+    and the profiler's gloo events do not."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(REPO / "tests" / "dist_profiling_checks.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for rank in range(4):
+        trace = json.loads((tmp_path / "step2" / f"rank{rank}.pt.trace.json").read_text())
+        meter = json.loads((tmp_path / "step2" / f"rank{rank}.comm.json").read_text())
+        all_reduces = [e for e in trace["traceEvents"] if e.get("name") == "c10d::allreduce_"]
+        assert len(all_reduces) == 5  # one per FSDP group: 2 layers, embedding, head, root
+        assert meter["calls"] == profiler_comm(trace)[0]
 
 
 # ------------------------------------------------------------------------------ MLflow
