@@ -1,7 +1,11 @@
-"""Compare runs without W&B: ``python launch.py compare RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out DIR]``.
+"""Compare runs without W&B: ``python launch.py compare RUN [RUN ...] [--metrics a,b] [--out DIR]``.
 
-Reads each run's ``metrics.jsonl`` (in step order, the last record of a step that a resumed run
-logged twice) and ``config.yaml``; writes ``compare.png`` (one panel per metric, one line per run,
+A RUN is a run directory, or ``mlflow:RUN_ID`` for a run that only an MLflow tracking server/store
+holds (``MLFLOW_TRACKING_URI``, or ``--mlflow-uri``). Reads each run's ``metrics.jsonl`` (in step
+order, the last record of a step that a resumed run logged twice) and ``config.yaml``; a run
+directory without ``metrics.jsonl`` but with an MLflow run (``mlflow_run_id``, ``mlruns/``) and an
+``mlflow:`` run are read from MLflow instead (metric histories, the ``config.yaml`` artifact).
+Writes ``compare.png`` (one panel per metric, one line per run,
 x = global step, runs named by the config keys that differ between them) and a table of the last
 and best value per run (printed, and saved as ``compare.md`` and ``compare.csv``). Works on runs
 that are still going.
@@ -9,13 +13,17 @@ that are still going.
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.recipe import ConfigError, flatten, parse_yaml
-from rlhf_hpc.tracking import RUN_SPECIFIC, read_metrics
+from rlhf_hpc.tracking import (MLFLOW_DIR, MLFLOW_ID_FILE, RUN_SPECIFIC, mlflow_metric_name, mlflow_tracking_uri,
+                               read_metrics)
 
 DEFAULT_METRICS = ["critic/score/mean", "actor/reward_kl_penalty", "response_length/mean", "actor/pg_clipfrac",
                    "critic/vf_loss", "perf/throughput"]
@@ -30,13 +38,59 @@ class Run:
     records: list[dict]
 
 
-def load_run(path: str | Path) -> Run:
+def load_run(path: str | Path, mlflow_uri: Optional[str] = None) -> Run:
+    if str(path).startswith("mlflow:"):
+        uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            raise ConfigError(f"{path}: set MLFLOW_TRACKING_URI (or --mlflow-uri) to the tracking server/store "
+                              f"that holds the run")
+        return load_mlflow_run(str(path)[len("mlflow:"):], uri)
     path = Path(path)
+    if not (path / "metrics.jsonl").is_file() and (path / MLFLOW_ID_FILE).is_file():
+        uri = (mlflow_tracking_uri(path) if (path / MLFLOW_DIR).is_dir()
+               else mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        if uri:
+            run = load_mlflow_run((path / MLFLOW_ID_FILE).read_text().strip(), uri)
+            return Run(path, run.config, run.records)
     if not (path / "config.yaml").is_file() or not (path / "metrics.jsonl").is_file():
         missing = [n for n in ("config.yaml", "metrics.jsonl") if not (path / n).is_file()]
         raise ConfigError(f"{path} is not a run directory (no {' or '.join(missing)}); give the "
                           f"trainer.default_local_dir of a run")
     return Run(path, flatten(parse_yaml((path / "config.yaml").read_text()) or {}), read_metrics(path))
+
+
+def load_mlflow_run(run_id: str, uri: str) -> Run:
+    """A run read back from MLflow: records by step (metric names as MLflow stores them; the last
+    value logged for a step wins, as in ``read_metrics``) and the config from its ``config.yaml``
+    artifact (else its parameters)."""
+    if uri.startswith("file:") or "://" not in uri:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as e:
+        raise ConfigError(f"mlflow:{run_id}: no such run at {uri} ({str(e).splitlines()[0]})") from None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            config = parse_yaml(Path(client.download_artifacts(run_id, "config.yaml", tmp)).read_text()) or {}
+        config = flatten(config)
+    except (MlflowException, OSError):
+        config = {k: _param(v) for k, v in run.data.params.items()}
+    by_step: dict[int, dict] = {}
+    for key in run.data.metrics:
+        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+            by_step.setdefault(m.step, {"training/global_step": m.step})[key] = m.value
+    return Run(Path(f"mlflow:{run_id}"), config, [by_step[s] for s in sorted(by_step)])
+
+
+def _param(value: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def differing_keys(runs: list[Run]) -> list[str]:
@@ -52,8 +106,9 @@ def run_label(run: Run, keys: list[str]) -> str:
 
 def series(run: Run, metric: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
+    stored = mlflow_metric_name(metric)  # runs read from MLflow hold its names
     for r in run.records:
-        v = r.get(metric)
+        v = r.get(metric, r.get(stored))
         if isinstance(v, (int, float)):
             xs.append(int(r["training/global_step"]))
             ys.append(float(v))
@@ -67,13 +122,14 @@ def best(values: list[float], metric: str) -> Optional[float]:
     return min(finite) if any(w in metric for w in LOWER_IS_BETTER) else max(finite)
 
 
-def compare(run_dirs: list[str | Path], metrics: Optional[list[str]] = None, out: Optional[str | Path] = None):
+def compare(run_dirs: list[str | Path], metrics: Optional[list[str]] = None, out: Optional[str | Path] = None,
+            mlflow_uri: Optional[str] = None):
     """Returns (figure, table rows, differing keys); writes compare.png/.md/.csv to ``out``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [load_run(d) for d in run_dirs]
+    runs = [load_run(d, mlflow_uri) for d in run_dirs]
     metrics = metrics or [m for m in DEFAULT_METRICS if any(series(r, m)[0] for r in runs)]
     absent = [m for m in metrics if not any(series(r, m)[0] for r in runs)]
     if absent:
@@ -136,12 +192,13 @@ def markdown_table(table: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python launch.py compare", description="Compare runs: plots and a table.")
-    ap.add_argument("runs", nargs="+", help="run directories (trainer.default_local_dir)")
+    ap.add_argument("runs", nargs="+", help="run directories (trainer.default_local_dir) or mlflow:RUN_ID")
     ap.add_argument("--metrics", default=None, help=f"comma-separated (default: {','.join(DEFAULT_METRICS)})")
     ap.add_argument("--out", default="compare", help="output directory (default: ./compare)")
+    ap.add_argument("--mlflow-uri", default=None, help="tracking URI for mlflow:RUN_ID (default: MLFLOW_TRACKING_URI)")
     args = ap.parse_args(argv)
     metrics = [m.strip() for m in args.metrics.split(",")] if args.metrics else None
-    _, table, keys = compare(args.runs, metrics, args.out)
+    _, table, keys = compare(args.runs, metrics, args.out, args.mlflow_uri)
     print(markdown_table(table))
     print(f"config keys that differ: {', '.join(keys) or 'none'}")
     print(f"[rlhf-hpc] wrote {Path(args.out) / 'compare.png'}, compare.md, compare.csv")

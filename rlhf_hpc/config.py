@@ -277,8 +277,9 @@ class TrainerConfig:
     n_gpus_per_node: int = 8
     total_epochs: int = 30
     total_training_steps: Optional[int] = None
-    # a bare string is taken as a one-item list (as verl does)
-    logger: list[Literal["console", "wandb", "tensorboard"]] = field(
+    # a bare string is taken as a one-item list (as verl does); mlflow: MLFLOW_TRACKING_URI, else a
+    # file store in <run dir>/mlruns (rlhf_hpc/tracking.py)
+    logger: list[Literal["console", "wandb", "tensorboard", "mlflow"]] = field(
         default_factory=lambda: ["console", "wandb"])
     log_val_generations: int = 0  # not supported: only 0 is accepted
     save_freq: int = -1
@@ -330,6 +331,19 @@ class LauncherConfig:
     max_requeues: int = 3
     max_restarts: int = 0  # torchrun restarts of crashed workers
     array_parallelism: int = 16
+    # wrap each node's job (torchrun and its ranks) in `nsys profile`; the loop's phases show as
+    # NVTX ranges; one report per node in <run dir>/profile/ (rlhf_hpc/launch/slurm.py)
+    nsys: bool = False
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """verl's ``global_profiler`` (tool torch): torch.profiler traces of chosen steps
+    (on the command line ``trainer.profile_steps=[3,4]`` is a shorthand for ``global_profiler.steps``)."""
+    tool: str = "torch"  # verl's key; only torch here (Nsight Systems: launcher.nsys=true)
+    steps: Optional[list[int]] = None  # global steps to trace, e.g. [3, 4]; null: none
+    ranks: Optional[list[int]] = None  # ranks that trace them; null: every rank
+    save_path: Optional[str] = None  # null: <run dir>/profile
 
 
 @dataclass
@@ -343,6 +357,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 
     @property
     def world_size(self) -> int:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.config import Config
+from rlhf_hpc.profiling import collective
 
 
 @dataclass
@@ -84,7 +85,8 @@ def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
         return t.clone()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
     out = t.to(device, copy=True)
-    dist.all_reduce(out, op=op)
+    with collective():
+        dist.all_reduce(out, op=op)
     return out.to(t.device)
 
 
@@ -105,7 +107,8 @@ def all_reduce_max_int(value: int, device: torch.device) -> int:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
     t = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with collective():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlhf_hpc.config import OptimConfig
+from rlhf_hpc.profiling import collective
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
@@ -72,7 +73,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     grads = [p.grad for p in params]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
-        total = total.full_tensor()
+        with collective():  # the all-reduce of the partial norms
+            total = total.full_tensor()
     if torch.isfinite(total) and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total.item()

@@ -9,6 +9,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from rlhf_hpc.config import FSDPConfig
 from rlhf_hpc.models import torch_dtype
+from rlhf_hpc.profiling import time_fsdp_collectives
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -53,6 +54,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
         if out is not None:
             fully_shard(out, reshard_after_forward=fsdp.reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+    time_fsdp_collectives(model, hsdp=mesh.ndim == 2)  # FSDP2's collectives count in perf/comm_fraction
     if fsdp.forward_prefetch:
         # issue the next layer's all-gather while this layer computes (and the mirror in backward)
         for prev, nxt in zip(layers, layers[1:]):

@@ -49,7 +49,9 @@ def model_flops(config, seq_lens, head_tokens: Optional[float] = None) -> float:
 
 
 class Timer:
-    """``with timer("gen"):`` accumulates seconds under ``timing_s/gen``."""
+    """``with timer("gen"):`` accumulates seconds under ``timing_s/gen``. Each phase is also a
+    named range for profilers: ``record_function`` (torch.profiler traces) and NVTX on CUDA
+    (Nsight Systems)."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -61,8 +63,10 @@ class Timer:
             torch.cuda.synchronize()
         outer, self.current = self.current, name
         t0 = time.perf_counter()
+        nvtx = torch.cuda.nvtx.range(name) if torch.cuda.is_available() else contextlib.nullcontext()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"), nvtx:
+                yield
             self.current = outer
         finally:
             if torch.cuda.is_available():

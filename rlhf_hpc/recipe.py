@@ -142,7 +142,7 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 # ----------------------------------------------------------------------------------- overrides
 # Command-line shorthands for keys that live deeper in the tree.
-OVERRIDE_ALIASES = {"cluster": "launcher.cluster"}
+OVERRIDE_ALIASES = {"cluster": "launcher.cluster", "trainer.profile_steps": "global_profiler.steps"}
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -455,6 +455,23 @@ def _looks_like_hub_id(path: str) -> bool:
             and not path.startswith((".", "~", "/")))
 
 
+def profiler_problems(cfg: Config) -> list[str]:
+    gp, problems = cfg.global_profiler, []
+    if gp.tool != "torch":
+        problems.append(f"global_profiler.tool={gp.tool!r}: rlhf-hpc traces steps with torch.profiler (tool torch); "
+                        f"for Nsight Systems set launcher.nsys=true (the whole job, phases as NVTX ranges)")
+    bad_steps = [s for s in gp.steps or [] if s < 1]
+    if bad_steps:
+        problems.append(f"global_profiler.steps: {bad_steps} are not global steps (they count from 1)")
+    bad_ranks = [r for r in gp.ranks or [] if not 0 <= r < cfg.world_size]
+    if bad_ranks:
+        problems.append(f"global_profiler.ranks: {bad_ranks} are not ranks of this job (0..{cfg.world_size - 1})")
+    if cfg.launcher.nsys and cfg.launcher.cluster == "local":
+        problems.append("launcher.nsys=true wraps the nodes of a Slurm job (cluster=slurm); for a local run start "
+                        "it under Nsight Systems yourself: nsys profile -t cuda,nvtx python launch.py ...")
+    return problems
+
+
 def missing_files(cfg: Config) -> list[str]:
     """Files/directories the config names that do not exist on this machine."""
     problems = []
@@ -610,6 +627,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     if tr.resume_mode not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(tr.resume_mode)):
         errors.append(f"trainer.resume_mode: '{tr.resume_mode}' is neither auto, disable nor an existing "
                       f"checkpoint directory")
+    errors.extend(profiler_problems(cfg))
     if cfg.launcher.cluster == "local" and tr.nnodes > 1:
         errors.append(f"trainer.nnodes={tr.nnodes} needs several machines: use cluster=slurm "
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from rlhf_hpc.profiling import collective
+
 # wrappers that change parameter names but not the model (activation checkpointing, compile)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -90,7 +92,9 @@ def _launch(bucket, dtype: torch.dtype, piece_bytes: int):
         for a in range(0, chunk, rows):
             b = min(a + rows, chunk)
             outs = [full[r * chunk + a:r * chunk + b] for r in range(n)]
-            works.append(dist.all_gather(outs, local[a:b].contiguous(), group=group, async_op=True))
+            piece = local[a:b].contiguous()
+            with collective():
+                works.append(dist.all_gather(outs, piece, group=group, async_op=True))
         pending.append((name, p.shape, works, [full], dim0))
     return pending
 
@@ -110,8 +114,9 @@ def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
         current = pending
         pending = _launch(buckets[k + 1], dtype, bucket_bytes) if k + 1 < len(buckets) else []
         for name, shape, works, outs, dim0 in current:
-            for work in works:
-                work.wait()
+            with collective(calls=0):  # the rank waits here for what is not yet gathered
+                for work in works:
+                    work.wait()
             full = outs.pop()[:dim0].reshape(shape)  # the bucket list no longer holds it
             yield name_map(name), full
             del full
@@ -123,7 +128,8 @@ def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket
     t0 = time.perf_counter()
     engine.update_weights(stream_full_params(model, dtype, bucket_mb, name_map))
     if dist.is_initialized():
-        dist.barrier()
+        with collective():
+            dist.barrier()
     return {"timing_s/update_weights": time.perf_counter() - t0}
 
 

@@ -1,10 +1,20 @@
 """Where metrics go: ``metrics.jsonl`` in the run directory (always), one console line per step, and
-optionally TensorBoard and Weights & Biases (``trainer.logger``). Only rank 0 writes."""
+optionally TensorBoard, Weights & Biases and MLflow (``trainer.logger``). Only rank 0 writes.
+
+MLflow: the tracking URI is ``MLFLOW_TRACKING_URI`` when set (a group's server), else a file store in
+``<run dir>/mlruns`` (no server needed on compute nodes; MLflow >= 3.7 keeps its file store behind
+``MLFLOW_ALLOW_FILE_STORE=true``, which is set for it). Experiment = ``trainer.project_name``, run
+name = ``trainer.experiment_name``; parameters = the flat resolved config (values as JSON, strings
+as they are); tags = W&B's (recipe, profile, git, config hash, group); the resolved ``config.yaml``
+as an artifact; metrics per step
+under W&B's names passed through ``mlflow_metric_name``. A resumed or requeued run continues the
+same MLflow run (its id is in the checkpoint and in ``<run dir>/mlflow_run_id``)."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -15,6 +25,8 @@ from rlhf_hpc.recipe import flatten, to_dict
 
 WANDB_ID_FILE = "wandb_run_id"
 GLOBAL_STEP, LOG_STEP = "training/global_step", "training/log_step"
+MLFLOW_ID_FILE = "mlflow_run_id"
+MLFLOW_DIR = "mlruns"
 
 
 def git_commit() -> Optional[str]:
@@ -54,12 +66,12 @@ def _fmt_duration(seconds: float) -> str:
 
 class Tracker:
     def __init__(self, cfg, run_dir: str | Path, is_main: bool, total_steps: int,
-                 wandb_id: Optional[str] = None):
+                 wandb_id: Optional[str] = None, mlflow_id: Optional[str] = None):
         self.cfg, self.run_dir, self.is_main, self.total = cfg, Path(run_dir), is_main, total_steps
         self.loggers = set(cfg.trainer.logger)
         self._t_start, self._steps_timed = time.time(), 0
-        self.wandb_run = self.tb = None
-        self.wandb_id = wandb_id
+        self.wandb_run = self.tb = self.mlflow = None
+        self.wandb_id, self.mlflow_id = wandb_id, mlflow_id
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +89,8 @@ class Tracker:
             self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if "wandb" in self.loggers:
             self._init_wandb()
+        if "mlflow" in self.loggers:
+            self._init_mlflow()
 
     def _init_wandb(self) -> None:
         import wandb
@@ -96,6 +110,43 @@ class Tracker:
         self.log_step = max(self.log_step, int(getattr(self.wandb_run, "step", 0) or 0))
         id_file.write_text(self.wandb_id)
 
+    def _init_mlflow(self) -> None:
+        try:
+            from mlflow import MlflowClient
+        except ImportError:
+            raise RuntimeError("trainer.logger has mlflow but the mlflow package is not installed "
+                               "(pip install mlflow-skinny, or drop it from trainer.logger)") from None
+        id_file = self.run_dir / MLFLOW_ID_FILE
+        if self.mlflow_id is None and id_file.is_file():
+            self.mlflow_id = id_file.read_text().strip()
+        uri = mlflow_tracking_uri(self.run_dir)
+        self.mlflow = MlflowClient(uri)
+        tr = self.cfg.trainer
+        if self.mlflow_id is not None:
+            # a resumed/requeued run continues the same MLflow run; its parameters stay those of the
+            # launch that created it (MLflow parameters cannot change), tags and config.yaml follow this one
+            from mlflow.exceptions import MlflowException
+            try:
+                self.mlflow.update_run(self.mlflow_id, status="RUNNING")
+            except MlflowException as e:
+                raise RuntimeError(f"MLflow run {self.mlflow_id} (this run's, from its checkpoint) is not in the "
+                                   f"tracking store {uri}: set MLFLOW_TRACKING_URI to the store the run started "
+                                   f"with ({str(e).splitlines()[0]})") from None
+            for key, value in mlflow_tags(self.cfg).items():
+                self.mlflow.set_tag(self.mlflow_id, key, value)
+        else:
+            exp = self.mlflow.get_experiment_by_name(tr.project_name)
+            exp_id = exp.experiment_id if exp is not None else self.mlflow.create_experiment(tr.project_name)
+            run = self.mlflow.create_run(exp_id, run_name=tr.experiment_name, tags=mlflow_tags(self.cfg))
+            self.mlflow_id = run.info.run_id
+            from mlflow.entities import Param
+            params = [Param(k, _param_value(v)) for k, v in flatten(to_dict(self.cfg)).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+                self.mlflow.log_batch(self.mlflow_id, params=params[i:i + 100])
+        id_file.write_text(self.mlflow_id)
+        if (self.run_dir / "config.yaml").is_file():
+            self.mlflow.log_artifact(self.mlflow_id, str(self.run_dir / "config.yaml"))
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         """One row: ``training/global_step`` is ``step`` (it repeats after a rollback), and every
         logger's own step is ``training/log_step``, which only grows, so no row is dropped."""
@@ -110,6 +161,13 @@ class Tracker:
                     self.tb.add_scalar(k, v, self.log_step)
         if self.wandb_run is not None:
             self.wandb_run.log({**metrics, GLOBAL_STEP: step}, step=self.log_step)
+            self.wandb_run.log(metrics, step=step)
+        if self.mlflow is not None:
+            from mlflow.entities import Metric
+            now = int(time.time() * 1000)
+            self.mlflow.log_batch(self.mlflow_id, metrics=[
+                Metric(mlflow_metric_name(k), float(v), now, step) for k, v in metrics.items()
+                if isinstance(v, (int, float))])
         if "console" in self.loggers:
             print(self.progress_line(metrics, step), flush=True)
 
@@ -137,6 +195,42 @@ class Tracker:
             self.tb.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        if self.mlflow is not None:
+            self.mlflow.set_terminated(self.mlflow_id, "FINISHED")
+
+
+def mlflow_tracking_uri(run_dir: str | Path) -> str:
+    """``MLFLOW_TRACKING_URI``, else the file store ``<run dir>/mlruns``."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (Path(run_dir).resolve() / MLFLOW_DIR).as_uri()
+
+
+def mlflow_metric_name(name: str) -> str:
+    """A metric name as MLflow stores it. MLflow accepts letters, digits, ``_ - . : /`` and space,
+    and names that are normalised paths (no empty, ``.`` or ``..`` parts; at most 250 characters).
+    Every other character becomes ``_`` and bad path parts are dropped (empty) or become ``_``:
+    ``val-core/openai/gsm8k/reward/mean@1`` -> ``val-core/openai/gsm8k/reward/mean_1``,
+    ``val-core/synthetic://copy/...`` -> ``val-core/synthetic:/copy/...``. Names made only of
+    accepted characters (all of the loop's own) are unchanged."""
+    name = re.sub(r"[^\w.\- :/]", "_", name)
+    parts = ["_" if p in (".", "..") else p for p in name.split("/") if p]
+    return "/".join(parts)[:250] or "_"
+
+
+def mlflow_tags(cfg) -> dict[str, str]:
+    """W&B's tags as MLflow tags (key: value), plus the W&B group."""
+    tags = dict(t.split(":", 1) for t in wandb_tags(cfg))
+    tr = cfg.trainer
+    tags["group"] = tr.wandb_group or tr.recipe or tr.experiment_name
+    return tags
+
+
+def _param_value(v) -> str:
+    """Parameter values are strings in MLflow (at most 6000 characters)."""
+    return (v if isinstance(v, str) else json.dumps(v, default=str))[:6000]
 
 
 def _num(v):

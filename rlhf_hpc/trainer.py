@@ -44,6 +44,7 @@ from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.perf import Timer, memory_metrics, model_flops, peak_flops
 from rlhf_hpc.recipe import per_rank_mini_batch
+from rlhf_hpc.profiling import StepProfiler
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
@@ -91,17 +92,18 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             group["lr"] = base * fn(sched.last_epoch)
         engine.actor.cfg.kl_loss_coef = base_kl_loss_coef * guard.kl_scale
 
-    step, wandb_id = 0, None
+    step, wandb_id, mlflow_id = 0, None, None
     resume_from = find_resume_checkpoint(cfg, run_dir, log=print if ctx.is_main else (lambda *_: None))
     if resume_from is not None:
         extra = restore(resume_from)
-        step, wandb_id = extra["global_step"], extra.get("wandb_run_id")
+        step, wandb_id, mlflow_id = extra["global_step"], extra.get("wandb_run_id"), extra.get("mlflow_run_id")
         if "guard" in extra:
             guard.load_state_dict(extra["guard"])
             apply_guard_scales()
     else:
         torch.manual_seed(tr.seed + ctx.rank)  # vLLM re-seeds the global RNG when it starts
-    tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id)
+    tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
+    profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
     if resume_from is not None:
         tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
     stopper = StopCheck(run_dir, cfg.launcher.time_margin_s, all_reduce_max)
@@ -112,6 +114,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     def save(at_step: int) -> None:
         extra = {"global_step": at_step, "sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
                  "actor_scheduler": engine.actor.scheduler.state_dict(), "wandb_run_id": tracker.wandb_id,
+                 "mlflow_run_id": tracker.mlflow_id,
                  "guard": guard.state_dict()}
         if engine.critic is not None:
             extra["critic_scheduler"] = engine.critic.scheduler.state_dict()
@@ -141,7 +144,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     while step < total_steps:
         step += 1
         timer, metrics = Timer(), {}
-        with timer("step"), out_of_memory_report(timer, ctx.device):
+        with profiler.step(step, timer), timer("step"), out_of_memory_report(timer, ctx.device):
             # 1. weights: training layout -> engine (streamed, bucketed, in place)
             with timer("update_weights"):
                 rollout.resume()
@@ -206,6 +209,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
         metrics.update(timer.times)
+        metrics.update(profiler.metrics(timer.times, tracker.log_line))
         metrics.update(perf_metrics(cfg, ctx, batch, timer.times, model_cfg))
         metrics["training/epoch"] = sampler.epoch
         # 10. validation

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -91,9 +93,11 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
     """A submitit Slurm executor with the allocation the config asks for."""
     la, tr = cfg.launcher, cfg.trainer
     cls = _PlanningExecutor if planning else submitit.SlurmExecutor
-    ex = cls(folder=str(folder), max_num_timeout=la.max_requeues)
+    python = nsys_prefix(Path(folder).parent / "profile") + shlex.quote(sys.executable) if la.nsys else None
+    ex = cls(folder=str(folder), max_num_timeout=la.max_requeues, python=python)
+    setup = list(la.setup) + ([f"mkdir -p {shlex.quote(str(Path(folder).parent / 'profile'))}"] if la.nsys else [])
     params = dict(job_name=tr.experiment_name, nodes=tr.nnodes, ntasks_per_node=1, time=la.time_min,
-                  signal_delay_s=la.signal_lead_s, array_parallelism=la.array_parallelism, setup=list(la.setup))
+                  signal_delay_s=la.signal_lead_s, array_parallelism=la.array_parallelism, setup=setup)
     if la.partition:
         params["partition"] = la.partition
     if la.cpus_per_task:
@@ -116,6 +120,15 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
     params["additional_parameters"] = extra
     ex.update_parameters(**params)
     return ex
+
+
+def nsys_prefix(profile_dir: Path) -> str:
+    """``launcher.nsys``: Nsight Systems around each node's job process, so torchrun and every rank
+    below it are in one report per node, ``<run dir>/profile/nsys_<job>_node<N>.nsys-rep`` (the
+    trainer's phases are NVTX ranges in it). ``%q{VAR}`` is expanded by nsys on the node."""
+    out = f"{profile_dir}/nsys_%q{{SLURM_JOB_ID}}_node%q{{SLURM_NODEID}}"
+    return (f"nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true "
+            f"--output={shlex.quote(out)} ")
 
 
 def sbatch_text(cfg: Config, folder: Path) -> str:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.models import is_tiny, model_config
+from rlhf_hpc.profiling import collective
 from rlhf_hpc.rollout.base import Response, Sampling, check_weight
 
 log = logging.getLogger("rlhf_hpc.rollout")
@@ -217,7 +218,8 @@ class VLLMEngine:
         if self.tp == 1 or self.tp_group is None:
             return prompts, slice(0, len(prompts))
         gathered: list = [None] * self.tp
-        dist.all_gather_object(gathered, prompts, group=self.tp_group)
+        with collective(calls=2, host=True):  # object all-gather on a gloo group: sizes, then the lists
+            dist.all_gather_object(gathered, prompts, group=self.tp_group)
         me = dist.get_rank(self.tp_group)
         start = sum(len(g) for g in gathered[:me])
         return [p for g in gathered for p in g], slice(start, start + len(prompts))
