@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.dist import all_reduce_max, all_reduce_sum
+from rlhf_hpc.profiling import collective
 
 
 @dataclass
@@ -99,7 +100,8 @@ def redistribute_rows(local: list[RolloutRow], world_size: int, rank: int, balan
     count max/min/mean per rank under ``global_seqlen/*`` (verl's names)."""
     if world_size > 1:
         gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, local)
+        with collective(calls=2):  # an object all-gather: the sizes, then the pickled rows
+            dist.all_gather_object(gathered, local)
         rows = [r for part in gathered for r in part]
     else:
         rows = list(local)
