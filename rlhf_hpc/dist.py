@@ -1,6 +1,7 @@
 """Process group set-up from torchrun's environment: NCCL on CUDA, gloo on CPU."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -125,11 +126,28 @@ def build_rollout_tp_group(tp: int, ranks_per_node: int):
     return mine
 
 
+_EXIT_CLEANUPS: list = []
+
+
+def on_exit_process(fn) -> None:
+    """Run ``fn()`` in ``exit_process`` (which skips atexit and C++ static teardown): for resources
+    the OS does not reclaim with the process, e.g. named shared-memory segments. Also registered
+    with atexit, for a process that ends by an exception; ``fn`` must be safe to run twice."""
+    _EXIT_CLEANUPS.append(fn)
+    atexit.register(fn)
+
+
 def exit_process(code: int = 0):
     """End a distributed process whose work is done (outputs written, process group destroyed)
     without the interpreter's teardown: there a C++ thread still joinable at exit can abort a
     finished process ("terminate called without an active exception"; gloo, seen on a loaded CPU
-    machine in 4 of 8 runs), and torchrun then reports the finished run as failed."""
+    machine in 4 of 8 runs), and torchrun then reports the finished run as failed. Cleanups
+    registered with ``on_exit_process`` run first."""
+    while _EXIT_CLEANUPS:
+        try:
+            _EXIT_CLEANUPS.pop()()
+        except Exception as e:  # noqa: BLE001 - exiting anyway; say what was left behind
+            print(f"[rlhf-hpc] exit cleanup failed: {type(e).__name__}: {e}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

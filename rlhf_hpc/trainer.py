@@ -40,7 +40,7 @@ from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.perf import Timer, memory_metrics, model_flops, peak_flops
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
-from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
+from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch, make_engine
 from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.tracking import Tracker
 
@@ -61,6 +61,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
     kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
     reward_fn = RewardFunction(cfg)
+    logprob_check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
 
     guard = StabilityGuard(tr.guard)
     base_kl_loss_coef = arr.actor.kl_loss_coef
@@ -94,7 +95,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             guard.load_state_dict(extra["guard"])
             apply_guard_scales()
     else:
-        torch.manual_seed(tr.seed + ctx.rank)  # vLLM re-seeds the global RNG when it starts
+        torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
     tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id)
     if resume_from is not None:
         tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
@@ -131,7 +132,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             examples = rank_share(train, sampler.next_batch(), ctx)
             with timer("gen"):
                 responses = rollout.generate([e.prompt_ids for e in examples],
-                                             sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, ctx.rank)))
+                                             sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, rollout.dp_rank)))
             rollout.release()
             if fault.get("kill") == step and ctx.rank == fault.get("rank", 1) and first_attempt():
                 os._exit(17)  # fault injection: this worker dies in the middle of a step
@@ -143,6 +144,9 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                     arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
             metrics.update(global_logprob_mismatch(batch["engine_log_probs"], batch["old_log_probs"],
                                                    batch["response_mask"]))
+            warning = logprob_check(metrics, step)  # raises when the engine is broken
+            if warning and ctx.is_main:
+                tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
             if engine.ref is not None:
                 with timer("ref"):
                     batch["ref_log_prob"], _ = engine.ref.compute_log_prob(
@@ -302,9 +306,10 @@ def rank_share(train: list[Example], indices: list[int], ctx: DistContext) -> li
     return [train[i] for i in indices[ctx.rank * per:(ctx.rank + 1) * per]]
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Sampling seed of a step on a rank: a resumed run draws exactly the same rollouts."""
-    return zlib.crc32(f"{seed}/{step}/{rank}".encode()) & 0x7FFFFFFF
+def step_seed(seed: int, step: int, dp_rank: int) -> int:
+    """Sampling seed of a step on a rollout data-parallel rank (the engine's ``dp_rank``: the ranks
+    of one tensor-parallel group share it): a resumed run draws exactly the same rollouts."""
+    return zlib.crc32(f"{seed}/{step}/{dp_rank}".encode()) & 0x7FFFFFFF
 
 
 def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False) -> Sampling:
@@ -463,8 +468,9 @@ def validate(cfg: Config, ctx: DistContext, engine: Engine, rollout, val: list[E
     mine = val[ctx.rank:n_val:ctx.world_size]
     rollout.resume()
     sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb)
-    sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1, ctx.rank), validation=True)
-    outs = rollout.generate([e.prompt_ids for e in mine], sampling) if mine else []
+    sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1, rollout.dp_rank), validation=True)
+    # every rank calls generate, even with no prompts: a tensor-parallel peer may have some
+    outs = rollout.generate([e.prompt_ids for e in mine], sampling)
     rollout.release()
     sources = sorted({e.data_source for e in val[:n_val]})
     sums = torch.zeros(len(sources), 2, dtype=torch.float64)

@@ -233,6 +233,19 @@ def test_rollout_tp_must_divide_gpus_per_node():
                    "a tensor-parallel group stays inside one node")
 
 
+def test_greedy_sampling_with_several_responses_is_refused():
+    errs = errors_of(tiny, "actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=2")
+    assert errs == ["actor_rollout_ref.rollout.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.n=2: "
+                    "greedy responses to one prompt are identical; set actor_rollout_ref.rollout.n=1, or "
+                    "actor_rollout_ref.rollout.do_sample=true with actor_rollout_ref.rollout.temperature > 0"]
+    errs = errors_of(tiny, "actor_rollout_ref.rollout.val_kwargs.n=4")  # val_kwargs default: temperature 0
+    assert len(errs) == 1 and errs[0].startswith(
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.val_kwargs.n=4")
+    errs = errors_of(tiny, "actor_rollout_ref.rollout.temperature=0")  # tiny_klppo samples n=2
+    assert errs[0].startswith("actor_rollout_ref.rollout.temperature=0 (greedy decoding) with actor_rollout_ref.rollout.n=2")
+    tiny("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1")  # fine
+
+
 def test_token_budget_must_hold_one_sequence():
     (msg,) = errors_of(tiny, "actor_rollout_ref.actor.use_dynamic_bsz=true",
                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20")

@@ -61,3 +61,60 @@ def test_hf_engine_refuses_to_generate_with_random_weights():
         engine.generate([[1, 2]], Sampling(max_tokens=2))
     with pytest.raises(ValueError, match="received nothing, e.g. 'lm_head.weight'"):
         engine.update_weights(iter([("model.embed_tokens.weight", torch.zeros(256, 128))]))
+
+
+def metrics(mean: float, max_: float = 1.0) -> dict:
+    return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": max_}
+
+
+def test_logprob_check_limit_follows_the_coarser_precision():
+    from rlhf_hpc.rollout.base import LogprobCheck
+    assert LogprobCheck("float32", "float32").limit == 1e-3
+    assert LogprobCheck("bfloat16", "float32").limit == LogprobCheck("float32", "bfloat16").limit == 0.3
+    # bf16 noise (~1e-2 per token, single large maxima) never trips it; fp32 health (~1e-6) neither
+    bf16 = LogprobCheck("bfloat16", "bfloat16")
+    assert all(bf16(metrics(0.02, max_=3.0), s) is None for s in range(100))
+    assert LogprobCheck("float32", "float32")(metrics(2e-6, 1e-5), 1) is None
+
+
+def test_logprob_check_warns_then_stops_after_consecutive_steps():
+    from rlhf_hpc.rollout.base import LogprobCheck
+    check = LogprobCheck("float32", "float32")
+    # the broken TP=2 run measured mean 0.03-0.08 per step
+    warning = check(metrics(0.05, 0.7), 3)
+    assert warning.startswith("step 3: rollout/logprob_diff_mean = 0.05 (max 0.7) exceeds 0.001, the limit for a "
+                              "float32 run (1/2 steps in a row)")
+    assert check(metrics(1e-6), 4) is None  # one bad step followed by a good one resets
+    check(metrics(0.05), 5)
+    with pytest.raises(RuntimeError, match=r"^stopping: step 6: .* \(2/2 steps in a row\): the rollout engine"):
+        check(metrics(0.04), 6)
+
+
+def test_generation_rng_is_per_dp_rank_and_leaves_the_training_rng_alone():
+    import random
+    from rlhf_hpc.rollout.rng import GenerationRNG
+    cpu = torch.device("cpu")
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    a, a2, b = GenerationRNG(1, 0, cpu), GenerationRNG(1, 0, cpu), GenerationRNG(1, 1, cpu)
+    draws = {}
+    for name, rng in (("a", a), ("a2", a2), ("b", b)):
+        torch.manual_seed(100 + len(name))  # training states differ between "ranks"
+        with rng.active():
+            draws[name] = (torch.rand(3), random.random())
+    assert torch.equal(draws["a"][0], draws["a2"][0]) and draws["a"][1] == draws["a2"][1]  # same dp rank
+    assert not torch.equal(draws["a"][0], draws["b"][0])
+    with a.active():  # the stream continues where it stopped
+        again = torch.rand(3)
+    assert not torch.equal(again, draws["a"][0])
+    torch.manual_seed(5)
+    with a2.active():
+        torch.rand(10)
+    assert torch.equal(torch.rand(3), expected)  # generation did not move the training stream
+
+
+def test_step_seed_depends_on_the_dp_rank_only():
+    from rlhf_hpc.trainer import step_seed
+    assert step_seed(1, 2, 0) == step_seed(1, 2, 0) != step_seed(1, 2, 1)
+    assert step_seed(1, 2, 0) != step_seed(1, 3, 0)

@@ -38,6 +38,9 @@ class Response:
 
 class RolloutEngine(Protocol):
     name: str
+    # the rollout data-parallel rank: ranks with the same dp_rank (one tensor-parallel group) run
+    # identical requests, so per-step sampling seeds derive from it, not from the global rank
+    dp_rank: int
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
         """For each prompt, ``sampling.n`` responses (in prompt order)."""
@@ -67,6 +70,48 @@ def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor
     if diff.numel() == 0:
         return {"rollout/logprob_diff_max": 0.0, "rollout/logprob_diff_mean": 0.0}
     return {"rollout/logprob_diff_max": diff.max().item(), "rollout/logprob_diff_mean": diff.mean().item()}
+
+
+# mean |engine - actor| log-prob per response token above which the engine is taken to be broken,
+# by the coarser precision of the two. float32: a healthy engine measures ~5e-7 (vLLM CPU, TP=1 and
+# TP=2); a tensor-parallel group whose ranks sampled apart measured 0.03-0.08. bfloat16/float16:
+# ~1e-2 is normal on GPUs (rounding differs between vLLM's kernels and the training forward); an
+# engine on stale or wrong weights, or a diverged tensor-parallel group, samples tokens the actor
+# finds unlikely, O(0.1-1) on real models. The mean over all the step's tokens (never the max, which
+# one rare token can move) is compared, on `LOGPROB_CHECK_PATIENCE` steps in a row.
+LOGPROB_DIFF_MEAN_LIMIT = {"float32": 1e-3, "bfloat16": 0.3, "float16": 0.3}
+LOGPROB_CHECK_PATIENCE = 2
+
+
+class LogprobCheck:
+    """The stop rule on the standing check: warn loudly on the first step whose mean log-prob
+    difference exceeds the limit for the run's precision, stop the run (``RuntimeError``) when
+    ``patience`` steps in a row do. Every rank sees the same (all-reduced) metric and stops alike."""
+
+    def __init__(self, engine_dtype: str, actor_dtype: str, patience: int = LOGPROB_CHECK_PATIENCE):
+        coarse = "float32" if engine_dtype == actor_dtype == "float32" else (
+            actor_dtype if engine_dtype == "float32" else engine_dtype)
+        self.limit = LOGPROB_DIFF_MEAN_LIMIT[coarse]
+        self.precision = coarse
+        self.patience = patience
+        self.strikes = 0
+
+    def __call__(self, metrics: dict[str, float], step: int) -> Optional[str]:
+        """None when healthy, else a warning; raises when the engine is judged broken."""
+        mean = metrics["rollout/logprob_diff_mean"]
+        if mean <= self.limit:
+            self.strikes = 0
+            return None
+        self.strikes += 1
+        message = (f"step {step}: rollout/logprob_diff_mean = {mean:.3g} (max "
+                   f"{metrics['rollout/logprob_diff_max']:.3g}) exceeds {self.limit:g}, the limit for a "
+                   f"{self.precision} run ({self.strikes}/{self.patience} steps in a row): the rollout engine "
+                   f"samples from a different distribution than the actor scores. Likely causes: the weight "
+                   f"sync (name mapping, dtype), ranks of a tensor-parallel group sampling apart, "
+                   f"actor_rollout_ref.rollout.temperature not applied to the engine's log-probs")
+        if self.strikes >= self.patience:
+            raise RuntimeError(f"stopping: {message}")
+        return message
 
 
 def check_weight(name: str, tensor: torch.Tensor, spec: dict[str, tuple[int, ...]]) -> None:

@@ -20,8 +20,10 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.dist import on_exit_process
 from rlhf_hpc.models import is_tiny, model_config
 from rlhf_hpc.rollout.base import Response, Sampling, check_weight
+from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
 
 log = logging.getLogger("rlhf_hpc.rollout")
 
@@ -34,6 +36,18 @@ def hf_weight_spec(model_path: str, override: dict | None = None, trust_remote_c
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return {k: tuple(v.shape) for k, v in model.named_parameters()}
+
+
+def cpu_shm_segments() -> list[str]:
+    """/dev/shm files this rank created for vLLM's CPU shared-memory communicators (CPU build with
+    tensor parallelism; none on GPU): ``<group name>_<rank in group>``."""
+    from vllm.distributed import parallel_state as ps
+    paths = []
+    for group in [g for g in vars(ps).values() if isinstance(g, ps.GroupCoordinator)]:
+        shm = getattr(group.device_communicator, "dist_module", None)
+        if hasattr(shm, "group_name") and hasattr(shm, "handle"):
+            paths.append(os.path.join("/dev/shm", f"{shm.group_name}_{group.rank_in_group}".lstrip("/")))
+    return sorted(set(paths))
 
 
 class VLLMEngine:
@@ -54,6 +68,8 @@ class VLLMEngine:
         self.tp_group = tp_group
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
+        # ranks of one tensor-parallel group run one model: they sample alike; groups differ
+        self.dp_rank = rank // self.tp
         self.sleep_enabled = on_gpu and rollout.free_cache_engine
         self._asleep: set[str] = set()
         self._spec = hf_weight_spec(model_path, mcfg.override_config, mcfg.trust_remote_code)
@@ -71,8 +87,7 @@ class VLLMEngine:
             max_num_batched_tokens=max(rollout.max_num_batched_tokens, max_len),
             max_num_seqs=rollout.max_num_seqs, max_model_len=max_len, enforce_eager=rollout.enforce_eager,
             enable_chunked_prefill=rollout.enable_chunked_prefill, trust_remote_code=mcfg.trust_remote_code,
-            # ranks of one tensor-parallel group sample alike; groups differ
-            seed=cfg.trainer.seed + rank // self.tp,
+            seed=cfg.trainer.seed + self.dp_rank,
             logprobs_mode="processed_logprobs",  # log-probs after temperature/top-k/top-p
         )
         if world > 1:
@@ -84,7 +99,11 @@ class VLLMEngine:
             if rollout.free_cache_engine:
                 log.info("vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
                          "stays allocated (VLLM_CPU_KVCACHE_SPACE GiB)")
-        self.llm = LLM(**kwargs)
+        with preserved_rng(device):  # vLLM seeds the global RNGs at start-up; training keeps its own
+            self.llm = LLM(**kwargs)
+        self.rng = GenerationRNG(cfg.trainer.seed, self.dp_rank, device)
+        self._shm_segments = cpu_shm_segments()
+        on_exit_process(self._unlink_shm)
         self.on_gpu = on_gpu
         self.max_batched_tokens = kwargs["max_num_batched_tokens"]
 
@@ -115,6 +134,19 @@ class VLLMEngine:
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+        self._unlink_shm()
+
+    def _unlink_shm(self) -> None:
+        """Remove this rank's shared-memory segments of vLLM's CPU tensor-parallel communicator.
+        Only the C++ static teardown removes them otherwise, and a fast exit (``os._exit``) skips
+        it: the next engine on the machine then dies with "create shm in SHMManager failed. errno: 17".
+        Peers keep their mappings: unlinking only drops the name."""
+        for path in self._shm_segments:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._shm_segments = []
 
     # ------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -134,7 +166,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         self._wake_kv_cache()
-        prompts, mine = self._gather_tp(prompt_token_ids)
+        prompts, mine = self._gather_tp(prompt_token_ids, sampling)
         def params(i: int) -> SamplingParams:
             return SamplingParams(
                 n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
@@ -142,11 +174,13 @@ class VLLMEngine:
                 top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
                 max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False,
-                seed=None if sampling.seed is None else sampling.seed + i)
+                # vLLM seeds the n samples of a request seed, seed + 1, ...: prompts step by n
+                seed=None if sampling.seed is None else sampling.seed + i * sampling.n)
         outs = []
-        for chunk in self._chunks(prompts, sampling.seed is not None, sampling.n):
-            outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chunk],
-                                      [params(i) for i in chunk], use_tqdm=False)
+        with self.rng.active():  # unseeded requests draw from the group's generation RNG
+            for chunk in self._chunks(prompts, sampling.seed is not None, sampling.n):
+                outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chunk],
+                                          [params(i) for i in chunk], use_tqdm=False)
         results = []
         for out in outs[mine]:
             group = []
@@ -173,12 +207,18 @@ class VLLMEngine:
             used += need
         return chunks + ([cur] if cur else [])
 
-    def _gather_tp(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
-        """All prompts of this tensor-parallel group, and the slice that belongs to this rank."""
+    def _gather_tp(self, prompts: list[list[int]], sampling: Sampling) -> tuple[list[list[int]], slice]:
+        """All prompts of this tensor-parallel group, and the slice that belongs to this rank.
+        The group's ranks then submit identical requests; their sampling (seed included) must
+        already be identical, or their batches diverge and the tensor-parallel all-reduce hangs."""
         if self.tp == 1 or self.tp_group is None:
             return prompts, slice(0, len(prompts))
         gathered: list = [None] * self.tp
-        dist.all_gather_object(gathered, prompts, group=self.tp_group)
+        dist.all_gather_object(gathered, (prompts, sampling), group=self.tp_group)
+        if any(s != sampling for _, s in gathered):
+            raise RuntimeError(f"rollout: the ranks of a tensor-parallel group asked for different sampling "
+                               f"{[s for _, s in gathered]}; they must sample alike (derive seeds from the "
+                               f"engine's dp_rank, not the global rank)")
         me = dist.get_rank(self.tp_group)
-        start = sum(len(g) for g in gathered[:me])
-        return [p for g in gathered for p in g], slice(start, start + len(prompts))
+        start = sum(len(g) for g, _ in gathered[:me])
+        return [p for g, _ in gathered for p in g], slice(start, start + len(prompts))
