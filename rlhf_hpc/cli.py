@@ -153,6 +153,9 @@ def run(argv: list[str]) -> int:
         raise ConfigError("sweep elements share one trainer.default_local_dir: put ${trainer.experiment_name} in it "
                           "so each element gets its own run directory")
     cfg = elements[0]
+    if not dry:  # an impossible memory plan is refused before anything is queued
+        for c in elements:
+            check_memory_plan(c, show=True)
     if cfg.launcher.cluster == "slurm":
         return launch_slurm(elements, run_dirs, dry)
     if len(elements) > 1:
@@ -165,6 +168,7 @@ def run(argv: list[str]) -> int:
     if dry:
         print("# resolved config (written to {} at launch)".format(config_path))
         print(dump_yaml(to_dict(cfg)))
+        check_memory_plan(cfg, show=True)
         print("# command (cluster=local)")
         print(shlex.join(cmd))
         return 0
@@ -172,6 +176,19 @@ def run(argv: list[str]) -> int:
     write_resolved(cfg, run_dir)
     print(f"[rlhf-hpc] run directory: {run_dir}\n[rlhf-hpc] {shlex.join(cmd)}", flush=True)
     return run_local(cfg, config_path)
+
+
+def check_memory_plan(cfg, show: bool) -> None:
+    """Print the per-GPU memory plan (comment lines: the dry run's output stays YAML-readable);
+    refuse (ConfigError naming the keys) a plan that cannot fit."""
+    from rlhf_hpc.memory_plan import check_plan
+    plan, errors, warnings = check_plan(cfg)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if show and plan is not None:
+        print(plan.render(), flush=True)
+    if errors:
+        raise ConfigError(errors)
 
 
 def check_before_start(cfg, run_dir: Path) -> None:
@@ -205,6 +222,7 @@ def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
         for c, d in zip(elements, run_dirs):
             print(f"# resolved config (written to {d / 'config.yaml'} at submission)")
             print(dump_yaml(to_dict(c)))
+            check_memory_plan(c, show=True)
         print(f"# sbatch script (cluster=slurm{', array of %d' % len(elements) if len(elements) > 1 else ''})")
         print(slurm.sbatch_text(cfg, run_dirs[0] / "slurm"))
         return 0

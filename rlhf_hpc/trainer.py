@@ -182,6 +182,8 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                     metrics["actor/kl_coef"] = engine.actor.cfg.kl_loss_coef
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
+        # entropy_coeff=0: the update computes no entropy; as verl, the old-log-prob pass reports it
+        metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
         metrics.update(timer.times)
         metrics.update(perf_metrics(cfg, ctx, batch, timer.times, model_cfg))
         metrics["training/epoch"] = sampler.epoch
