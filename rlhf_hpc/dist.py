@@ -38,6 +38,21 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def host_collectives_needed(cfg: Config) -> bool:
+    """A model whose shards live on the host (FSDP2 CPUOffloadPolicy: param_offload/offload_policy)
+    has CPU DTensor gradients: the gradient-norm all-reduce of a CPU tensor needs a CPU backend."""
+    sections = [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config,
+                cfg.critic.model.fsdp_config]
+    return any(f.param_offload or f.offload_policy for f in sections)
+
+
+def process_group_backend(device: torch.device, cfg: Config) -> str:
+    """gloo on CPU; NCCL on CUDA, plus gloo for CPU tensors where host shards need it."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if host_collectives_needed(cfg) else "nccl"
+
+
 def init_distributed(cfg: Config) -> DistContext:
     """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ... in the env).
 
@@ -45,7 +60,7 @@ def init_distributed(cfg: Config) -> DistContext:
     batch sizes and meshes were validated against that number.
     """
     device = pick_device(cfg.trainer.device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device, cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -215,6 +215,17 @@ def _activations(s: ModelShape, tokens: int, b: int, checkpointing: bool, with_g
     return float(tokens * s.layers * per_layer)
 
 
+def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, tokens: int, response_tokens: int,
+                 checkpointing: bool, head_vocab: int) -> dict[str, float]:
+    """One model's own share of an update phase: its training state, the unsharded group, the
+    activations of a micro-batch of ``tokens`` (``response_tokens`` of them scored by a head of
+    ``head_vocab`` logits; 0: a value head, one number per token)."""
+    b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+    return {**_train_state(params, fsdp, world, "update"), "unsharded group": _working(s, fsdp, with_grad=True),
+            "activations": _activations(s, tokens, b, checkpointing, True),
+            "logits": float(logits_bytes(response_tokens, head_vocab, b, with_grad=True)) if head_vocab else tokens * 8.0}
+
+
 def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
                  prompt_len: int, response_len: int) -> tuple[int, int]:
     """(tokens, response tokens) of the largest micro-batch: a token budget caps both (a budget
@@ -328,12 +339,9 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
 
     def update_phase(name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, ckpt, head_vocab,
                      keys, who):
-        tokens, resp = micro_tokens(rows, d.train_batch_size * rollout.n // world, dyn, budget, P, R)
-        b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
-        parts = {"runtime": runtime, **awake, **_train_state(params, fsdp, world, "update"),
-                 **resident("forward", skip=who), "unsharded group": _working(shp, fsdp, with_grad=True),
-                 "activations": _activations(shp, tokens, b, ckpt, True),
-                 "logits": logits_bytes(resp, head_vocab, b, with_grad=True) if head_vocab else tokens * 8.0}
+        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R)
+        own = update_bytes(shp, params, fsdp, world, tokens, resp, ckpt, head_vocab)
+        parts = {"runtime": runtime, **awake, **resident("forward", skip=who), **own}
         phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
                             + (", gradient checkpointing" if ckpt else "")))
 

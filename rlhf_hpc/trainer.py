@@ -125,6 +125,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         with timer("step"), out_of_memory_report(timer, ctx.device):
             # 1. weights: training layout -> engine (streamed, bucketed, in place)
             with timer("update_weights"):
+                engine.free_gradients()  # then the engine empties PyTorch's cache before waking
                 rollout.resume()
                 sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
                                         arr.rollout.update_weights_bucket_mb)

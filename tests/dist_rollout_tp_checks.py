@@ -80,6 +80,11 @@ def main(out: Path) -> None:
     except RuntimeError as e:
         res["per_rank_seed_error"] = str(e)
 
+    # the all_gather_into_tensor path (NCCL's) gives the same tensors as the row-piece path (gloo's)
+    from rlhf_hpc.reshard import stream_full_params
+    pieces = dict(stream_full_params(actor.model, torch.float32, bucket_mb=0.01, into_tensor=False))
+    whole = dict(stream_full_params(actor.model, torch.float32, bucket_mb=0.01, into_tensor=True))
+    res["into_tensor_equal"] = pieces.keys() == whole.keys() and all(torch.equal(pieces[k], whole[k]) for k in pieces)
     dist.barrier()
     # rank 0 closes its engine; rank 1 ends through the fast exit alone (exit_process, no close)
     if rank == 0:

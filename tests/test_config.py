@@ -98,7 +98,7 @@ def test_inheritance_loop_is_an_error(recipe_dir):
 def test_shipped_4node_recipe_only_states_what_differs():
     cfg, _ = load_config("qwen7b_klppo_4node", check_files=False)
     assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-7B-Instruct"  # from the base
-    assert cfg.actor_rollout_ref.actor.fsdp_config.param_offload is True  # from the base
+    assert cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload is True  # from the base
     assert (cfg.trainer.nnodes, cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.target_kl) == (4, "adaptive", 0.02)
     assert (cfg.algorithm.gamma, cfg.algorithm.lam, cfg.actor_rollout_ref.actor.ppo_epochs) == (0.99, 0.95, 4)
 

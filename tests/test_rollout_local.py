@@ -118,3 +118,31 @@ def test_step_seed_depends_on_the_dp_rank_only():
     from rlhf_hpc.trainer import step_seed
     assert step_seed(1, 2, 0) == step_seed(1, 2, 0) != step_seed(1, 2, 1)
     assert step_seed(1, 2, 0) != step_seed(1, 3, 0)
+
+
+def test_h100_variants_have_their_own_peaks():
+    from rlhf_hpc.perf import peak_flops_of
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12  # SXM
+    assert peak_flops_of("NVIDIA H100 NVL") == 835e12
+    assert peak_flops_of("NVIDIA H200") == 989e12 and peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
+
+
+def test_host_shards_get_a_cpu_backend_beside_nccl():
+    from rlhf_hpc.dist import process_group_backend
+    cfg, _ = load_config("qwen7b_klppo", check_files=False)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert process_group_backend(cuda, cfg) == "cpu:gloo,cuda:nccl"  # the reference model is offloaded
+    cfg.actor_rollout_ref.ref.fsdp_config.param_offload = False
+    assert process_group_backend(cuda, cfg) == "nccl"
+    cfg.actor_rollout_ref.actor.fsdp_config.param_offload = True  # CPU DTensor gradients: gloo for the norm
+    assert process_group_backend(cuda, cfg) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend(cpu, cfg) == "gloo"
+
+
+def test_vllm_version_check_accepts_the_installed_build():
+    from tests.conftest import require
+    require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
+    from rlhf_hpc.rollout.vllm_engine import VLLM_BELOW, VLLM_MIN, check_vllm_version
+    check_vllm_version()  # 0.32 (CPU build) has reload_weights(weights_iterator=...)
+    assert (VLLM_MIN, VLLM_BELOW) == ("0.18", "0.34")

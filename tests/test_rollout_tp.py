@@ -70,6 +70,10 @@ def test_ranks_seeding_apart_are_refused(ranks):
         assert "dp_rank" in r["per_rank_seed_error"]
 
 
+def test_gather_into_tensor_equals_row_pieces(ranks):
+    assert all(r["into_tensor_equal"] for r in ranks)
+
+
 def test_shared_memory_segments_are_removed(ranks):
     segments = [p for r in ranks for p in r["shm_segments"]]
     assert len(segments) == 2 and all("cpushm" in p for p in segments)

