@@ -224,6 +224,8 @@ class VLLMEngine:
                                "update_weights() refilled them")
         self._wake_kv_cache()
         prompts, mine = self._gather_tp(prompt_token_ids, sampling)
+        if not prompts:  # the whole group has nothing to generate (validation: more ranks than prompts)
+            return []
         def params(i: int) -> SamplingParams:
             return SamplingParams(
                 n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
