@@ -143,8 +143,8 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                 batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
                     batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
                     arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
-            metrics.update(global_logprob_mismatch(batch["engine_log_probs"], batch["old_log_probs"],
-                                                   batch["response_mask"]))
+            metrics.update(logprob_mismatch(batch["engine_log_probs"], batch["old_log_probs"],
+                                            batch["response_mask"], all_reduce_sum, all_reduce_max))
             warning = logprob_check(metrics, step)  # raises when the engine is broken
             if warning and ctx.is_main:
                 tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
@@ -431,17 +431,6 @@ def data_metrics(batch: dict, entropy: torch.Tensor, use_critic: bool) -> dict[s
         out["actor/ref_kl_mean"] = s[0].item() / n
         out["actor/ref_kl_var"] = s[1].item() / n - (s[0].item() / n) ** 2
     return out
-
-
-def global_logprob_mismatch(engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    local = logprob_mismatch(engine_lp, actor_lp, mask)
-    n = float(mask.sum())
-    t = torch.tensor([local["rollout/logprob_diff_mean"] * n, n], dtype=torch.float64)
-    m = torch.tensor([local["rollout/logprob_diff_max"]], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = all_reduce_sum(t)
-        m = -all_reduce_min(-m)
-    return {"rollout/logprob_diff_max": m.item(), "rollout/logprob_diff_mean": (t[0] / max(t[1].item(), 1.0)).item()}
 
 
 def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, model_cfg) -> dict[str, float]:

@@ -73,6 +73,24 @@ def main(out: Path) -> None:
         res[tag] = {"mismatch": engine_vs_actor(actor, [p for p in prompts for _ in range(2)], flat),
                     "n_per_prompt": [len(group) for group in groups], "tokens": [r.token_ids for r in flat]}
 
+    # the bug itself, bypassing the engine's guard: both ranks submit the same requests but seed them
+    # by global rank (EOS ignored, so the batch shapes stay equal and the group returns garbage
+    # instead of hanging). What the standing check sees then:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    group_prompts = [None, None]
+    dist.all_gather_object(group_prompts, prompts)
+    shared = group_prompts[0]
+    with engine.rng.active():
+        outs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in shared],
+                                   SamplingParams(n=2, temperature=temperature, max_tokens=R, logprobs=0,
+                                                  ignore_eos=True, detokenize=False, seed=1000 + rank),
+                                   use_tqdm=False)
+    from rlhf_hpc.rollout.base import Response
+    flat = [Response(list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], "length")
+            for o in outs for c in o.outputs]
+    res["apart"] = engine_vs_actor(actor, [p for p in shared for _ in range(2)], flat)
+
     # a caller that seeds by global rank is refused on both ranks (no hang, no silent garbage)
     try:
         engine.generate(prompts, Sampling(n=1, temperature=temperature, max_tokens=R, seed=step_seed(1, 1, rank)))

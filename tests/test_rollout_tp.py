@@ -63,6 +63,20 @@ def test_generation_leaves_the_training_rng_alone(ranks):
     assert all(r["training_rng_untouched"] for r in ranks)
 
 
+def test_ranks_sampling_apart_trip_the_standing_check(ranks):
+    """The bug reproduced under the engine's guard: the KL estimate the stop rule reads is far above
+    the fp32 limit, while the healthy runs above sit near 1e-7."""
+    from rlhf_hpc.rollout.base import ENGINE_ACTOR_KL_LIMIT, LogprobCheck
+    for r in ranks:
+        assert r["apart"]["rollout/engine_actor_kl"] > 10 * ENGINE_ACTOR_KL_LIMIT["float32"], r["apart"]
+        for mode in ("seeded", "unseeded"):
+            assert abs(r[mode]["mismatch"]["rollout/engine_actor_kl"]) < 1e-5
+    check = LogprobCheck("float32", "float32")
+    check(ranks[1]["apart"], 1)
+    with pytest.raises(RuntimeError, match="^stopping: step 2: rollout/engine_actor_kl"):
+        check(ranks[1]["apart"], 2)
+
+
 def test_ranks_seeding_apart_are_refused(ranks):
     for r in ranks:
         assert r["per_rank_seed_error"].startswith(
@@ -95,5 +109,6 @@ def test_tp2_training_run_keeps_engine_and_actor_in_agreement(tmp_path):
     records = read_metrics(run)
     steps = [r for r in records if "rollout/logprob_diff_max" in r]
     assert len(steps) == 3 and all(r["rollout/logprob_diff_max"] < 1e-4 for r in steps), steps
+    assert all(abs(r["rollout/engine_actor_kl"]) < 1e-5 for r in steps), steps
     assert any("val-core/synthetic/copy/reward/mean@1" in r for r in records)  # validation ran at TP=2
     assert not list(Path("/dev/shm").glob("-tp:0-[[]0-1]-cpushm_*"))  # the workers left through exit_process
