@@ -90,6 +90,7 @@ def test_logprob_check_warns_then_stops_after_consecutive_steps():
     assert warning.startswith("step 3: rollout/engine_actor_kl = 0.05 (|diff| mean 0.15, max 0.7) exceeds 0.001, "
                               "the limit for a float32 run (1/2 steps in a row)")
     assert check(metrics(1e-6), 4) is None  # one bad step followed by a good one resets
+    assert check(metrics(float("nan")), 4) is None  # a diverged actor is the stability guard's case
     check(metrics(0.05), 5)
     with pytest.raises(RuntimeError, match=r"^stopping: step 6: .* \(2/2 steps in a row\): the rollout engine"):
         check(metrics(0.04), 6)

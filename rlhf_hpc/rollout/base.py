@@ -1,6 +1,7 @@
 """The rollout interface: token ids in, sampled responses with per-token log-probs out."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Protocol
 
@@ -108,6 +109,8 @@ class LogprobCheck:
     def __call__(self, metrics: dict[str, float], step: int) -> Optional[str]:
         """None when healthy, else a warning; raises when the engine is judged broken."""
         kl = metrics["rollout/engine_actor_kl"]
+        if not math.isfinite(kl):  # non-finite log-probs: a diverged actor, the stability guard's case
+            return None
         if kl <= self.limit:
             self.strikes = 0
             return None
