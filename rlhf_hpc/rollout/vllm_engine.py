@@ -68,8 +68,8 @@ def check_vllm_version() -> None:
 def free_device_cache(device: torch.device) -> None:
     """Return memory PyTorch's caching allocator holds to the driver: vLLM's sleep/wake allocates
     outside PyTorch's cache, so what training cached (its peak) is invisible to it otherwise."""
-    gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda":  # (on the CPU nothing is cached; a gc pass would only cost time)
+        gc.collect()
         torch.cuda.empty_cache()
 
 
