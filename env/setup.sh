@@ -72,10 +72,10 @@ else
   # Official vLLM pins the CUDA torch it was built against; install it first so the rest of the
   # dependency set is resolved around that torch. flash-attn compiles against the installed torch.
   log "installing vllm (with its CUDA torch)"
-  "${PIP[@]}" "vllm>=0.10"
+  "${PIP[@]}" "vllm>=0.18,<0.34"  # the in-place reload API the engine uses (setup.cfg, vllm_engine.py)
   log "installing flash-attn (no build isolation: it builds against the installed torch)"
   "${PIP[@]}" packaging ninja wheel
-  "${PIP[@]}" --no-build-isolation "flash-attn>=2.7" || log "WARNING: flash-attn failed to install; sdpa attention will be used"
+  "${PIP[@]}" --no-build-isolation "flash-attn>=2.7" || log "WARNING: flash-attn failed to install; packed rows will use attn_implementation=varlen (torch's variable-length flash kernel), never sdpa's dense mask"
   "${PIP[@]}" -e "$ROOT[test]"
   "$VENV/bin/python" -c "import torch, vllm; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__)"
 fi

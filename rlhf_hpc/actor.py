@@ -40,13 +40,10 @@ def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0,
                     position_ids=batch["position_ids"], use_cache=False, logits_to_keep=R + 1)
         logits = out.logits[:, :-1][mask]  # (n_valid, V): the logits that predict each response token
         labels = batch["responses"][mask]
-    logits = logits.float() / temperature
-    lp = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device)
-    lp = lp.masked_scatter(mask, algos.logprobs_from_logits(logits, labels))
-    ent = None
-    if with_entropy:
-        values = algos.entropy_from_logits_chunked(logits if entropy_grad else logits.detach())
-        ent = torch.zeros_like(lp).masked_scatter(mask, values)
+    # fp32 one chunk at a time: the (n_valid, V) logits stay in the compute dtype
+    values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
+    lp = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device).masked_scatter(mask, values)
+    ent = torch.zeros_like(lp).masked_scatter(mask, entropies) if with_entropy else None
     return lp, ent
 
 
@@ -106,21 +103,25 @@ class Actor:
         cfg = self.cfg
 
         def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
+            # the entropy only where the loss uses it (else actor/entropy comes from the old-log-prob pass)
+            with_entropy = cfg.entropy_coeff != 0
             lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
-                                         with_entropy=True, entropy_grad=cfg.entropy_coeff != 0)
+                                         with_entropy=with_entropy)
             mask = micro["response_mask"]
             pg_loss, pgm = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask,
                                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
                                              cfg.loss_agg_mode, **kw)
-            ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
-            loss = pg_loss - cfg.entropy_coeff * ent_loss if cfg.entropy_coeff != 0 else pg_loss
+            loss = pg_loss
+            if with_entropy:
+                ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
+                loss = loss - cfg.entropy_coeff * ent_loss
+                metrics.share("actor/entropy", weight * ent_loss.item())
             if cfg.use_kl_loss:
                 kl_loss = algos.agg_loss(algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type), mask,
                                          cfg.loss_agg_mode, **kw)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 metrics.share("actor/kl_loss", weight * kl_loss.item())
             metrics.share("actor/pg_loss", weight * pg_loss.item())
-            metrics.share("actor/entropy", weight * ent_loss.item())
             for k, v in pgm.items():
                 metrics.token_mean(f"actor/{k}", v.item(), weight * mask.sum().item())
             return loss

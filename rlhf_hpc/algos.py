@@ -339,6 +339,44 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logprobs_from_logits(logits.float() / temperature, labels)
+
+
+def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return entropy_from_logits(logits.float() / temperature)
+
+
+def token_logprobs_chunked(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                           with_entropy: bool = False, entropy_grad: bool = True, chunk_size: int = 1024
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of ``labels`` (and entropies) under softmax(logits / temperature), computed in fp32
+    one chunk of ``chunk_size`` rows at a time: (n, V) logits in any dtype, (n,) labels ->
+    (n,) fp32 log-probs, (n,) fp32 entropies or None.
+
+    No (n, V) fp32 copy exists (a full-vocabulary upcast is ~12 GB at 20k tokens of a 152k
+    vocabulary): with gradients each chunk is recomputed in backward (activation checkpointing), so
+    only the logits themselves and one chunk's fp32 temporaries are alive. The same operations per
+    row as the unchunked ``logprobs_from_logits(logits.float() / temperature)``.
+    ``entropy_grad=False``: entropies for metrics only (no graph)."""
+    lps, ents = [], []
+    for z, y in zip(logits.split(chunk_size), labels.split(chunk_size)):
+        if z.requires_grad:
+            lps.append(checkpoint(_chunk_logprobs, z, y, temperature, use_reentrant=False))
+        else:
+            lps.append(_chunk_logprobs(z, y, temperature))
+        if with_entropy:
+            if z.requires_grad and entropy_grad:
+                ents.append(checkpoint(_chunk_entropy, z, temperature, use_reentrant=False))
+            else:
+                with torch.no_grad():
+                    ents.append(_chunk_entropy(z, temperature))
+    empty = logits.new_zeros(0, dtype=torch.float32)
+    lp = torch.cat(lps) if lps else empty
+    ent = (torch.cat(ents) if ents else empty) if with_entropy else None
+    return lp, ent
+
+
 # --------------------------------------------------------------- outcome-reward estimators
 def group_stats(scores: torch.Tensor, index, all_reduce: AllReduce = None, num_groups: Optional[int] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

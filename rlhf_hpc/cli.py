@@ -154,6 +154,9 @@ def run(argv: list[str]) -> int:
     cfg = elements[0]
     for c in elements:
         check_data(c)
+    if not dry:  # an impossible memory plan is refused before anything is queued
+        for c in elements:
+            check_memory_plan(c, show=True)
     if cfg.launcher.cluster == "slurm":
         return launch_slurm(elements, run_dirs, dry)
     if len(elements) > 1:
@@ -166,6 +169,7 @@ def run(argv: list[str]) -> int:
     if dry:
         print("# resolved config (written to {} at launch)".format(config_path))
         print(dump_yaml(to_dict(cfg)))
+        check_memory_plan(cfg, show=True)
         print("# command (cluster=local)")
         print(shlex.join(cmd))
         return 0
@@ -188,6 +192,19 @@ def check_data(cfg) -> None:
         check_data_files(cfg.data)
     except DataError as e:
         raise BadData(str(e)) from None
+
+
+def check_memory_plan(cfg, show: bool) -> None:
+    """Print the per-GPU memory plan (comment lines: the dry run's output stays YAML-readable);
+    refuse (ConfigError naming the keys) a plan that cannot fit."""
+    from rlhf_hpc.memory_plan import check_plan
+    plan, errors, warnings = check_plan(cfg)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if show and plan is not None:
+        print(plan.render(), flush=True)
+    if errors:
+        raise ConfigError(errors)
 
 
 def check_before_start(cfg, run_dir: Path) -> None:
@@ -222,6 +239,7 @@ def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
         for c, d in zip(elements, run_dirs):
             print(f"# resolved config (written to {d / 'config.yaml'} at submission)")
             print(dump_yaml(to_dict(c)))
+            check_memory_plan(c, show=True)
         print(f"# sbatch script (cluster=slurm{', array of %d' % len(elements) if len(elements) > 1 else ''})")
         print(slurm.sbatch_text(cfg, run_dirs[0] / "slurm"))
         return 0

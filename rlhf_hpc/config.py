@@ -297,6 +297,8 @@ class TrainerConfig:
     dist_timeout_s: int = 1800
     # peak dense bf16 TFLOP/s of one device for perf/mfu/actor; null: a table by GPU name
     peak_tflops: Optional[float] = None
+    # memory of one GPU for the memory plan (rlhf_hpc/memory_plan.py); null: 80 (H100/A100 80GB)
+    gpu_memory_gb: Optional[float] = None
     # refuse to start with less free space than this where the run directory lives
     min_free_disk_gb: float = 1.0
     guard: GuardConfig = field(default_factory=GuardConfig)

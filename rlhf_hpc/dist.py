@@ -1,6 +1,7 @@
 """Process group set-up from torchrun's environment: NCCL on CUDA, gloo on CPU."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -38,6 +39,21 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
+def host_collectives_needed(cfg: Config) -> bool:
+    """A model whose shards live on the host (FSDP2 CPUOffloadPolicy: param_offload/offload_policy)
+    has CPU DTensor gradients: the gradient-norm all-reduce of a CPU tensor needs a CPU backend."""
+    sections = [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config,
+                cfg.critic.model.fsdp_config]
+    return any(f.param_offload or f.offload_policy for f in sections)
+
+
+def process_group_backend(device: torch.device, cfg: Config) -> str:
+    """gloo on CPU; NCCL on CUDA, plus gloo for CPU tensors where host shards need it."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if host_collectives_needed(cfg) else "nccl"
+
+
 def init_distributed(cfg: Config) -> DistContext:
     """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR ... in the env).
 
@@ -45,7 +61,7 @@ def init_distributed(cfg: Config) -> DistContext:
     batch sizes and meshes were validated against that number.
     """
     device = pick_device(cfg.trainer.device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device, cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -128,11 +144,28 @@ def build_rollout_tp_group(tp: int, ranks_per_node: int):
     return mine
 
 
+_EXIT_CLEANUPS: list = []
+
+
+def on_exit_process(fn) -> None:
+    """Run ``fn()`` in ``exit_process`` (which skips atexit and C++ static teardown): for resources
+    the OS does not reclaim with the process, e.g. named shared-memory segments. Also registered
+    with atexit, for a process that ends by an exception; ``fn`` must be safe to run twice."""
+    _EXIT_CLEANUPS.append(fn)
+    atexit.register(fn)
+
+
 def exit_process(code: int = 0):
     """End a distributed process whose work is done (outputs written, process group destroyed)
     without the interpreter's teardown: there a C++ thread still joinable at exit can abort a
     finished process ("terminate called without an active exception"; gloo, seen on a loaded CPU
-    machine in 4 of 8 runs), and torchrun then reports the finished run as failed."""
+    machine in 4 of 8 runs), and torchrun then reports the finished run as failed. Cleanups
+    registered with ``on_exit_process`` run first."""
+    while _EXIT_CLEANUPS:
+        try:
+            _EXIT_CLEANUPS.pop()()
+        except Exception as e:  # noqa: BLE001 - exiting anyway; say what was left behind
+            print(f"[rlhf-hpc] exit cleanup failed: {type(e).__name__}: {e}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

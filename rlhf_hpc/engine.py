@@ -22,6 +22,12 @@ class Engine:
     ref: Optional[Actor]  # None when no KL is used anywhere
     critic: Optional[Critic]  # None for critic-free estimators (grpo, rloo, ...)
 
+    def free_gradients(self) -> None:
+        """Drop the last update's gradients before generation (they would sit beside vLLM)."""
+        for part in (self.actor, self.critic):
+            if part is not None and part.optimizer is not None:
+                part.optimizer.zero_grad(set_to_none=True)
+
     def checkpoint_components(self) -> dict:
         comps = {"actor": (self.actor.model, self.actor.optimizer)}
         if self.critic is not None:

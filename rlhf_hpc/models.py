@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlparse
 
@@ -33,13 +34,32 @@ def is_tiny(path: str) -> bool:
     return path.startswith("tiny://")
 
 
+def flash_attn_problem() -> Optional[str]:
+    """None when the flash-attn package imports, else why not (missing, or a broken build)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed"
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a build against another torch fails in many ways
+        return f"flash-attn does not import ({type(e).__name__}: {e})"
+    return None
+
+
 def attn_implementation(device: torch.device, override: Optional[dict] = None) -> str:
     """``override_config.attn_implementation`` when set (verl's key; ``varlen``: rlhf_hpc.attention),
-    else flash_attention_2 on a GPU where flash-attn is installed, else sdpa."""
+    else on a GPU flash_attention_2 where flash-attn imports, or ``varlen`` (torch's own
+    variable-length flash kernel) with a warning where it does not: never sdpa on a GPU, whose
+    packed rows get a dense block-diagonal mask. On the CPU: sdpa."""
     if override and override.get("attn_implementation"):
         return override["attn_implementation"]
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
+    if device.type == "cuda":
+        problem = flash_attn_problem()
+        if problem is None:
+            return "flash_attention_2"
+        warnings.warn(f"{problem}: packed rows use attn_implementation=varlen (torch's variable-length flash "
+                      f"kernel) instead; set actor_rollout_ref.model.override_config.attn_implementation to "
+                      f"choose explicitly", stacklevel=2)
+        return "varlen"
     return "sdpa"
 
 

@@ -7,11 +7,22 @@ from typing import Optional
 
 import torch
 
-# Dense bf16 peak FLOP/s per device (no sparsity), by a substring of the device name.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A40": 150e12,
-              "A6000": 155e12, "V100": 125e12, "MI300X": 1307e12, "MI250": 362e12}
+# Dense bf16 peak FLOP/s per device (no sparsity), by a substring of the device name; the first
+# match wins, so variants come before their family: an H100 PCIe (756) is not an SXM (989) one.
+PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
+              "L40S": 362e12, "L40": 181e12, "A40": 150e12, "A6000": 155e12, "V100": 125e12,
+              "MI300X": 1307e12, "MI250": 362e12}
+UNKNOWN_GPU_FLOPS = 989e12  # an H100-class part; set trainer.peak_tflops to be exact
 # CPU has no meaningful table entry; a nominal 1e11 FLOP/s per rank keeps the metric defined there
 CPU_NOMINAL_FLOPS = 1e11
+
+
+def peak_flops_of(device_name: str) -> float:
+    """The table's peak for a device name as torch.cuda.get_device_name reports it."""
+    for key, flops in PEAK_FLOPS.items():
+        if key in device_name:
+            return flops
+    return UNKNOWN_GPU_FLOPS
 
 
 def peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> float:
@@ -20,11 +31,7 @@ def peak_flops(device: torch.device, override_tflops: Optional[float] = None) ->
         return override_tflops * 1e12
     if device.type != "cuda":
         return CPU_NOMINAL_FLOPS
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_FLOPS.items():
-        if key in name:
-            return flops
-    return 989e12  # unknown GPU: assume an H100-class part; set trainer.peak_tflops to be exact
+    return peak_flops_of(torch.cuda.get_device_name(device))
 
 
 def model_flops(config, seq_lens, head_tokens: Optional[float] = None) -> float:

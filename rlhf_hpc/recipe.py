@@ -621,6 +621,13 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     if not 0 <= cfg.algorithm.gamma <= 1 or not 0 <= cfg.algorithm.lam <= 1:
         errors.append(f"algorithm.gamma ({cfg.algorithm.gamma}) and algorithm.lam ({cfg.algorithm.lam}) "
                       f"must be in [0, 1]")
+    # greedy decoding gives n identical responses (vLLM refuses it: "n must be 1 when using greedy sampling")
+    for key, section in (("actor_rollout_ref.rollout", rollout), ("actor_rollout_ref.rollout.val_kwargs", rollout.val_kwargs)):
+        greedy = not section.do_sample or section.temperature == 0
+        if greedy and section.n > 1:
+            why = f"{key}.do_sample=false" if not section.do_sample else f"{key}.temperature=0"
+            errors.append(f"{why} (greedy decoding) with {key}.n={section.n}: greedy responses to one prompt are "
+                          f"identical; set {key}.n=1, or {key}.do_sample=true with {key}.temperature > 0")
     if not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(f"actor_rollout_ref.rollout.gpu_memory_utilization ({rollout.gpu_memory_utilization}) "
                       f"must be in (0, 1]")

@@ -66,12 +66,14 @@ def _buckets(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, bucket_
         yield bucket
 
 
-def _launch(bucket, dtype: torch.dtype, piece_bytes: int):
+def _launch(bucket, dtype: torch.dtype, piece_bytes: int, into_tensor: Optional[bool] = None):
     """Start the all-gathers of one bucket; returns handles to finish later.
 
-    Each full tensor is gathered straight into its final buffer, in row pieces of at most
-    ``piece_bytes``: a collective backend that stages its output (gloo does) then needs only one
-    piece of scratch memory, not a second copy of the whole tensor.
+    Each full tensor is gathered straight into its final buffer. On NCCL (``into_tensor``, the
+    default for CUDA tensors) one ``all_gather_into_tensor`` per tensor writes the ranks' shards
+    into it in place: its layout (rank r's rows at r x chunk) is the buffer's. Elsewhere the list
+    form runs in row pieces of at most ``piece_bytes``: a backend that stages its output (gloo
+    does) then needs only one piece of scratch memory, not a second copy of the whole tensor.
     """
     pending = []
     for name, p in bucket:
@@ -86,6 +88,10 @@ def _launch(bucket, dtype: torch.dtype, piece_bytes: int):
             pad = local.new_zeros((chunk - local.shape[0], *local.shape[1:]))
             local = torch.cat([local, pad])
         full = local.new_empty((n * chunk, *local.shape[1:]))
+        if into_tensor if into_tensor is not None else local.is_cuda:
+            pending.append((name, p.shape, [dist.all_gather_into_tensor(full, local.contiguous(), group=group,
+                                                                        async_op=True)], [full], dim0))
+            continue
         row_bytes = max(1, local[0].numel() * local.element_size()) if chunk else 1
         rows = max(1, piece_bytes // (n * row_bytes))
         works = []
@@ -100,19 +106,23 @@ def _launch(bucket, dtype: torch.dtype, piece_bytes: int):
 
 
 def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
-                       name_map: Callable[[str], str] = hf_name) -> Iterator[tuple[str, torch.Tensor]]:
+                       name_map: Callable[[str], str] = hf_name, into_tensor: Optional[bool] = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator (every rank iterates it fully, in step): ``(name, full tensor)`` for
     each parameter of ``model``, cast to ``dtype``, gathered ``bucket_mb`` MiB at a time with the
-    next bucket's all-gathers in flight while this one is consumed."""
+    next bucket's all-gathers in flight while this one is consumed. ``into_tensor``: the
+    all_gather_into_tensor path (None: on CUDA tensors, i.e. NCCL). Every rank of a tensor-parallel
+    rollout group receives full tensors and vLLM slices its part: simple, at the price of
+    gathering what it then drops (BENCHMARKS.md)."""
     params = list(model.named_parameters())
     bucket_bytes = int(bucket_mb * 2**20)
     buckets = list(_buckets(params, dtype, bucket_bytes))
     if not buckets:
         return
-    pending = _launch(buckets[0], dtype, bucket_bytes)
+    pending = _launch(buckets[0], dtype, bucket_bytes, into_tensor)
     for k in range(len(buckets)):
         current = pending
-        pending = _launch(buckets[k + 1], dtype, bucket_bytes) if k + 1 < len(buckets) else []
+        pending = _launch(buckets[k + 1], dtype, bucket_bytes, into_tensor) if k + 1 < len(buckets) else []
         for name, shape, works, outs, dim0 in current:
             with collective(calls=0):  # the rank waits here for what is not yet gathered
                 for work in works:

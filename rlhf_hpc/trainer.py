@@ -47,7 +47,7 @@ from rlhf_hpc.recipe import per_rank_mini_batch
 from rlhf_hpc.profiling import StepProfiler
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
-from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
+from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch, make_engine
 from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.tracking import Tracker
 
@@ -68,6 +68,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
     kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
     reward_fn = RewardFunction(cfg)
+    logprob_check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
 
     guard = StabilityGuard(tr.guard)
     base_kl_loss_coef = arr.actor.kl_loss_coef
@@ -101,7 +102,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             guard.load_state_dict(extra["guard"])
             apply_guard_scales()
     else:
-        torch.manual_seed(tr.seed + ctx.rank)  # vLLM re-seeds the global RNG when it starts
+        torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
     tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
     profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
     if resume_from is not None:
@@ -147,6 +148,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         with profiler.step(step, timer), timer("step"), out_of_memory_report(timer, ctx.device):
             # 1. weights: training layout -> engine (streamed, bucketed, in place)
             with timer("update_weights"):
+                engine.free_gradients()  # then the engine empties PyTorch's cache before waking
                 rollout.resume()
                 sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
                                         arr.rollout.update_weights_bucket_mb)
@@ -155,7 +157,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
             with timer("gen"):
                 responses = rollout.generate([train[prompts[p]].prompt_ids for p in mine],
-                                             sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, ctx.rank)))
+                                             sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, rollout.dp_rank)))
             rollout.release()
             faults.after_generation(step)
             # every rank trains on the same number of rows; balance_batch evens out their tokens
@@ -169,8 +171,11 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                 batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
                     batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
                     arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
-            metrics.update(global_logprob_mismatch(batch["engine_log_probs"], batch["old_log_probs"],
-                                                   batch["response_mask"]))
+            metrics.update(logprob_mismatch(batch["engine_log_probs"], batch["old_log_probs"],
+                                            batch["response_mask"], all_reduce_sum, all_reduce_max))
+            warning = logprob_check(metrics, step)  # raises when the engine is broken
+            if warning and ctx.is_main:
+                tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
             if engine.ref is not None:
                 with timer("ref"):
                     batch["ref_log_prob"], _ = engine.ref.compute_log_prob(
@@ -208,6 +213,8 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                     metrics["actor/kl_coef"] = engine.actor.cfg.kl_loss_coef
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
+        # entropy_coeff=0: the update computes no entropy; as verl, the old-log-prob pass reports it
+        metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
         metrics.update(timer.times)
         metrics.update(profiler.metrics(timer.times, tracker.log_line))
         metrics.update(perf_metrics(cfg, ctx, batch, timer.times, model_cfg))
@@ -279,9 +286,10 @@ def rollout_rows(train: list[Example], prompts: list[int], mine: range, response
             for pos, group in zip(mine, responses) for r in group]
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Sampling seed of a step on a rank: a resumed run draws exactly the same rollouts."""
-    return zlib.crc32(f"{seed}/{step}/{rank}".encode()) & 0x7FFFFFFF
+def step_seed(seed: int, step: int, dp_rank: int) -> int:
+    """Sampling seed of a step on a rollout data-parallel rank (the engine's ``dp_rank``: the ranks
+    of one tensor-parallel group share it): a resumed run draws exactly the same rollouts."""
+    return zlib.crc32(f"{seed}/{step}/{dp_rank}".encode()) & 0x7FFFFFFF
 
 
 def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False) -> Sampling:
@@ -401,17 +409,6 @@ def data_metrics(batch: dict, entropy: torch.Tensor, use_critic: bool) -> dict[s
     return out
 
 
-def global_logprob_mismatch(engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    local = logprob_mismatch(engine_lp, actor_lp, mask)
-    n = float(mask.sum())
-    t = torch.tensor([local["rollout/logprob_diff_mean"] * n, n], dtype=torch.float64)
-    m = torch.tensor([local["rollout/logprob_diff_max"]], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = all_reduce_sum(t)
-        m = -all_reduce_min(-m)
-    return {"rollout/logprob_diff_max": m.item(), "rollout/logprob_diff_mean": (t[0] / max(t[1].item(), 1.0)).item()}
-
-
 def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, model_cfg) -> dict[str, float]:
     # forward FLOPs of this rank's sequences (logits only on response tokens), summed over ranks
     local = torch.tensor([float(batch["attention_mask"].sum()),
@@ -445,7 +442,8 @@ def validate(cfg: Config, ctx: DistContext, engine: Engine, rollout, val: list[E
     for c, start in enumerate(range(0, len(val), chunk)):
         part = val[start:start + chunk]
         mine = [part[i] for i in prompt_share(len(part), ctx.world_size, ctx.rank)]
-        sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, ctx.rank), validation=True)
+        sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, rollout.dp_rank),
+                                validation=True)
         outs = rollout.generate([e.prompt_ids for e in mine], sampling)
         for ex, group in zip(mine, outs):
             for r in group:

@@ -371,6 +371,34 @@ def test_logprobs_from_logits():
           torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1), tol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_token_logprobs_equal_the_full_fp32_upcast(dtype):
+    """What actor.per_token_logprobs computed before chunking: a full fp32 copy divided by the
+    temperature, then log-softmax and entropy over it; values and gradients to 1e-5."""
+    from rlhf_hpc.algos import token_logprobs_chunked
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 300, generator=g) * 3).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 300, (37,), generator=g)
+    upcast = logits.float() / 0.7
+    lp_ref, ent_ref = logprobs_from_logits(upcast, labels), entropy_from_logits(upcast)
+    g_ref = torch.autograd.grad((lp_ref * 1.3 + ent_ref * 0.1).sum(), logits, retain_graph=True)[0]
+    lp, ent = token_logprobs_chunked(logits, labels, 0.7, with_entropy=True, chunk_size=8)
+    g_chunk = torch.autograd.grad((lp * 1.3 + ent * 0.1).sum(), logits)[0]
+    assert lp.dtype == ent.dtype == torch.float32 and g_chunk.dtype == dtype
+    assert (lp - lp_ref).abs().max() <= 1e-5 and (ent - ent_ref).abs().max() <= 1e-5
+    # the gradient reaches the logits in their dtype: the entropy's and the log-prob's parts are
+    # rounded to bf16 apart (chunks are recomputed separately), so bf16 agrees to its own precision
+    parts = [torch.autograd.grad(f.sum(), upcast, retain_graph=True)[0].abs() for f in (lp_ref * 1.3, ent_ref * 0.1)]
+    tol = 1e-5 + (2 ** -7 * (parts[0] + parts[1] + g_ref.float().abs()) if dtype == torch.bfloat16 else 0)
+    assert ((g_chunk.float() - g_ref.float()).abs() <= tol).all()
+    g_lp = torch.autograd.grad(token_logprobs_chunked(logits, labels, 0.7, chunk_size=8)[0].sum(), logits)[0]
+    assert torch.equal(g_lp, torch.autograd.grad(logprobs_from_logits(logits.float() / 0.7, labels).sum(), logits)[0])
+    # entropy for metrics only: no graph through it; without entropy: none computed
+    lp2, ent2 = token_logprobs_chunked(logits, labels, 0.7, with_entropy=True, entropy_grad=False, chunk_size=8)
+    assert lp2.requires_grad and not ent2.requires_grad and torch.equal(ent2, ent.detach())
+    assert token_logprobs_chunked(logits, labels, 0.7, chunk_size=5)[1] is None
+
+
 # -------------------------------------------------------------------- outcome estimators
 def _outcome(scores, lengths, Tn=4):
     mask = (torch.arange(Tn)[None, :] < T(lengths)[:, None]).float()

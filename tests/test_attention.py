@@ -97,3 +97,15 @@ def test_kernel_arguments_fit_this_torchs_varlen_kernel():
                                                torch.zeros(3, dtype=torch.int32), 5, 5, **kw)
         causal = bound.arguments.get("is_causal") or bound.arguments.get("window_size") == (-1, 0)
         assert causal and bound.arguments["scale"] == 0.125
+
+
+def test_a_gpu_without_a_working_flash_attn_uses_varlen_and_says_so():
+    """Never sdpa on a GPU (a dense block-diagonal mask over packed rows): this machine has no
+    flash-attn, so a CUDA device gets varlen with a warning naming the reason."""
+    from rlhf_hpc.models import flash_attn_problem
+    problem = flash_attn_problem()
+    if problem is None:
+        pytest.skip("flash-attn imports here")
+    with pytest.warns(UserWarning, match=r"packed rows use attn_implementation=varlen"):
+        assert attn_implementation(torch.device("cuda")) == "varlen"
+    assert attn_implementation(torch.device("cuda"), {"attn_implementation": "sdpa"}) == "sdpa"  # explicit wins

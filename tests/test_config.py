@@ -98,7 +98,7 @@ def test_inheritance_loop_is_an_error(recipe_dir):
 def test_shipped_4node_recipe_only_states_what_differs():
     cfg, _ = load_config("qwen7b_klppo_4node", check_files=False)
     assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-7B-Instruct"  # from the base
-    assert cfg.actor_rollout_ref.actor.fsdp_config.param_offload is True  # from the base
+    assert cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload is True  # from the base
     assert (cfg.trainer.nnodes, cfg.algorithm.kl_ctrl.type, cfg.algorithm.kl_ctrl.target_kl) == (4, "adaptive", 0.02)
     assert (cfg.algorithm.gamma, cfg.algorithm.lam, cfg.actor_rollout_ref.actor.ppo_epochs) == (0.99, 0.95, 4)
 
@@ -236,6 +236,19 @@ def test_rollout_tp_must_divide_gpus_per_node():
     (msg,) = errors_of(tiny, "actor_rollout_ref.rollout.tensor_model_parallel_size=4")
     assert msg == ("actor_rollout_ref.rollout.tensor_model_parallel_size (4) must divide trainer.n_gpus_per_node (2): "
                    "a tensor-parallel group stays inside one node")
+
+
+def test_greedy_sampling_with_several_responses_is_refused():
+    errs = errors_of(tiny, "actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=2")
+    assert errs == ["actor_rollout_ref.rollout.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.n=2: "
+                    "greedy responses to one prompt are identical; set actor_rollout_ref.rollout.n=1, or "
+                    "actor_rollout_ref.rollout.do_sample=true with actor_rollout_ref.rollout.temperature > 0"]
+    errs = errors_of(tiny, "actor_rollout_ref.rollout.val_kwargs.n=4")  # val_kwargs default: temperature 0
+    assert len(errs) == 1 and errs[0].startswith(
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.val_kwargs.n=4")
+    errs = errors_of(tiny, "actor_rollout_ref.rollout.temperature=0")  # tiny_klppo samples n=2
+    assert errs[0].startswith("actor_rollout_ref.rollout.temperature=0 (greedy decoding) with actor_rollout_ref.rollout.n=2")
+    tiny("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1")  # fine
 
 
 def test_token_budget_must_hold_one_sequence():

@@ -69,6 +69,9 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
         assert (model, "rollout: weight sync + hf generate") in names
         assert (model, "reference log-prob forward") in names
         assert (model, "critic value forward") in names
+    # what decides the offload design runs first
+    assert [c["case"] for c in cases[:3]] == ["7B update step, no offload", "7B update step, optimizer offload (7B recipe)",
+                                              "7B update step, param+optimizer offload"]
     assert ("smoke-l", "7B-shape fwd/bwd micro-batch, offload off") in names
     assert ("smoke-l", "7B-shape fwd/bwd micro-batch, param+optim offload") in names
     assert ("tiny_klppo", "tiny KL-PPO: 2 steps end to end (fit)") in names
@@ -99,6 +102,10 @@ def test_smoke_figures_are_measurements(smoke):
         big = by[("smoke-l", case)]
         # every parameter streamed once in bf16 (the untied head and embedding both)
         assert big["streamed_gib"] * 2**30 == pytest.approx(2 * SMOKE_L_PARAMS, rel=1e-9)
+    for mode in ("no offload", "optimizer offload (7B recipe)", "param+optimizer offload"):
+        step = by[("smoke-l", f"7B update step, {mode}")]
+        assert all(step[k] >= 0 for k in ("fwd_bwd_s", "clip_s", "state_in_s", "step_s", "state_out_s"))
+        assert step["step_s"] > 0 and step["plan_estimate_gib"] > 0 and step["optimizer_s_per_rank_step_7b"] > 0
     padded = by[("smoke-s", "actor update: padded fixed micro-batches, AC off")]
     assert padded["computed_tokens"] > padded["valid_tokens"]  # the padding it computes on
     tiny = by[("tiny_klppo", "tiny KL-PPO: 2 steps end to end (fit)")]

@@ -35,7 +35,11 @@ def test_logprob_mismatch_only_counts_valid_tokens():
     e = torch.tensor([[-1.0, -2.0, 5.0]])
     a = torch.tensor([[-1.5, -2.0, 0.0]])
     m = torch.tensor([[1, 1, 0]])
-    assert logprob_mismatch(e, a, m) == {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.25}
+    assert logprob_mismatch(e, a, m) == {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.25,
+                                         "rollout/engine_actor_kl": 0.25}
+    # rounding noise cancels in the signed mean (the KL estimate), not in the absolute one
+    noisy = logprob_mismatch(torch.tensor([[-1.01, -2.0, -0.99]]), torch.tensor([[-1.0, -2.01, -1.0]]), torch.ones(1, 3))
+    assert noisy["rollout/logprob_diff_mean"] == pytest.approx(0.01) and noisy["rollout/engine_actor_kl"] == pytest.approx(0.01 / 3)
 
 
 def test_greedy_sampling():
@@ -61,3 +65,90 @@ def test_hf_engine_refuses_to_generate_with_random_weights():
         engine.generate([[1, 2]], Sampling(max_tokens=2))
     with pytest.raises(ValueError, match="received nothing, e.g. 'lm_head.weight'"):
         engine.update_weights(iter([("model.embed_tokens.weight", torch.zeros(256, 128))]))
+
+
+def metrics(kl: float, max_: float = 1.0) -> dict:
+    return {"rollout/engine_actor_kl": kl, "rollout/logprob_diff_mean": abs(kl) * 3, "rollout/logprob_diff_max": max_}
+
+
+def test_logprob_check_limit_follows_the_coarser_precision():
+    from rlhf_hpc.rollout.base import LogprobCheck
+    assert LogprobCheck("float32", "float32").limit == 1e-3
+    assert LogprobCheck("bfloat16", "float32").limit == LogprobCheck("float32", "bfloat16").limit == 0.05
+    # bf16 noise (KL estimates ~1e-3 even where per-token |diff| is ~1e-2, single large maxima)
+    # never trips it; fp32 health (~1e-7) neither
+    bf16 = LogprobCheck("bfloat16", "bfloat16")
+    assert all(bf16(metrics(0.005, max_=3.0), s) is None for s in range(100))
+    assert LogprobCheck("float32", "float32")(metrics(2e-7, 1e-5), 1) is None
+
+
+def test_logprob_check_warns_then_stops_after_consecutive_steps():
+    from rlhf_hpc.rollout.base import LogprobCheck
+    check = LogprobCheck("float32", "float32")
+    # the broken TP=2 run measured mean 0.03-0.08 per step
+    warning = check(metrics(0.05, 0.7), 3)
+    assert warning.startswith("step 3: rollout/engine_actor_kl = 0.05 (|diff| mean 0.15, max 0.7) exceeds 0.001, "
+                              "the limit for a float32 run (1/2 steps in a row)")
+    assert check(metrics(1e-6), 4) is None  # one bad step followed by a good one resets
+    assert check(metrics(float("nan")), 4) is None  # a diverged actor is the stability guard's case
+    check(metrics(0.05), 5)
+    with pytest.raises(RuntimeError, match=r"^stopping: step 6: .* \(2/2 steps in a row\): the rollout engine"):
+        check(metrics(0.04), 6)
+
+
+def test_generation_rng_is_per_dp_rank_and_leaves_the_training_rng_alone():
+    import random
+    from rlhf_hpc.rollout.rng import GenerationRNG
+    cpu = torch.device("cpu")
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    a, a2, b = GenerationRNG(1, 0, cpu), GenerationRNG(1, 0, cpu), GenerationRNG(1, 1, cpu)
+    draws = {}
+    for name, rng in (("a", a), ("a2", a2), ("b", b)):
+        torch.manual_seed(100 + len(name))  # training states differ between "ranks"
+        with rng.active():
+            draws[name] = (torch.rand(3), random.random())
+    assert torch.equal(draws["a"][0], draws["a2"][0]) and draws["a"][1] == draws["a2"][1]  # same dp rank
+    assert not torch.equal(draws["a"][0], draws["b"][0])
+    with a.active():  # the stream continues where it stopped
+        again = torch.rand(3)
+    assert not torch.equal(again, draws["a"][0])
+    torch.manual_seed(5)
+    with a2.active():
+        torch.rand(10)
+    assert torch.equal(torch.rand(3), expected)  # generation did not move the training stream
+
+
+def test_step_seed_depends_on_the_dp_rank_only():
+    from rlhf_hpc.trainer import step_seed
+    assert step_seed(1, 2, 0) == step_seed(1, 2, 0) != step_seed(1, 2, 1)
+    assert step_seed(1, 2, 0) != step_seed(1, 3, 0)
+
+
+def test_h100_variants_have_their_own_peaks():
+    from rlhf_hpc.perf import peak_flops_of
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12  # SXM
+    assert peak_flops_of("NVIDIA H100 NVL") == 835e12
+    assert peak_flops_of("NVIDIA H200") == 989e12 and peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
+
+
+def test_host_shards_get_a_cpu_backend_beside_nccl():
+    from rlhf_hpc.dist import process_group_backend
+    cfg, _ = load_config("qwen7b_klppo", check_files=False)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert process_group_backend(cuda, cfg) == "cpu:gloo,cuda:nccl"  # the reference model is offloaded
+    cfg.actor_rollout_ref.ref.fsdp_config.param_offload = False
+    assert process_group_backend(cuda, cfg) == "nccl"
+    cfg.actor_rollout_ref.actor.fsdp_config.param_offload = True  # CPU DTensor gradients: gloo for the norm
+    assert process_group_backend(cuda, cfg) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend(cpu, cfg) == "gloo"
+
+
+def test_vllm_version_check_accepts_the_installed_build():
+    from tests.conftest import require
+    require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
+    from rlhf_hpc.rollout.vllm_engine import VLLM_BELOW, VLLM_MIN, check_vllm_version
+    check_vllm_version()  # 0.32 (CPU build) has reload_weights(weights_iterator=...)
+    assert (VLLM_MIN, VLLM_BELOW) == ("0.18", "0.34")

@@ -17,6 +17,10 @@ downloads, no vLLM or flash-attn needed) and measures, each case on its own fres
   forward          reference log-probs and critic values, tokens/s
   rollout          streaming weight sync into the hf engine (time, peak memory rise), then
                    generate (tokens/s)
+  7B update step   first: one full update step of the 7B shape (4 of its layers) without offload, with
+                   the 7B recipe's optimizer offload and with param+optimizer offload, one CPU thread:
+                   forward/backward, clipping, state moves and optimizer.step timed apart; the memory
+                   plan's estimate against the measured peak
   7B offload       one actor forward/backward micro-batch with param+optimizer offload off and on
 
 A time budget (``--budget-s``, counted from start) skips a case whose estimate no longer fits and
@@ -80,6 +84,9 @@ class Shape:
 QWEN25_0_5B = Shape("qwen2.5-0.5b", 151936, 896, 4864, 24, 14, 2, True)
 QWEN25_1_5B = Shape("qwen2.5-1.5b", 151936, 1536, 8960, 28, 12, 2, True)
 QWEN25_7B = Shape("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, False)
+# the 7B shape with 4 of its 28 layers: 2.0B parameters, whose fp32 weights, gradients and Adam
+# state (32 GiB) fit one GPU in every offload mode; per-parameter costs carry over to the real run
+QWEN25_7B_4L = Shape("qwen2.5-7b-4L", 152064, 3584, 18944, 4, 28, 4, False)
 # smoke stand-ins: same roles (tied small models, an untied "large" one), head_dim 32
 SMOKE_S = Shape("smoke-s", 512, 128, 256, 2, 4, 2, True, 10000.0, 1024)
 SMOKE_M = Shape("smoke-m", 512, 128, 384, 3, 4, 2, True, 10000.0, 1024)
@@ -305,7 +312,7 @@ class Models:
                           mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"))
 
     def actor(self, shape: Shape, work: Workload, grad_ckpt: bool = False, offload: bool = False,
-              train: bool = True, packed: bool = True, attn: str = "sdpa"):
+              train: bool = True, packed: bool = True, attn: str = "sdpa", optimizer_offload: Optional[bool] = None):
         from rlhf_hpc.actor import Actor
         from rlhf_hpc.config import ActorConfig
         from rlhf_hpc.dist import build_train_mesh
@@ -321,8 +328,9 @@ class Models:
                           use_dynamic_bsz=packed, ppo_max_token_len_per_gpu=work.max_token_len, ppo_epochs=1,
                           shuffle=False, clip_ratio_low=0.2, clip_ratio_high=0.2)  # (resolve() fills these in runs)
         opt = build_optimizer(model, cfg.optim) if train else None
+        opt_off = offload if optimizer_offload is None else optimizer_offload
         return Actor(model, cfg, remove_padding=packed, optimizer=opt, dp_size=1,
-                     optimizer_offload=offload and self.device.type == "cuda", device=self.device)
+                     optimizer_offload=opt_off and self.device.type == "cuda", device=self.device)
 
     def critic(self, shape: Shape):
         from rlhf_hpc.config import CriticConfig
@@ -610,10 +618,92 @@ def offload_case(models: Models, shape: Shape, work: Workload, device: torch.dev
                     f"weight stream {streamed / 2**30:.1f} GiB bf16 in {stream_s:.2f} s"}
 
 
+UPDATE_MODES = {"no offload": (False, False), "optimizer offload (7B recipe)": (False, True),
+                "param+optimizer offload": (True, True)}
+
+
+def update_step_case(models: Models, shape: Shape, work: Workload, device: torch.device, mode: str,
+                     full_params: int) -> dict:
+    """One full update step (forward/backward of a micro-batch, gradient clipping, the optimizer's
+    state moves and step) with one CPU thread, as under torchrun (OMP_NUM_THREADS=1), timing each
+    part; then the memory plan's estimate for this step against the measured peak (on a GPU:
+    max_memory_allocated; the CPU smoke run's peak RSS includes the whole process). Per-parameter
+    costs are scaled to ``full_params`` / 8 (a rank's shard of the real model on 8 GPUs)."""
+    from rlhf_hpc import algos
+    from rlhf_hpc.actor import per_token_logprobs
+    from rlhf_hpc.batching import to_device
+    from rlhf_hpc.memory_plan import model_shape, update_bytes
+    from rlhf_hpc.optim import clip_grad_norm, move_optimizer_state
+    param_off, opt_off = UPDATE_MODES[mode]
+    actor = models.actor(shape, work, grad_ckpt=True, offload=param_off, optimizer_offload=opt_off)
+    model, opt = actor.model, actor.optimizer
+    batch = fixed_batch(work.offload_rows, work.offload_len, work.offload_len, shape.vocab_size)
+    micro = to_device(batch, device)
+    model.train()
+    home = next(model.parameters()).device  # the host with parameter offload
+    moves = opt_off and not param_off and device.type == "cuda"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rep in range(2):  # the first step creates Adam's state; the second is measured
+            times = {}
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+            reset_peak(device)
+            t0 = time.perf_counter()
+            lp, _ = per_token_logprobs(model, micro, remove_padding=True)
+            loss, _ = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"])
+            loss.backward()
+            sync(device)
+            times["fwd_bwd_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            norm = clip_grad_norm(model, 1.0)
+            sync(device)
+            times["clip_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if moves and rep:
+                move_optimizer_state(opt, home)
+            sync(device)
+            times["state_in_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            opt.step()
+            sync(device)
+            times["step_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if moves:
+                move_optimizer_state(opt, "cpu")
+            sync(device)
+            times["state_out_s"] = time.perf_counter() - t0
+            peak = peak_memory_gib(device)
+    finally:
+        torch.set_num_threads(threads)
+    if not (math.isfinite(loss.item()) and math.isfinite(norm)):
+        raise RuntimeError(f"non-finite loss {loss.item()} or gradient norm {norm}")
+    mshape = model_shape(shape.path)
+    valid = int(batch["attention_mask"].sum())
+    estimate = sum(update_bytes(mshape, mshape.params, models.fsdp(param_off), 1, valid,
+                                int(batch["response_mask"].sum()), True, mshape.vocab).values()) / 2**30
+    per_param = (times["step_s"] + times["state_in_s"] + times["state_out_s"]) / mshape.params
+    rank_step = per_param * full_params / 8
+    total = sum(times.values())
+    return {**times, "time_s": total, "tokens_per_s": valid / total, "peak_gib": peak,
+            "plan_estimate_gib": estimate, "plan_over_measured": estimate / peak if peak else None,
+            "optimizer_s_per_rank_step_7b": rank_step,
+            "note": f"{work.offload_rows}x{2 * work.offload_len} tokens, 1 thread; fwd/bwd {times['fwd_bwd_s']:.2f} s, "
+                    f"clip {times['clip_s']:.3f} s, state in/out {times['state_in_s']:.2f}/{times['state_out_s']:.2f} s, "
+                    f"step {times['step_s']:.2f} s -> ~{rank_step:.1f} s per optimizer step for a 7B rank shard "
+                    f"(x4 mini-batches a step); memory plan {estimate:.1f} GiB vs {peak:.1f} GiB measured"}
+
+
 def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> list[Case]:
     small, medium, large = (SMOKE_S, SMOKE_M, SMOKE_L) if smoke else (QWEN25_0_5B, QWEN25_1_5B, QWEN25_7B)
     k = 0.1 if smoke else 1.0  # the smoke estimates: seconds on a 2-core CPU
-    out = [Case("attention: packed, dense mask vs per sequence", "-", 5 * k, lambda: attention_case(device, work)),
+    # first what decides the design: the 7B update step in each offload mode (host AdamW or not)
+    step_shape = SMOKE_L if smoke else QWEN25_7B_4L
+    out = [Case(f"7B update step, {mode}", step_shape.name, (40 if mode.startswith("param") else 20) * k,
+                lambda m=mode: update_step_case(models, step_shape, work, device, m, 7_615_616_512))
+           for mode in UPDATE_MODES]
+    out += [Case("attention: packed, dense mask vs per sequence", "-", 5 * k, lambda: attention_case(device, work)),
            Case("tiny KL-PPO: 2 steps end to end (fit)", "tiny_klppo", 60 * k if not smoke else 15,
                 lambda: tiny_klppo_case(device))]
     for shape, t in ((small, 1.0), (medium, 2.0)):

@@ -1,8 +1,9 @@
 """The rollout interface: token ids in, sampled responses with per-token log-probs out."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ class Response:
 
 class RolloutEngine(Protocol):
     name: str
+    # the rollout data-parallel rank: ranks with the same dp_rank (one tensor-parallel group) run
+    # identical requests, so per-step sampling seeds derive from it, not from the global rank
+    dp_rank: int
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
         """For each prompt, ``sampling.n`` responses (in prompt order)."""
@@ -58,15 +62,69 @@ class RolloutEngine(Protocol):
         """Shut down (last thing a rank does: vLLM's teardown ends the process group too)."""
 
 
-def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor,
-                     response_mask: torch.Tensor) -> dict[str, float]:
-    """Standing check of the weight sync: |engine - actor| log-probs of the same sampled tokens.
-    (B, R) each -> ``rollout/logprob_diff_max``, ``rollout/logprob_diff_mean``."""
+def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                     all_reduce_sum: Optional[Callable] = None, all_reduce_max: Optional[Callable] = None
+                     ) -> dict[str, float]:
+    """Standing check of the weight sync on the same sampled tokens, (B, R) each ->
+    ``rollout/logprob_diff_max`` and ``_mean`` of |engine - actor|, and ``rollout/engine_actor_kl``,
+    the mean of engine - actor: the engine sampled the tokens, so this estimates
+    KL(engine || actor) >= 0, which rounding noise barely moves (its signs cancel) but a broken
+    engine raises. Over all ranks with the reducers (sums and maxima of host tensors)."""
     mask = response_mask.bool()
-    diff = (engine_logprobs.float() - actor_logprobs.float()).abs()[mask]
-    if diff.numel() == 0:
-        return {"rollout/logprob_diff_max": 0.0, "rollout/logprob_diff_mean": 0.0}
-    return {"rollout/logprob_diff_max": diff.max().item(), "rollout/logprob_diff_mean": diff.mean().item()}
+    signed = (engine_logprobs.double() - actor_logprobs.double())[mask]
+    sums = torch.stack([signed.abs().sum(), signed.sum(), torch.tensor(float(signed.numel()), dtype=torch.float64)])
+    peak = signed.abs().max().reshape(1) if signed.numel() else torch.zeros(1, dtype=torch.float64)
+    if all_reduce_sum is not None:
+        sums, peak = all_reduce_sum(sums), all_reduce_max(peak)
+    n = max(sums[2].item(), 1.0)
+    return {"rollout/logprob_diff_max": peak.item(), "rollout/logprob_diff_mean": sums[0].item() / n,
+            "rollout/engine_actor_kl": sums[1].item() / n}
+
+
+# rollout/engine_actor_kl (mean engine - actor log-prob of the engine's own samples, an estimate of
+# KL(engine || actor)) above which the engine is taken to be broken, by the coarser precision of the
+# two. Rounding noise moves each token's difference both ways, so the mean stays far below the mean
+# absolute difference: float32 measured ~1e-7 (vLLM CPU, TP=1 and TP=2; |diff| mean ~2e-7); bfloat16
+# on CPU (TP=2) measured |diff| means of 8e-4 - 1e-3, and ~1e-2 is normal on GPUs. An engine on stale
+# or wrong weights, or a tensor-parallel group whose ranks sampled apart (|diff| mean 0.03-0.08 even
+# on the tiny fp32 model), samples tokens the actor finds unlikely. Never the max (one rare token
+# moves it); `LOGPROB_CHECK_PATIENCE` steps in a row.
+ENGINE_ACTOR_KL_LIMIT = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05}
+LOGPROB_CHECK_PATIENCE = 2
+
+
+class LogprobCheck:
+    """The stop rule on the standing check: warn loudly on the first step whose mean log-prob
+    difference exceeds the limit for the run's precision, stop the run (``RuntimeError``) when
+    ``patience`` steps in a row do. Every rank sees the same (all-reduced) metric and stops alike."""
+
+    def __init__(self, engine_dtype: str, actor_dtype: str, patience: int = LOGPROB_CHECK_PATIENCE):
+        coarse = "float32" if engine_dtype == actor_dtype == "float32" else (
+            actor_dtype if engine_dtype == "float32" else engine_dtype)
+        self.limit = ENGINE_ACTOR_KL_LIMIT[coarse]
+        self.precision = coarse
+        self.patience = patience
+        self.strikes = 0
+
+    def __call__(self, metrics: dict[str, float], step: int) -> Optional[str]:
+        """None when healthy, else a warning; raises when the engine is judged broken."""
+        kl = metrics["rollout/engine_actor_kl"]
+        if not math.isfinite(kl):  # non-finite log-probs: a diverged actor, the stability guard's case
+            return None
+        if kl <= self.limit:
+            self.strikes = 0
+            return None
+        self.strikes += 1
+        message = (f"step {step}: rollout/engine_actor_kl = {kl:.3g} (|diff| mean "
+                   f"{metrics['rollout/logprob_diff_mean']:.3g}, max {metrics['rollout/logprob_diff_max']:.3g}) "
+                   f"exceeds {self.limit:g}, the limit for a "
+                   f"{self.precision} run ({self.strikes}/{self.patience} steps in a row): the rollout engine "
+                   f"samples from a different distribution than the actor scores. Likely causes: the weight "
+                   f"sync (name mapping, dtype), ranks of a tensor-parallel group sampling apart, "
+                   f"actor_rollout_ref.rollout.temperature not applied to the engine's log-probs")
+        if self.strikes >= self.patience:
+            raise RuntimeError(f"stopping: {message}")
+        return message
 
 
 def check_weight(name: str, tensor: torch.Tensor, spec: dict[str, tuple[int, ...]]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from rlhf_hpc.models import build_causal_lm, is_tiny, torch_dtype
 from rlhf_hpc.rollout.base import Response, Sampling, check_weight
@@ -20,6 +21,8 @@ class HFEngine:
     def __init__(self, cfg, model_path: str, device: torch.device, seed: int = 0):
         mcfg, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
         self.device = device
+        # each rank generates alone (no tensor parallelism): its data-parallel rank is its rank
+        self.dp_rank = dist.get_rank() if dist.is_initialized() else 0
         # a random-weight model is built straight on the device (no host copy, fast init on a GPU)
         self.model = build_causal_lm(model_path, torch_dtype(rollout.dtype), device if is_tiny(model_path) else "cpu",
                                      mcfg.override_config, seed=cfg.trainer.seed,

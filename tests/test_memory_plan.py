@@ -1,0 +1,124 @@
+"""The per-GPU memory plan: shapes from the config alone, what each phase holds, refusals that name
+the keys, and the launcher printing it at --dry-run and refusing before anything starts.
+(The estimator against measured peaks: python -m rlhf_hpc.bench.memory_plan_check, BENCHMARKS.md.)"""
+from __future__ import annotations
+
+import pytest
+
+from rlhf_hpc.memory_plan import GiB, build_plan, check_plan, layer_activation_bytes, logits_bytes, model_shape
+from rlhf_hpc.recipe import load_config
+from tests.conftest import run_launch
+
+
+def plan_of(recipe: str, *overrides: str):
+    cfg, _ = load_config(recipe, overrides, check_files=False)
+    return cfg, build_plan(cfg)
+
+
+def phase(plan, name: str):
+    return next(p for p in plan.phases if p.name == name)
+
+
+def test_shapes_from_the_published_configs_count_the_real_parameters():
+    seven = model_shape("Qwen/Qwen2.5-7B-Instruct")
+    assert seven.params == 7_615_616_512  # Qwen2.5-7B's published count
+    assert seven.head_params == seven.embed_params == 152064 * 3584  # untied head
+    assert model_shape("Qwen/Qwen2.5-0.5B-Instruct").params == 494_032_768
+    assert model_shape("Qwen/Qwen2.5-0.5B-Instruct").head_params == 0  # tied to the embedding
+    with pytest.raises(FileNotFoundError, match="no config.json at /nowhere/mystery-model"):
+        model_shape("/nowhere/mystery-model")
+
+
+def test_flagship_plan_fits_an_80gb_gpu_and_names_each_phase():
+    cfg, plan = plan_of("qwen7b_klppo")
+    assert [p.name for p in plan.phases] == ["gen", "old_log_prob", "ref", "values", "update_actor", "update_critic"]
+    assert plan.failures() == []
+    gen = phase(plan, "gen")
+    assert gen.parts["vLLM (gpu_memory_utilization)"] == 0.6 * 80 * GiB
+    # optimizer_offload: the actor's Adam state is on the host during generation, on the GPU to update
+    assert gen.parts["actor state"] == pytest.approx(7_615_616_512 * 4 / 8)
+    assert phase(plan, "update_actor").parts["optimizer"] == pytest.approx(7_615_616_512 * 8 / 8)
+    assert "ref params" not in gen.parts or gen.parts["ref params"] == 0.0  # the reference is offloaded
+
+
+def test_offload_flags_move_state_off_the_gpu():
+    _, on = plan_of("qwen7b_klppo", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
+    _, off = plan_of("qwen7b_klppo", "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    assert phase(on, "gen").parts["actor state"] == pytest.approx(7_615_616_512 * 12 / 8)
+    assert phase(off, "gen").parts["actor state"] == 0.0
+    assert phase(off, "update_actor").parts["params"] == phase(off, "update_actor").parts["optimizer"] == 0.0
+
+
+def test_logits_without_fp32_copies_are_what_keeps_the_old_micro_batch_possible():
+    # 40 fixed rows x 512 response tokens: the bf16 logits and their gradient plus one fp32 chunk
+    n, V = 40 * 512, 152064
+    assert logits_bytes(n, V, 2, with_grad=True) == n * V * 2 * 2 + 1024 * V * 4 * 4
+    cfg, plan = plan_of("qwen7b_klppo", "actor_rollout_ref.actor.use_dynamic_bsz=false",
+                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40")
+    assert phase(plan, "update_actor").parts["logits"] == logits_bytes(n, V, 2, with_grad=True)
+    assert phase(plan, "update_actor").total < 80 * GiB
+
+
+def test_activation_bytes_per_token_follow_the_block():
+    s = model_shape("Qwen/Qwen2.5-7B-Instruct")
+    h, i, q, kv = 3584, 18944, 3584, 512
+    assert layer_activation_bytes(s, 2) == 16 * h + 2 * (4 * h + 3 * q + 3 * kv + 4 * i)
+
+
+def test_impossible_generation_phase_is_refused_naming_its_keys():
+    cfg, _ = load_config("qwen7b_klppo", ["actor_rollout_ref.rollout.gpu_memory_utilization=0.95"], check_files=False)
+    plan, errors, _ = check_plan(cfg)
+    assert len(errors) == 1 and errors[0].startswith("memory plan: phase gen needs")
+    assert errors[0].endswith("shrink it with actor_rollout_ref.rollout.gpu_memory_utilization, "
+                              "actor_rollout_ref.actor.fsdp_config.param_offload, "
+                              "critic.model.fsdp_config.param_offload, critic.model.fsdp_config.optimizer_offload")
+
+
+def test_update_phase_refusal_names_the_token_budget_and_what_is_still_off():
+    cfg, _ = load_config("qwen7b_klppo", ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200000",
+                                          "actor_rollout_ref.model.enable_gradient_checkpointing=false"],
+                         check_files=False)
+    _, errors, _ = check_plan(cfg)
+    (err,) = [e for e in errors if "phase update_actor" in e]
+    assert err.endswith("shrink it with actor_rollout_ref.actor.ppo_max_token_len_per_gpu, "
+                        "actor_rollout_ref.model.enable_gradient_checkpointing, "
+                        "actor_rollout_ref.actor.fsdp_config.param_offload")
+
+
+def test_kv_cache_too_small_for_one_sequence_is_refused():
+    cfg, _ = load_config("qwen7b_klppo", ["actor_rollout_ref.rollout.gpu_memory_utilization=0.12",
+                                          "actor_rollout_ref.rollout.tensor_model_parallel_size=1"], check_files=False)
+    _, errors, _ = check_plan(cfg)
+    assert any(e.startswith("memory plan: phase gen leaves room for a KV cache of 0 tokens per GPU, less than one "
+                            "sequence (max_model_len 1024)") for e in errors), errors
+
+
+def test_smaller_gpus_are_planned_with_trainer_gpu_memory_gb():
+    _, errors, _ = check_plan(load_config("qwen7b_klppo", ["trainer.gpu_memory_gb=40"], check_files=False)[0])
+    assert any("but a GPU has 40 GiB" in e for e in errors)
+
+
+def test_cpu_runs_get_a_plan_but_no_refusal():
+    cfg, _ = load_config("tiny_klppo", [], check_files=False)
+    plan, errors, warnings = check_plan(cfg)
+    assert errors == [] and warnings == [] and plan.render().startswith("# memory plan per rank (host memory)")
+
+
+def test_dry_run_prints_the_plan_and_refuses_an_impossible_one(tmp_path):
+    ok = run_launch("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/a")
+    assert ok.returncode == 0, ok.stderr
+    assert "# memory plan per GPU: 80 GiB" in ok.stdout and "# OK   update_actor" in ok.stdout
+    bad = run_launch("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/b",
+                     "actor_rollout_ref.rollout.gpu_memory_utilization=0.95")
+    assert bad.returncode == 2
+    assert "# FAIL gen" in bad.stdout
+    assert "error: invalid configuration: memory plan: phase gen needs" in bad.stderr
+
+
+def test_a_launch_is_refused_before_anything_starts(tmp_path):
+    run = tmp_path / "run"
+    out = run_launch("recipe=tiny_klppo", "trainer.device=cuda", "trainer.gpu_memory_gb=0.001",
+                     f"trainer.default_local_dir={run}")
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "memory plan: phase gen needs" in out.stderr
+    assert not run.exists()  # no config written, no torchrun started
