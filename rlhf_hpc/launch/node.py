@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,6 +103,10 @@ class NodeRun:
         if info.end_time is not None:
             env["RLHF_HPC_JOB_END_TIME"] = str(info.end_time)
         self.cmd = torchrun_command(cfg, config_path, info)
+        # one line per node in its own log: where it runs and where the ranks meet
+        print(f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
+              f"{cfg.trainer.n_gpus_per_node} ranks, rendezvous {info.master}:{rendezvous_port(info.job_id)} "
+              f"(id {info.job_id}, restart {info.restart_count})", flush=True)
         self.proc = subprocess.Popen(self.cmd, env=env, preexec_fn=_ignore_usr2)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
