@@ -199,8 +199,9 @@ def test_a_node_dies_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
             break
         time.sleep(2)
     assert "Restarts=1" in restarts, restarts
-    subprocess.run(["bash", "slurm/dev-cluster.sh", "up", "--nodes", str(len(nodes))], cwd=REPO, check=True,
-                   timeout=300, capture_output=True)
+    up = subprocess.run(["bash", "slurm/dev-cluster.sh", "up", "--nodes", str(len(nodes))], cwd=REPO, timeout=300,
+                        capture_output=True, text=True)
+    assert up.returncode == 0, up.stdout + up.stderr
     assert wait_done(job) == "COMPLETED", job_logs(run, job)
     text = "\n".join(job_logs(run, job).values())
     resumed = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", text)]
