@@ -20,7 +20,6 @@ import pytest
 from rlhf_hpc.tracking import read_metrics
 from tests.conftest import REPO, require, run_launch
 
-GOLDEN = REPO / "tests" / "golden" / "qwen7b_klppo.sbatch"
 TINY = ["recipe=tiny_klppo", "cluster=slurm", "launcher.cluster_profile=local", "trainer.test_freq=-1",
         "trainer.val_before_train=false"]
 NONDETERMINISTIC = ("timing_s/", "perf/")
@@ -69,16 +68,23 @@ def deterministic(records: dict, steps) -> dict:
 
 
 # ----------------------------------------------------------------------------- no daemons needed
-def test_dry_run_sbatch_matches_the_golden_file(tmp_path):
-    out = run_launch("recipe=qwen7b_klppo", "cluster=slurm", "launcher.cluster_profile=example-gpu", "--dry-run",
+@pytest.mark.parametrize("golden,args", [
+    ("qwen7b_klppo.sbatch", ["recipe=qwen7b_klppo"]),
+    # 4 nodes, a site that asks for GPUs with --gres (the example profile) and one with --gpus-per-node
+    ("qwen7b_klppo_4node_gres.sbatch", ["recipe=qwen7b_klppo_4node"]),
+    ("qwen7b_klppo_4node_gpus_per_node.sbatch", ["recipe=qwen7b_klppo_4node", "launcher.gpu_request=gpus-per-node"]),
+])
+def test_dry_run_sbatch_matches_the_golden_file(tmp_path, golden, args):
+    out = run_launch(*args, "cluster=slurm", "launcher.cluster_profile=example-gpu", "--dry-run",
                      f"trainer.default_local_dir={tmp_path}/run", env={"WANDB_API_KEY": "secret-key-123"})
     assert out.returncode == 0, out.stderr
     script = out.stdout.split("# sbatch script (cluster=slurm)\n", 1)[1]
     script = script.replace(str(tmp_path), "<TMP>").replace(sys.executable, "<PYTHON>")
     assert "secret-key-123" not in out.stdout + out.stderr
+    path = REPO / "tests" / "golden" / golden
     if os.environ.get("RLHF_HPC_UPDATE_GOLDEN"):
-        GOLDEN.write_text(script)
-    assert script == GOLDEN.read_text()
+        path.write_text(script)
+    assert script == path.read_text()
 
 
 def test_unknown_profile_is_refused():
