@@ -1,9 +1,9 @@
-"""Slurm launching against a real local Slurm (``slurm/dev-cluster.sh up``; started by .ci/run).
+"""Slurm launching against a real local Slurm (``slurm/dev-cluster.sh up [--nodes N]``; .ci/run starts it).
 
-Jobs here run the tiny recipe on the single 2-CPU node: submission and completion, USR2
+Jobs here run the tiny recipe on one 2-CPU node of it: submission and completion, USR2
 preemption -> checkpoint -> requeue -> bit-identical resume, a time limit shorter than the run,
-a 2-element sweep as one array job, two "nodes" forming one process group, and bad requests
-refused before anything is queued. The dry-run sbatch text is pinned by a golden file.
+two "nodes" forming one process group, and bad requests refused before anything is queued. The
+dry-run sbatch texts are pinned by golden files. Sweeps and multi-node jobs: test_slurm_multinode.py.
 """
 from __future__ import annotations
 
@@ -175,21 +175,6 @@ def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm
     assert raw_steps(run) == list(range(1, 46))
     log = "".join(p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out"))
     assert log.count("resumed from") >= 1  # at least two allocations
-
-
-def test_sweep_is_one_array_job_with_a_run_directory_each(slurm, tmp_path):
-    out = run_launch(*TINY, f"trainer.default_local_dir={tmp_path}/" + "${trainer.experiment_name}",
-                     "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=hf",
-                     "sweep.algorithm.kl_ctrl.kl_coef=[0.001,0.01]")
-    assert out.returncode == 0, out.stderr
-    runs = [tmp_path / "tiny_klppo_kl_coef=0.001", tmp_path / "tiny_klppo_kl_coef=0.01"]
-    ids = [job_ids(r)[0] for r in runs]
-    assert ids[0].split("_")[0] == ids[1].split("_")[0] and {i.split("_")[1] for i in ids} == {"0", "1"}
-    for job, run in zip(ids, runs):
-        assert wait_done(job) == "COMPLETED"
-        assert raw_steps(run) == [1, 2]
-    from rlhf_hpc.recipe import load_resolved
-    assert [load_resolved(r / "config.yaml").algorithm.kl_ctrl.kl_coef for r in runs] == [0.001, 0.01]
 
 
 @pytest.mark.parametrize("override,message", [

@@ -246,6 +246,8 @@ def test_sweep_is_one_array_job_spread_over_the_nodes(tmp_path):
         assert wait_done(job) == "COMPLETED"
     for run in runs:
         assert raw_steps(run) == [1, 2]
+    from rlhf_hpc.recipe import load_resolved
+    assert [load_resolved(r / "config.yaml").algorithm.kl_ctrl.kl_coef for r in runs] == [0.001, 0.01]
     # a whole node each (cpus_per_task=2 of 2): both elements ran at once, on different nodes
     (a_start, a_end, a_node), (b_start, b_end, b_node) = (sacct_fields(j, "Start,End,NodeList") for j in ids)
     assert a_node != b_node and a_start < b_end and b_start < a_end
