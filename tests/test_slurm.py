@@ -168,7 +168,7 @@ def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm
     run = tmp_path / "run"
     out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=45",
                      "trainer.save_freq=100", "launcher.time_min=1", "launcher.signal_lead_s=20",
-                     "launcher.time_margin_s=15", "actor_rollout_ref.rollout.name=hf")
+                     "launcher.time_margin_s=15", "launcher.max_requeues=8", "actor_rollout_ref.rollout.name=hf")
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     assert wait_done(job, timeout=900) == "COMPLETED"
