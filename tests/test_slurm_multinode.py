@@ -64,7 +64,8 @@ def sacct_fields(job: str, fields: str) -> list[str]:
 def start_one_node_run(run: Path) -> subprocess.Popen:
     """The same recipe and steps as 1 node x 2 ranks (cluster=local), in the background."""
     return subprocess.Popen([sys.executable, str(REPO / "launch.py"), "recipe=tiny_klppo", "cluster=local",
-                             f"trainer.default_local_dir={run}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                             f"trainer.default_local_dir={run}", "trainer.test_freq=-1",
+                             "trainer.val_before_train=false",
                              "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf",
                              f"trainer.total_training_steps={STEPS}", "trainer.save_freq=100"],
                             cwd=REPO, env=dict(os.environ, **ONE_THREAD), stdout=subprocess.PIPE,
@@ -269,7 +270,8 @@ TINY_4NODE = ["recipe=qwen7b_klppo_4node", "cluster=slurm", "launcher.cluster_pr
               "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32",
               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
               "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-              "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+              "actor_rollout_ref.rollout.dtype=float32",
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
               "critic.ppo_micro_batch_size_per_gpu=2", "critic.model.fsdp_config.mixed_precision.param_dtype=float32"]
 
 
