@@ -3,10 +3,12 @@
 # Slurm tests and for trying the launcher (single- and multi-node) locally.
 #
 #   slurm/dev-cluster.sh up [--nodes N]   install (apt) if needed, configure, start (default N=1);
-#                                         idempotent (<1 s when up); a different N reconfigures
+#                                         idempotent: 0.2 s when up; 3-11 s from stopped (packages
+#                                         installed); a different N restarts the daemons (3-17 s)
 #   slurm/dev-cluster.sh down [--cancel-jobs]
 #                                         stop everything this script started and remove every
 #                                         namespace, veth, bridge and /etc/hosts entry it added
+#                                         (~20 s with 4 nodes, most of it MariaDB and slurmdbd)
 #   slurm/dev-cluster.sh status           nodes (sinfo -N) and jobs (squeue)
 #   slurm/dev-cluster.sh fail-node NODE   a node crash as Slurm sees it: kill NODE's slurmd and
 #                                         every process on it (`up` brings it back)
@@ -44,6 +46,12 @@
 # - Cleanup pitfalls: deleting a namespace/veth is asynchronous (1-2 s), so `down` deletes veths
 #   explicitly and waits; `ip netns add` bind-mounts /run/netns, which `down` unmounts. /etc/hosts
 #   is bind-mounted in containers: rewritten in place, never replaced by rename.
+# - Measured through it (tests/test_slurm_multinode.py): a 2-node torchrun/gloo job whose ranks
+#   report hosts node1,node2; USR2 preemption, requeue and resume across nodes; a node killed
+#   mid-run -> down* after ~27 s, job requeued (Restarts=1), resumed after `up`; two jobs on one node;
+#   a 4-node job (4 CPU ranks on the 2 cores). vLLM's CPU engine runs inside the namespaces.
+# - Shell pitfall: `cmd | grep -q` under pipefail fails at random when grep exits before cmd has
+#   written everything (SIGPIPE): match captured output instead.
 # - Every node advertises the machine's CPUs and memory (the cluster over-advertises N-fold); node
 #   processes share the PID space and /tmp. Job ids restart at 1 when the state is wiped: use a fresh
 #   submitit folder per run.
@@ -66,6 +74,10 @@ running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 node_ip() { echo "$SUBNET.$(( 10 + $1 ))"; }
 # the nodes that exist now (namespaces this script made), e.g. "node1 node2"
 existing_nodes() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^node[0-9]+$' | sort -V || true; }
+# word match on captured output: `cmd | grep -q` fails under pipefail when grep exits before cmd
+# has written everything (SIGPIPE), which made a re-run's `ip addr add` fail with "already assigned"
+has_node() { [[ " $(existing_nodes | xargs) " == *" $1 "* ]]; }
+ctld_up() { [[ "$(scontrol ping 2>/dev/null)" == *"is UP"* ]]; }
 
 stop_pid() { # pidfile name
   local f=$1 n=$2 p
@@ -162,7 +174,7 @@ case "$cmd" in
     exit 0 ;;
   fail-node)
     n=${1:?usage: $0 fail-node NODE}
-    ip netns list | awk '{print $1}' | grep -qx "$n" || { echo "no node $n" >&2; exit 2; }
+    has_node "$n" || { echo "no node $n" >&2; exit 2; }
     kill_node_processes "$n"
     log "node $n failed: slurmd and all its processes killed (bring it back with: $0 up --nodes N)"
     exit 0 ;;
@@ -176,7 +188,7 @@ NODE_NAMES=$(for i in $(seq "$NODES"); do echo "node$i"; done)
 # 1. packages ---------------------------------------------------------------
 PKGS="slurmctld slurmd slurm-client munge iproute2 util-linux"
 [ "$ACCOUNTING" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
-MISSING=$(for p in $PKGS; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q 'ok installed' || echo "$p"; done)
+MISSING=$(for p in $PKGS; do [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == *"ok installed"* ]] || echo "$p"; done)
 if [ -n "$MISSING" ]; then
   log "installing:" $MISSING
   # keep postinst scripts from starting services (there is no init system); skip man-db rebuild
@@ -194,7 +206,7 @@ log "slurm $(dpkg-query -W -f='${Version}' slurmctld), munge $(dpkg-query -W -f=
 if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
   ip link add "$BRIDGE" type bridge
 fi
-ip addr show dev "$BRIDGE" | grep -q "inet $BRIDGE_IP/24" || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE"
+[[ "$(ip -4 addr show dev "$BRIDGE")" == *"inet $BRIDGE_IP/24"* ]] || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE"
 ip link set "$BRIDGE" up
 for n in $(existing_nodes); do  # fewer nodes than before: remove the extra ones
   i=${n#node}
@@ -205,7 +217,7 @@ for n in $(existing_nodes); do  # fewer nodes than before: remove the extra ones
 done
 for i in $(seq "$NODES"); do
   n=node$i
-  if ! ip netns list | awk '{print $1}' | grep -qx "$n"; then
+  if ! has_node "$n"; then
     ip link del "v$n" 2>/dev/null || true  # a veth left over by an interrupted run
     ip netns add "$n"
     ip link add "v$n" type veth peer name eth0 netns "$n"
@@ -349,8 +361,8 @@ if ! running /run/slurmctld.pid; then
   log "starting slurmctld"
   slurmctld   # daemonizes, writes /run/slurmctld.pid
 fi
-for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q 'is UP' && break; sleep 0.2; done
-scontrol ping | grep -q 'is UP' || { tail -20 $LOGDIR/slurmctld.log; echo "slurmctld did not come up" >&2; exit 1; }
+for _ in $(seq 100); do ctld_up && break; sleep 0.2; done
+ctld_up || { tail -20 $LOGDIR/slurmctld.log; echo "slurmctld did not come up" >&2; exit 1; }
 for n in $NODE_NAMES; do
   if ! running "/run/slurmd-$n.pid"; then
     kill_node_processes "$n"  # what a failed node left behind
