@@ -1,6 +1,7 @@
 """What every torchrun rank runs: ``python -m rlhf_hpc.worker RUN_DIR/config.yaml``."""
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -31,9 +32,12 @@ def main(argv: list[str]) -> int:
     expected = ctx.world_size * (ctx.world_size - 1) / 2
     if ranks.item() != expected:
         raise RuntimeError(f"process group check failed: sum of ranks {ranks.item()} != {expected}")
+    # which host each rank runs on: on a multi-node job, proof that the group spans the nodes
+    hosts: list = [None] * ctx.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
     if ctx.is_main:
         print(f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
-              f"device {ctx.device.type}", flush=True)
+              f"device {ctx.device.type}, hosts by rank: {','.join(hosts)}", flush=True)
     from rlhf_hpc.trainer import fit
     try:
         fit(cfg, ctx)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ class NodeInfo:
     node_rank: int
     nnodes: int
     master: str  # first host of the allocation
+    port: int  # rendezvous port on the first host
     restart_count: int
     end_time: Optional[float]  # epoch seconds when the allocation ends (None: unknown)
 
@@ -64,7 +66,9 @@ def node_info(env: Optional[dict] = None) -> NodeInfo:
     else:
         job_id = env["SLURM_JOB_ID"]
     hosts = hostnames(env["SLURM_JOB_NODELIST"])
+    # the port from SLURM_JOB_ID, unique per array element too ("12_34" and "123_4" must not collide)
     return NodeInfo(job_id=job_id, node_rank=int(env.get("SLURM_NODEID", 0)), nnodes=len(hosts), master=hosts[0],
+                    port=rendezvous_port(env["SLURM_JOB_ID"]),
                     restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
                     end_time=job_end_time(env["SLURM_JOB_ID"]))
 
@@ -79,7 +83,7 @@ def rendezvous_port(job_id: str) -> int:
 def torchrun_command(cfg, config_path: str | Path, info: NodeInfo) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={info.nnodes}",
            f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint={info.master}:{rendezvous_port(info.job_id)}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint={info.master}:{info.port}",
            f"--rdzv-id={info.job_id}", f"--max-restarts={cfg.launcher.max_restarts}",
            "-m", "rlhf_hpc.worker", str(config_path)]
     if cfg.launcher.container:
@@ -102,6 +106,10 @@ class NodeRun:
         if info.end_time is not None:
             env["RLHF_HPC_JOB_END_TIME"] = str(info.end_time)
         self.cmd = torchrun_command(cfg, config_path, info)
+        # one line per node in its own log: where it runs and where the ranks meet
+        print(f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
+              f"{cfg.trainer.n_gpus_per_node} ranks, rendezvous {info.master}:{info.port} "
+              f"(id {info.job_id}, restart {info.restart_count})", flush=True)
         self.proc = subprocess.Popen(self.cmd, env=env, preexec_fn=_ignore_usr2)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
