@@ -65,7 +65,8 @@ def test_the_demo_learns(demo_run):
     scores = [r["critic/score/mean"] for r in read_metrics(run)]
     k = len(scores) // 10
     first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
-    assert last - first >= 0.3, (first, last)
+    # how far 60 steps get depends on the seed and engine (0.24-0.6 measured, README); from ~0.02
+    assert last - first >= 0.15, (first, last)
     val = [r for r in read_metrics(run) if "val-core/synthetic/copy/reward/mean@1" in r]
     assert [r["training/global_step"] for r in val] == [20, 40, 60]
 
