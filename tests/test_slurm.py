@@ -151,6 +151,34 @@ def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm
     assert log.count("resumed from") >= 1  # at least two allocations
 
 
+def test_max_requeues_bounds_the_preemption_loop(slurm, tmp_path):
+    # two preemptions, one requeue allowed: the second stop saves and ends the job, not requeued
+    run = tmp_path / "run"
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=40",
+                     "trainer.save_freq=100", "launcher.max_requeues=1", "actor_rollout_ref.rollout.name=hf")
+    assert out.returncode == 0, out.stderr
+    (job,) = job_ids(run)
+    for signalled in (1, 2):
+        deadline = time.time() + 300
+        while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and
+                                              (run / "metrics.jsonl").read_text().count("\n") >= 2 * signalled + 1):
+            time.sleep(1)
+        if signalled == 2:  # the requeued allocation must have resumed before the second signal
+            while time.time() < deadline and "resumed from" not in "".join(
+                    p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out")):
+                time.sleep(1)
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        time.sleep(5)
+    wait_done(job)
+    log = "".join(p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out"))
+    assert log.count("preempted (signal); checkpoint saved") == 2
+    assert "not requeuing: launcher.max_requeues=1 reached" in log
+    steps = raw_steps(run)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 40  # stopped early, no step twice
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == str(steps[-1])  # the stop was saved
+    assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == ""
+
+
 @pytest.mark.parametrize("override,message", [
     ("launcher.partition=gpu-h100", "launcher.partition: 'gpu-h100' is not a partition of this cluster (sinfo lists: debug)"),
     ("launcher.cpus_per_task=64", "Slurm rejects the resource request"),
