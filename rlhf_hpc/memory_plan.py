@@ -253,7 +253,6 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     cs = critic_shape or s
     critic_params = cs.params - cs.head_params + cs.hidden + 1 if use_critic else 0
     use_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ab = DTYPE_BYTES[actor.fsdp_config.mixed_precision.param_dtype]
     afs, rfs, cfs = actor.fsdp_config, ref.fsdp_config, critic.model.fsdp_config
 
     def resident(phase: str, skip: str = "") -> dict[str, float]:

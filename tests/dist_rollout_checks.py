@@ -53,20 +53,25 @@ def engine_vs_actor(actor: Actor, prompts, responses) -> dict[str, float]:
     return logprob_mismatch(engine_lp, lp.detach(), batch["response_mask"])
 
 
+def sharded_fp32_actor(cfg, world: int, temperature: float) -> Actor:
+    """The tiny actor in fp32, sharded over every rank (FULL_SHARD), with the recipe's actor config."""
+    from rlhf_hpc.parallel import parallelize
+    model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
+    fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
+    parallelize(model, build_train_mesh(CPU, world, -1), fsdp, CPU)
+    acfg = cfg.actor_rollout_ref.actor
+    return Actor(model, acfg, temperature=temperature, optimizer=build_optimizer(model, acfg.optim), dp_size=world,
+                 all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU))
+
+
 def main(engine_name: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.rollout.name={engine_name}",
                                         f"data.max_prompt_length={P}", f"data.max_response_length={R}"])
     temperature = 0.8
-    model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
-    fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
-    from rlhf_hpc.parallel import parallelize
-    parallelize(model, build_train_mesh(CPU, world, -1), fsdp, CPU)
-    acfg = cfg.actor_rollout_ref.actor
-    acfg.optim.lr = 3e-2
-    actor = Actor(model, acfg, temperature=temperature, optimizer=build_optimizer(model, acfg.optim), dp_size=world,
-                  all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU))
+    cfg.actor_rollout_ref.actor.optim.lr = 3e-2
+    actor = sharded_fp32_actor(cfg, world, temperature)
     engine = make_engine(cfg, "tiny://qwen2", CPU)
     torch.manual_seed(1234)  # vLLM re-seeds the global RNG when it starts
 

@@ -15,18 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.actor import Actor
 from rlhf_hpc.checkpoint import full_model_state
-from rlhf_hpc.config import FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_rollout_tp_group, build_train_mesh, exit_process
-from rlhf_hpc.models import build_causal_lm
-from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.parallel import parallelize
+from rlhf_hpc.dist import build_rollout_tp_group, exit_process
 from rlhf_hpc.recipe import load_config
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rollout.base import Sampling, make_engine
 from rlhf_hpc.trainer import step_seed
-from tests.dist_rollout_checks import engine_vs_actor, hf_greedy
+from tests.dist_rollout_checks import engine_vs_actor, hf_greedy, sharded_fp32_actor
 
 CPU = torch.device("cpu")
 P, R = 8, 8
@@ -39,12 +34,7 @@ def main(out: Path) -> None:
                                         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                                         f"data.max_prompt_length={P}", f"data.max_response_length={R}"])
     temperature = 0.8
-    model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
-    fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
-    parallelize(model, build_train_mesh(CPU, world, -1), fsdp, CPU)
-    acfg = cfg.actor_rollout_ref.actor
-    actor = Actor(model, acfg, temperature=temperature, optimizer=build_optimizer(model, acfg.optim), dp_size=world,
-                  all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU))
+    actor = sharded_fp32_actor(cfg, world, temperature)
     engine = make_engine(cfg, "tiny://qwen2", CPU, build_rollout_tp_group(2, 2))
     res: dict = {"rank": rank, "dp_rank": engine.dp_rank, "shm_segments": list(engine._shm_segments)}
 
