@@ -640,6 +640,11 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")
 
     errors.extend(unsupported_values(cfg))
+    fsdp1 = [key for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
+             if get_key(cfg, key) == "fsdp"]
+    if fsdp1:
+        warnings.append(f"{', '.join(k + '=fsdp' for k in fsdp1)}: the engine here is FSDP2 (fully_shard) whatever "
+                        f"the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs")
 
     files = missing_files(cfg)
     if check_files:
@@ -673,17 +678,25 @@ def unsupported_values(cfg: Config) -> list[str]:
         if get_key(cfg, key).mixed_precision.buffer_dtype not in ("float32", "fp32"):
             errors.append(f"{key}.mixed_precision.buffer_dtype: FSDP2 keeps buffers in the model's dtype; only "
                           f"float32 is accepted")
-    # a reward model on the training mesh is not implemented: its section must stay at the defaults
-    from rlhf_hpc.config import RewardModelConfig
-    if cfg.reward_model.enable:
+    # a reward model on the training mesh is not implemented (issue 16): every reward_model key must
+    # stay at its default (fsdp_size is filled in by resolve)
+    from rlhf_hpc.config import FSDPConfig, RewardModelConfig
+    rm, off = cfg.reward_model, RewardModelConfig()
+    if rm.enable:
         errors.append("reward_model.enable=true: reward-model scoring is not available yet; score with rules "
                       "(data_source) or custom_reward_function.path")
     else:
-        default = flatten(dataclasses.asdict(RewardModelConfig()))
-        changed = [k for k, v in flatten(dataclasses.asdict(cfg.reward_model)).items()
-                   if k != "enable" and not k.endswith("fsdp_size") and v != default.get(k)]
-        if changed:
-            errors.append(f"reward_model.{changed[0]}: reward-model scoring is not available yet, so reward_model.* "
+        fsdp_now = dataclasses.replace(rm.model.fsdp_config, fsdp_size=None)
+        set_keys = [key for key, now, default in (
+            ("strategy", rm.strategy, off.strategy), ("model.path", rm.model.path, off.model.path),
+            ("model.input_tokenizer", rm.model.input_tokenizer, off.model.input_tokenizer),
+            ("model.trust_remote_code", rm.model.trust_remote_code, off.model.trust_remote_code),
+            ("model.fsdp_config", fsdp_now, FSDPConfig()),
+            ("micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu, off.micro_batch_size_per_gpu),
+            ("max_length", rm.max_length, off.max_length), ("reward_manager", rm.reward_manager, off.reward_manager),
+        ) if now != default]
+        if set_keys:
+            errors.append(f"reward_model.{set_keys[0]}: reward-model scoring is not available yet, so reward_model.* "
                           f"keys have no effect; remove them")
     template = arr.model.custom_chat_template
     if template is not None:

@@ -3,7 +3,6 @@ data checked before the launch, chat templates, and a 4-rank run of a step whose
 divide over the ranks (every prompt trained, critic warm-up, chunked validation)."""
 from __future__ import annotations
 
-import json
 import shlex
 import textwrap
 
@@ -107,6 +106,10 @@ def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path
     ("actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=bf16", "buffer_dtype: FSDP2 keeps buffers"),
     ("reward_model.micro_batch_size_per_gpu=4", "reward_model.micro_batch_size_per_gpu: reward-model scoring is "
                                                 "not available yet"),
+    ("reward_model.max_length=512", "reward_model.max_length: reward-model scoring is not available yet"),
+    ("reward_model.strategy=fsdp", "reward_model.strategy: reward-model scoring is not available yet"),
+    ("reward_model.model.input_tokenizer=Qwen/Qwen2-7B-Instruct",
+     "reward_model.model.input_tokenizer: reward-model scoring is not available yet"),
     ("actor_rollout_ref.model.custom_chat_template='{% for m in messages %}'", "not a valid Jinja template"),
     ("actor_rollout_ref.model.external_lib=no_such_module_here", "no such Python module here"),
 ])
@@ -114,6 +117,14 @@ def test_keys_without_an_effect_here_refuse_non_default_values(override, message
     with pytest.raises(ConfigError) as e:
         load_config("tiny_klppo", [override])
     assert any(message in line for line in e.value.errors), e.value.errors
+
+
+def test_strategy_fsdp_says_that_fsdp2_runs():
+    _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.actor.strategy=fsdp", "critic.strategy=fsdp"])
+    assert [w for w in warnings if "strategy" in w] == [
+        "actor_rollout_ref.actor.strategy=fsdp, critic.strategy=fsdp: the engine here is FSDP2 (fully_shard) whatever "
+        "the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs"]
+    assert not [w for w in load_config("tiny_klppo")[1] if "strategy" in w]
 
 
 def test_keys_verl_takes_from_the_actor_default_to_the_actor():
