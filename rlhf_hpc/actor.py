@@ -10,22 +10,26 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc import algos
+from rlhf_hpc import algos, sequence_parallel
 from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
 from rlhf_hpc.config import ActorConfig
 from rlhf_hpc.optim import optimizer_state_on
+from rlhf_hpc.sequence_parallel import SequenceParallel
 from rlhf_hpc.update import ppo_update
 
 
 def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, remove_padding: bool = True,
-                       with_entropy: bool = False, entropy_grad: bool = True
+                       with_entropy: bool = False, entropy_grad: bool = True, sp: Optional[SequenceParallel] = None
                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
     Returns (log_probs (B, R), entropy (B, R) or None), zero where ``response_mask`` is 0.
     ``remove_padding`` packs the rows into one sequence (no compute on padding).
     ``entropy_grad=False`` computes the entropy for metrics only (no graph through it).
+    ``sp``: the packed sequence is split over this sequence-parallel group (rlhf_hpc.sequence_parallel).
     """
+    if sp is not None:
+        return sequence_parallel.per_token_logprobs(model, batch, sp, temperature, with_entropy, entropy_grad)
     R = batch["responses"].shape[1]
     mask = batch["response_mask"].bool()
     if remove_padding:
@@ -53,15 +57,17 @@ class Actor:
     ``all_reduce``: SUM over the data-parallel ranks (None when alone); ``dp_size``: the number of
     ranks FSDP averages gradients over (all ranks, replicate x shard). ``device``: where the model
     computes (with parameter offload its parameters live on the host, so it is not their device).
-    Batches stay on the host; outputs come back to the host.
+    Batches stay on the host; outputs come back to the host. ``sp``: the sequence-parallel group
+    (None without Ulysses): its ranks compute their rows together, each a slice of the sequence.
     """
 
     def __init__(self, model: nn.Module, cfg: ActorConfig, temperature: float = 1.0, remove_padding: bool = True,
                  optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
-                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu")):
-        self.model, self.cfg, self.device = model, cfg, device
+                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu"),
+                 sp: Optional[SequenceParallel] = None):
+        self.model, self.cfg, self.device, self.sp = model, cfg, device, sp
         self.temperature, self.remove_padding = temperature, remove_padding
         self.optimizer, self.scheduler = optimizer, scheduler
         self.dp_size, self.all_reduce, self.sync_max = dp_size, all_reduce, sync_max
@@ -75,17 +81,22 @@ class Actor:
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(B, R) log-probs (and entropies) for every row of ``batch``, in its row order."""
         self.model.eval()
+        own = slice(None)
+        if self.sp is not None:  # the group's rows, each micro-batch's tokens split over its ranks
+            batch, own = sequence_parallel.gather_rows(batch, self.sp)
+            max_token_len *= self.sp.size
         groups = micro_batch_groups(batch, micro_batch_size, use_dynamic_bsz, max_token_len, self.sync_max)
         lps, ents, kept = [], [], []
         for g in groups:
             micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
-            lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding, with_entropy)
+            lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding, with_entropy,
+                                         sp=self.sp)
             if g:
                 lps.append(lp.cpu())
                 ents.append(ent.cpu() if with_entropy else None)
                 kept.append(g)
-        lp = restore_order(lps, kept)
-        ent = restore_order(ents, kept) if with_entropy else None
+        lp = restore_order(lps, kept)[own]
+        ent = restore_order(ents, kept)[own] if with_entropy else None
         return lp, ent
 
     # ------------------------------------------------------------------------------ PPO update
@@ -106,7 +117,7 @@ class Actor:
             # the entropy only where the loss uses it (else actor/entropy comes from the old-log-prob pass)
             with_entropy = cfg.entropy_coeff != 0
             lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
-                                         with_entropy=with_entropy)
+                                         with_entropy=with_entropy, sp=self.sp)
             mask = micro["response_mask"]
             pg_loss, pgm = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask,
                                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
@@ -127,4 +138,5 @@ class Actor:
             return loss
 
         return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
-                          "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device)
+                          "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device,
+                          self.sp)

@@ -84,9 +84,14 @@ def kernel_arguments(kernel, scaling: Optional[float], heads: int, kv_heads: int
 def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
                              scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                             position_ids: Optional[torch.Tensor] = None, **kwargs):
+                             position_ids: Optional[torch.Tensor] = None, ulysses=None, **kwargs):
     """transformers attention function. query (B, H, L, D), key/value (B, Hkv, L, D) ->
-    ((B, L, H, D), None)."""
+    ((B, L, H, D), None). ``ulysses`` (a ``rlhf_hpc.sequence_parallel.UlyssesAttention``): the
+    rows are one slice of a sequence split over ranks; it exchanges heads for the whole sequence
+    and calls back here."""
+    if ulysses is not None:
+        return ulysses(module, query, key, value, varlen_attention_forward, dropout=dropout, scaling=scaling,
+                       sliding_window=sliding_window, **kwargs)
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -119,6 +119,8 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: KLKind = "low_var_kl"
+    # Ulysses: groups of this many ranks split each packed sequence (rlhf_hpc.sequence_parallel)
+    ulysses_sequence_parallel_size: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -164,6 +166,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None  # null -> actor.use_dynamic_bsz (as verl)
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
+    ulysses_sequence_parallel_size: Optional[int] = None  # null -> actor's (as verl)
 
 
 @dataclass
@@ -204,6 +207,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     loss_agg_mode: Optional[LossAggMode] = None  # actor
+    ulysses_sequence_parallel_size: int = 1  # as verl: not the actor's
 
 
 @dataclass

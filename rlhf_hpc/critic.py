@@ -9,16 +9,21 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc import algos
+from rlhf_hpc import algos, sequence_parallel
 from rlhf_hpc.batching import (Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device,
                                unpack_per_token)
 from rlhf_hpc.config import CriticConfig
 from rlhf_hpc.optim import optimizer_state_on
+from rlhf_hpc.sequence_parallel import SequenceParallel
 from rlhf_hpc.update import ppo_update
 
 
-def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True) -> torch.Tensor:
-    """V(s_t) for the state before each response token: (B, R), zero where masked."""
+def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True,
+                     sp: Optional[SequenceParallel] = None) -> torch.Tensor:
+    """V(s_t) for the state before each response token: (B, R), zero where masked. ``sp``: the
+    packed sequence is split over this sequence-parallel group."""
+    if sp is not None:
+        return sequence_parallel.per_token_values(model, batch, sp)
     R = batch["responses"].shape[1]
     mask = batch["response_mask"]
     if remove_padding:
@@ -37,8 +42,9 @@ class Critic:
                  optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
-                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu")):
-        self.model, self.cfg, self.remove_padding, self.device = model, cfg, remove_padding, device
+                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu"),
+                 sp: Optional[SequenceParallel] = None):
+        self.model, self.cfg, self.remove_padding, self.device, self.sp = model, cfg, remove_padding, device, sp
         self.optimizer, self.scheduler = optimizer, scheduler
         self.dp_size, self.all_reduce, self.sync_max, self.norm_const = dp_size, all_reduce, sync_max, norm_const
         self.optimizer_offload = optimizer_offload
@@ -47,16 +53,19 @@ class Critic:
     def compute_values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
         """(B, R) values for every row, in the batch's row order."""
         self.model.eval()
-        groups = micro_batch_groups(batch, micro_batch_size, self.cfg.use_dynamic_bsz,
-                                    self.cfg.forward_max_token_len_per_gpu, self.sync_max)
+        own, max_token_len = slice(None), self.cfg.forward_max_token_len_per_gpu
+        if self.sp is not None:  # the group's rows, each micro-batch's tokens split over its ranks
+            batch, own = sequence_parallel.gather_rows(batch, self.sp)
+            max_token_len *= self.sp.size
+        groups = micro_batch_groups(batch, micro_batch_size, self.cfg.use_dynamic_bsz, max_token_len, self.sync_max)
         outs, kept = [], []
         for g in groups:
             micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
-            v = per_token_values(self.model, micro, self.remove_padding)
+            v = per_token_values(self.model, micro, self.remove_padding, self.sp)
             if g:
                 outs.append(v.cpu())
                 kept.append(g)
-        return restore_order(outs, kept)
+        return restore_order(outs, kept)[own]
 
     def update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
         """Clipped value regression onto ``returns``; loop structure as ``Actor.update_policy``."""
@@ -67,7 +76,7 @@ class Critic:
         cfg = self.cfg
 
         def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
-            v = per_token_values(self.model, micro, self.remove_padding)
+            v = per_token_values(self.model, micro, self.remove_padding, self.sp)
             mask = micro["response_mask"]
             loss, clipfrac = algos.value_loss(v, micro["returns"], micro["values"], mask, cfg.cliprange_value,
                                               cfg.loss_agg_mode, **kw)
@@ -78,4 +87,5 @@ class Critic:
             return loss
 
         return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
-                          "critic", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device)
+                          "critic", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device,
+                          self.sp)

@@ -14,6 +14,7 @@ from rlhf_hpc.dist import DistContext, all_reduce_max_int, all_reduce_sum, build
 from rlhf_hpc.models import attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
 from rlhf_hpc.optim import build_lr_scheduler, build_optimizer
 from rlhf_hpc.parallel import parallelize
+from rlhf_hpc.sequence_parallel import KEYS as SP_KEYS, for_model as sequence_parallel_for
 
 
 @dataclass
@@ -62,6 +63,8 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     mcfg, seed = arr.model, cfg.trainer.seed
     import_external_libs(mcfg.external_lib, cfg.critic.model.external_lib if cfg.critic.enable else None)
     attn = attn_implementation(ctx.device, mcfg.override_config)
+    if actor_cfg.ulysses_sequence_parallel_size > 1 or arr.ref.ulysses_sequence_parallel_size > 1:
+        attn = "varlen"  # the implementation that exchanges heads (rlhf_hpc.sequence_parallel)
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
     common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
                   norm_const=float(cfg.data.max_response_length), device=ctx.device)
@@ -69,11 +72,12 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     model = build_causal_lm(mcfg.path, torch_dtype(actor_cfg.fsdp_config.model_dtype), "cpu",
                             mcfg.override_config, seed, mcfg.trust_remote_code, attn)
     _shard(model, actor_cfg.fsdp_config, ctx, mcfg.enable_gradient_checkpointing)
+    actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
     opt = build_optimizer(model, actor_cfg.optim)
     on_gpu = ctx.device.type == "cuda"
     actor = Actor(model, actor_cfg, temperature=arr.rollout.temperature, remove_padding=mcfg.use_remove_padding,
                   optimizer=opt, scheduler=build_lr_scheduler(opt, actor_cfg.optim, total_steps),
-                  optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, **common)
+                  optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, sp=actor_sp, **common)
 
     ref = None
     if actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
@@ -82,7 +86,9 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
         ref_model.requires_grad_(False)
         _shard(ref_model, arr.ref.fsdp_config, ctx, grad_ckpt=False)
         ref = Actor(ref_model, actor_cfg, temperature=arr.rollout.temperature,
-                    remove_padding=mcfg.use_remove_padding, **common)
+                    remove_padding=mcfg.use_remove_padding,
+                    sp=sequence_parallel_for(arr.ref.ulysses_sequence_parallel_size, ref_model.config, SP_KEYS[1]),
+                    **common)
 
     critic = None
     if cfg.critic.enable:
@@ -90,13 +96,17 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
         # a random tiny actor has no checkpoint to share: copy its backbone so both start equal
         init_from = build_causal_lm(mcfg.path, torch.float32, "cpu", mcfg.override_config, seed,
                                     mcfg.trust_remote_code, attn) if is_tiny(ccfg.model.path) else None
+        critic_attn = ("varlen" if ccfg.ulysses_sequence_parallel_size > 1
+                       else attn_implementation(ctx.device, ccfg.model.override_config))
         cmodel = build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), "cpu",
                               ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
-                              attn_implementation(ctx.device, ccfg.model.override_config), init_from=init_from)
+                              critic_attn, init_from=init_from)
         del init_from
         _shard(cmodel, ccfg.model.fsdp_config, ctx, ccfg.model.enable_gradient_checkpointing)
         copt = build_optimizer(cmodel, ccfg.optim)
         critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
                         scheduler=build_lr_scheduler(copt, ccfg.optim, total_steps),
-                        optimizer_offload=on_gpu and ccfg.model.fsdp_config.optimizer_offload, **common)
+                        optimizer_offload=on_gpu and ccfg.model.fsdp_config.optimizer_offload,
+                        sp=sequence_parallel_for(ccfg.ulysses_sequence_parallel_size, cmodel.config, SP_KEYS[2]),
+                        **common)
     return Engine(actor=actor, ref=ref, critic=critic)

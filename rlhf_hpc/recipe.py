@@ -423,6 +423,8 @@ def resolve(cfg: Config) -> Config:
             setattr(section, key, getattr(source, key))
     if critic.forward_max_token_len_per_gpu is None:
         critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
+    if arr.ref.ulysses_sequence_parallel_size is None:
+        arr.ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
     for section in (arr.rollout, arr.ref):
         if section.log_prob_use_dynamic_bsz is None:
             section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
@@ -635,6 +637,9 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
         errors.append(f"trainer.resume_mode: '{tr.resume_mode}' is neither auto, disable nor an existing "
                       f"checkpoint directory")
     errors.extend(profiler_problems(cfg))
+    sp_errors, sp_warnings = sequence_parallel_problems(cfg)
+    errors.extend(sp_errors)
+    warnings.extend(sp_warnings)
     if cfg.launcher.cluster == "local" and tr.nnodes > 1:
         errors.append(f"trainer.nnodes={tr.nnodes} needs several machines: use cluster=slurm "
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")
@@ -654,6 +659,61 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     if errors:
         raise ConfigError(errors)
     return warnings
+
+
+def sequence_parallel_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the three ``ulysses_sequence_parallel_size`` keys: the size must divide
+    the ranks, the rows must be packed, attention must be ``varlen`` (the implementation that
+    exchanges heads), and the model's heads must split over the group."""
+    arr, tr, critic = cfg.actor_rollout_ref, cfg.trainer, cfg.critic
+    errors, warnings = [], []
+    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    for key, size, model, used in (
+            ("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, arr.model, True),
+            ("actor_rollout_ref.ref", arr.ref.ulysses_sequence_parallel_size, arr.model, uses_ref),
+            ("critic", critic.ulysses_sequence_parallel_size, critic.model, critic.enable)):
+        name = f"{key}.ulysses_sequence_parallel_size"
+        if size is None or size < 1:
+            errors.append(f"{name}={size} must be >= 1 (1: no sequence parallelism)")
+            continue
+        if size == 1 or not used:
+            continue
+        model_key = "actor_rollout_ref.model" if model is arr.model else "critic.model"
+        if cfg.world_size > 0 and cfg.world_size % size:
+            errors.append(f"{name}={size} must divide the ranks, trainer.nnodes x trainer.n_gpus_per_node = "
+                          f"{cfg.world_size} (a sequence-parallel group is {size} consecutive ranks)")
+        elif tr.n_gpus_per_node % size:
+            warnings.append(f"{name}={size} does not divide trainer.n_gpus_per_node ({tr.n_gpus_per_node}): "
+                            f"sequence-parallel groups span nodes and every layer's all-to-all crosses the network")
+        if not model.use_remove_padding:
+            errors.append(f"{name}={size} splits packed rows: set {model_key}.use_remove_padding=true")
+        attn = model.override_config.get("attn_implementation")
+        if attn not in (None, "varlen"):
+            errors.append(f"{name}={size} runs attention through attn_implementation=varlen (it exchanges heads "
+                          f"for the whole sequence); remove {model_key}.override_config.attn_implementation="
+                          f"{attn} or set it to varlen")
+        problem = _heads_problem(model.path, model.override_config, size, name)
+        if problem:
+            errors.append(problem)
+    return errors, warnings
+
+
+def _heads_problem(path: Optional[str], override: dict, size: int, key: str) -> Optional[str]:
+    """The model's heads against the sp size, where its config can be read here (a tiny model, or a
+    local directory); elsewhere the engine checks it when it builds the model."""
+    from rlhf_hpc.models import is_tiny, model_config
+    from rlhf_hpc.sequence_parallel import heads_problem
+    if not path:
+        return None
+    local = os.path.expanduser(path)
+    if not is_tiny(path) and not os.path.isfile(os.path.join(local, "config.json")):
+        return None
+    try:
+        config = model_config(path if is_tiny(path) else local, override)
+    except Exception:  # noqa: BLE001 - an unreadable model is reported by the file checks / at build
+        return None
+    heads = config.num_attention_heads
+    return heads_problem(heads, getattr(config, "num_key_value_heads", None) or heads, size, key)
 
 
 def unsupported_values(cfg: Config) -> list[str]:

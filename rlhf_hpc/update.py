@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc import algos
+from rlhf_hpc import algos, sequence_parallel
 from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, select_rows, to_device
 from rlhf_hpc.metrics import UpdateMetrics
 from rlhf_hpc.optim import clip_grad_norm
@@ -20,11 +20,13 @@ MicroLoss = Callable[[Batch, dict, UpdateMetrics, float], torch.Tensor]
 def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch, mini_batch_rows: int,
                cfg, micro_loss: MicroLoss, prefix: str, seed: int, dp_size: int,
                all_reduce: Optional[Callable] = None, sync_max: Optional[Callable] = None,
-               norm_const: Optional[float] = None, device: torch.device = torch.device("cpu")) -> dict[str, float]:
+               norm_const: Optional[float] = None, device: torch.device = torch.device("cpu"),
+               sp=None) -> dict[str, float]:
     """Run the update; ``cfg`` has ppo_epochs, shuffle, ppo_micro_batch_size_per_gpu, use_dynamic_bsz,
     ppo_max_token_len_per_gpu and grad_clip (ActorConfig or CriticConfig). ``batch`` lives on the
     host; each micro-batch moves to ``device`` for its forward/backward. Returns metrics that are
-    the same on every rank."""
+    the same on every rank. ``sp`` (a ``SequenceParallel`` or None): each mini-batch is the
+    group's rows, computed by all its ranks, each rank a slice of the tokens."""
     model.train()
     B = batch["responses"].shape[0]
     metrics = UpdateMetrics()
@@ -34,17 +36,23 @@ def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
         order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
         for start in range(0, B, mini_batch_rows):
             mini = select_rows(batch, order[start:start + mini_batch_rows])
+            # counted on this rank's own rows: a row the sp group shares counts once
+            tokens, seqs = algos.global_batch_counts(mini["response_mask"], all_reduce=all_reduce)
+            sp_size = 1 if sp is None else sp.size
+            if sp is not None:
+                mini = sequence_parallel.gather_rows(mini, sp)[0]
             groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                        cfg.ppo_max_token_len_per_gpu, sync_max)
-            tokens, seqs = algos.global_batch_counts([mini["response_mask"][g] for g in groups], all_reduce=all_reduce)
+                                        cfg.ppo_max_token_len_per_gpu * sp_size, sync_max)
             kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=norm_const)
             optimizer.zero_grad(set_to_none=True)
             metrics.new_mini_batch()
             for g in groups:
                 weight = 1.0 if g else 0.0  # an empty group runs a dummy row: collectives stay in step
                 micro = to_device(select_rows(mini, g) if g else dummy_rows(mini), device)
-                loss = micro_loss(micro, kw, metrics, weight)
+                # the ranks of an sp group compute the same loss: each reports 1/sp of it in the metrics
+                loss = micro_loss(micro, kw, metrics, weight / sp_size)
                 # FSDP averages gradients over dp_size ranks; the loss is this rank's share of a sum
+                # (with sp, each rank's backward covers its slice only: the group's gradients sum to one loss's)
                 (loss * (dp_size * weight)).backward()
             grad_norm = clip_grad_norm(model, cfg.grad_clip)
             grad_norms.append(grad_norm)

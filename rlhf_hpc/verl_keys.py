@@ -1,7 +1,7 @@
 """verl keys of features this project does not have.
 
 A verl user's command line carries keys for features that do not exist here (asynchronous and
-multi-turn rollout, the reward loop, LoRA, sequence parallelism, ...). Such a key is refused with
+multi-turn rollout, the reward loop, LoRA, ...). Such a key is refused with
 a message that names the feature, not as an unknown key; where its value switches nothing on
 (verl's "off" value, e.g. ``actor_rollout_ref.rollout.mode=sync``), it is accepted and dropped,
 since it asks for nothing this project would not do anyway. Keys this project does have are in
@@ -31,9 +31,6 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
     ("reward_model.", None, "reward-model scoring"),
     ("trainer.use_legacy_worker_impl", ("auto",),
      "verl's choice between its worker implementations (there is one here)"),
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallelism"),
-    ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallelism"),
-    ("critic.ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallelism"),
     ("actor_rollout_ref.model.use_fused_kernels", (False,), "verl's fused log-prob kernels"),
     ("actor_rollout_ref.model.fused_kernel_options.", None, "verl's fused log-prob kernels"),
     ("actor_rollout_ref.model.lora_rank", (0,), "LoRA training"),

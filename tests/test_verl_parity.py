@@ -83,7 +83,6 @@ def test_verl_example_command_lines_dry_run_unchanged(script, tmp_path):
     ("data.return_raw_chat=True", "raw chat prompts"),
     ("reward_model.use_reward_loop=True", "the reward loop"),
     ("actor_rollout_ref.model.lora_rank=64", "LoRA training"),
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "Ulysses sequence parallelism"),
     ("actor_rollout_ref.model.use_fused_kernels=True", "fused log-prob kernels"),
     ("algorithm.use_pf_ppo=True", "PF-PPO"),
     ("trainer.use_legacy_worker_impl=disable", "worker implementations"),

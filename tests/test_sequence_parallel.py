@@ -1,0 +1,123 @@
+"""Ulysses sequence parallelism (rlhf_hpc.sequence_parallel): sp=2 and sp=4 against sp=1 on a
+4-rank HSDP mesh (one torchrun, tests/dist_sp_checks.py), and the validation of the three
+``ulysses_sequence_parallel_size`` keys.
+
+Tolerances (fp32). Forward outputs (log-probs, entropies, values): 1e-5 absolute (they are
+O(1-10); only the order of the attention sums over heads/sequences and the packing differ).
+Losses and metrics: 1e-5 relative. Parameters after one update of two Adam steps at lr 1e-3
+(each parameter moves up to ~2e-3): 2e-5 absolute, 1% of the largest move.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_hpc.config import Config
+from rlhf_hpc.recipe import ConfigError, load_config
+from rlhf_hpc.sequence_parallel import heads_problem
+from tests.conftest import REPO
+
+SCRIPT = REPO / "tests" / "dist_sp_checks.py"
+OUTPUT_TOL, METRIC_RTOL, PARAM_TOL = 1e-5, 1e-5, 2e-5
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "sp.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sequence_parallel_forward_outputs_equal_sp1(checks, sp):
+    got = checks[f"sp{sp}"]
+    for key in ("log_probs", "entropy", "values", "log_probs_after"):
+        assert got[key] <= OUTPUT_TOL, (key, got[key])
+    # not a comparison of zeros
+    assert min(checks["scale"][k] for k in ("log_probs", "entropy", "values")) > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sequence_parallel_losses_and_metrics_equal_sp1(checks, sp):
+    scale = {**checks["scale"]["actor_metrics"], **checks["scale"]["critic_metrics"]}
+    diffs = checks[f"sp{sp}"]["metric_diffs"]
+    assert set(diffs) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss"}
+    for key, d in diffs.items():
+        assert d <= METRIC_RTOL * max(1.0, abs(scale[key])), (key, d, scale[key])
+    assert scale["actor/pg_loss"] != 0 and scale["critic/vf_loss"] > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sequence_parallel_update_gives_the_parameters_of_sp1(checks, sp):
+    got = checks[f"sp{sp}"]
+    assert got["actor_params"] <= PARAM_TOL and got["critic_params"] <= PARAM_TOL, got
+    # the update moved the parameters far more than the tolerance: a dropped or doubled gradient
+    # (a row counted sp times, or once per slice) would show
+    assert checks["scale"]["actor_update"] > 50 * PARAM_TOL and checks["scale"]["critic_update"] > 50 * PARAM_TOL
+
+
+@pytest.mark.slow
+def test_sequence_parallel_ranks_see_a_slice_of_each_row(checks):
+    # one row per update micro-batch: sp=1 runs whole rows, sp=k a 1/k slice of one (padded to k)
+    tokens = checks["update_forward_tokens_max"]
+    longest = max(checks["row_tokens"])
+    assert tokens["1"] == longest
+    assert tokens["2"] == -(-longest // 2) and tokens["4"] == -(-longest // 4)
+
+
+# ----------------------------------------------------------------------------------- validation
+def tiny(*overrides: str) -> Config:
+    return load_config("tiny_klppo", list(overrides), check_files=False)[0]
+
+
+def errors_of(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        tiny(*overrides)
+    return ei.value.errors
+
+
+def test_sp_key_is_accepted_and_the_reference_follows_the_actor():
+    cfg = tiny("trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+               "critic.ulysses_sequence_parallel_size=4")
+    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size == 2  # null -> the actor's, as verl
+    assert cfg.critic.ulysses_sequence_parallel_size == 4
+
+
+def test_sp_that_does_not_divide_the_ranks_is_refused_by_name():
+    errs = errors_of("trainer.n_gpus_per_node=4", "critic.enable=true",
+                     "critic.ulysses_sequence_parallel_size=3")
+    assert any(e.startswith("critic.ulysses_sequence_parallel_size=3 must divide the ranks") for e in errs), errs
+
+
+def test_sp_needs_packed_rows_and_varlen_attention():
+    errs = errors_of("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                     "actor_rollout_ref.model.use_remove_padding=false",
+                     "actor_rollout_ref.model.override_config.attn_implementation=sdpa")
+    assert any("set actor_rollout_ref.model.use_remove_padding=true" in e for e in errs), errs
+    assert any("attn_implementation=varlen" in e and "attn_implementation=sdpa" in e for e in errs), errs
+
+
+def test_sp_that_cannot_split_the_heads_is_refused_with_the_limit():
+    # the tiny Qwen2 has 4 query heads and 2 KV heads
+    errs = errors_of("trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8")
+    assert any("actor_rollout_ref.actor.ulysses_sequence_parallel_size=8" in e and "4 attention heads" in e
+               for e in errs), errs
+
+
+@pytest.mark.parametrize("heads,kv,sp,ok", [(28, 4, 2, True), (28, 4, 4, True), (28, 4, 8, False),
+                                            (32, 8, 8, True), (32, 8, 16, True), (12, 3, 2, False),
+                                            (12, 3, 3, True), (4, 2, 4, True), (4, 2, 3, False)])
+def test_heads_rule(heads, kv, sp, ok):
+    # Qwen2.5-7B: 28 heads, 4 KV heads -> sp 2 and 4; 12 query / 3 KV heads with sp=2: KV heads cannot split
+    assert (heads_problem(heads, kv, sp, "k") is None) == ok
