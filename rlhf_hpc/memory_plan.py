@@ -227,13 +227,15 @@ def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, token
 
 
 def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
-                 prompt_len: int, response_len: int) -> tuple[int, int]:
-    """(tokens, response tokens) of the largest micro-batch: a token budget caps both (a budget
-    filled by short prompts is almost all response); fixed rows hold at most rows x full length."""
+                 prompt_len: int, response_len: int, sp: int = 1) -> tuple[int, int]:
+    """(tokens, response tokens) of the largest micro-batch on one rank: a token budget caps both
+    (a budget filled by short prompts is almost all response); fixed rows hold at most rows x full
+    length. With sequence parallelism (``sp`` > 1) a micro-batch holds the rows of sp ranks, each
+    rank 1/sp of its tokens (the budget is per rank, as verl's)."""
     if dynamic:
         return max_token_len, max_token_len
-    rows = min(rows or per_rank_rows, per_rank_rows)
-    return rows * (prompt_len + response_len), rows * response_len
+    rows = min(rows or per_rank_rows, per_rank_rows * sp)
+    return -(-rows * (prompt_len + response_len) // sp), -(-rows * response_len // sp)
 
 
 def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None) -> MemoryPlan:
@@ -313,8 +315,9 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     if rollout.name == "hf":
         awake = {"hf engine weights": s.params * rb}
 
-    def forward_phase(name: str, shp: ModelShape, fsdp: FSDPConfig, rows, dyn, budget, head_vocab, keys, skip):
-        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R)
+    def forward_phase(name: str, shp: ModelShape, fsdp: FSDPConfig, rows, dyn, budget, head_vocab, keys, skip,
+                      sp: int = 1):
+        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R, sp)
         b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
         parts = {"runtime": runtime, **awake, **resident("forward"),
                  "unsharded group": _working(shp, fsdp, with_grad=False),
@@ -325,20 +328,22 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     forward_phase("old_log_prob", s, afs, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
                   rollout.log_prob_max_token_len_per_gpu, s.vocab,
                   ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                   "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"], "actor")
+                   "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"], "actor",
+                  actor.ulysses_sequence_parallel_size)
     if use_ref:
         forward_phase("ref", s, rfs, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
                       ref.log_prob_max_token_len_per_gpu, s.vocab,
                       ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                       "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"], "ref")
+                       "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"], "ref", ref.ulysses_sequence_parallel_size or 1)
     if use_critic:
         forward_phase("values", cs, cfs, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
                       critic.forward_max_token_len_per_gpu, 0,
-                      ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic")
+                      ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic",
+                      critic.ulysses_sequence_parallel_size)
 
     def update_phase(name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, ckpt, head_vocab,
-                     keys, who):
-        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R)
+                     keys, who, sp: int = 1):
+        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R, sp)
         own = update_bytes(shp, params, fsdp, world, tokens, resp, ckpt, head_vocab)
         parts = {"runtime": runtime, **awake, **resident("forward", skip=who), **own}
         phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
@@ -348,12 +353,13 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     update_phase("update_actor", s, s.params, afs, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
                  actor.ppo_max_token_len_per_gpu, arr.model.enable_gradient_checkpointing, s.vocab,
                  update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
-                             arr.model.enable_gradient_checkpointing, afs), "actor")
+                             arr.model.enable_gradient_checkpointing, afs), "actor", actor.ulysses_sequence_parallel_size)
     if use_critic:
         update_phase("update_critic", cs, critic_params, cfs, critic.ppo_micro_batch_size_per_gpu,
                      critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, critic.model.enable_gradient_checkpointing,
                      0, update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
-                                    critic.model.enable_gradient_checkpointing, cfs), "critic")
+                                    critic.model.enable_gradient_checkpointing, cfs), "critic",
+                     critic.ulysses_sequence_parallel_size)
     notes = []
     if on_gpu and not tr.gpu_memory_gb:
         notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")

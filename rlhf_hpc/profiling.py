@@ -306,8 +306,10 @@ class CommHint:
                 keys.append("fsdp_config.forward_prefetch=true (overlap the next layer's all-gather)")
             if fsdp.reshard_after_forward:
                 keys.append("fsdp_config.reshard_after_forward=false (no second all-gather in backward; more memory)")
-            return "; ".join(keys) + ("; sequence parallelism (verl's ulysses_sequence_parallel_size) is not "
-                                      "available in rlhf-hpc yet")
+            if arr.actor.ulysses_sequence_parallel_size == 1:
+                keys.append("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 or 4 (each rank holds a slice "
+                            "of every row: raise the token budgets / micro-batch sizes for fewer micro-batches)")
+            return "; ".join(keys)
         if group == "rollout":
             return (f"lower actor_rollout_ref.rollout.tensor_model_parallel_size (now "
                     f"{arr.rollout.tensor_model_parallel_size}) if the model fits")
