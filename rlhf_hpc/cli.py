@@ -39,6 +39,7 @@ MAIN_KEYS = [
     "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_type",
     "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_c",
     "actor_rollout_ref.actor.fsdp_config.fsdp_size", "actor_rollout_ref.actor.fsdp_config.param_offload",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
     "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.rollout.gpu_memory_utilization", "critic.optim.lr",
