@@ -32,13 +32,13 @@ def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
     metrics = UpdateMetrics()
     grad_norms, nonfinite = [], 0
     gen = torch.Generator().manual_seed(seed)
+    sp_size = 1 if sp is None else sp.size
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
         for start in range(0, B, mini_batch_rows):
             mini = select_rows(batch, order[start:start + mini_batch_rows])
             # counted on this rank's own rows: a row the sp group shares counts once
             tokens, seqs = algos.global_batch_counts(mini["response_mask"], all_reduce=all_reduce)
-            sp_size = 1 if sp is None else sp.size
             if sp is not None:
                 mini = sequence_parallel.gather_rows(mini, sp)[0]
             groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
