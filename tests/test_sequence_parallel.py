@@ -163,3 +163,24 @@ def test_memory_plan_counts_one_slice_of_the_micro_batch_per_rank():
     # 4 rows of 40 tokens per micro-batch: 160 tokens on a rank, or 80 (half of each row) with sp=2
     assert update_activations("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2") == \
         pytest.approx(update_activations() / 2)
+
+
+def test_heads_of_a_local_model_directory_are_checked_before_launch(tmp_path):
+    # Qwen2.5-7B's attention: 28 query heads, 4 KV heads (sp 2 and 4 split them, 8 cannot)
+    from transformers import Qwen2Config
+    Qwen2Config(hidden_size=224, intermediate_size=448, num_hidden_layers=1, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=64).save_pretrained(tmp_path)
+    tiny("trainer.n_gpus_per_node=4", f"actor_rollout_ref.model.path={tmp_path}",
+         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4")
+    errs = errors_of("trainer.n_gpus_per_node=8", f"actor_rollout_ref.model.path={tmp_path}",
+                     "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8")
+    assert any(e.startswith("actor_rollout_ref.actor.ulysses_sequence_parallel_size=8: the model's 28 attention "
+                            "heads do not divide by 8") for e in errs), errs
+
+
+def test_engine_refuses_heads_it_cannot_split_before_building_groups():
+    from transformers import Qwen2Config
+    from rlhf_hpc.sequence_parallel import for_model
+    with pytest.raises(ValueError, match="critic.ulysses_sequence_parallel_size=4: the model's 6 key/value heads"):
+        for_model(4, Qwen2Config(num_attention_heads=12, num_key_value_heads=6), "critic.ulysses_sequence_parallel_size")
+    assert for_model(1, Qwen2Config(num_attention_heads=12, num_key_value_heads=6), "k") is None
