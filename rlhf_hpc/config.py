@@ -71,15 +71,17 @@ class MixedPrecisionConfig:
 
 @dataclass
 class FSDPConfig:
-    # differs from verl: null (the default) means "GPUs per node", i.e. HYBRID_SHARD (shard inside a
-    # node, replicate across nodes), which keeps the big all-gathers on NVLink; -1 = FULL_SHARD over
-    # the whole world (verl's default).
+    # differs from verl: null (the default) is chosen from the model size and the memory per rank
+    # (rlhf_hpc.layout): 1 (replicate: no all-gathers) when the whole training state fits easily,
+    # else "GPUs per node", i.e. HYBRID_SHARD (shard inside a node, replicate across nodes), which
+    # keeps the big all-gathers on NVLink; -1 = FULL_SHARD over the whole world (verl's default).
     fsdp_size: Optional[int] = None
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
-    reshard_after_forward: bool = True
-    forward_prefetch: bool = False
+    # null: chosen with fsdp_size (rlhf_hpc.layout): free after forward when sharded; prefetch on GPUs
+    reshard_after_forward: Optional[bool] = None
+    forward_prefetch: Optional[bool] = None
     # dtype the master weights are kept in (the optimizer's view)
     model_dtype: Dtype = "float32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -239,6 +241,17 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction``. ``bypass_mode``: the rollout engine's log-probs are
+    the PPO anchor (old_log_probs) and the actor's old-log-prob forward is skipped (verl's 2-policy
+    mode); the rollout/actor log-prob check is then measured on the update's first mini-batch.
+    Importance-sampling and rejection-sampling corrections (``rollout_is``, ``rollout_rs``) are
+    not implemented: refused by name (rlhf_hpc.verl_keys)."""
+    bypass_mode: bool = False
+    loss_type: Literal["ppo_clip"] = "ppo_clip"  # verl's other type, "reinforce", is refused
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -248,6 +261,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: KLKind = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

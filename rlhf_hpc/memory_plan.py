@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.config import Config, FSDPConfig
+from rlhf_hpc.layout import describe as describe_layouts, resolved_fsdp_configs
 
 GiB = 1024 ** 3
 DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
@@ -66,8 +67,18 @@ class ModelShape:
         return max(self.layer_params, self.embed_params, self.head_params)
 
 
+_shapes: dict[str, ModelShape] = {}
+
+
 def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
-    """Shape of ``path`` from its config alone (no weights)."""
+    """Shape of ``path`` from its config alone (no weights); remembered per process."""
+    key = repr((path, sorted((override or {}).items()), trust_remote_code))
+    if key not in _shapes:
+        _shapes[key] = _model_shape(path, override, trust_remote_code)
+    return _shapes[key]
+
+
+def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -200,7 +211,9 @@ def _working(s: ModelShape, fsdp: FSDPConfig, with_grad: bool) -> float:
     """The group FSDP all-gathered for compute (and the next one when prefetching); in backward its
     gradient in the compute dtype and the reduce-scatter buffer."""
     b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
-    out = s.largest_group * b + (s.layer_params * b if fsdp.forward_prefetch else 0)
+    # without reshard_after_forward every group stays unsharded from its forward to its backward
+    gathered = s.largest_group if fsdp.reshard_after_forward is not False else s.params
+    out = gathered * b + (s.layer_params * b if fsdp.forward_prefetch else 0)
     if with_grad:
         out += s.largest_group * (b + DTYPE_BYTES[fsdp.mixed_precision.reduce_dtype])
     return float(out)
@@ -253,7 +266,8 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     cs = critic_shape or s
     critic_params = cs.params - cs.head_params + cs.hidden + 1 if use_critic else 0
     use_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    afs, rfs, cfs = actor.fsdp_config, ref.fsdp_config, critic.model.fsdp_config
+    layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.layout)
+    afs, rfs, cfs = layouts["actor"], layouts["ref"], layouts["critic"]
 
     def resident(phase: str, skip: str = "") -> dict[str, float]:
         """What the other models keep on the GPU during ``phase``."""
@@ -354,7 +368,7 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
                      critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, critic.model.enable_gradient_checkpointing,
                      0, update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
                                     critic.model.enable_gradient_checkpointing, cfs), "critic")
-    notes = []
+    notes = describe_layouts(cfg)
     if on_gpu and not tr.gpu_memory_gb:
         notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
     if afs.param_offload or afs.optimizer_offload:

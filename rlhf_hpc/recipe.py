@@ -431,10 +431,10 @@ def resolve(cfg: Config) -> Config:
     for optim in (actor.optim, critic.optim):
         if optim.warmup_style is not None:  # verl's deprecated name wins, as in verl
             optim.lr_scheduler_type, optim.warmup_style = optim.warmup_style, None
-    for fsdp in (actor.fsdp_config, arr.ref.fsdp_config, critic.model.fsdp_config,
-                 cfg.reward_model.model.fsdp_config):
-        if fsdp.fsdp_size is None:
-            fsdp.fsdp_size = cfg.trainer.n_gpus_per_node
+    # the actor's, reference's and critic's layout left at null is chosen where models are built
+    # (rlhf_hpc.layout: from the model size); the reward model shards inside a node
+    if cfg.reward_model.model.fsdp_config.fsdp_size is None:
+        cfg.reward_model.model.fsdp_config.fsdp_size = cfg.trainer.n_gpus_per_node
     n, world = arr.rollout.n, cfg.world_size
     if world > 0:
         if actor.ppo_micro_batch_size_per_gpu is None:
@@ -511,6 +511,11 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     warnings: list[str] = []
     d, arr, tr = cfg.data, cfg.actor_rollout_ref, cfg.trainer
     actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+    if cfg.algorithm.rollout_correction.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
+        errors.append(f"algorithm.rollout_correction.bypass_mode=true takes the engine's log-probs as the PPO anchor, "
+                      f"but with actor_rollout_ref.rollout.top_p={rollout.top_p} / top_k={rollout.top_k} they are "
+                      f"log-probs of the truncated sampling distribution, not of the policy the actor trains; set "
+                      f"top_p=1.0 and top_k=-1, or bypass_mode=false")
     world = cfg.world_size
 
     def positive(key: str, value: Optional[float], allow_zero: bool = False) -> bool:
@@ -591,7 +596,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
         for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
                     "critic.model.fsdp_config", "reward_model.model.fsdp_config"):
             size = get_key(cfg, key).fsdp_size
-            if size == -1:
+            if size == -1 or (size is None and not key.startswith("reward_model")):  # null: rlhf_hpc.layout
                 continue
             if size is None or size <= 0 or world % size:
                 errors.append(f"{key}.fsdp_size ({size}) must divide the world size, trainer.nnodes x "
