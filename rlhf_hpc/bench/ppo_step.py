@@ -48,12 +48,16 @@ PHASES = {
 }
 
 
-def run(steps: int, overrides: list[str], run_dir: Path) -> list[dict]:
-    """Train ``steps`` steps of the workload into ``run_dir``; its metrics rows."""
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(steps: int, overrides: list[str], run_dir: Path, repo: Path = REPO) -> list[dict]:
+    """Train ``steps`` steps of the workload into ``run_dir`` with the checkout at ``repo`` (this
+    one, or e.g. a git worktree of an older commit); its metrics rows."""
     cmd = [sys.executable, "launch.py", "recipe=tiny_klppo", *WORKLOAD, f"trainer.total_training_steps={steps}",
            f"trainer.default_local_dir={run_dir}", "trainer.logger=[console]", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -109,12 +113,16 @@ def main() -> None:
                          "python -m rlhf_hpc.bench.trl_ppo_step --setup VENV) and print both side by side")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL:k=v,k=v",
                     help="one more configuration of this project to time in the same run")
+    ap.add_argument("--before", metavar="CHECKOUT", type=Path,
+                    help="also time this checkout of the project (e.g. a git worktree of an older commit)")
     ap.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = ap.parse_args()
     columns: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.vs_trl:
             columns["TRL PPOTrainer"] = run_trl(args.vs_trl, args.steps, Path(tmp))
+        if args.before:
+            columns["before"] = phase_times(run(args.steps, args.overrides, Path(tmp) / "before", args.before))
         columns[args.label] = phase_times(run(args.steps, args.overrides, Path(tmp) / "run"))
         for i, variant in enumerate(args.variant):
             label, _, keys = variant.partition(":")
