@@ -133,7 +133,7 @@ def test_sharded_scores_on_two_ranks_equal_a_plain_forward(rm_dir, tmp_path):
             diff = (torch.tensor(got) - want[rows]).abs().max().item()
             assert diff < TOL, (r["rank"], case, diff)
     assert ranks[0]["rows"] != ranks[1]["rows"]  # each rank scored its own rows
-    assert {"packed", "padded", "token_budget", "param_offload", "hsdp_1x2"} <= set(ranks[0]["scores"])
+    assert {"packed", "padded", "token_budget", "param_offload", "hsdp_1x2", "replicated_2x1"} <= set(ranks[0]["scores"])
 
 
 # ------------------------------------------------------------------------------ configuration
