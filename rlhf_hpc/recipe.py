@@ -655,6 +655,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors.extend(reward_model_problems(cfg))
     fsdp1 = [key for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
              if get_key(cfg, key) == "fsdp"]
+    fsdp1 += ["reward_model.strategy"] if cfg.reward_model.enable and cfg.reward_model.strategy == "fsdp" else []
     if fsdp1:
         warnings.append(f"{', '.join(k + '=fsdp' for k in fsdp1)}: the engine here is FSDP2 (fully_shard) whatever "
                         f"the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs")
