@@ -107,6 +107,10 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
     tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
     profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
+    if reward_model is not None and val and val[0].reward_style == "model":
+        val = []  # as verl: validation scores with rules only, and these rows have none
+        tracker.log_line("[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "
+                         "(verl validates rule-scored data only)")
     if resume_from is not None:
         tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
     stopper = StopCheck(run_dir, cfg.launcher.time_margin_s, all_reduce_max)

@@ -178,26 +178,40 @@ def test_good_reward_model_configs_load():
 
 
 # ------------------------------------------------------------------------------ the demo with it
+def write_model_scored_rows(path: Path, n: int) -> Path:
+    """verl-format rows for a reward model: no rule exists for their data_source."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    words = ["hi", "bob", "ann", "sun", "red", "cat", "dog", "sky"]
+    rows = [{"data_source": "hh_rlhf", "prompt": [{"role": "user", "content": f"greet {words[i % 8]} {i}"}],
+             "reward_model": {"style": "model", "ground_truth": "none"}, "extra_info": {"index": i}} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
 @pytest.mark.slow
 def test_tiny_demo_trains_on_reward_model_scores(tmp_path):
-    """tiny_klppo on 2 ranks with a tiny reward model, re-encoding through its chat template: the
-    training score is the reward model's (verl's naive reward manager), validation stays with the
-    rule, and the reward model's metrics are logged every step."""
+    """tiny_klppo on 2 ranks with a tiny reward model, re-encoding through its chat template, on
+    rows whose data_source has no rule: the training score is the reward model's (verl's naive
+    reward manager), its metrics are logged every step, and validation on model-scored rows is
+    skipped (verl validates with rules only)."""
     from rlhf_hpc.tracking import read_metrics
     from tests.conftest import run_launch
     run = tmp_path / "run"
+    train = write_model_scored_rows(tmp_path / "train.parquet", 32)
+    val = write_model_scored_rows(tmp_path / "val.parquet", 4)
     out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "trainer.total_training_steps=3",
+                     f"data.train_files={train}", f"data.val_files={val}", "trainer.val_before_train=true",
                      "trainer.save_freq=-1", "trainer.test_freq=3", "actor_rollout_ref.rollout.name=hf", *RM_ON,
                      "reward_model.model.input_tokenizer=tiny://qwen2?vocab_size=64",
                      "reward_model.model.fsdp_config.mixed_precision.param_dtype=float32", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert "# OK   reward_model" in out.stdout  # the dry-run memory plan has its phase
+    assert "# OK   reward_model" in out.stdout  # the memory plan has its phase
+    assert "validation skipped: data.val_files rows have reward_model.style=model" in out.stdout
     records = read_metrics(run)
     assert [r["training/global_step"] for r in records] == [1, 2, 3]
     for r in records:
-        assert r["timing_s/reward_model"] > 0 and r["timing_s/reward_model"] <= r["timing_s/reward"]
+        assert 0 < r["timing_s/reward_model"] <= r["timing_s/reward"]
         assert r["critic/score/mean"] == pytest.approx(r["reward_model/score/mean"], abs=1e-6)
         assert r["reward_model/score/max"] > r["reward_model/score/min"]
-        # the copy rule scores in [0, 1]; the random reward model's scores are not confined to it
-    assert any(r["reward_model/score/min"] < 0 for r in records)
-    assert "val-core/synthetic/copy/reward/mean@1" in records[-1]  # validation: the rule (as verl)
+        assert not [k for k in r if k.startswith("val-core/")]
