@@ -26,8 +26,7 @@ CASES = {
     "padded": ["fsdp_config.fsdp_size=-1", "use_remove_padding=false"],
     "token_budget": ["fsdp_config.fsdp_size=-1"],
     "param_offload": ["fsdp_config.fsdp_size=-1", "fsdp_config.param_offload=true"],
-    "hsdp_1x2": ["fsdp_config.fsdp_size=2"],
-    "replicated_2x1": ["fsdp_config.fsdp_size=1"],
+    "hsdp_2x1": ["fsdp_config.fsdp_size=1"],  # a 2-D (replicate 2, shard 1) mesh
 }
 
 
@@ -46,7 +45,7 @@ def main(rm_dir: str, out: Path) -> None:
         rows = list(range(ctx.rank * 4, ctx.rank * 4 + 4))
         rm = build_reward_model(cfg, ctx, input_tokenizer=None)
         weight = next(rm.model.parameters())
-        result["sharded"] = isinstance(weight, DTensor)
+        result.setdefault("mesh_dims", {})[name] = weight.device_mesh.ndim if isinstance(weight, DTensor) else 0
         result["scores"][name] = rm.score(select_rows(batch, rows)).tolist()
         result.update(rank=ctx.rank, world=ctx.world_size, rows=rows)
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(result))

@@ -127,13 +127,13 @@ def test_sharded_scores_on_two_ranks_equal_a_plain_forward(rm_dir, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     want = plain_scores(rm_dir, random_batch(n=8)[1])
     for r in ranks:
-        assert r["world"] == 2 and r["sharded"], r
+        assert r["world"] == 2 and r["mesh_dims"] == {**{c: 1 for c in r["scores"]}, "hsdp_2x1": 2}, r
         rows = r["rows"]
         for case, got in r["scores"].items():
             diff = (torch.tensor(got) - want[rows]).abs().max().item()
             assert diff < TOL, (r["rank"], case, diff)
     assert ranks[0]["rows"] != ranks[1]["rows"]  # each rank scored its own rows
-    assert {"packed", "padded", "token_budget", "param_offload", "hsdp_1x2", "replicated_2x1"} <= set(ranks[0]["scores"])
+    assert {"packed", "padded", "token_budget", "param_offload", "hsdp_2x1"} <= set(ranks[0]["scores"])
 
 
 # ------------------------------------------------------------------------------ configuration
