@@ -171,7 +171,9 @@ def test_bad_reward_model_keys_are_refused(overrides, message):
 
 
 def test_good_reward_model_configs_load():
-    load_config("tiny_klppo", RM_ON)
+    assert not [w for w in load_config("tiny_klppo", RM_ON)[1] if "strategy" in w]
+    _, warnings = load_config("tiny_klppo", RM_ON + ["reward_model.strategy=fsdp"])
+    assert [w for w in warnings if w.startswith("reward_model.strategy=fsdp: the engine here is FSDP2")]
     load_config("tiny_klppo", RM_ON + ["reward_model.model.input_tokenizer=tiny://qwen2?vocab_size=64",
                                        "reward_model.max_length=30", "reward_model.model.use_remove_padding=false",
                                        "reward_model.model.fsdp_config.param_offload=true"])
