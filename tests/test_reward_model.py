@@ -17,7 +17,8 @@ import torch
 from rlhf_hpc.batching import make_padded_batch
 from rlhf_hpc.config import RewardModelConfig
 from rlhf_hpc.recipe import ConfigError, load_config
-from rlhf_hpc.rewards.reward_model import RewardModel, build_token_scorer
+from rlhf_hpc.models import build_token_scorer
+from rlhf_hpc.rewards.reward_model import RewardModel
 from tests.conftest import REPO, SHARED, require
 
 TOL = 1e-5

@@ -3,10 +3,10 @@ like the reference model, one scalar score per response at its last valid token.
 
 The checkpoint is a sequence-classification model with one label (``AutoModelForSequenceClassification``,
 e.g. ``Qwen2ForSequenceClassification``). transformers' own forward pools the score at the last
-non-pad token of each padded row, which cannot see the sequences of a packed row; so the backbone
-and the ``score`` head are wrapped here as a per-token scorer (``(B, L)`` tokens -> ``(B, L)``
-scores) and the score is read at each sequence's last valid token, packed or padded. This is
-what verl's reward worker does with the same weights loaded as a token classifier.
+non-pad token of each padded row, which cannot see the sequences of a packed row; so the model runs
+as a per-token scorer (``rlhf_hpc.models.TokenScorer``: ``(B, L)`` tokens -> ``(B, L)`` scores) and
+the score is read here at each sequence's last valid token, packed or padded. This is what verl's
+reward worker does with the same weights loaded as a token classifier.
 
 Input: the step batch's ``input_ids`` / ``attention_mask`` / ``position_ids`` (``(B, P + R)``,
 prompt left-padded, response right-padded) when the reward model reads the actor's tokens; or,
@@ -21,66 +21,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, position_ids_from_mask, restore_order, select_rows, to_device
+from rlhf_hpc.batching import (Batch, dummy_rows, micro_batch_groups, position_ids_from_mask, restore_order,
+                               select_rows, to_device)
 from rlhf_hpc.config import RewardModelConfig
-
-
-class TokenScorer(nn.Module):
-    """A sequence classifier's backbone and one-label ``score`` head applied at every token:
-    (B, L) tokens -> (B, L) float32 scores."""
-
-    def __init__(self, classifier: nn.Module):
-        super().__init__()
-        head = getattr(classifier, "score", None)
-        if not isinstance(head, nn.Linear) or head.out_features != 1:
-            raise ValueError(f"{type(classifier).__name__}: a reward model needs a one-label linear 'score' head "
-                             f"(AutoModelForSequenceClassification with num_labels=1)")
-        self.model = getattr(classifier, classifier.base_model_prefix)
-        self.score = head
-
-    @property
-    def config(self):
-        return self.model.config
-
-    # the parts of the transformers model interface that parallelize() uses
-    @property
-    def _no_split_modules(self):
-        return self.model._no_split_modules
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()
-
-    def get_output_embeddings(self) -> None:
-        return None
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
-        return self.score(hidden).squeeze(-1).float()
-
-
-def build_token_scorer(path: str, dtype: torch.dtype, override: Optional[dict] = None, seed: int = 0,
-                       trust_remote_code: bool = False, attn: str = "sdpa") -> TokenScorer:
-    """The reward model of ``path`` on the host (``tiny://qwen2?...``: random weights, seeded)."""
-    from transformers import AutoModelForSequenceClassification
-
-    from rlhf_hpc.models import _use_attn, is_tiny, model_config
-    config = model_config(path, override, trust_remote_code)
-    if is_tiny(path):
-        config.num_labels = 1
-    if config.num_labels != 1:
-        raise ValueError(f"reward_model.model.path: {path} has {config.num_labels} labels; a reward model scores "
-                         f"with one (num_labels=1)")
-    _use_attn(config, attn)
-    if is_tiny(path):
-        torch.manual_seed(seed)  # same random weights on every rank
-        classifier = AutoModelForSequenceClassification.from_config(config, dtype=dtype,
-                                                                    trust_remote_code=trust_remote_code)
-    else:
-        classifier = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
-                                                                        trust_remote_code=trust_remote_code)
-    classifier.requires_grad_(False)
-    return TokenScorer(classifier)
+from rlhf_hpc.models import build_token_scorer
 
 
 def last_token_scores(model: nn.Module, batch: Batch, remove_padding: bool) -> torch.Tensor:
