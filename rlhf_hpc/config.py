@@ -210,18 +210,35 @@ class CriticConfig:
 
 @dataclass
 class RewardModelSubConfig:
+    # a sequence-classification checkpoint (one label), e.g. a Qwen2ForSequenceClassification reward
+    # model, or "tiny://qwen2?..." for a tiny random-weight one built in code (tests, the CPU demo)
     path: str = "~/models/reward-model"
+    # differs from verl (default: the actor's model path, i.e. always re-encode): null = the reward
+    # model reads the actor's tokens as they are. Set to the actor's tokenizer when the reward model's
+    # tokenizer/chat template differ: responses are decoded and re-encoded through its chat template.
     input_tokenizer: Optional[str] = None
     trust_remote_code: bool = False
+    external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)
+    override_config: dict[str, Any] = field(default_factory=dict)
+    # differs from verl (false): packed rows like the actor's (no compute on padding)
+    use_remove_padding: bool = True
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
 class RewardModelConfig:
+    """A reward model on the training mesh, inference only (rlhf_hpc/rewards/reward_model.py).
+    Its score replaces the rule/custom score of a response in training (verl's naive reward
+    manager); validation still scores with the rule/custom function."""
     enable: bool = False
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
     model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
+    # differs from verl (required there): null -> actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
     micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: Optional[bool] = None  # null -> critic.use_dynamic_bsz (as verl)
+    forward_max_token_len_per_gpu: Optional[int] = None  # null -> critic.forward_max_token_len_per_gpu (as verl)
+    # re-encoded sequences (model.input_tokenizer set) are cut on the right to this many tokens;
+    # null: data.max_prompt_length + data.max_response_length (as verl)
     max_length: Optional[int] = None
     reward_manager: Literal["naive"] = "naive"
 

@@ -48,6 +48,7 @@ from rlhf_hpc.recipe import per_rank_mini_batch
 from rlhf_hpc.profiling import StepProfiler
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
+from rlhf_hpc.rewards.reward_model import build_reward_model
 from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch, make_engine
 from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.tracking import Tracker
@@ -69,6 +70,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
     kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
     reward_fn = RewardFunction(cfg)
+    reward_model = build_reward_model(cfg, ctx, tokenizer) if cfg.reward_model.enable else None
     logprob_check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
 
     guard = StabilityGuard(tr.guard)
@@ -108,6 +110,10 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
     for line in describe_layouts(cfg):
         tracker.log_line(f"[rlhf-hpc] {line}")
+    if reward_model is not None and val and val[0].reward_style == "model":
+        val = []  # as verl: validation scores with rules only, and these rows have none
+        tracker.log_line("[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "
+                         "(verl validates rule-scored data only)")
     if resume_from is not None:
         tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
     stopper = StopCheck(run_dir, cfg.launcher.time_margin_s, all_reduce_max)
@@ -197,9 +203,15 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             if engine.critic is not None:
                 with timer("values"):
                     batch["values"] = engine.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
-            # 4. rewards: a score per response, on its last valid token
+            # 4. rewards: a score per response, on its last valid token; a reward model's score
+            #    replaces the rule/custom one (verl's naive reward manager)
             with timer("reward"):
-                scores = score_responses(reward_fn, tokenizer, train, rows, batch)
+                if reward_model is not None:
+                    with timer("reward_model"):
+                        scores = reward_model.score(batch, [train[r.example].messages for r in rows])
+                    metrics.update(reduce_stats({"reward_model/score": scores}))
+                else:
+                    scores = score_responses(reward_fn, tokenizer, train, rows, batch)
                 batch["token_scores"] = scores_on_last_token(scores, batch["response_mask"])
             # 5. KL: in the reward (controller) and/or as a loss in the actor update
             if cfg.algorithm.use_kl_in_reward:
