@@ -100,41 +100,53 @@ class Actor:
         return lp, ent
 
     # ------------------------------------------------------------------------------ PPO update
-    def update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+    def update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0,
+                      pre_update_sample: Optional[list] = None) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches over this rank's rows; one optimizer step per
         mini-batch; the LR scheduler advances once per call (one training step).
 
         ``mini_batch_rows``: rows of this rank in one mini-batch (ppo_mini_batch_size x n / ranks).
+        ``pre_update_sample``: when given (verl's bypass mode, where no old-log-prob pass ran), the
+        first mini-batch, whose forward still sees the pre-update weights, appends
+        ``(engine_log_probs, log_probs, response_mask)`` (host tensors, (b, R) each) per micro-batch
+        for the rollout/actor check, and reports ``actor/entropy`` over its tokens.
         Returns metrics averaged over mini-batches and ranks (the same on every rank).
         """
         with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.optimizer_offload):
-            return self._update_policy(batch, mini_batch_rows, seed)
+            return self._update_policy(batch, mini_batch_rows, seed, pre_update_sample)
 
-    def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+    def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0,
+                       pre_update_sample: Optional[list] = None) -> dict[str, float]:
         cfg = self.cfg
 
         def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
-            # the entropy only where the loss uses it (else actor/entropy comes from the old-log-prob pass)
-            with_entropy = cfg.entropy_coeff != 0
+            # the entropy only where the loss uses it (else actor/entropy comes from the old-log-prob
+            # pass; in bypass mode, without a gradient, from the first mini-batch)
+            sample = pre_update_sample is not None and metrics.n_mini == 1
+            with_entropy = cfg.entropy_coeff != 0 or sample
             lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
-                                         with_entropy=with_entropy, sp=self.sp)
+                                         with_entropy=with_entropy, entropy_grad=cfg.entropy_coeff != 0, sp=self.sp)
             mask = micro["response_mask"]
+            if sample and weight:
+                pre_update_sample.append((micro["engine_log_probs"].cpu(), lp.detach().cpu(), mask.cpu()))
+                if cfg.entropy_coeff == 0:
+                    metrics.token_mean("actor/entropy", algos.masked_mean(ent, mask), mask.sum())
             pg_loss, pgm = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask,
                                              cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
                                              cfg.loss_agg_mode, **kw)
             loss = pg_loss
-            if with_entropy:
+            if cfg.entropy_coeff != 0:
                 ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
                 loss = loss - cfg.entropy_coeff * ent_loss
-                metrics.share("actor/entropy", weight * ent_loss.item())
+                metrics.share("actor/entropy", weight * ent_loss)
             if cfg.use_kl_loss:
                 kl_loss = algos.agg_loss(algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type), mask,
                                          cfg.loss_agg_mode, **kw)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                metrics.share("actor/kl_loss", weight * kl_loss.item())
-            metrics.share("actor/pg_loss", weight * pg_loss.item())
+                metrics.share("actor/kl_loss", weight * kl_loss)
+            metrics.share("actor/pg_loss", weight * pg_loss)
             for k, v in pgm.items():
-                metrics.token_mean(f"actor/{k}", v.item(), weight * mask.sum().item())
+                metrics.token_mean(f"actor/{k}", v, weight * mask.sum())
             return loss
 
         return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,

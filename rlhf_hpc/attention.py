@@ -7,11 +7,12 @@ need only the sum of L_i^2. "varlen" gives each sequence its own causal attentio
 
 - on a GPU in fp16/bf16: torch's variable-length flash kernel
   (``torch.nn.attention.varlen.varlen_attn``, part of torch, no extra package);
-- elsewhere: causal sdpa once per sequence (the reference the kernel is checked against).
+- elsewhere: causal sdpa per sequence, batched over sequences of equal length (the reference the
+  kernel is checked against, and the CPU default: cheaper than sdpa's dense mask over the row).
 
 Calls that carry a padding mask (padded batches) go to sdpa unchanged, and so does decoding with a
 KV cache. Select it with ``actor_rollout_ref.model.override_config.attn_implementation: varlen``
-(verl's key); the default stays flash_attention_2 where flash-attn is installed, else sdpa.
+(verl's key); the default is flash_attention_2 where flash-attn is installed, else varlen.
 """
 from __future__ import annotations
 
@@ -112,9 +113,34 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
             k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
         out = kernel(q, k, v, cu, cu, longest, longest, **kw)
     else:
-        bounds = cu.tolist()
-        out = torch.cat([
-            F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                           is_causal=True, scale=scaling, enable_gqa=kv_heads != H).transpose(0, 1)
-            for a, b in zip(bounds[:-1], bounds[1:])])
+        out = per_sequence_attention(q, k, v, cu, scaling)
     return out.reshape(B, L, H, D), None
+
+
+def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                           scaling: Optional[float] = None) -> torch.Tensor:
+    """Causal attention inside each sequence of a packed batch, with sdpa: q (N, H, D), k/v
+    (N, Hkv, D), ``cu`` (S+1,) sequence bounds -> (N, H, D). Sequences of equal length go through
+    one batched call (one call per distinct length, not per sequence): rollouts often share
+    lengths (responses cut at the limit), and small per-sequence calls cost more than they compute."""
+    N, H, D = q.shape
+    gqa = k.shape[1] != H
+    lens = cu.diff().long()
+    starts = cu[:-1].long()
+    distinct = lens.unique()
+    if len(distinct) == 1:  # every sequence the same length: the packed row is already a batch
+        n, length = len(lens), int(distinct[0])
+        o = F.scaled_dot_product_attention(*(t.view(n, length, t.shape[1], D).transpose(1, 2) for t in (q, k, v)),
+                                           is_causal=True, scale=scaling, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(N, H, D)
+    outs, order = [], []
+    for length in distinct.tolist():
+        first = starts[lens == length]  # (n,) the first token of each sequence of this length
+        n = len(first)
+        idx = (first[:, None] + torch.arange(length, device=q.device)).reshape(-1)  # (n * length,)
+        o = F.scaled_dot_product_attention(*(t[idx].view(n, length, t.shape[1], D).transpose(1, 2) for t in (q, k, v)),
+                                           is_causal=True, scale=scaling, enable_gqa=gqa)
+        outs.append(o.transpose(1, 2).reshape(n * length, H, D))
+        order.append(idx)
+    # the outputs grouped by length -> back in token order
+    return torch.cat(outs)[torch.cat(order).argsort()]

@@ -230,7 +230,7 @@ RESUME_KEYS = (
     "data.tokenizer", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
     "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
     "critic.enable", "critic.model.path", "critic.model.override_config", "algorithm.adv_estimator",
-    "algorithm.kl_ctrl.type",
+    "algorithm.kl_ctrl.type", "reward_model.enable", "reward_model.model.path",
 )
 
 

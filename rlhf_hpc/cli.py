@@ -44,7 +44,7 @@ MAIN_KEYS = [
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
     "actor_rollout_ref.rollout.gpu_memory_utilization", "critic.optim.lr",
     "algorithm.adv_estimator", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.type",
-    "algorithm.kl_ctrl.kl_coef", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.device",
+    "algorithm.kl_ctrl.kl_coef", "reward_model.enable", "reward_model.model.path", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.device",
     "trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq", "trainer.logger",
     "trainer.default_local_dir", "trainer.resume_mode", "launcher.cluster",
 ]

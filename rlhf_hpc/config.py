@@ -71,15 +71,17 @@ class MixedPrecisionConfig:
 
 @dataclass
 class FSDPConfig:
-    # differs from verl: null (the default) means "GPUs per node", i.e. HYBRID_SHARD (shard inside a
-    # node, replicate across nodes), which keeps the big all-gathers on NVLink; -1 = FULL_SHARD over
-    # the whole world (verl's default).
+    # differs from verl: null (the default) is chosen from the model size and the memory per rank
+    # (rlhf_hpc.layout): 1 (replicate: no all-gathers) when the whole training state fits easily,
+    # else "GPUs per node", i.e. HYBRID_SHARD (shard inside a node, replicate across nodes), which
+    # keeps the big all-gathers on NVLink; -1 = FULL_SHARD over the whole world (verl's default).
     fsdp_size: Optional[int] = None
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
-    reshard_after_forward: bool = True
-    forward_prefetch: bool = False
+    # null: chosen with fsdp_size (rlhf_hpc.layout): free after forward when sharded; prefetch on GPUs
+    reshard_after_forward: Optional[bool] = None
+    forward_prefetch: Optional[bool] = None
     # dtype the master weights are kept in (the optimizer's view)
     model_dtype: Dtype = "float32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -212,18 +214,35 @@ class CriticConfig:
 
 @dataclass
 class RewardModelSubConfig:
+    # a sequence-classification checkpoint (one label), e.g. a Qwen2ForSequenceClassification reward
+    # model, or "tiny://qwen2?..." for a tiny random-weight one built in code (tests, the CPU demo)
     path: str = "~/models/reward-model"
+    # differs from verl (default: the actor's model path, i.e. always re-encode): null = the reward
+    # model reads the actor's tokens as they are. Set to the actor's tokenizer when the reward model's
+    # tokenizer/chat template differ: responses are decoded and re-encoded through its chat template.
     input_tokenizer: Optional[str] = None
     trust_remote_code: bool = False
+    external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)
+    override_config: dict[str, Any] = field(default_factory=dict)
+    # differs from verl (false): packed rows like the actor's (no compute on padding)
+    use_remove_padding: bool = True
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
 class RewardModelConfig:
+    """A reward model on the training mesh, inference only (rlhf_hpc/rewards/reward_model.py).
+    Its score replaces the rule/custom score of a response in training (verl's naive reward
+    manager); validation still scores with the rule/custom function."""
     enable: bool = False
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
     model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
+    # differs from verl (required there): null -> actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
     micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: Optional[bool] = None  # null -> critic.use_dynamic_bsz (as verl)
+    forward_max_token_len_per_gpu: Optional[int] = None  # null -> critic.forward_max_token_len_per_gpu (as verl)
+    # re-encoded sequences (model.input_tokenizer set) are cut on the right to this many tokens;
+    # null: data.max_prompt_length + data.max_response_length (as verl)
     max_length: Optional[int] = None
     reward_manager: Literal["naive"] = "naive"
 
@@ -243,6 +262,17 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction``. ``bypass_mode``: the rollout engine's log-probs are
+    the PPO anchor (old_log_probs) and the actor's old-log-prob forward is skipped (verl's 2-policy
+    mode); the rollout/actor log-prob check is then measured on the update's first mini-batch.
+    Importance-sampling and rejection-sampling corrections (``rollout_is``, ``rollout_rs``) are
+    not implemented: refused by name (rlhf_hpc.verl_keys)."""
+    bypass_mode: bool = False
+    loss_type: Literal["ppo_clip"] = "ppo_clip"  # verl's other type, "reinforce", is refused
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -252,6 +282,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: KLKind = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

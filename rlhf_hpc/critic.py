@@ -80,10 +80,11 @@ class Critic:
             mask = micro["response_mask"]
             loss, clipfrac = algos.value_loss(v, micro["returns"], micro["values"], mask, cfg.cliprange_value,
                                               cfg.loss_agg_mode, **kw)
-            n_tokens = weight * mask.sum().item()
-            metrics.share("critic/vf_loss", weight * loss.item())
-            metrics.token_mean("critic/vf_clipfrac", clipfrac.item(), n_tokens)
-            metrics.token_mean("critic/vpred_mean", algos.masked_mean(v.detach(), mask).item(), n_tokens)
+            # tensors: read back once per update (metrics.UpdateMetrics), not per micro-batch
+            n_tokens = weight * mask.sum()
+            metrics.share("critic/vf_loss", weight * loss)
+            metrics.token_mean("critic/vf_clipfrac", clipfrac, n_tokens)
+            metrics.token_mean("critic/vpred_mean", algos.masked_mean(v.detach(), mask), n_tokens)
             return loss
 
         return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,

@@ -9,7 +9,7 @@ Phases of one colocated step (one rank = one GPU):
 
 - ``gen``: vLLM holds ``gpu_memory_utilization`` x GPU memory (its weights, activations and KV cache);
   what training keeps on the GPU between phases (shards that are not offloaded) must fit beside it;
-- ``old_log_prob`` / ``ref`` / ``values``: forward passes, no graph (vLLM asleep);
+- ``old_log_prob`` / ``ref`` / ``values`` / ``reward_model``: forward passes, no graph (vLLM asleep);
 - ``update_actor`` / ``update_critic``: sharded parameters, gradients, optimizer state, the
   unsharded group FSDP is computing, activations of one micro-batch, the logits.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.config import Config, FSDPConfig
+from rlhf_hpc.layout import describe as describe_layouts, resolved_fsdp_configs
 
 GiB = 1024 ** 3
 DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
@@ -66,8 +67,18 @@ class ModelShape:
         return max(self.layer_params, self.embed_params, self.head_params)
 
 
+_shapes: dict[str, ModelShape] = {}
+
+
 def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
-    """Shape of ``path`` from its config alone (no weights)."""
+    """Shape of ``path`` from its config alone (no weights); remembered per process."""
+    key = repr((path, sorted((override or {}).items()), trust_remote_code))
+    if key not in _shapes:
+        _shapes[key] = _model_shape(path, override, trust_remote_code)
+    return _shapes[key]
+
+
+def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -200,7 +211,9 @@ def _working(s: ModelShape, fsdp: FSDPConfig, with_grad: bool) -> float:
     """The group FSDP all-gathered for compute (and the next one when prefetching); in backward its
     gradient in the compute dtype and the reduce-scatter buffer."""
     b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
-    out = s.largest_group * b + (s.layer_params * b if fsdp.forward_prefetch else 0)
+    # without reshard_after_forward every group stays unsharded from its forward to its backward
+    gathered = s.largest_group if fsdp.reshard_after_forward is not False else s.params
+    out = gathered * b + (s.layer_params * b if fsdp.forward_prefetch else 0)
     if with_grad:
         out += s.largest_group * (b + DTYPE_BYTES[fsdp.mixed_precision.reduce_dtype])
     return float(out)
@@ -238,7 +251,8 @@ def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_tok
     return -(-rows * (prompt_len + response_len) // sp), -(-rows * response_len // sp)
 
 
-def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None) -> MemoryPlan:
+def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None,
+               rm_shape: Optional[ModelShape] = None) -> MemoryPlan:
     arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
     actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
     world = cfg.world_size
@@ -255,7 +269,17 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     cs = critic_shape or s
     critic_params = cs.params - cs.head_params + cs.hidden + 1 if use_critic else 0
     use_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    afs, rfs, cfs = actor.fsdp_config, ref.fsdp_config, critic.model.fsdp_config
+    layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.layout)
+    afs, rfs, cfs = layouts["actor"], layouts["ref"], layouts["critic"]
+    rm, rms = cfg.reward_model, None
+    notes = describe_layouts(cfg)
+    if rm.enable:
+        try:
+            rms = rm_shape or model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
+        except FileNotFoundError as e:
+            notes.append(f"reward model left out of the plan: {e}")
+    rm_params = rms.params - rms.head_params + rms.hidden if rms else 0  # backbone + one-label score head
+    mfs = rm.model.fsdp_config
 
     def resident(phase: str, skip: str = "") -> dict[str, float]:
         """What the other models keep on the GPU during ``phase``."""
@@ -266,6 +290,9 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
             out["ref params"] = 0.0 if rfs.param_offload or rfs.offload_policy else s.params * DTYPE_BYTES[rfs.model_dtype] / _shards(world, rfs)
         if use_critic and skip != "critic":
             out["critic state"] = sum(_train_state(critic_params, cfs, world, phase).values())
+        if rms and skip != "reward_model":
+            out["reward model params"] = (0.0 if mfs.param_offload or mfs.offload_policy
+                                          else rm_params * DTYPE_BYTES[mfs.model_dtype] / _shards(world, mfs))
         return out
 
     def offload_keys(prefix: str, fsdp: FSDPConfig, optimizer: bool = True) -> list[str]:
@@ -309,7 +336,8 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
                         ["actor_rollout_ref.rollout.gpu_memory_utilization",
                          *offload_keys("actor_rollout_ref.actor", afs),
                          *(offload_keys("actor_rollout_ref.ref", rfs, optimizer=False) if use_ref else []),
-                         *(offload_keys("critic.model", cfs) if use_critic else [])]))
+                         *(offload_keys("critic.model", cfs) if use_critic else []),
+                         *(offload_keys("reward_model.model", mfs, optimizer=False) if rms else [])]))
     # vLLM during the training phases: asleep (sleep mode frees weights and KV cache) or not
     awake = {} if (rollout.free_cache_engine and on_gpu) or rollout.name == "hf" else {"vLLM (not freed)": vllm_share}
     if rollout.name == "hf":
@@ -341,6 +369,12 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
                       ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic",
                       critic.ulysses_sequence_parallel_size)
 
+    if rms:
+        forward_phase("reward_model", rms, mfs, rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
+                      rm.forward_max_token_len_per_gpu, 0,
+                      ["reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu",
+                       *offload_keys("reward_model.model", mfs, optimizer=False)], "reward_model")
+
     def update_phase(name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, ckpt, head_vocab,
                      keys, who, sp: int = 1):
         tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R, sp)
@@ -360,7 +394,6 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
                      0, update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
                                     critic.model.enable_gradient_checkpointing, cfs), "critic",
                      critic.ulysses_sequence_parallel_size)
-    notes = []
     if on_gpu and not tr.gpu_memory_gb:
         notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
     if afs.param_offload or afs.optimizer_offload:

@@ -1,4 +1,4 @@
-"""Building the actor, critic and reference models (and tiny random-weight test models).
+"""Building the actor, critic, reference and reward models (and tiny random-weight test models).
 
 ``model.path`` is a Hugging Face directory or hub name (resolved from the local cache; nothing is
 downloaded at run time), or ``tiny://qwen2`` for a small Qwen2 built in code with random weights:
@@ -49,7 +49,8 @@ def attn_implementation(device: torch.device, override: Optional[dict] = None) -
     """``override_config.attn_implementation`` when set (verl's key; ``varlen``: rlhf_hpc.attention),
     else on a GPU flash_attention_2 where flash-attn imports, or ``varlen`` (torch's own
     variable-length flash kernel) with a warning where it does not: never sdpa on a GPU, whose
-    packed rows get a dense block-diagonal mask. On the CPU: sdpa."""
+    packed rows get a dense block-diagonal mask. On the CPU: ``varlen`` too, its per-sequence sdpa
+    batched by length (1.6x faster than sdpa's masked row for 32 packed rows of 58 tokens)."""
     if override and override.get("attn_implementation"):
         return override["attn_implementation"]
     if device.type == "cuda":
@@ -59,8 +60,7 @@ def attn_implementation(device: torch.device, override: Optional[dict] = None) -
         warnings.warn(f"{problem}: packed rows use attn_implementation=varlen (torch's variable-length flash "
                       f"kernel) instead; set actor_rollout_ref.model.override_config.attn_implementation to "
                       f"choose explicitly", stacklevel=2)
-        return "varlen"
-    return "sdpa"
+    return "varlen"
 
 
 def _use_attn(config, attn: str) -> None:
@@ -167,6 +167,63 @@ def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cp
     if str(device) != "meta":
         critic.init_value_head(seed)
     return critic
+
+
+class TokenScorer(nn.Module):
+    """A sequence classifier's backbone and one-label ``score`` head applied at every token:
+    (B, L) tokens -> (B, L) float32 scores."""
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        head = getattr(classifier, "score", None)
+        if not isinstance(head, nn.Linear) or head.out_features != 1:
+            raise ValueError(f"{type(classifier).__name__}: a reward model needs a one-label linear 'score' head "
+                             f"(AutoModelForSequenceClassification with num_labels=1)")
+        self.model = getattr(classifier, classifier.base_model_prefix)
+        self.score = head
+
+    @property
+    def config(self):
+        return self.model.config
+
+    # the parts of the transformers model interface that parallelize() uses
+    @property
+    def _no_split_modules(self):
+        return self.model._no_split_modules
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).last_hidden_state
+        return self.score(hidden).squeeze(-1).float()
+
+
+def build_token_scorer(path: str, dtype: torch.dtype, override: Optional[dict] = None, seed: int = 0,
+                       trust_remote_code: bool = False, attn: str = "sdpa") -> TokenScorer:
+    """The reward model of ``path`` on the host (``tiny://qwen2?...``: random weights, seeded)."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = model_config(path, override, trust_remote_code)
+    if is_tiny(path):
+        config.num_labels = 1
+    if config.num_labels != 1:
+        raise ValueError(f"reward_model.model.path: {path} has {config.num_labels} labels; a reward model scores "
+                         f"with one (num_labels=1)")
+    _use_attn(config, attn)
+    if is_tiny(path):
+        torch.manual_seed(seed)  # same random weights on every rank
+        classifier = AutoModelForSequenceClassification.from_config(config, dtype=dtype,
+                                                                    trust_remote_code=trust_remote_code)
+    else:
+        classifier = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+                                                                        trust_remote_code=trust_remote_code)
+    classifier.requires_grad_(False)
+    return TokenScorer(classifier)
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

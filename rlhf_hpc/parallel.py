@@ -44,16 +44,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
     if fsdp.param_offload or fsdp.offload_policy:
         # pinned host memory only helps (and only works) with an accelerator
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    # null (not chosen by rlhf_hpc.layout, e.g. a reward model): free after forward, no prefetch
+    reshard = True if fsdp.reshard_after_forward is None else fsdp.reshard_after_forward
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+        fully_shard(layer, **kw)
     if not _tied(model):
-        fully_shard(model.get_input_embeddings(), reshard_after_forward=fsdp.reshard_after_forward, **kw)
+        fully_shard(model.get_input_embeddings(), **kw)
         out = model.get_output_embeddings()
         if out is not None:
-            fully_shard(out, reshard_after_forward=fsdp.reshard_after_forward, **kw)
-    fully_shard(model, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+            fully_shard(out, **kw)
+    fully_shard(model, **kw)
     time_fsdp_collectives(model, hsdp=mesh.ndim == 2)  # FSDP2's collectives count in perf/comm_fraction
     if fsdp.forward_prefetch:
         # issue the next layer's all-gather while this layer computes (and the mirror in backward)

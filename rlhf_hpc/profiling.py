@@ -296,7 +296,12 @@ class CommHint:
             return (f"raise actor_rollout_ref.rollout.update_weights_bucket_mb (now {arr.rollout.update_weights_bucket_mb}; "
                     f"fewer, larger all-gathers overlapping the engine's copy)")
         if group == "train":
-            fsdp, keys = arr.actor.fsdp_config, []
+            from rlhf_hpc.layout import resolved_fsdp_configs
+            fsdp, keys = resolved_fsdp_configs(self.cfg)["actor"], []
+            if fsdp.fsdp_size == 1:  # replicated: the only collective is one gradient all-reduce per mini-batch
+                return (f"fewer, larger mini-batches (actor_rollout_ref.actor.ppo_mini_batch_size, now "
+                        f"{arr.actor.ppo_mini_batch_size}; one gradient all-reduce each), or "
+                        f"fsdp_config.mixed_precision.reduce_dtype=bfloat16 (half the bytes)")
             if (tr.nnodes > 1 and fsdp.fsdp_size in (-1, None)) or (fsdp.fsdp_size or 0) > tr.n_gpus_per_node:
                 keys.append(f"shard inside a node with HSDP: actor_rollout_ref.actor.fsdp_config.fsdp_size="
                             f"{tr.n_gpus_per_node} (now {fsdp.fsdp_size}; likewise critic.model.fsdp_config.fsdp_size)")

@@ -425,6 +425,15 @@ def resolve(cfg: Config) -> Config:
         critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
     if arr.ref.ulysses_sequence_parallel_size is None:
         arr.ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
+    # the reward model's keys are filled only when it runs: while disabled, a key set is a key ignored
+    # (refused by reward_model_problems)
+    rm = cfg.reward_model
+    if rm.enable:
+        for section, key, value in ((rm, "use_dynamic_bsz", critic.use_dynamic_bsz),
+                                    (rm, "forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu),
+                                    (rm.model, "external_lib", arr.model.external_lib)):
+            if getattr(section, key) is None:
+                setattr(section, key, value)
     for section in (arr.rollout, arr.ref):
         if section.log_prob_use_dynamic_bsz is None:
             section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
@@ -433,10 +442,10 @@ def resolve(cfg: Config) -> Config:
     for optim in (actor.optim, critic.optim):
         if optim.warmup_style is not None:  # verl's deprecated name wins, as in verl
             optim.lr_scheduler_type, optim.warmup_style = optim.warmup_style, None
-    for fsdp in (actor.fsdp_config, arr.ref.fsdp_config, critic.model.fsdp_config,
-                 cfg.reward_model.model.fsdp_config):
-        if fsdp.fsdp_size is None:
-            fsdp.fsdp_size = cfg.trainer.n_gpus_per_node
+    # the actor's, reference's and critic's layout left at null is chosen where models are built
+    # (rlhf_hpc.layout: from the model size); the reward model shards inside a node
+    if cfg.reward_model.model.fsdp_config.fsdp_size is None:
+        cfg.reward_model.model.fsdp_config.fsdp_size = cfg.trainer.n_gpus_per_node
     n, world = arr.rollout.n, cfg.world_size
     if world > 0:
         if actor.ppo_micro_batch_size_per_gpu is None:
@@ -448,6 +457,8 @@ def resolve(cfg: Config) -> Config:
             arr.rollout.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
         if arr.ref.log_prob_micro_batch_size_per_gpu is None:
             arr.ref.log_prob_micro_batch_size_per_gpu = arr.rollout.log_prob_micro_batch_size_per_gpu
+        if rm.enable and rm.micro_batch_size_per_gpu is None:
+            rm.micro_batch_size_per_gpu = arr.ref.log_prob_micro_batch_size_per_gpu
     return cfg
 
 
@@ -513,6 +524,11 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     warnings: list[str] = []
     d, arr, tr = cfg.data, cfg.actor_rollout_ref, cfg.trainer
     actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+    if cfg.algorithm.rollout_correction.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
+        errors.append(f"algorithm.rollout_correction.bypass_mode=true takes the engine's log-probs as the PPO anchor, "
+                      f"but with actor_rollout_ref.rollout.top_p={rollout.top_p} / top_k={rollout.top_k} they are "
+                      f"log-probs of the truncated sampling distribution, not of the policy the actor trains; set "
+                      f"top_p=1.0 and top_k=-1, or bypass_mode=false")
     world = cfg.world_size
 
     def positive(key: str, value: Optional[float], allow_zero: bool = False) -> bool:
@@ -526,7 +542,8 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
               positive("actor_rollout_ref.rollout.n", rollout.n),
               positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
               positive("critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)])
-    for key, override in (("actor_rollout_ref.model", arr.model.override_config), ("critic.model", critic.model.override_config)):
+    for key, override in (("actor_rollout_ref.model", arr.model.override_config), ("critic.model", critic.model.override_config),
+                          ("reward_model.model", cfg.reward_model.model.override_config)):
         attn = override.get("attn_implementation")
         if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
             errors.append(f"{key}.override_config.attn_implementation={attn!r} is not one of "
@@ -593,7 +610,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
         for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
                     "critic.model.fsdp_config", "reward_model.model.fsdp_config"):
             size = get_key(cfg, key).fsdp_size
-            if size == -1:
+            if size == -1 or (size is None and not key.startswith("reward_model")):  # null: rlhf_hpc.layout
                 continue
             if size is None or size <= 0 or world % size:
                 errors.append(f"{key}.fsdp_size ({size}) must divide the world size, trainer.nnodes x "
@@ -645,8 +662,10 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")
 
     errors.extend(unsupported_values(cfg))
+    errors.extend(reward_model_problems(cfg))
     fsdp1 = [key for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
              if get_key(cfg, key) == "fsdp"]
+    fsdp1 += ["reward_model.strategy"] if cfg.reward_model.enable and cfg.reward_model.strategy == "fsdp" else []
     if fsdp1:
         warnings.append(f"{', '.join(k + '=fsdp' for k in fsdp1)}: the engine here is FSDP2 (fully_shard) whatever "
                         f"the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs")
@@ -734,30 +753,10 @@ def unsupported_values(cfg: Config) -> list[str]:
         errors.append(f"trainer.log_val_generations={cfg.trainer.log_val_generations}: logging validation "
                       f"generations is not supported; remove the key or set it to 0")
     for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
-                "critic.model.fsdp_config"):
+                "critic.model.fsdp_config", "reward_model.model.fsdp_config"):
         if get_key(cfg, key).mixed_precision.buffer_dtype not in ("float32", "fp32"):
             errors.append(f"{key}.mixed_precision.buffer_dtype: FSDP2 keeps buffers in the model's dtype; only "
                           f"float32 is accepted")
-    # a reward model on the training mesh is not implemented (issue 16): every reward_model key must
-    # stay at its default (fsdp_size is filled in by resolve)
-    from rlhf_hpc.config import FSDPConfig, RewardModelConfig
-    rm, off = cfg.reward_model, RewardModelConfig()
-    if rm.enable:
-        errors.append("reward_model.enable=true: reward-model scoring is not available yet; score with rules "
-                      "(data_source) or custom_reward_function.path")
-    else:
-        fsdp_now = dataclasses.replace(rm.model.fsdp_config, fsdp_size=None)
-        set_keys = [key for key, now, default in (
-            ("strategy", rm.strategy, off.strategy), ("model.path", rm.model.path, off.model.path),
-            ("model.input_tokenizer", rm.model.input_tokenizer, off.model.input_tokenizer),
-            ("model.trust_remote_code", rm.model.trust_remote_code, off.model.trust_remote_code),
-            ("model.fsdp_config", fsdp_now, FSDPConfig()),
-            ("micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu, off.micro_batch_size_per_gpu),
-            ("max_length", rm.max_length, off.max_length), ("reward_manager", rm.reward_manager, off.reward_manager),
-        ) if now != default]
-        if set_keys:
-            errors.append(f"reward_model.{set_keys[0]}: reward-model scoring is not available yet, so reward_model.* "
-                          f"keys have no effect; remove them")
     template = arr.model.custom_chat_template
     if template is not None:
         import jinja2
@@ -765,10 +764,59 @@ def unsupported_values(cfg: Config) -> list[str]:
             jinja2.Environment().parse(template)
         except jinja2.TemplateSyntaxError as e:
             errors.append(f"actor_rollout_ref.model.custom_chat_template: not a valid Jinja template ({e})")
-    for key in ("actor_rollout_ref.model.external_lib", "critic.model.external_lib"):
+    for key in ("actor_rollout_ref.model.external_lib", "critic.model.external_lib", "reward_model.model.external_lib"):
         lib = get_key(cfg, key)
         if lib and _module_missing(lib):
             errors.append(f"{key}={lib!r}: no such Python module here (it must be importable by the workers)")
+    return errors
+
+
+def reward_model_problems(cfg: Config) -> list[str]:
+    """The reward model's keys: consistent when it is enabled, at their defaults when it is not
+    (a key of a disabled reward model would be accepted and ignored)."""
+    from rlhf_hpc.config import RewardModelConfig
+    from rlhf_hpc.tokenizer import tokenizer_path
+    rm, off, errors = cfg.reward_model, RewardModelConfig(), []
+    if not rm.enable:
+        fsdp = rm.model.fsdp_config
+        fsdp_default = dataclasses.replace(off.model.fsdp_config, fsdp_size=fsdp.fsdp_size) == fsdp and \
+            fsdp.fsdp_size in (None, cfg.trainer.n_gpus_per_node)
+        set_keys = [key for key in ("strategy", "model.path", "model.input_tokenizer", "model.trust_remote_code",
+                                    "model.external_lib", "model.override_config", "model.use_remove_padding",
+                                    "micro_batch_size_per_gpu", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
+                                    "max_length", "reward_manager")
+                    if get_key(rm, key) != get_key(off, key)]
+        set_keys += [] if fsdp_default else ["model.fsdp_config"]
+        if set_keys:
+            errors.append(f"reward_model.{set_keys[0]} is set but reward_model.enable=false, so it would have no "
+                          f"effect; set reward_model.enable=true to score with a reward model, or remove the key")
+        return errors
+    p = "reward_model"
+    if rm.micro_batch_size_per_gpu is not None and rm.micro_batch_size_per_gpu <= 0:
+        errors.append(f"{p}.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be > 0")
+    if rm.max_length is not None and rm.model.input_tokenizer is None:
+        errors.append(f"{p}.max_length={rm.max_length} cuts re-encoded sequences only, and with "
+                      f"{p}.model.input_tokenizer=null the reward model reads the actor's sequences as they are "
+                      f"(at most data.max_prompt_length + data.max_response_length tokens); remove the key, or set "
+                      f"{p}.model.input_tokenizer to the actor's tokenizer to re-encode")
+    elif rm.max_length is not None and rm.max_length <= 0:
+        errors.append(f"{p}.max_length={rm.max_length} must be > 0")
+    seq_len = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu is not None and rm.forward_max_token_len_per_gpu < seq_len:
+        errors.append(f"{p}.forward_max_token_len_per_gpu ({rm.forward_max_token_len_per_gpu}) is smaller than one "
+                      f"full sequence ({seq_len} tokens)")
+    if rm.model.input_tokenizer is not None:
+        arr = cfg.actor_rollout_ref
+        actor_side = {os.path.expanduser(x) for x in (tokenizer_path(cfg), arr.model.path, arr.model.tokenizer_path,
+                                                      cfg.data.tokenizer) if x}
+        if os.path.expanduser(rm.model.input_tokenizer) not in actor_side:
+            errors.append(f"{p}.model.input_tokenizer={rm.model.input_tokenizer!r} must be the tokenizer the responses "
+                          f"were generated with, the actor's ({tokenizer_path(cfg)}): responses are decoded with it "
+                          f"and re-encoded with the reward model's; set it to {tokenizer_path(cfg)}, or null when the "
+                          f"reward model reads the actor's tokens as they are")
+    if rm.model.fsdp_config.optimizer_offload:
+        errors.append(f"{p}.model.fsdp_config.optimizer_offload=true: the reward model has no optimizer (inference "
+                      f"only); use {p}.model.fsdp_config.param_offload to keep its parameters on the host")
     return errors
 
 

@@ -40,6 +40,7 @@ from rlhf_hpc.distribute import RolloutRow, coverage, prompt_share, redistribute
 from rlhf_hpc.engine import Engine, build_engine
 from rlhf_hpc.faults import FaultInjector
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
+from rlhf_hpc.layout import describe as describe_layouts
 from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.perf import Timer, memory_metrics, model_flops, peak_flops
@@ -47,6 +48,7 @@ from rlhf_hpc.recipe import per_rank_mini_batch
 from rlhf_hpc.profiling import StepProfiler
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
+from rlhf_hpc.rewards.reward_model import build_reward_model
 from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch, make_engine
 from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.tracking import Tracker
@@ -68,6 +70,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
     kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
     reward_fn = RewardFunction(cfg)
+    reward_model = build_reward_model(cfg, ctx, tokenizer) if cfg.reward_model.enable else None
     logprob_check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
 
     guard = StabilityGuard(tr.guard)
@@ -105,6 +108,12 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
     tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
     profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
+    for line in describe_layouts(cfg):
+        tracker.log_line(f"[rlhf-hpc] {line}")
+    if reward_model is not None and val and val[0].reward_style == "model":
+        val = []  # as verl: validation scores with rules only, and these rows have none
+        tracker.log_line("[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "
+                         "(verl validates rule-scored data only)")
     if resume_from is not None:
         tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
     stopper = StopCheck(run_dir, cfg.launcher.time_margin_s, all_reduce_max)
@@ -142,9 +151,18 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         tracker.log(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn), step)
 
     model_cfg = model_config(arr.model.path, arr.model.override_config)  # for the FLOP count
+    bypass = cfg.algorithm.rollout_correction.bypass_mode
     while step < total_steps:
         step += 1
         timer, metrics = Timer(), {}
+
+        def check_engine(engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor) -> None:
+            """The standing rollout/actor log-prob check on the same tokens; raises when the
+            engine is broken (rollout.base.LogprobCheck)."""
+            metrics.update(logprob_mismatch(engine_lp, actor_lp, mask, all_reduce_sum, all_reduce_max))
+            warning = logprob_check(metrics, step)
+            if warning and ctx.is_main:
+                tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
         with profiler.step(step, timer), timer("step"), out_of_memory_report(timer, ctx.device):
             # 1. weights: training layout -> engine (streamed, bucketed, in place)
             with timer("update_weights"):
@@ -166,16 +184,17 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             metrics.update(balance)
             metrics.update(coverage([r.prompt_pos for r in rows], len(prompts)))
             batch = make_step_batch(cfg, tokenizer, rows)
-            # 3. old log-probs (the PPO anchor), reference log-probs, values
-            with timer("old_log_prob"):
-                batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
-                    batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
-                    arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
-            metrics.update(logprob_mismatch(batch["engine_log_probs"], batch["old_log_probs"],
-                                            batch["response_mask"], all_reduce_sum, all_reduce_max))
-            warning = logprob_check(metrics, step)  # raises when the engine is broken
-            if warning and ctx.is_main:
-                tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
+            # 3. old log-probs (the PPO anchor): the actor's, or in verl's bypass mode the engine's
+            #    own (no forward pass; the check below then runs on the update's first mini-batch);
+            #    reference log-probs, values
+            if bypass:
+                batch["old_log_probs"], entropy = batch["engine_log_probs"].clone(), None
+            else:
+                with timer("old_log_prob"):
+                    batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
+                        batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
+                        arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
+                check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"])
             if engine.ref is not None:
                 with timer("ref"):
                     batch["ref_log_prob"], _ = engine.ref.compute_log_prob(
@@ -184,9 +203,15 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             if engine.critic is not None:
                 with timer("values"):
                     batch["values"] = engine.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
-            # 4. rewards: a score per response, on its last valid token
+            # 4. rewards: a score per response, on its last valid token; a reward model's score
+            #    replaces the rule/custom one (verl's naive reward manager)
             with timer("reward"):
-                scores = score_responses(reward_fn, tokenizer, train, rows, batch)
+                if reward_model is not None:
+                    with timer("reward_model"):
+                        scores = reward_model.score(batch, [train[r.example].messages for r in rows])
+                    metrics.update(reduce_stats({"reward_model/score": scores}))
+                else:
+                    scores = score_responses(reward_fn, tokenizer, train, rows, batch)
                 batch["token_scores"] = scores_on_last_token(scores, batch["response_mask"])
             # 5. KL: in the reward (controller) and/or as a loss in the actor update
             if cfg.algorithm.use_kl_in_reward:
@@ -206,15 +231,19 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                         batch, per_rank_mini_batch(cfg.critic.ppo_mini_batch_size, arr.rollout.n, ctx.world_size),
                         seed=step))
             if tr.critic_warmup <= step:
+                pre_update = [] if bypass else None
                 with timer("update_actor"), faults.around_actor_update(step, engine.actor.optimizer, batch):
                     metrics.update(engine.actor.update_policy(
                         batch, per_rank_mini_batch(arr.actor.ppo_mini_batch_size, arr.rollout.n, ctx.world_size),
-                        seed=step))
+                        seed=step, pre_update_sample=pre_update))
                     metrics["actor/kl_coef"] = engine.actor.cfg.kl_loss_coef
+                if bypass:
+                    check_engine(*(torch.cat(t) for t in zip(*pre_update)))
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
         # entropy_coeff=0: the update computes no entropy; as verl, the old-log-prob pass reports it
-        metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
+        if "actor/rollout_entropy/mean" in metrics:
+            metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
         metrics.update(timer.times)
         metrics.update(profiler.metrics(timer.times, tracker.log_line))
         metrics.update(perf_metrics(cfg, ctx, batch, timer.times, model_cfg))
@@ -373,7 +402,7 @@ def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def data_metrics(batch: dict, entropy: torch.Tensor, use_critic: bool) -> dict[str, float]:
+def data_metrics(batch: dict, entropy: Optional[torch.Tensor], use_critic: bool) -> dict[str, float]:
     """The reference's per-step data metrics, global over ranks."""
     mask = batch["response_mask"].bool()
     resp_len = mask.sum(-1).float()
@@ -381,8 +410,9 @@ def data_metrics(batch: dict, entropy: torch.Tensor, use_critic: bool) -> dict[s
     R, P = mask.shape[1], batch["attention_mask"].shape[1] - mask.shape[1]
     values = {"critic/score": batch["token_scores"].sum(-1), "critic/rewards": batch["token_rewards"].sum(-1),
               "critic/advantages": batch["advantages"][mask], "critic/returns": batch["returns"][mask],
-              "response_length": resp_len, "prompt_length": prompt_len,
-              "actor/rollout_entropy": entropy[mask]}
+              "response_length": resp_len, "prompt_length": prompt_len}
+    if entropy is not None:  # None in bypass mode (no old-log-prob pass)
+        values["actor/rollout_entropy"] = entropy[mask]
     if use_critic:
         values["critic/values"] = batch["values"][mask]
     out = reduce_stats(values)

@@ -46,8 +46,11 @@ def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
             kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=norm_const)
             optimizer.zero_grad(set_to_none=True)
             metrics.new_mini_batch()
-            for g in groups:
+            for i, g in enumerate(groups):
                 weight = 1.0 if g else 0.0  # an empty group runs a dummy row: collectives stay in step
+                # gradients accumulate over the micro-batches; the all-reduce across replicas runs
+                # once, after the last (every rank has the same number of groups)
+                requires_all_reduce(model, i == len(groups) - 1)
                 micro = to_device(select_rows(mini, g) if g else dummy_rows(mini), device)
                 # the ranks of an sp group compute the same loss: each reports 1/sp of it in the metrics
                 loss = micro_loss(micro, kw, metrics, weight / sp_size)
@@ -70,3 +73,10 @@ def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
     out[f"{prefix}/grad_norm_nonfinite"] = float(nonfinite)
     out[f"{prefix}/lr"] = lr
     return out
+
+
+def requires_all_reduce(model: nn.Module, on: bool) -> None:
+    """FSDP2 (HSDP or replicated): whether this backward all-reduces the gradients across the
+    replicas (the reduce-scatter inside a shard group runs every time, so no memory is added)."""
+    if hasattr(model, "set_requires_all_reduce"):
+        model.set_requires_all_reduce(on, recurse=True)

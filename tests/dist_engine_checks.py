@@ -172,6 +172,8 @@ def phase_train(out: Path) -> None:
     results: dict = {}
     actor = run_actor_equivalence("actor_2x2", 2, results, rank, world)
     run_actor_equivalence("actor_1x4", -1, results, rank, world)
+    # replicated (the layout rlhf_hpc.layout picks for small models): one all-reduce per mini-batch
+    run_actor_equivalence("actor_4x1", 1, results, rank, world)
     run_actor_equivalence("actor_2x2_dynamic_bsz", 2, results, rank, world, use_dynamic_bsz=True,
                           ppo_max_token_len_per_gpu=20)
     critic = run_critic_equivalence(results, rank, world)

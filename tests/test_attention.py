@@ -48,6 +48,31 @@ def test_varlen_matches_sdpa_packed_padded_and_unpadded(models):
     assert attention._cached[2] == int(lens.max())
 
 
+def test_sequences_of_equal_length_share_one_batched_call(models):
+    """Packed sequences are grouped by length (one sdpa call per distinct length): the same
+    log-probs as sdpa when all lengths are equal, when some repeat, and when all differ."""
+    sdpa, varlen = models
+    cases = [((6, 6, 6), (4, 4, 4)),          # one length: the row is a batch as it is
+             ((6, 6, 3, 6, 3), (4, 4, 2, 4, 5)),  # lengths 10, 10, 5, 10, 8: groups of 3, 1, 1
+             ((2, 5, 7), (1, 3, 6))]           # all different
+    for prompt_lens, resp_lens in cases:
+        b = batch(prompt_lens, resp_lens, max(prompt_lens), max(resp_lens), seed=5)
+        lp_ref, _ = per_token_logprobs(sdpa, b, remove_padding=True)
+        lp, _ = per_token_logprobs(varlen, b, remove_padding=True)
+        assert (lp - lp_ref).abs().max().item() < 1e-5, prompt_lens
+    q = torch.randn(12, 4, 8, requires_grad=True)
+    kv = torch.randn(12, 2, 8)
+    cu = torch.tensor([0, 3, 6, 8, 12], dtype=torch.int32)  # lengths 3, 3, 2, 4
+    out = attention.per_sequence_attention(q, kv, kv, cu)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each sequence on its own
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), kv[a:b].transpose(0, 1), kv[a:b].transpose(0, 1), is_causal=True,
+            enable_gqa=True).transpose(0, 1)
+        assert torch.allclose(out[a:b], ref, atol=1e-6)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_varlen_gradients_match_sdpa(models):
     sdpa, varlen = models
     b = batch((12, 5, 9, 2), (10, 3, 7, 10), 12, 10, seed=4)
@@ -74,7 +99,9 @@ def test_varlen_is_chosen_by_verl_override_key_and_validated():
     cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.override_config.attn_implementation=varlen"])
     mcfg = cfg.actor_rollout_ref.model
     assert attn_implementation(torch.device("cpu"), mcfg.override_config) == "varlen"
-    assert attn_implementation(torch.device("cpu"), cfg.critic.model.override_config) == "sdpa"
+    # the CPU default is varlen as well (packed rows without a dense mask); sdpa only when asked for
+    assert attn_implementation(torch.device("cpu"), cfg.critic.model.override_config) == "varlen"
+    assert attn_implementation(torch.device("cpu"), {"attn_implementation": "sdpa"}) == "sdpa"
     critic = build_critic(URL, torch.float32, attn="varlen", seed=1)
     assert critic.model.config._attn_implementation == "varlen"
     with pytest.raises(ConfigError, match=r"critic.model.override_config.attn_implementation='varlne'.*did you mean 'varlen'"):

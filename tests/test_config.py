@@ -305,7 +305,7 @@ def test_interpolation_and_derived_defaults():
     assert (a.clip_ratio_low, a.clip_ratio_high) == (0.2, 0.2)
     assert cfg.critic.enable is True and cfg.critic.model.path == "Qwen/Qwen2.5-7B-Instruct"
     assert cfg.critic.ppo_mini_batch_size == 256
-    assert a.fsdp_config.fsdp_size == 8  # HYBRID_SHARD: one shard group per node
+    assert a.fsdp_config.fsdp_size is None  # chosen from the model size (rlhf_hpc.layout)
     (msg,) = errors_of(tiny, "trainer.project_name=${trainer.experiment_nme}")
     assert msg == ("trainer.project_name: '${trainer.experiment_nme}' refers to an unknown key "
                    "(did you mean 'trainer.experiment_name'?)")

@@ -1,6 +1,6 @@
 """FSDP2 engine under torchrun on CPU (gloo): sharded == single-process, checkpoints reshard.
 
-One 4-rank torchrun (meshes 2x2 and 1x4, actor and critic, save, a save that dies half-way,
+One 4-rank torchrun (meshes 2x2, 1x4 and 4x1 (replicated), actor and critic, save, a save that dies half-way,
 retention) and one 2-rank torchrun (load the 4-rank checkpoint on a 1x2 mesh, export to HF).
 Tolerances (fp32): log-probs/values 1e-5, metrics 1e-5 relative (absolute below 1), gradients 1e-5, parameters after 3 steps of
 AdamW at lr 1e-3 (a movement of ~6e-3) 1e-4; measured: ~5e-7, ~4e-7, ~1e-7 and ~5e-6.
@@ -36,7 +36,7 @@ def results(tmp_path_factory):
     return torchrun(4, "train", out), torchrun(2, "reload", out)
 
 
-@pytest.mark.parametrize("name", ["actor_2x2", "actor_1x4", "actor_2x2_dynamic_bsz"])
+@pytest.mark.parametrize("name", ["actor_2x2", "actor_1x4", "actor_4x1", "actor_2x2_dynamic_bsz"])
 def test_sharded_actor_matches_single_process(results, name):
     r = results[0][name]
     assert r["logprob_max_diff"] < 1e-5

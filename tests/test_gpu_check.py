@@ -55,7 +55,7 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert data["mode"] == "cpu-smoke"
     env = data["env"]
     assert env["vllm_installed"] is False and env["flash_attn_installed"] is False
-    assert env["backend"] == "gloo" and env["attn_implementation"] == "sdpa"
+    assert env["backend"] == "gloo" and env["attn_implementation"] == "varlen"
     assert env["matmul_bf16_tflops"] > 0
     cases = data["cases"]
     failed = [(c["model"], c["case"], c["status"], c.get("note"), c.get("traceback")) for c in cases

@@ -122,3 +122,19 @@ def test_a_launch_is_refused_before_anything_starts(tmp_path):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "memory plan: phase gen needs" in out.stderr
     assert not run.exists()  # no config written, no torchrun started
+
+
+def test_the_reward_model_has_its_phase_and_stays_resident_unless_offloaded():
+    rm = ["reward_model.enable=true", "reward_model.model.path=~/models/Qwen2.5-7B-RM"]
+    _, plan = plan_of("qwen7b_klppo", *rm)
+    assert [p.name for p in plan.phases] == ["gen", "old_log_prob", "ref", "values", "reward_model", "update_actor",
+                                             "update_critic"]
+    rm_params = 7_615_616_512 - 152064 * 3584 + 3584  # the LM head replaced by a one-label score head
+    gen = phase(plan, "gen")
+    assert gen.parts["reward model params"] == pytest.approx(rm_params * 4 / 8)  # fp32 shards over 8 GPUs
+    assert "reward_model.model.fsdp_config.param_offload" in gen.shrink
+    assert phase(plan, "reward_model").parts["logits"] > 0 and "reward_model.micro_batch_size_per_gpu" in \
+        phase(plan, "reward_model").shrink
+    _, offloaded = plan_of("qwen7b_klppo", *rm, "reward_model.model.fsdp_config.param_offload=true")
+    assert phase(offloaded, "gen").parts["reward model params"] == 0.0
+    assert phase(offloaded, "gen").total == pytest.approx(gen.total - rm_params * 4 / 8)

@@ -43,7 +43,11 @@ def launch(run: Path, steps: int):
     out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "actor_rollout_ref.rollout.name=hf",
                      f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=-1",
                      "trainer.val_before_train=false", "trainer.logger=[console,mlflow]",
-                     f"trainer.profile_steps=[{TRACED_STEP}]", timeout=900)
+                     f"trainer.profile_steps=[{TRACED_STEP}]",
+                     # sharded, so FSDP's all-gathers are there to trace (the tiny model alone would be
+                     # replicated: rlhf_hpc.layout)
+                     *[f"{m}.fsdp_config.fsdp_size=2" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
+                                                               "critic.model")], timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -238,9 +242,12 @@ def test_hint_after_three_steps_over_a_fifth_once_per_stretch():
                             "perf/comm_fraction_other": 0.0})
     said = [step(f, f * 0.9) for f in (0.3, 0.3, 0.1, 0.3, 0.25, 0.4, 0.5, 0.6, 0.2)]
     assert [i for i, s in enumerate(said) if s] == [3 + HINT_STEPS - 1]
-    assert "most in train" in said[5] and "ppo_micro_batch_size_per_gpu" in said[5]
-    assert "fsdp_config.forward_prefetch=true" in said[5]
-    assert "fsdp_size" not in said[5]  # one node already shards inside the node
+    # the tiny model is replicated (rlhf_hpc.layout): its one collective is the gradient all-reduce
+    assert "most in train" in said[5] and "ppo_mini_batch_size, now 8" in said[5]
+    assert "fsdp_size" not in said[5]
+    sharded = CommHint(load_config("tiny_klppo", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=2"])[0])
+    assert "fsdp_config.forward_prefetch=true" in sharded.keys_for("train")
+    assert "fsdp_size" not in sharded.keys_for("train")  # one node already shards inside the node
     multi = load_config("qwen7b_klppo_4node", check_files=False)[0]
     assert "fsdp_size" not in CommHint(multi).keys_for("train")  # that recipe is HSDP already (8 per node)
     multi = load_config("qwen7b_klppo_4node", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"],

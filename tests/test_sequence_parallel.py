@@ -79,8 +79,11 @@ def test_sequence_parallel_ranks_see_a_slice_of_each_row(checks):
 def test_training_steps_with_sp2_for_actor_reference_and_critic_match_sp1(tmp_path):
     """The engine wiring end to end: tiny_klppo (KL loss and KL in the reward: the reference runs),
     2 steps on 2 ranks, all three models with sp=2 vs sp=1 (both varlen attention). The same
-    rollouts, so every logged number matches; 1e-4 relative allows for two steps of fp32 drift
-    (measured: < 1e-5 after 2 steps, 8e-5 after 3), far below what a row counted twice would do."""
+    rollouts, so every logged number matches: step 1 (old/ref log-probs, values, losses, gradient
+    norms of the first update) within 1e-5 relative (measured: 3e-6); step 2 within 1e-3, since
+    Adam's first step moves every parameter by ~lr whatever the size of its gradient, so fp32
+    rounding in near-zero gradients shows after one update (measured: 1e-4 on critic/vf_loss).
+    A row counted twice, or a lost slice gradient, would be off by far more."""
     runs = {}
     for sp in (1, 2):
         run = tmp_path / f"sp{sp}"
@@ -95,11 +98,11 @@ def test_training_steps_with_sp2_for_actor_reference_and_critic_match_sp1(tmp_pa
         runs[sp] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(runs[1]) == len(runs[2]) == 2
     compared = 0
-    for a, b in zip(runs[1], runs[2]):
+    for rel, a, b in zip((1e-5, 1e-3), runs[1], runs[2]):
         for key, v in a.items():
             if key.startswith(("timing_s/", "perf/", "training/log_step")) or not isinstance(v, (int, float)):
                 continue
-            assert b[key] == pytest.approx(v, rel=1e-4, abs=1e-6), key
+            assert b[key] == pytest.approx(v, rel=rel, abs=1e-6), (a["training/global_step"], key)
             compared += 1
     assert compared > 60 and runs[1][1]["actor/kl_loss"] > 0 and runs[1][1]["critic/grad_norm"] > 0
 

@@ -87,7 +87,9 @@ def test_verl_example_command_lines_dry_run_unchanged(script, tmp_path):
     ("algorithm.use_pf_ppo=True", "PF-PPO"),
     ("trainer.use_legacy_worker_impl=disable", "worker implementations"),
     ("actor_rollout_ref.actor.ppo_micro_batch_size=64", "use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    ("reward_model.model.use_remove_padding=True", "reward-model scoring"),
+    ("reward_model.enable_resource_pool=True", "a separate resource pool for the reward model"),
+    ("reward_model.launch_reward_fn_async=True", "asynchronous reward functions"),
+    ("reward_model.micro_batch_size=8", "use reward_model.micro_batch_size_per_gpu"),
 ])
 def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path):
     out = run_launch(*verl_args(VERL_GRPO, str(tmp_path)), extra, "cluster=local", "--dry-run")
@@ -97,18 +99,18 @@ def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path
 
 
 @pytest.mark.parametrize("override,message", [
-    ("reward_model.enable=true", "reward_model.enable=true: reward-model scoring is not available yet"),
     ("data.dataloader_num_workers=8", "data.dataloader_num_workers=8: there is no data loader pool here"),
     ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.hybrid_engine=false: only the hybrid engine"),
     ("trainer.log_val_generations=10", "trainer.log_val_generations=10: logging validation generations"),
     ("data.reward_fn_key=ability", "data.reward_fn_key='ability': rewards are chosen by the data_source column"),
     ("actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=bf16", "buffer_dtype: FSDP2 keeps buffers"),
-    ("reward_model.micro_batch_size_per_gpu=4", "reward_model.micro_batch_size_per_gpu: reward-model scoring is "
-                                                "not available yet"),
-    ("reward_model.max_length=512", "reward_model.max_length: reward-model scoring is not available yet"),
-    ("reward_model.strategy=fsdp", "reward_model.strategy: reward-model scoring is not available yet"),
+    # a disabled reward model's keys would have no effect (tests/test_reward_model.py checks the enabled ones)
+    ("reward_model.micro_batch_size_per_gpu=4", "reward_model.micro_batch_size_per_gpu is set but "
+                                                "reward_model.enable=false"),
+    ("reward_model.max_length=512", "reward_model.max_length is set but reward_model.enable=false"),
+    ("reward_model.strategy=fsdp", "reward_model.strategy is set but reward_model.enable=false"),
     ("reward_model.model.input_tokenizer=Qwen/Qwen2-7B-Instruct",
-     "reward_model.model.input_tokenizer: reward-model scoring is not available yet"),
+     "reward_model.model.input_tokenizer is set but reward_model.enable=false"),
     ("actor_rollout_ref.model.custom_chat_template='{% for m in messages %}'", "not a valid Jinja template"),
     ("actor_rollout_ref.model.external_lib=no_such_module_here", "no such Python module here"),
 ])

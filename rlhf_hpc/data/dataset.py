@@ -28,6 +28,8 @@ class Example:
     ground_truth: Any
     extra_info: dict = field(default_factory=dict)
     index: int = 0
+    messages: list[dict] = field(default_factory=list)  # the prompt's chat messages (reward-model re-encoding)
+    reward_style: str = "rule"  # reward_model.style: "model" rows are scored by a reward model only
 
 
 def read_rows(path: str, split_seed: int = 0) -> list[dict]:
@@ -112,7 +114,9 @@ def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_see
                 ids = ids[-data.max_prompt_length:] if data.truncation == "left" else ids[:data.max_prompt_length]
             out.append(Example(prompt_ids=ids, data_source=row["data_source"],
                                ground_truth=row["reward_model"]["ground_truth"],
-                               extra_info=dict(row.get("extra_info") or {}), index=len(out)))
+                               extra_info=dict(row.get("extra_info") or {}), index=len(out),
+                               messages=list(row[data.prompt_key]),
+                               reward_style=str(row["reward_model"].get("style") or "rule")))
     if not out:
         raise DataError(f"{', '.join(files)}: no usable rows (all filtered as longer than "
                         f"data.max_prompt_length={data.max_prompt_length}?)")

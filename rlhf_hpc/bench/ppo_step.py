@@ -1,0 +1,147 @@
+"""Seconds per KL-PPO step, per phase, on a fixed CPU workload: the real trainer (``launch.py``), run
+for a few steps, timed by its own ``timing_s/*`` metrics.
+
+    python -m rlhf_hpc.bench.ppo_step [--steps 8] [--label default] [key=value ...]
+
+The workload (issue #19, also what ``rlhf_hpc/bench/trl_ppo_step.py`` runs through TRL): a
+Qwen2-shaped model of hidden 512, 4 layers, 8 heads / 2 KV heads, intermediate 1408, vocabulary
+8000, untied embeddings (19.5M parameters), random weights; 64 prompts of 26 tokens per step
+(``synthetic://copy``), exactly 32 new tokens each (EOS ignored); 1 PPO epoch of 4 mini-batches for
+the actor and the critic; critic, reference and KL in the reward on; fp32 on 2 ranks x 1 thread
+(gloo). Extra ``key=value`` arguments override the recipe (e.g. ``actor_rollout_ref.actor.fsdp_config.fsdp_size=1``
+to compare layouts). The figure per phase is the median over steps 3..N (the first two warm up).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODEL = ("tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
+         "&intermediate_size=1408&vocab_size=8000")
+
+WORKLOAD = [
+    "data.train_files=synthetic://copy?size=1024", "data.val_files=null",
+    "data.train_batch_size=64", "data.max_prompt_length=32", "data.max_response_length=32",
+    f"actor_rollout_ref.model.path={MODEL}",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_epochs=1",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+    "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.ignore_eos=true",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
+    "critic.ppo_mini_batch_size=16", "critic.ppo_epochs=1",
+    "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+    "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+    "trainer.n_gpus_per_node=2", "trainer.guard.enable=false",
+]
+
+# what TRL's PPOTrainer calls its phases, and the trainer's timers that do the same work
+PHASES = {
+    "step": ["timing_s/step"],
+    "generation (incl. weight sync)": ["timing_s/update_weights", "timing_s/gen"],
+    "forward passes before the update": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/values"],
+    "training (critic + actor update)": ["timing_s/update_critic", "timing_s/update_actor"],
+}
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(steps: int, overrides: list[str], run_dir: Path, repo: Path = REPO) -> list[dict]:
+    """Train ``steps`` steps of the workload into ``run_dir`` with the checkout at ``repo`` (this
+    one, or e.g. a git worktree of an older commit); its metrics rows."""
+    cmd = [sys.executable, "launch.py", "recipe=tiny_klppo", *WORKLOAD, f"trainer.total_training_steps={steps}",
+           f"trainer.default_local_dir={run_dir}", "trainer.logger=[console]", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def phase_times(rows: list[dict], skip: int = 2) -> dict[str, float]:
+    """Median seconds per phase over the rows after the first ``skip`` steps; also every timer."""
+    rows = rows[skip:]
+    out = {}
+    for phase, keys in PHASES.items():
+        out[phase] = statistics.median(sum(r.get(k, 0.0) for k in keys) for r in rows)
+    for key in sorted({k for r in rows for k in r if k.startswith("timing_s/")}):
+        out[key] = statistics.median(r.get(key, 0.0) for r in rows)
+    return out
+
+
+def trl_workload(workdir: Path, steps: int) -> None:
+    """workload.json and the tokenizer for ``trl_ppo_step``: the same model shape, prompts (the
+    project's own synthetic://copy prompts, chat-formatted: 26 tokens) and batch sizes."""
+    from rlhf_hpc.config import DataConfig
+    from rlhf_hpc.data.dataset import load_examples
+    from rlhf_hpc.models import TINY_QWEN2, _parse_value
+    from rlhf_hpc.tokenizer import load_tokenizer
+    from urllib.parse import parse_qsl, urlparse
+    tokenizer = load_tokenizer("tiny://chars")
+    tokenizer.save_pretrained(workdir / "tokenizer")
+    shape = {**TINY_QWEN2, **{k: _parse_value(v) for k, v in parse_qsl(urlparse(MODEL).query)}}
+    examples = load_examples("synthetic://copy?size=1024", tokenizer, DataConfig(max_prompt_length=32))
+    workload = {"model": shape, "prompts": [e.prompt_ids for e in examples[:64 * steps]], "steps": steps,
+                "train_batch_size": 64, "mini_batch_size": 16, "response_length": 32}
+    (workdir / "workload.json").write_text(json.dumps(workload))
+
+
+def run_trl(venv: Path, steps: int, workdir: Path) -> dict[str, float]:
+    trl_workload(workdir, steps)
+    script = Path(__file__).with_name("trl_ppo_step.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script), str(workdir)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"the TRL run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return json.loads((workdir / "trl.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--label", default="rlhf-hpc")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--vs-trl", metavar="VENV", type=Path,
+                    help="also run TRL's PPOTrainer on the same work from this virtual environment (create it with "
+                         "python -m rlhf_hpc.bench.trl_ppo_step --setup VENV) and print both side by side")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:k=v,k=v",
+                    help="one more configuration of this project to time in the same run")
+    ap.add_argument("--before", metavar="CHECKOUT", type=Path,
+                    help="also time this checkout of the project (e.g. a git worktree of an older commit)")
+    ap.add_argument("overrides", nargs="*", help="recipe key=value overrides")
+    args = ap.parse_args()
+    columns: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.vs_trl:
+            columns["TRL PPOTrainer"] = run_trl(args.vs_trl, args.steps, Path(tmp))
+        if args.before:
+            columns["before"] = phase_times(run(args.steps, args.overrides, Path(tmp) / "before", args.before))
+        columns[args.label] = phase_times(run(args.steps, args.overrides, Path(tmp) / "run"))
+        for i, variant in enumerate(args.variant):
+            label, _, keys = variant.partition(":")
+            extra = [k for k in keys.split(",") if k]
+            columns[label] = phase_times(run(args.steps, args.overrides + extra, Path(tmp) / f"run{i}"))
+    print(f"seconds per step, median of steps 3..{args.steps}" + (f" ({' '.join(args.overrides)})" if args.overrides else ""))
+    names = list(columns)
+    print("| phase | " + " | ".join(names) + " |")
+    print("| --- |" + " --- |" * len(names))
+    rows = list(PHASES) + sorted({k for c in columns.values() for k in c if k.startswith("timing_s/")})
+    for key in rows:
+        print(f"| {key} | " + " | ".join(f"{c[key]:.2f}" if key in c else "" for c in columns.values()) + " |")
+    if args.vs_trl:
+        trl = columns["TRL PPOTrainer"]["step"]
+        for name in names[1:]:
+            print(f"{name}: {trl / columns[name]['step']:.2f}x TRL's speed per step")
+    if args.json:
+        Path(args.json).write_text(json.dumps(columns, indent=1))
+
+
+if __name__ == "__main__":
+    main()
