@@ -12,7 +12,8 @@ all-to-all after it gives the slice back (``UlyssesAttention``, passed to the mo
 slices are then gathered over the group, so every rank of the group sees the whole rows' outputs
 and computes the same loss.
 
-Activation memory per rank falls by ~sp (the slice), the weights are sharded by FSDP as before.
+The decoder layers' activation memory per rank falls by ~sp (the slice); the head's logits follow
+the response tokens in each slice; the weights are sharded by FSDP as before.
 The rows a rank trains on do not change: the trainer's layout, its global statistics and the
 batch-size arithmetic are those of sp=1; the group only computes its members' rows together.
 
