@@ -109,7 +109,12 @@ def choose_layouts(cfg: Config) -> dict[str, Layout]:
         auto = [k for k in ("fsdp_size", "reshard_after_forward", "forward_prefetch") if getattr(fsdp, k) is None]
         reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else shard > 1
         prefetch = bool(fsdp.forward_prefetch)  # null: off (FSDP2 overlaps the next all-gather implicitly)
-        out[name] = Layout(size, reshard, prefetch, why if auto else "")
+        if "fsdp_size" not in auto and auto:
+            reason = (f"fsdp_size={size} as set: parameters " + ("freed after the forward (sharded)" if shard > 1 else
+                                                                 "kept from forward to backward (replicated)"))
+        else:
+            reason = why if auto else ""
+        out[name] = Layout(size, reshard, prefetch, reason)
     return out
 
 

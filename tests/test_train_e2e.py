@@ -77,6 +77,8 @@ def test_checkpoints_and_console(demo_run):
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "60"
     assert (run / "config.yaml").is_file()
     assert "step 60/60 | score" in stdout and "ETA" in stdout
+    # the tiny models are replicated (rlhf_hpc.layout), and the log says why
+    assert "[rlhf-hpc] FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false" in stdout
 
 
 def _run(run: Path, steps: int, *extra: str):
