@@ -95,7 +95,9 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     custom_chat_template: Optional[str] = None  # a Jinja chat template replacing the tokenizer's
     override_config: dict[str, Any] = field(default_factory=dict)
-    enable_gradient_checkpointing: bool = True
+    # null: chosen from the memory a micro-batch's activations take (rlhf_hpc.layout): off when
+    # they are small, else on (verl's default, true)
+    enable_gradient_checkpointing: Optional[bool] = None
     use_remove_padding: bool = True
     trust_remote_code: bool = False
     external_lib: Optional[str] = None  # a module imported before models are built (registers custom ones)
@@ -185,7 +187,7 @@ class CriticModelConfig:
     path: Optional[str] = None  # null -> actor_rollout_ref.model.path (value head initialised fresh)
     tokenizer_path: Optional[str] = None
     override_config: dict[str, Any] = field(default_factory=dict)
-    enable_gradient_checkpointing: bool = True
+    enable_gradient_checkpointing: Optional[bool] = None  # null: chosen from its activations (rlhf_hpc.layout)
     use_remove_padding: bool = True
     trust_remote_code: Optional[bool] = None  # null -> actor_rollout_ref.model's (as verl)
     external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)

@@ -11,7 +11,7 @@ from rlhf_hpc.actor import Actor
 from rlhf_hpc.config import Config, FSDPConfig
 from rlhf_hpc.critic import Critic
 from rlhf_hpc.dist import DistContext, all_reduce_max_int, all_reduce_sum, build_train_mesh
-from rlhf_hpc.layout import resolved_fsdp_configs
+from rlhf_hpc.layout import choose_checkpointing, resolved_fsdp_configs
 from rlhf_hpc.models import attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
 from rlhf_hpc.optim import build_lr_scheduler, build_optimizer
 from rlhf_hpc.parallel import parallelize
@@ -69,12 +69,13 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
         attn = "varlen"  # the implementation that exchanges heads (rlhf_hpc.sequence_parallel)
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
     fsdp = resolved_fsdp_configs(cfg)  # the layouts left at null, chosen from the model size
+    ckpt = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}  # likewise checkpointing
     common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
                   norm_const=float(cfg.data.max_response_length), device=ctx.device)
 
     model = build_causal_lm(mcfg.path, torch_dtype(actor_cfg.fsdp_config.model_dtype), "cpu",
                             mcfg.override_config, seed, mcfg.trust_remote_code, attn)
-    _shard(model, fsdp["actor"], ctx, mcfg.enable_gradient_checkpointing)
+    _shard(model, fsdp["actor"], ctx, ckpt["actor"])
     actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
     opt = build_optimizer(model, actor_cfg.optim)
     on_gpu = ctx.device.type == "cuda"
@@ -105,7 +106,7 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
                               ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
                               critic_attn, init_from=init_from)
         del init_from
-        _shard(cmodel, fsdp["critic"], ctx, ccfg.model.enable_gradient_checkpointing)
+        _shard(cmodel, fsdp["critic"], ctx, ckpt["critic"])
         copt = build_optimizer(cmodel, ccfg.optim)
         critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
                         scheduler=build_lr_scheduler(copt, ccfg.optim, total_steps),

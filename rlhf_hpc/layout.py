@@ -1,4 +1,5 @@
-"""The FSDP layout of each trained model when the recipe leaves it open.
+"""The FSDP layout of each trained model, and its activation checkpointing, when the recipe
+leaves them open.
 
 ``fsdp_size``, ``reshard_after_forward`` and ``forward_prefetch`` default to null: chosen here from
 the models' size, the world and the memory a rank has; a value set in the recipe always wins.
@@ -31,6 +32,8 @@ from rlhf_hpc.config import Config, FSDPConfig
 GiB = 2**30
 # share of a rank's memory the models' whole training state may take before sharding is chosen
 REPLICATE_SHARE = 0.2
+# share of a rank's memory one micro-batch's activations may take before checkpointing is chosen
+CHECKPOINT_SHARE = 0.1
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 SECTIONS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rollout_ref.ref.fsdp_config",
@@ -134,9 +137,52 @@ def describe(cfg: Config) -> list[str]:
         if layout.reason and _used(cfg, name):
             chosen.setdefault((layout.fsdp_size, layout.reshard_after_forward, layout.forward_prefetch,
                                layout.reason), []).append(name)
-    return [f"FSDP layout of {', '.join(names)}: fsdp_size={size}, reshard_after_forward={str(reshard).lower()}, "
-            f"forward_prefetch={str(prefetch).lower()}; {reason} (set {SECTIONS[names[0]]}.* to choose)"
-            for (size, reshard, prefetch, reason), names in chosen.items()]
+    lines = [f"FSDP layout of {', '.join(names)}: fsdp_size={size}, reshard_after_forward={str(reshard).lower()}, "
+             f"forward_prefetch={str(prefetch).lower()}; {reason} (set {SECTIONS[names[0]]}.* to choose)"
+             for (size, reshard, prefetch, reason), names in chosen.items()]
+    keys = {"actor": "actor_rollout_ref.model.enable_gradient_checkpointing",
+            "critic": "critic.model.enable_gradient_checkpointing"}
+    for name, (on, reason) in choose_checkpointing(cfg).items():
+        if reason and _used(cfg, name):
+            lines.append(f"activation checkpointing of the {name}: {'on' if on else 'off'}; {reason} "
+                         f"(set {keys[name]} to choose)")
+    return lines
+
+
+def choose_checkpointing(cfg: Config) -> dict[str, tuple[bool, str]]:
+    """``actor`` and ``critic``: (activation checkpointing on, why). A value set in the recipe is
+    kept (why = ""). Left at null: off when one micro-batch's activations without it (the memory
+    plan's estimate, ``rlhf_hpc.memory_plan``) stay within ``CHECKPOINT_SHARE`` of a rank's
+    memory, since recomputing them costs a third more compute in every update; on otherwise."""
+    from rlhf_hpc.memory_plan import DTYPE_BYTES as PLAN_BYTES, _activations, logits_bytes, micro_tokens, model_shape
+    arr, critic, d = cfg.actor_rollout_ref, cfg.critic, cfg.data
+    memory = rank_memory_bytes(cfg)
+    per_rank_rows = max(1, d.train_batch_size * arr.rollout.n // max(cfg.world_size, 1))
+    out = {}
+    for name, model, section, path, override, trust, vocab in (
+            ("actor", arr.model, arr.actor, arr.model.path, arr.model.override_config, arr.model.trust_remote_code,
+             True),
+            ("critic", critic.model, critic, critic.model.path or arr.model.path, critic.model.override_config,
+             bool(critic.model.trust_remote_code), False)):
+        if model.enable_gradient_checkpointing is not None:
+            out[name] = (model.enable_gradient_checkpointing, "")
+            continue
+        try:
+            shape = model_shape(path, override, trust)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            out[name] = (True, f"the model's size is unknown here ({e}): on")
+            continue
+        tokens, resp = micro_tokens(section.ppo_micro_batch_size_per_gpu, per_rank_rows, bool(section.use_dynamic_bsz),
+                                    section.ppo_max_token_len_per_gpu, d.max_prompt_length, d.max_response_length)
+        b = PLAN_BYTES[section.fsdp_config.mixed_precision.param_dtype if name == "actor"
+                       else critic.model.fsdp_config.mixed_precision.param_dtype]
+        act = _activations(shape, tokens, b, checkpointing=False, with_grad=True)
+        act += logits_bytes(resp, shape.vocab, b, with_grad=True) if vocab else 0
+        small = act <= CHECKPOINT_SHARE * memory
+        out[name] = (not small, f"a micro-batch's activations ({act / GiB:.2f} GiB, {tokens} tokens) "
+                                + (f"fit in {CHECKPOINT_SHARE:.0%} of {memory / GiB:.0f} GiB per rank: off (no recompute)"
+                                   if small else f"exceed {CHECKPOINT_SHARE:.0%} of {memory / GiB:.0f} GiB per rank: on"))
+    return out
 
 
 def _used(cfg: Config, name: str) -> bool:

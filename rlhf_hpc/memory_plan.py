@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.config import Config, FSDPConfig
-from rlhf_hpc.layout import describe as describe_layouts, resolved_fsdp_configs
+from rlhf_hpc.layout import choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs
 
 GiB = 1024 ** 3
 DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
@@ -270,6 +270,7 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     critic_params = cs.params - cs.head_params + cs.hidden + 1 if use_critic else 0
     use_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.layout)
+    ckpt = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}
     afs, rfs, cfs = layouts["actor"], layouts["ref"], layouts["critic"]
     rm, rms = cfg.reward_model, None
     notes = describe_layouts(cfg)
@@ -385,14 +386,14 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
 
     prefix = "actor_rollout_ref.actor"
     update_phase("update_actor", s, s.params, afs, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
-                 actor.ppo_max_token_len_per_gpu, arr.model.enable_gradient_checkpointing, s.vocab,
+                 actor.ppo_max_token_len_per_gpu, ckpt["actor"], s.vocab,
                  update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
-                             arr.model.enable_gradient_checkpointing, afs), "actor", actor.ulysses_sequence_parallel_size)
+                             ckpt["actor"], afs), "actor", actor.ulysses_sequence_parallel_size)
     if use_critic:
         update_phase("update_critic", cs, critic_params, cfs, critic.ppo_micro_batch_size_per_gpu,
-                     critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, critic.model.enable_gradient_checkpointing,
+                     critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, ckpt["critic"],
                      0, update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
-                                    critic.model.enable_gradient_checkpointing, cfs), "critic",
+                                    ckpt["critic"], cfs), "critic",
                      critic.ulysses_sequence_parallel_size)
     if on_gpu and not tr.gpu_memory_gb:
         notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")

@@ -740,6 +740,15 @@ def unsupported_values(cfg: Config) -> list[str]:
     is accepted, any other value refused here, so no key is taken and then ignored."""
     errors = []
     d, arr = cfg.data, cfg.actor_rollout_ref
+    # inference-only models: no gradients to reduce, no optimizer to offload
+    for key in ("actor_rollout_ref.ref.fsdp_config", "reward_model.model.fsdp_config"):
+        fsdp = get_key(cfg, key)
+        if fsdp.mixed_precision.reduce_dtype not in ("float32", "fp32"):
+            errors.append(f"{key}.mixed_precision.reduce_dtype={fsdp.mixed_precision.reduce_dtype}: this model only "
+                          f"runs forward passes, so no gradient is ever reduced; remove the key")
+    if arr.ref.fsdp_config.optimizer_offload:
+        errors.append("actor_rollout_ref.ref.fsdp_config.optimizer_offload=true: the reference model has no optimizer; "
+                      "use actor_rollout_ref.ref.fsdp_config.param_offload to move its weights to the host")
     if d.dataloader_num_workers != 0:
         errors.append(f"data.dataloader_num_workers={d.dataloader_num_workers}: there is no data loader pool here "
                       f"(prompts are tokenised once at start-up); remove the key or set it to 0")

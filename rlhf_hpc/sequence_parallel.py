@@ -179,7 +179,7 @@ class UlyssesAttention:
         """query (1, H, n, D), key/value (1, Hkv, n, D) of this rank's slice -> ((1, n, H, D), None).
         ``attend``: the packed attention function run on this rank's heads of the whole sequence."""
         sp = self.sp
-        H, kv_heads = query.shape[1], key.shape[1]
+        kv_heads = key.shape[1]
         if kv_heads % sp.size:  # fewer KV heads than ranks: each rank needs a copy of its group's one
             key = key.repeat_interleave(sp.size // kv_heads, dim=1)
             value = value.repeat_interleave(sp.size // kv_heads, dim=1)

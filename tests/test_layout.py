@@ -14,7 +14,7 @@ def test_a_small_model_is_replicated_and_the_reason_is_given():
     cfg = load_config("tiny_klppo")[0]
     layouts = choose_layouts(cfg)
     assert {(lay.fsdp_size, lay.reshard_after_forward, lay.forward_prefetch) for lay in layouts.values()} == {(1, False, False)}
-    (line,) = describe(cfg)
+    line = describe(cfg)[0]
     assert line.startswith("FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false")
     assert "fits in 20% of" in line and "replicated on every rank" in line
     # the plan is built on the chosen layout and prints the choice
@@ -57,3 +57,22 @@ def test_the_choice_follows_the_memory_a_rank_has():
     state = training_state_bytes(cfg, model_shape(cfg.actor_rollout_ref.model.path).params)
     assert state > 0.2 * GiB  # ~100M parameters: over a fifth of 1 GiB
     assert choose_layouts(cfg)["actor"].fsdp_size == cfg.trainer.n_gpus_per_node
+
+
+def test_activation_checkpointing_is_chosen_from_the_micro_batch_activations():
+    from rlhf_hpc.layout import choose_checkpointing
+    tiny = load_config("tiny_klppo")[0]  # the recipe turns the actor's off; the critic's is left open
+    choice = choose_checkpointing(tiny)
+    assert choice["actor"] == (False, "")
+    assert choice["critic"][0] is False and "fit in 10% of" in choice["critic"][1]
+    assert any(line.startswith("activation checkpointing of the critic: off") for line in describe(tiny))
+    update = next(p for p in build_plan(tiny).phases if p.name == "update_critic")
+    assert "gradient checkpointing" not in update.note
+    # a token budget whose activations would not fit a small GPU turns it on
+    big = load_config("tiny_klppo", ["trainer.device=cuda", "trainer.gpu_memory_gb=1", "critic.use_dynamic_bsz=true",
+                                     "critic.ppo_max_token_len_per_gpu=65536"])[0]
+    on, why = choose_checkpointing(big)["critic"]
+    assert on and "exceed 10% of 1 GiB per rank: on" in why
+    # set in the recipe: kept, and not reported as chosen
+    seven = load_config("qwen7b_klppo", check_files=False)[0]
+    assert choose_checkpointing(seven) == {"actor": (True, ""), "critic": (True, "")}

@@ -113,6 +113,10 @@ def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path
      "reward_model.model.input_tokenizer is set but reward_model.enable=false"),
     ("actor_rollout_ref.model.custom_chat_template='{% for m in messages %}'", "not a valid Jinja template"),
     ("actor_rollout_ref.model.external_lib=no_such_module_here", "no such Python module here"),
+    # inference-only models reduce no gradients and have no optimizer
+    ("actor_rollout_ref.ref.fsdp_config.mixed_precision.reduce_dtype=bf16",
+     "actor_rollout_ref.ref.fsdp_config.mixed_precision.reduce_dtype=bf16: this model only runs forward passes"),
+    ("actor_rollout_ref.ref.fsdp_config.optimizer_offload=true", "the reference model has no optimizer"),
 ])
 def test_keys_without_an_effect_here_refuse_non_default_values(override, message):
     with pytest.raises(ConfigError) as e:

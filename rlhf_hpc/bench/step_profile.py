@@ -72,6 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step", type=int, default=3)
     ap.add_argument("--trace", type=Path, help="analyse this trace instead of running")
+    ap.add_argument("--rank", type=int, default=0, help="the rank whose trace is analysed")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.trace:
@@ -80,9 +81,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp) / "run"
             run(args.step, [f"trainer.profile_steps=[{args.step}]", *args.overrides], run_dir)
-            table = breakdown(run_dir / "profile" / f"step{args.step}" / "rank0.pt.trace.json")
+            table = breakdown(run_dir / "profile" / f"step{args.step}" / f"rank{args.rank}.pt.trace.json")
     kinds = [k for k, _ in KINDS]
-    print("seconds on rank 0, step", args.step, " ".join(args.overrides))
+    print(f"seconds on rank {args.rank}, step", args.step, " ".join(args.overrides))
     print("| phase | total | " + " | ".join(kinds) + " | other |")
     print("| --- |" + " --- |" * (len(kinds) + 2))
     for phase, acc in table.items():
