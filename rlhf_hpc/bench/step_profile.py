@@ -1,6 +1,6 @@
 """Where one training step's time goes, per phase, from a torch.profiler trace of rank 0.
 
-    python -m rlhf_hpc.bench.step_profile [--step 3] [key=value ...]
+    python -m rlhf_hpc.bench.step_profile [--step 3] [--rank R] [--repo CHECKOUT] [key=value ...]
 
 Runs the ``ppo_step`` workload with ``trainer.profile_steps=[STEP]`` (the trainer's own profiler
 seam) and splits each phase's wall time (the trainer's ``phase/*`` ranges) into kinds of work:
@@ -18,7 +18,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from rlhf_hpc.bench.ppo_step import run
+from rlhf_hpc.bench.ppo_step import REPO, run
 
 KINDS = [  # (kind, name prefixes), first match wins
     ("collectives", ("c10d::", "gloo:", "record_param_comms", "FSDP::all_gather", "FSDP::post_backward_reduce",
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=3)
     ap.add_argument("--trace", type=Path, help="analyse this trace instead of running")
     ap.add_argument("--rank", type=int, default=0, help="the rank whose trace is analysed")
+    ap.add_argument("--repo", type=Path, default=REPO, help="profile this checkout (e.g. a worktree of an older commit)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.trace:
@@ -80,7 +81,7 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp) / "run"
-            run(args.step, [f"trainer.profile_steps=[{args.step}]", *args.overrides], run_dir)
+            run(args.step, [f"trainer.profile_steps=[{args.step}]", *args.overrides], run_dir, args.repo)
             table = breakdown(run_dir / "profile" / f"step{args.step}" / f"rank{args.rank}.pt.trace.json")
     kinds = [k for k, _ in KINDS]
     print(f"seconds on rank {args.rank}, step", args.step, " ".join(args.overrides))
