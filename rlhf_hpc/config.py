@@ -340,7 +340,8 @@ class TrainerConfig:
     min_free_disk_gb: float = 1.0
     guard: GuardConfig = field(default_factory=GuardConfig)
     # testing: make a fault happen on purpose, "KIND@STEP[:RANK]" with KIND in nan_grad, lr_x1000,
-    # kill (this rank dies mid-step, first attempt only), kill_in_save
+    # kill (this rank dies mid-step, first attempt only), kill_in_save, slow (every step from STEP
+    # on 1 s longer): rlhf_hpc/faults.py
     inject_fault: Optional[str] = None
 
 

@@ -7,17 +7,22 @@ configured each hook does nothing. Nothing here replaces module attributes.
 - ``lr_x1000``: the actor's learning rate x1000 for that update (a divergent step);
 - ``kill``: this rank dies after generation, first attempt only (a crashed worker);
 - ``kill_in_save``: this rank dies after the first checkpoint component was written, first
-  attempt only (a crash in the middle of a checkpoint write).
-Each fault fires once: after a rollback or restart the same step runs clean.
+  attempt only (a crash in the middle of a checkpoint write);
+- ``slow``: from that step on, every step of this rank (all ranks by default) takes
+  ``SLOW_STEP_S`` longer (a slow node): a run whose length does not depend on how fast the
+  machine is, for the tests of time limits.
+Each fault but ``slow`` fires once: after a rollback or restart the same step runs clean.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Callable, Optional
 
-KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save")
-DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0}
+KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save", "slow")
+DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0, "slow": None}
+SLOW_STEP_S = 1.0
 
 
 def parse_fault(spec: Optional[str]) -> dict:
@@ -52,6 +57,9 @@ class FaultInjector:
     def after_generation(self, step: int) -> None:
         if self._mine("kill", step) and first_attempt():
             os._exit(17)  # a worker dies in the middle of a step
+        slow_from = self.fault.get("slow")
+        if slow_from is not None and step >= slow_from and self.rank == self.fault.get("rank", self.rank):
+            time.sleep(SLOW_STEP_S)
 
     @contextlib.contextmanager
     def around_actor_update(self, step: int, optimizer, batch: dict):

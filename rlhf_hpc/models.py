@@ -106,19 +106,14 @@ def build_causal_lm(path: str, dtype: torch.dtype, device: torch.device | str = 
     return model
 
 
-class CriticModel(nn.Module):
-    """A causal LM's backbone with a scalar value head: (B, L) tokens -> (B, L) values."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int):
-        super().__init__()
-        self.model = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
+class BackboneWithHead(nn.Module):
+    """A transformers backbone (``self.model``) under a small head of ours: the parts of the model
+    interface that parallelize() and the engine use, taken from the backbone."""
 
     @property
     def config(self):
         return self.model.config
 
-    # the parts of the transformers model interface that parallelize() uses
     @property
     def _no_split_modules(self):
         return self.model._no_split_modules
@@ -127,10 +122,19 @@ class CriticModel(nn.Module):
         return self.model.get_input_embeddings()
 
     def get_output_embeddings(self) -> None:
-        return None
+        return None  # the head is ours, not an LM head
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.model.gradient_checkpointing_enable(**kwargs)
+
+
+class CriticModel(BackboneWithHead):
+    """A causal LM's backbone with a scalar value head: (B, L) tokens -> (B, L) values."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
 
     def init_value_head(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -169,7 +173,7 @@ def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cp
     return critic
 
 
-class TokenScorer(nn.Module):
+class TokenScorer(BackboneWithHead):
     """A sequence classifier's backbone and one-label ``score`` head applied at every token:
     (B, L) tokens -> (B, L) float32 scores."""
 
@@ -181,21 +185,6 @@ class TokenScorer(nn.Module):
                              f"(AutoModelForSequenceClassification with num_labels=1)")
         self.model = getattr(classifier, classifier.base_model_prefix)
         self.score = head
-
-    @property
-    def config(self):
-        return self.model.config
-
-    # the parts of the transformers model interface that parallelize() uses
-    @property
-    def _no_split_modules(self):
-        return self.model._no_split_modules
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()
-
-    def get_output_embeddings(self) -> None:
-        return None
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
