@@ -268,10 +268,10 @@ class RolloutCorrectionConfig:
     """verl's ``algorithm.rollout_correction``. ``bypass_mode``: the rollout engine's log-probs are
     the PPO anchor (old_log_probs) and the actor's old-log-prob forward is skipped (verl's 2-policy
     mode); the rollout/actor log-prob check is then measured on the update's first mini-batch.
-    Importance-sampling and rejection-sampling corrections (``rollout_is``, ``rollout_rs``) are
-    not implemented: refused by name (rlhf_hpc.verl_keys)."""
+    Importance-sampling and rejection-sampling corrections (``rollout_is``, ``rollout_rs``) and the
+    REINFORCE loss (``loss_type: reinforce``) are not implemented: refused by name, verl's off
+    values accepted (rlhf_hpc.verl_keys)."""
     bypass_mode: bool = False
-    loss_type: Literal["ppo_clip"] = "ppo_clip"  # verl's other type, "reinforce", is refused
 
 
 @dataclass

@@ -62,6 +62,9 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
     ("algorithm.use_pf_ppo", (False,), "PF-PPO (reweighted sampling of the batch)"),
     ("algorithm.pf_ppo.", None, "PF-PPO (reweighted sampling of the batch)"),
     ("trainer.val_only", (False,), "validation-only runs"),
+    ("algorithm.rollout_correction.loss_type", ("ppo_clip",),
+     "bypass mode's REINFORCE loss with explicit importance weights (rollout_correction.loss_type=reinforce); "
+     "bypass mode here trains with the PPO clipped loss"),
     ("algorithm.rollout_correction.rollout_is", (None,),
      "importance-sampling correction of the rollout/actor mismatch (rollout_correction.rollout_is)"),
     ("algorithm.rollout_correction.rollout_is_threshold", (2.0,),

@@ -63,10 +63,11 @@ def test_bypass_combinations_that_break_the_anchor_are_refused():
                                    "actor_rollout_ref.rollout.top_p=0.9"])
     with pytest.raises(ConfigError, match=r"rollout_correction.rollout_is='token': importance-sampling correction"):
         load_config("tiny_klppo", ["algorithm.rollout_correction.rollout_is=token"])
-    with pytest.raises(ConfigError, match=r"loss_type"):
+    with pytest.raises(ConfigError, match=r"loss_type='reinforce': bypass mode's REINFORCE loss.*not available"):
         load_config("tiny_klppo", ["algorithm.rollout_correction.loss_type=reinforce"])
     # verl's command line with the corrections off runs as it is
     cfg, _ = load_config("tiny_klppo", ["algorithm.rollout_correction.bypass_mode=true",
+                                        "algorithm.rollout_correction.loss_type=ppo_clip",
                                         "algorithm.rollout_correction.rollout_is=null",
                                         "algorithm.rollout_correction.rollout_is_threshold=2.0"])
     assert cfg.algorithm.rollout_correction.bypass_mode is True
