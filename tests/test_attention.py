@@ -136,3 +136,28 @@ def test_a_gpu_without_a_working_flash_attn_uses_varlen_and_says_so():
     with pytest.warns(UserWarning, match=r"packed rows use attn_implementation=varlen"):
         assert attn_implementation(torch.device("cuda")) == "varlen"
     assert attn_implementation(torch.device("cuda"), {"attn_implementation": "sdpa"}) == "sdpa"  # explicit wins
+
+
+def test_bf16_attention_on_the_host_computes_in_fp32():
+    """In bf16 on the CPU, varlen computes attention in fp32 (the host's bf16 sdpa backward is ~3x
+    slower) and returns bf16: outputs and input gradients equal, bit for bit, fp32 attention on the
+    same bf16 inputs rounded once to bf16 (bf16 sdpa rounds inside and would not)."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D, lens = 4, 2, 16, (7, 12, 7)
+    N = sum(lens)
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lens]).view(1, N)
+    q, k, v = (torch.randn(1, h, N, D, generator=g).to(torch.bfloat16).requires_grad_()
+               for h in (H, Hkv, Hkv))
+    out, _ = attention.varlen_attention_forward(None, q, k, v, None, position_ids=pos, scaling=D ** -0.5)
+    assert out.dtype == torch.bfloat16
+    w = torch.randn(out.shape, generator=g).to(torch.bfloat16).float()  # exact in bf16: both see one gradient
+    (out.float() * w).sum().backward()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = attention.per_sequence_attention(*(t.transpose(1, 2).reshape(N, -1, D) for t in (q32, k32, v32)), cu,
+                                           D ** -0.5).reshape(1, N, H, D)
+    (ref * w).sum().backward()
+    assert torch.equal(out, ref.to(torch.bfloat16))
+    for t, t32 in ((q, q32), (k, k32), (v, v32)):
+        assert t.grad.dtype == torch.bfloat16
+        assert torch.equal(t.grad, t32.grad.to(torch.bfloat16))

@@ -82,7 +82,7 @@ def phase_times(rows: list[dict], skip: int = 2) -> dict[str, float]:
     return out
 
 
-def trl_workload(workdir: Path, steps: int) -> None:
+def trl_workload(workdir: Path, steps: int, bf16: bool = False) -> None:
     """workload.json and the tokenizer for ``trl_ppo_step``: the same model shape, prompts (the
     project's own synthetic://copy prompts, chat-formatted: 26 tokens) and batch sizes."""
     from rlhf_hpc.config import DataConfig
@@ -95,12 +95,12 @@ def trl_workload(workdir: Path, steps: int) -> None:
     shape = {**TINY_QWEN2, **{k: _parse_value(v) for k, v in parse_qsl(urlparse(MODEL).query)}}
     examples = load_examples("synthetic://copy?size=1024", tokenizer, DataConfig(max_prompt_length=32))
     workload = {"model": shape, "prompts": [e.prompt_ids for e in examples[:64 * steps]], "steps": steps,
-                "train_batch_size": 64, "mini_batch_size": 16, "response_length": 32}
+                "train_batch_size": 64, "mini_batch_size": 16, "response_length": 32, "bf16": bf16}
     (workdir / "workload.json").write_text(json.dumps(workload))
 
 
-def run_trl(venv: Path, steps: int, workdir: Path) -> dict[str, float]:
-    trl_workload(workdir, steps)
+def run_trl(venv: Path, steps: int, workdir: Path, bf16: bool = False) -> dict[str, float]:
+    trl_workload(workdir, steps, bf16)
     script = Path(__file__).with_name("trl_ppo_step.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)

@@ -84,7 +84,7 @@ def main(workdir: Path) -> None:
     # TRL: a rank's rollout batch is per_device_train_batch_size x gradient_accumulation_steps, split
     # into num_mini_batches, each an optimizer step; with accumulation 1 a mini-batch is one pass
     args = PPOConfig(
-        output_dir=str(workdir / "trl-out"), report_to=[], use_cpu=True, bf16=False, fp16=False,
+        output_dir=str(workdir / "trl-out"), report_to=[], use_cpu=True, bf16=w.get("bf16", False), fp16=False,
         per_device_train_batch_size=w["train_batch_size"] // world, gradient_accumulation_steps=1,
         num_mini_batches=w["train_batch_size"] // w["mini_batch_size"], num_ppo_epochs=1,
         total_episodes=w["train_batch_size"] * w["steps"], local_rollout_forward_batch_size=w["train_batch_size"] // world,
