@@ -2,7 +2,7 @@
 for a few steps, timed by its own ``timing_s/*`` metrics.
 
     python -m rlhf_hpc.bench.ppo_step [--steps 8] [--repeat N] [--vs-trl VENV] [--before CHECKOUT]
-        [--variant LABEL:k=v,k=v] [--demo] [key=value ...]
+        [--variant LABEL:k=v,k=v] [--demo] [--bf16] [key=value ...]
 
 Side by side in one run (columns take turns when repeated): TRL's ``PPOTrainer`` on the same work
 (``--vs-trl``, from its own virtual environment: ``python -m rlhf_hpc.bench.trl_ppo_step --setup
@@ -44,6 +44,13 @@ WORKLOAD = [
     "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
     "trainer.n_gpus_per_node=2", "trainer.guard.enable=false",
 ]
+
+# the project's defaults (bf16 compute on fp32 master weights, bf16 rollout), which the tiny recipe
+# pins to fp32; TRL's counterpart is its bf16=True (autocast)
+BF16 = ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bfloat16",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bfloat16",
+        "critic.model.fsdp_config.mixed_precision.param_dtype=bfloat16",
+        "actor_rollout_ref.rollout.dtype=bfloat16"]
 
 # what TRL's PPOTrainer calls its phases, and the trainer's timers that do the same work
 PHASES = {
@@ -126,8 +133,13 @@ def main() -> None:
                     help="time the tiny demo (recipe tiny_klppo as it is) instead of the issue-19 workload")
     ap.add_argument("--before", metavar="CHECKOUT", type=Path,
                     help="also time this checkout of the project (e.g. a git worktree of an older commit)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="every column in bf16 mixed precision: this project with its default precision (bf16 "
+                         "compute, fp32 master weights and gradient reduction, bf16 rollout), TRL with bf16=True")
     ap.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = ap.parse_args()
+    if args.bf16:
+        args.overrides = BF16 + args.overrides
     columns: dict[str, dict[str, float]] = {}
 
     def keep(label: str, figures: dict[str, float]) -> None:
@@ -136,7 +148,7 @@ def main() -> None:
     for r in range(args.repeat):  # the columns take turns, so slow stretches hit each alike
         with tempfile.TemporaryDirectory() as tmp:
             if args.vs_trl:
-                keep("TRL PPOTrainer", run_trl(args.vs_trl, args.steps, Path(tmp)))
+                keep("TRL PPOTrainer", run_trl(args.vs_trl, args.steps, Path(tmp), args.bf16))
             if args.before:
                 keep("before", phase_times(run(args.steps, args.overrides, Path(tmp) / "before", args.before,
                                                args.demo)))
@@ -146,7 +158,8 @@ def main() -> None:
                 extra = [k for k in keys.split(",") if k]
                 keep(label, phase_times(run(args.steps, args.overrides + extra, Path(tmp) / f"run{i}", demo=args.demo)))
     print(f"seconds per step, median of steps 3..{args.steps}" + (f", best of {args.repeat} runs" if args.repeat > 1 else "")
-          + (f" ({' '.join(args.overrides)})" if args.overrides else ""))
+          + (", bf16 mixed precision" if args.bf16 else "")
+          + (f" ({' '.join(args.overrides[len(BF16) if args.bf16 else 0:])})" if args.overrides else ""))
     names = list(columns)
     print("| phase | " + " | ".join(names) + " |")
     print("| --- |" + " --- |" * len(names))
