@@ -2,14 +2,17 @@
 prefetch and activation checkpointing."""
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rlhf_hpc.config import FSDPConfig
 from rlhf_hpc.models import torch_dtype
-from rlhf_hpc.profiling import time_fsdp_collectives
+from rlhf_hpc.profiling import collective, time_fsdp_collectives
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -44,6 +47,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
     if fsdp.param_offload or fsdp.offload_policy:
         # pinned host memory only helps (and only works) with an accelerator
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    replicas = host_replicas(mesh, fsdp, device)
+    if replicas is not None:
+        mesh = mesh["shard"]  # this rank alone: FSDP2 casts and groups; ReplicaGradients reduces
     # null (not chosen by rlhf_hpc.layout, e.g. a reward model): free after forward, no prefetch
     reshard = True if fsdp.reshard_after_forward is None else fsdp.reshard_after_forward
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
@@ -57,9 +63,88 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
             fully_shard(out, **kw)
     fully_shard(model, **kw)
     time_fsdp_collectives(model, hsdp=mesh.ndim == 2)  # FSDP2's collectives count in perf/comm_fraction
+    if replicas is not None and any(p.requires_grad for p in model.parameters()):
+        _REPLICA_GRADIENTS[model] = ReplicaGradients(model, replicas)
     if fsdp.forward_prefetch:
         # issue the next layer's all-gather while this layer computes (and the mirror in backward)
         for prev, nxt in zip(layers, layers[1:]):
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])
     return model
+
+
+# ------------------------------------------------------------------------------ replicated on the host
+def host_replicas(mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device):
+    """The replicate group when every rank holds the whole model on the host (a (replicate, 1) mesh
+    on CPU) and the gradients are reduced in their own dtype, else None (FSDP2's HSDP does it all).
+
+    Why: on gloo, FSDP2's HSDP all-reduce runs synchronously inside the backward, once per layer
+    group, after copying the layer's gradients into a reduce buffer and out again; the backward waits
+    for each, and for the slower rank at each. On GPUs its all-reduces already run on their own stream."""
+    if device.type != "cpu" or mesh.ndim != 2 or mesh["shard"].size() != 1 or mesh["replicate"].size() == 1:
+        return None
+    if fsdp.param_offload or fsdp.offload_policy:
+        return None
+    if torch_dtype(fsdp.mixed_precision.reduce_dtype) != torch_dtype(fsdp.model_dtype):
+        return None  # FSDP2 reduces in reduce_dtype; here the gradients are reduced as they are kept
+    return mesh["replicate"].get_group()
+
+
+class ReplicaGradients:
+    """DDP's gradient averaging for a model whose FSDP2 groups each rank holds whole (``host_replicas``).
+
+    FSDP2 writes each parameter's gradient when its layer's backward ends and then runs the
+    parameter's post-accumulate-grad hooks; the hook here starts an asynchronous all-reduce of it
+    (pre-divided by the replicas: their mean, as FSDP2 computes), so the reduction runs while the
+    backward goes on through the earlier layers. ``finish`` waits for all of them; the update calls
+    it before it reads the gradients. Only the last micro-batch of a mini-batch reduces (``enabled``):
+    the others accumulate locally, as with FSDP2's ``set_requires_all_reduce(False)``."""
+
+    def __init__(self, model: nn.Module, group):
+        self.group, self.size = group, dist.get_world_size(group)
+        self.enabled = True
+        self.pending: list = []
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._reduce)
+
+    def _reduce(self, param: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        grad = param.grad
+        local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad  # the DTensor's storage, in place
+        local.div_(self.size)
+        self.pending.append(dist.all_reduce(local, group=self.group, async_op=True))
+
+    def finish(self) -> None:
+        with collective(calls=len(self.pending)):  # the time the rank waits for them
+            for work in self.pending:
+                work.wait()
+        self.pending.clear()
+
+
+_REPLICA_GRADIENTS: "weakref.WeakKeyDictionary[nn.Module, ReplicaGradients]" = weakref.WeakKeyDictionary()
+
+
+def set_gradient_sync(model: nn.Module, on: bool) -> None:
+    """Whether the next backward averages the gradients across the replicas (off: they accumulate
+    locally, for all but the last micro-batch of a mini-batch). FSDP2's HSDP: its all-reduce (the
+    reduce-scatter inside a shard group runs every time, so no memory is added)."""
+    replicas = _REPLICA_GRADIENTS.get(model)
+    if replicas is not None:
+        replicas.enabled = on
+    elif hasattr(model, "set_requires_all_reduce"):
+        model.set_requires_all_reduce(on, recurse=True)
+
+
+def gradient_reduction(model: nn.Module) -> str:
+    """How ``model``'s gradients are averaged across replicas: "host replicas" (``ReplicaGradients``)
+    or "fsdp2" (FSDP2's own reduce-scatter / HSDP all-reduce, or nothing to reduce)."""
+    return "host replicas" if model in _REPLICA_GRADIENTS else "fsdp2"
+
+
+def finish_gradient_sync(model: nn.Module) -> None:
+    """Wait for the gradient reductions still running (host replicas); a no-op for FSDP2's own."""
+    replicas = _REPLICA_GRADIENTS.get(model)
+    if replicas is not None:
+        replicas.finish()

@@ -12,6 +12,7 @@ from rlhf_hpc import algos, sequence_parallel
 from rlhf_hpc.batching import Batch, dummy_rows, micro_batch_groups, select_rows, to_device
 from rlhf_hpc.metrics import UpdateMetrics
 from rlhf_hpc.optim import clip_grad_norm
+from rlhf_hpc.parallel import finish_gradient_sync, set_gradient_sync
 
 # (micro-batch, agg_loss keyword arguments, metrics, weight 0/1) -> the loss to backpropagate
 MicroLoss = Callable[[Batch, dict, UpdateMetrics, float], torch.Tensor]
@@ -50,13 +51,14 @@ def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
                 weight = 1.0 if g else 0.0  # an empty group runs a dummy row: collectives stay in step
                 # gradients accumulate over the micro-batches; the all-reduce across replicas runs
                 # once, after the last (every rank has the same number of groups)
-                requires_all_reduce(model, i == len(groups) - 1)
+                set_gradient_sync(model, i == len(groups) - 1)
                 micro = to_device(select_rows(mini, g) if g else dummy_rows(mini), device)
                 # the ranks of an sp group compute the same loss: each reports 1/sp of it in the metrics
                 loss = micro_loss(micro, kw, metrics, weight / sp_size)
                 # FSDP averages gradients over dp_size ranks; the loss is this rank's share of a sum
                 # (with sp, each rank's backward covers its slice only: the group's gradients sum to one loss's)
                 (loss * (dp_size * weight)).backward()
+            finish_gradient_sync(model)
             grad_norm = clip_grad_norm(model, cfg.grad_clip)
             grad_norms.append(grad_norm)
             if torch.isfinite(torch.tensor(grad_norm)):
@@ -74,9 +76,3 @@ def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
     out[f"{prefix}/lr"] = lr
     return out
 
-
-def requires_all_reduce(model: nn.Module, on: bool) -> None:
-    """FSDP2 (HSDP or replicated): whether this backward all-reduces the gradients across the
-    replicas (the reduce-scatter inside a shard group runs every time, so no memory is added)."""
-    if hasattr(model, "set_requires_all_reduce"):
-        model.set_requires_all_reduce(on, recurse=True)

@@ -25,7 +25,7 @@ from rlhf_hpc.critic import Critic
 from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
 from rlhf_hpc.models import build_causal_lm, build_critic
 from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.parallel import parallelize
+from rlhf_hpc.parallel import gradient_reduction, parallelize
 from rlhf_hpc.recipe import load_config, write_resolved
 
 ROWS, P, R, PER_RANK_MINI = 16, 8, 6, 2
@@ -121,6 +121,7 @@ def run_actor_equivalence(name: str, fsdp_size: int, results: dict, rank: int, w
             "grad_max_diff": max_diff(grads, full_grads(ref_model)),
             "param_max_diff": max_diff(params, dict(ref_model.state_dict())),
             "param_moved": max_diff(params, dict(build_causal_lm("tiny://qwen2", torch.float32, seed=0).state_dict())),
+            "gradient_reduction": gradient_reduction(actor.model),
         }
     dist.barrier()
     return actor
