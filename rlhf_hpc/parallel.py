@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
     if fsdp.param_offload or fsdp.offload_policy:
         # pinned host memory only helps (and only works) with an accelerator
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    replicas = host_replicas(mesh, fsdp, device)
+    replicas = host_replicas(mesh, fsdp, device) if any(p.requires_grad for p in model.parameters()) else None
     if replicas is not None:
         mesh = mesh["shard"]  # this rank alone: FSDP2 casts and groups; ReplicaGradients reduces
     # null (not chosen by rlhf_hpc.layout, e.g. a reward model): free after forward, no prefetch
@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
             fully_shard(out, **kw)
     fully_shard(model, **kw)
     time_fsdp_collectives(model, hsdp=mesh.ndim == 2)  # FSDP2's collectives count in perf/comm_fraction
-    if replicas is not None and any(p.requires_grad for p in model.parameters()):
+    if replicas is not None:
         _REPLICA_GRADIENTS[model] = ReplicaGradients(model, replicas)
     if fsdp.forward_prefetch:
         # issue the next layer's all-gather while this layer computes (and the mirror in backward)
@@ -77,6 +77,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
 def host_replicas(mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device):
     """The replicate group when every rank holds the whole model on the host (a (replicate, 1) mesh
     on CPU) and the gradients are reduced in their own dtype, else None (FSDP2's HSDP does it all).
+    Only models that train ask (a frozen one keeps the mesh: with one rank per shard group its
+    forward communicates nothing either way).
 
     Why: on gloo, FSDP2's HSDP all-reduce runs synchronously inside the backward, once per layer
     group, after copying the layer's gradients into a reduce buffer and out again; the backward waits

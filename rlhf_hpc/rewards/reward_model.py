@@ -117,6 +117,7 @@ def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
     model = build_token_scorer(m.path, torch_dtype(m.fsdp_config.model_dtype), m.override_config,
                                cfg.trainer.seed + 2, m.trust_remote_code,
                                attn_implementation(ctx.device, m.override_config))
+    model.requires_grad_(False)  # inference only
     mesh = build_train_mesh(ctx.device, ctx.world_size, m.fsdp_config.fsdp_size)
     parallelize(model, mesh, m.fsdp_config, ctx.device)
     reencode = m.input_tokenizer is not None
