@@ -29,8 +29,8 @@ KINDS = [  # (kind, name prefixes), first match wins
                 "BmmBackward", "LinearBackward")),
     ("vocabulary softmax", ("aten::log_softmax", "aten::_log_softmax", "aten::logsumexp", "LogSoftmaxBackward",
                             "aten::softmax", "aten::_softmax")),
-    ("data movement", ("aten::copy_", "aten::cat", "aten::index", "aten::gather", "aten::scatter", "aten::masked_scatter",
-                       "aten::clone", "aten::contiguous", "aten::index_select", "aten::masked_select",
+    ("data movement", ("aten::copy_", "aten::cat", "aten::_chunk_cat", "aten::index", "aten::gather", "aten::scatter",
+                       "aten::masked_scatter", "aten::clone", "aten::contiguous", "aten::index_select", "aten::masked_select",
                        "aten::_to_copy", "aten::repeat", "aten::stack", "aten::pad", "aten::constant_pad_nd")),
 ]
 
