@@ -25,7 +25,7 @@ from rlhf_hpc.critic import Critic
 from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
 from rlhf_hpc.models import build_causal_lm, build_critic
 from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.parallel import gradient_reduction, parallelize
+from rlhf_hpc.parallel import gradient_reduction, host_replicas, parallelize
 from rlhf_hpc.recipe import load_config, write_resolved
 
 ROWS, P, R, PER_RANK_MINI = 16, 8, 6, 2
@@ -178,6 +178,16 @@ def phase_train(out: Path) -> None:
     run_actor_equivalence("actor_2x2_dynamic_bsz", 2, results, rank, world, use_dynamic_bsz=True,
                           ppo_max_token_len_per_gpu=20)
     critic = run_critic_equivalence(results, rank, world)
+    # which meshes and settings the host-replica gradient path takes (the rest is FSDP2's HSDP)
+    replicated, hsdp = build_train_mesh(CPU, world, 1), build_train_mesh(CPU, world, 2)
+    results["host_replicas"] = {
+        "4x1": host_replicas(replicated, FSDPConfig(mixed_precision=FP32), CPU) is not None,
+        "4x1_bf16_compute": host_replicas(replicated, FSDPConfig(), CPU) is not None,
+        "4x1_bf16_reduce": host_replicas(replicated, FSDPConfig(mixed_precision=MixedPrecisionConfig(
+            reduce_dtype="bfloat16")), CPU) is not None,
+        "4x1_offload": host_replicas(replicated, FSDPConfig(param_offload=True), CPU) is not None,
+        "2x2": host_replicas(hsdp, FSDPConfig(mixed_precision=FP32), CPU) is not None,
+    }
 
     # ---- sharded checkpoint on the 2x2 mesh, then a save that dies half-way
     run = out / "run"

@@ -51,6 +51,14 @@ def test_sharded_actor_matches_single_process(results, name):
     assert r["gradient_reduction"] == ("host replicas" if name == "actor_4x1" else "fsdp2")
 
 
+def test_host_replicas_only_where_every_rank_holds_the_model_and_reduces_in_its_dtype(results):
+    """ReplicaGradients takes over from FSDP2's HSDP all-reduce on a (replicate, 1) host mesh, with
+    bf16 compute too (gradients reduced in fp32, as reduce_dtype says); a bf16 reduce_dtype, offload
+    or a real shard group stay with FSDP2."""
+    assert results[0]["host_replicas"] == {"4x1": True, "4x1_bf16_compute": True, "4x1_bf16_reduce": False,
+                                           "4x1_offload": False, "2x2": False}
+
+
 def test_sharded_critic_matches_single_process(results):
     r = results[0]["critic_2x2"]
     assert r["value_max_diff"] < 1e-5

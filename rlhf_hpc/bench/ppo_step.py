@@ -111,11 +111,16 @@ def run_trl(venv: Path, steps: int, workdir: Path, bf16: bool = False) -> dict[s
     script = Path(__file__).with_name("trl_ppo_step.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
+    if bf16:  # TRL's PPOTrainer builds its Accelerator without bf16=True: accelerate reads it from here
+        env["ACCELERATE_MIXED_PRECISION"] = "bf16"
     proc = subprocess.run([str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", str(script), str(workdir)], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"the TRL run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads((workdir / "trl.json").read_text())
+    figures = json.loads((workdir / "trl.json").read_text())
+    print(f"TRL: the policy trained with its matrix products in {', '.join(figures.pop('policy compute dtype'))}",
+          flush=True)
+    return figures
 
 
 def main() -> None:

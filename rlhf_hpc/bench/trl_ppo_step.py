@@ -8,8 +8,10 @@ trainers side by side. Run alone, this script is what each of the 2 ranks execut
 
 ``WORKDIR`` holds ``workload.json`` (model shape, prompts, batch sizes), written by ppo_step. TRL's
 loop has no phase timers; its three phases are timed by wrapping the functions its loop calls
-(``batch_generation``; ``forward`` and ``get_reward`` for the reference, value and reward-model
-passes), and training is the rest of the step. Only this script touches TRL's module.
+(``batch_generation``; ``forward`` and ``get_reward`` without gradients for the reference, value
+and reward-model passes: its training loop calls ``forward`` too, with gradients), and training is
+the rest of the step. The dtype the policy's matrix products run in while it trains is reported
+(bf16 under ``bf16=True``: accelerate's autocast). Only this script touches TRL's module.
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def main(workdir: Path) -> None:
 
     def timed(fn, phase):
         def wrapper(*args, **kwargs):
+            if phase == "forward" and torch.is_grad_enabled():
+                return fn(*args, **kwargs)  # the training loop calls forward too: that is training
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -65,6 +69,10 @@ def main(workdir: Path) -> None:
     ppo_module.batch_generation = timed(ppo_module.batch_generation, "gen")
     ppo_module.forward = timed(ppo_module.forward, "forward")
     ppo_module.get_reward = timed(ppo_module.get_reward, "forward")
+    # the dtype the policy's matrix products run in while it trains (bf16 under TRL's bf16=True)
+    compute_dtypes: set[str] = set()
+    policy.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda mod, inp, out: compute_dtypes.add(str(out.dtype)) if torch.is_grad_enabled() else None)
 
     steps: list[float] = []
 
@@ -101,7 +109,8 @@ def main(workdir: Path) -> None:
         training = statistics.median(s - g - f for s, g, f in zip(steps[skip:], times["gen"][skip:], times["forward"][skip:]))
         (workdir / "trl.json").write_text(json.dumps({
             "step": step, "generation (incl. weight sync)": gen, "forward passes before the update": fwd,
-            "training (critic + actor update)": training, "steps": len(steps)}, indent=1))
+            "training (critic + actor update)": training, "steps": len(steps),
+            "policy compute dtype": sorted(compute_dtypes)}, indent=1))
 
 
 if __name__ == "__main__":
