@@ -174,19 +174,19 @@ def phase_train(out: Path) -> None:
     actor = run_actor_equivalence("actor_2x2", 2, results, rank, world)
     run_actor_equivalence("actor_1x4", -1, results, rank, world)
     # replicated (the layout rlhf_hpc.layout picks for small models): one all-reduce per mini-batch
-    run_actor_equivalence("actor_4x1", 1, results, rank, world)
+    replicated = run_actor_equivalence("actor_4x1", 1, results, rank, world)
     run_actor_equivalence("actor_2x2_dynamic_bsz", 2, results, rank, world, use_dynamic_bsz=True,
                           ppo_max_token_len_per_gpu=20)
     critic = run_critic_equivalence(results, rank, world)
     # which meshes and settings the host-replica gradient path takes (the rest is FSDP2's HSDP)
-    replicated, hsdp = build_train_mesh(CPU, world, 1), build_train_mesh(CPU, world, 2)
+    mesh_4x1, mesh_2x2 = build_train_mesh(CPU, world, 1), build_train_mesh(CPU, world, 2)
     results["host_replicas"] = {
-        "4x1": host_replicas(replicated, FSDPConfig(mixed_precision=FP32), CPU) is not None,
-        "4x1_bf16_compute": host_replicas(replicated, FSDPConfig(), CPU) is not None,
-        "4x1_bf16_reduce": host_replicas(replicated, FSDPConfig(mixed_precision=MixedPrecisionConfig(
+        "4x1": host_replicas(mesh_4x1, FSDPConfig(mixed_precision=FP32), CPU) is not None,
+        "4x1_bf16_compute": host_replicas(mesh_4x1, FSDPConfig(), CPU) is not None,
+        "4x1_bf16_reduce": host_replicas(mesh_4x1, FSDPConfig(mixed_precision=MixedPrecisionConfig(
             reduce_dtype="bfloat16")), CPU) is not None,
-        "4x1_offload": host_replicas(replicated, FSDPConfig(param_offload=True), CPU) is not None,
-        "2x2": host_replicas(hsdp, FSDPConfig(mixed_precision=FP32), CPU) is not None,
+        "4x1_offload": host_replicas(mesh_4x1, FSDPConfig(param_offload=True), CPU) is not None,
+        "2x2": host_replicas(mesh_2x2, FSDPConfig(mixed_precision=FP32), CPU) is not None,
     }
 
     # ---- sharded checkpoint on the 2x2 mesh, then a save that dies half-way
@@ -200,6 +200,11 @@ def phase_train(out: Path) -> None:
     msd, osd = full_train_state(actor.model, actor.optimizer)
     if rank == 0:
         torch.save({"model": msd, "optim": osd}, out / "actor_full_state.pt")
+    # the replicated actor (host replicas: every rank's FSDP2 mesh is itself) saves too: reloaded sharded
+    ckpt.save_checkpoint(out / "replicated", 3, {"actor": (replicated.model, replicated.optimizer)}, extra={})
+    msd, osd = full_train_state(replicated.model, replicated.optimizer)
+    if rank == 0:
+        torch.save({"model": msd, "optim": osd}, out / "actor_4x1_full_state.pt")
     real_save = dcp.save
     calls = {"n": 0}
 
@@ -237,18 +242,25 @@ def phase_reload(out: Path) -> None:
     latest = ckpt.latest_checkpoint(run)
     extra = ckpt.load_checkpoint(latest, {"actor": (actor.model, actor.optimizer)})
     msd, osd = full_train_state(actor.model, actor.optimizer)
+    # across layouts: the 2x2 checkpoint into a replicated 2x1 actor (host replicas), and the replicated
+    # 4x1 one into a 1x2 sharded actor
+    across = {}
+    for name, fsdp_size, saved_by in (("2x2_into_2x1", 1, run), ("4x1_into_1x2", -1, out / "replicated")):
+        other = sharded_actor(cfg, fsdp_size, world)
+        ckpt.load_checkpoint(ckpt.latest_checkpoint(saved_by), {"actor": (other.model, other.optimizer)})
+        across[name] = (gradient_reduction(other.model), *full_train_state(other.model, other.optimizer))
     batch = global_batch()
     with torch.no_grad():
         logits = actor.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              position_ids=batch["position_ids"]).logits
     if rank == 0:
         saved = torch.load(out / "actor_full_state.pt", weights_only=True)
-        params_equal = all(torch.equal(saved["model"][k], msd[k]) for k in saved["model"])
-        flat_saved, flat_now = _flatten(saved["optim"]), _flatten(osd)
-        optim_equal = flat_saved.keys() == flat_now.keys() and all(
-            torch.equal(flat_saved[k], flat_now[k]) if isinstance(flat_saved[k], torch.Tensor)
-            else flat_saved[k] == flat_now[k] for k in flat_saved)
+        params_equal, optim_equal = bit_exact(saved, msd, osd)
+        flat_saved = _flatten(saved["optim"])
         n_optim_tensors = sum(isinstance(v, torch.Tensor) for v in flat_saved.values())
+        saved_4x1 = torch.load(out / "actor_4x1_full_state.pt", weights_only=True)
+        across_layouts = {name: [reduction, *bit_exact(saved if name.startswith("2x2") else saved_4x1, m, o)]
+                          for name, (reduction, m, o) in across.items()}
         from transformers import AutoModelForCausalLM
         hf_dir = ckpt.export_hf(latest, out / "hf", dtype="float32")
         exported = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -258,9 +270,19 @@ def phase_reload(out: Path) -> None:
         results = {"loaded_step": latest.name, "checkpoint": str(latest), "extra": extra, "params_bit_exact": params_equal,
                    "optim_bit_exact": optim_equal, "n_optim_tensors": n_optim_tensors,
                    "export_logits_max_diff": (hf_logits - logits).abs().max().item(),
-                   "export_files": sorted(p.name for p in hf_dir.iterdir())}
+                   "export_files": sorted(p.name for p in hf_dir.iterdir()), "across_layouts": across_layouts}
         (out / "reload.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
+
+
+def bit_exact(saved: dict, msd: dict, osd: dict) -> tuple[bool, bool]:
+    """(parameters, optimizer state) of a full train state equal, bit for bit, to ``saved``'s."""
+    params = saved["model"].keys() == msd.keys() and all(torch.equal(saved["model"][k], msd[k]) for k in msd)
+    flat_saved, flat_now = _flatten(saved["optim"]), _flatten(osd)
+    optim = flat_saved.keys() == flat_now.keys() and all(
+        torch.equal(flat_saved[k], flat_now[k]) if isinstance(flat_saved[k], torch.Tensor)
+        else flat_saved[k] == flat_now[k] for k in flat_saved)
+    return params, optim
 
 
 def _flatten(tree, prefix=""):

@@ -1,7 +1,8 @@
 """FSDP2 engine under torchrun on CPU (gloo): sharded == single-process, checkpoints reshard.
 
 One 4-rank torchrun (meshes 2x2, 1x4 and 4x1 (replicated), actor and critic, save, a save that dies half-way,
-retention) and one 2-rank torchrun (load the 4-rank checkpoint on a 1x2 mesh, export to HF).
+retention) and one 2-rank torchrun (load the 4-rank checkpoint on a 1x2 mesh, export to HF; replicated <-> sharded
+checkpoints).
 Tolerances (fp32): log-probs/values 1e-5, metrics 1e-5 relative (absolute below 1), gradients 1e-5, parameters after 3 steps of
 AdamW at lr 1e-3 (a movement of ~6e-3) 1e-4; measured: ~5e-7, ~4e-7, ~1e-7 and ~5e-6.
 """
@@ -73,6 +74,13 @@ def test_crash_during_save_keeps_the_previous_checkpoint(results):
     assert r["crashed"] and r["latest"].endswith("global_step_3") and r["complete"] == [3]
     assert r["tmp_left"]  # the half-written one never got a global_step_N name
     assert results[1]["loaded_step"] == "global_step_3"
+
+
+def test_checkpoints_load_across_replicated_and_sharded_layouts(results):
+    """A checkpoint of a replicated actor (host replicas: each rank's FSDP2 mesh is the rank alone)
+    loads bit-exact into a sharded one, and a sharded one into a replicated one."""
+    assert results[1]["across_layouts"] == {"2x2_into_2x1": ["host replicas", True, True],
+                                            "4x1_into_1x2": ["fsdp2", True, True]}
 
 
 def test_retention_keeps_the_newest(results):
