@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from rlhf_hpc import checkpoint as ckpt
@@ -205,21 +204,14 @@ def phase_train(out: Path) -> None:
     msd, osd = full_train_state(replicated.model, replicated.optimizer)
     if rank == 0:
         torch.save({"model": msd, "optim": osd}, out / "actor_4x1_full_state.pt")
-    real_save = dcp.save
-    calls = {"n": 0}
-
-    def dying_save(*args, **kwargs):  # the process "dies" after the actor's shards are written
-        calls["n"] += 1
-        if calls["n"] == 2:
+    def die_after_actor(name: str) -> None:  # the process "dies" after the actor's shards are written
+        if name == "actor":
             raise RuntimeError("simulated crash during checkpoint write")
-        return real_save(*args, **kwargs)
-    ckpt.dcp.save = dying_save
     crashed = False
     try:
-        ckpt.save_checkpoint(run, 4, components, extra={"global_step": 4})
+        ckpt.save_checkpoint(run, 4, components, extra={"global_step": 4}, after_component=die_after_actor)
     except RuntimeError:
         crashed = True
-    ckpt.dcp.save = real_save
     dist.barrier()
     if rank == 0:
         results["crash_during_save"] = {
