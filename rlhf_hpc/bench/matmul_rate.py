@@ -16,9 +16,16 @@ import time
 
 import torch
 
-HIDDEN, INTER, KV, VOCAB = 512, 1408, 128, 8000
-SHAPES = {"q/o projection": (HIDDEN, HIDDEN), "k/v projection": (KV, HIDDEN), "MLP up/gate": (INTER, HIDDEN),
-          "MLP down": (HIDDEN, INTER), "output head": (VOCAB, HIDDEN)}
+from rlhf_hpc.bench.ppo_step import model_shape
+
+
+def shapes() -> dict[str, tuple[int, int]]:
+    """(out, in) of each kind of weight matrix of the ``ppo_step`` workload's model."""
+    m = model_shape()
+    hidden, kv = m["hidden_size"], m["num_key_value_heads"] * m["hidden_size"] // m["num_attention_heads"]
+    return {"q/o projection": (hidden, hidden), "k/v projection": (kv, hidden),
+            "MLP up/gate": (m["intermediate_size"], hidden), "MLP down": (hidden, m["intermediate_size"]),
+            "output head": (m["vocab_size"], hidden)}
 
 
 def rate(fn, flops: float, calls: int = 20) -> float:
@@ -45,7 +52,7 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     totals = {torch.float32: [0.0, 0.0], torch.bfloat16: [0.0, 0.0]}  # flops, seconds
     figures = {}
-    for name, (out_f, in_f) in SHAPES.items():
+    for name, (out_f, in_f) in shapes().items():
         for dtype in (torch.float32, torch.bfloat16):
             x, w = torch.randn(n, in_f, dtype=dtype), torch.randn(out_f, in_f, dtype=dtype)
             dy = torch.randn(n, out_f, dtype=dtype)

@@ -89,17 +89,22 @@ def phase_times(rows: list[dict], skip: int = 2) -> dict[str, float]:
     return out
 
 
+def model_shape() -> dict:
+    """The workload model's Qwen2 config fields (``MODEL``'s query over the tiny defaults)."""
+    from urllib.parse import parse_qsl, urlparse
+    from rlhf_hpc.models import TINY_QWEN2, _parse_value
+    return {**TINY_QWEN2, **{k: _parse_value(v) for k, v in parse_qsl(urlparse(MODEL).query)}}
+
+
 def trl_workload(workdir: Path, steps: int, bf16: bool = False) -> None:
     """workload.json and the tokenizer for ``trl_ppo_step``: the same model shape, prompts (the
     project's own synthetic://copy prompts, chat-formatted: 26 tokens) and batch sizes."""
     from rlhf_hpc.config import DataConfig
     from rlhf_hpc.data.dataset import load_examples
-    from rlhf_hpc.models import TINY_QWEN2, _parse_value
     from rlhf_hpc.tokenizer import load_tokenizer
-    from urllib.parse import parse_qsl, urlparse
     tokenizer = load_tokenizer("tiny://chars")
     tokenizer.save_pretrained(workdir / "tokenizer")
-    shape = {**TINY_QWEN2, **{k: _parse_value(v) for k, v in parse_qsl(urlparse(MODEL).query)}}
+    shape = model_shape()
     examples = load_examples("synthetic://copy?size=1024", tokenizer, DataConfig(max_prompt_length=32))
     workload = {"model": shape, "prompts": [e.prompt_ids for e in examples[:64 * steps]], "steps": steps,
                 "train_batch_size": 64, "mini_batch_size": 16, "response_length": 32, "bf16": bf16}
@@ -143,6 +148,7 @@ def main() -> None:
                          "compute, fp32 master weights and gradient reduction, bf16 rollout), TRL with bf16=True")
     ap.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = ap.parse_args()
+    given = list(args.overrides)
     if args.bf16:
         args.overrides = BF16 + args.overrides
     columns: dict[str, dict[str, float]] = {}
@@ -164,7 +170,7 @@ def main() -> None:
                 keep(label, phase_times(run(args.steps, args.overrides + extra, Path(tmp) / f"run{i}", demo=args.demo)))
     print(f"seconds per step, median of steps 3..{args.steps}" + (f", best of {args.repeat} runs" if args.repeat > 1 else "")
           + (", bf16 mixed precision" if args.bf16 else "")
-          + (f" ({' '.join(args.overrides[len(BF16) if args.bf16 else 0:])})" if args.overrides else ""))
+          + (f" ({' '.join(given)})" if given else ""))
     names = list(columns)
     print("| phase | " + " | ".join(names) + " |")
     print("| --- |" + " --- |" * len(names))
