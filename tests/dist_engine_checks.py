@@ -204,6 +204,7 @@ def phase_train(out: Path) -> None:
     msd, osd = full_train_state(replicated.model, replicated.optimizer)
     if rank == 0:
         torch.save({"model": msd, "optim": osd}, out / "actor_4x1_full_state.pt")
+
     def die_after_actor(name: str) -> None:  # the process "dies" after the actor's shards are written
         if name == "actor":
             raise RuntimeError("simulated crash during checkpoint write")
