@@ -3,6 +3,7 @@ prefetch and activation checkpointing."""
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rlhf_hpc.config import FSDPConfig
+from rlhf_hpc.host_allreduce import SharedMemoryAllReduce
 from rlhf_hpc.models import torch_dtype
 from rlhf_hpc.profiling import collective, time_fsdp_collectives
 
@@ -30,13 +32,16 @@ def _tied(model: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device,
-                gradient_checkpointing: bool = False) -> nn.Module:
+                gradient_checkpointing: bool = False, shared_memory: bool = True) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FULL_SHARD; 2-D (replicate, shard): HSDP).
 
     Groups: each decoder layer, the input embedding and the output head (each on its own, so that
     streaming the weights out never holds more than one of them unsharded), then the root
     (final norm, value head). A tied embedding/head stays in the root group: two groups cannot
     own one parameter.
+
+    ``shared_memory``: a model replicated on the host (``host_replicas``) may average its gradients
+    through shared memory when all ranks run on this machine; False keeps gloo (for comparisons).
     """
     if gradient_checkpointing:
         # transformers' own checkpointing: no wrapper modules, so parameter names stay the same
@@ -64,7 +69,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
     fully_shard(model, **kw)
     time_fsdp_collectives(model, hsdp=mesh.ndim == 2)  # FSDP2's collectives count in perf/comm_fraction
     if replicas is not None:
-        _REPLICA_GRADIENTS[model] = ReplicaGradients(model, replicas)
+        _REPLICA_GRADIENTS[model] = ReplicaGradients(model, replicas, shared_memory)
     if fsdp.forward_prefetch:
         # issue the next layer's all-gather while this layer computes (and the mirror in backward)
         for prev, nxt in zip(layers, layers[1:]):
@@ -95,34 +100,55 @@ def host_replicas(mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device):
 class ReplicaGradients:
     """DDP's gradient averaging for a model whose FSDP2 groups each rank holds whole (``host_replicas``).
 
-    FSDP2 writes each parameter's gradient when its layer's backward ends and then runs the
-    parameter's post-accumulate-grad hooks; the hook here starts an asynchronous all-reduce of it
-    (pre-divided by the replicas: their mean, as FSDP2 computes), so the reduction runs while the
-    backward goes on through the earlier layers. ``finish`` waits for all of them; the update calls
-    it before it reads the gradients. Only the last micro-batch of a mini-batch reduces (``enabled``):
-    the others accumulate locally, as with FSDP2's ``set_requires_all_reduce(False)``."""
+    Ranks all on this machine average the gradients through shared memory
+    (``rlhf_hpc.host_allreduce``) when the update asks for them (``finish``): one pass over the
+    gradient in each rank's own thread, nothing competing with the backward for the cores.
+    Otherwise (ranks on several hosts, no usable ``/dev/shm``): FSDP2 writes each parameter's
+    gradient when its layer's backward ends and then runs the parameter's post-accumulate-grad
+    hooks; the hook here starts an asynchronous gloo all-reduce of it (pre-divided by the replicas:
+    their mean, as FSDP2 computes), and ``finish`` waits for them. Either way only the gradients of
+    a backward run with ``enabled`` are averaged: the update turns it on for the last micro-batch
+    of a mini-batch, the others accumulate locally (as FSDP2's ``set_requires_all_reduce(False)``)."""
 
-    def __init__(self, model: nn.Module, group):
+    def __init__(self, model: nn.Module, group, shared_memory: bool = True):
         self.group, self.size = group, dist.get_world_size(group)
         self.enabled = True
         self.pending: list = []
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._reduce)
+        self.ready = False  # a backward with ``enabled`` ran since the last average (shared memory)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shared, why = SharedMemoryAllReduce.create(group) if shared_memory else (
+            None, "parallelize(shared_memory=False)")
+        self.how = "shared memory" if self.shared is not None else "gloo"
+        self.why = why  # for the log: the mapping's size, or why gloo
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._ready)
 
-    def _reduce(self, param: torch.Tensor) -> None:
+    def _ready(self, param: torch.Tensor) -> None:
         if not self.enabled:
             return
-        grad = param.grad
-        local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad  # the DTensor's storage, in place
+        if self.shared is not None:
+            self.ready = True
+            return
+        local = _local(param.grad)
         local.div_(self.size)
         self.pending.append(dist.all_reduce(local, group=self.group, async_op=True))
 
     def finish(self) -> None:
+        if self.shared is not None:
+            if self.ready:
+                with collective(calls=1), torch.profiler.record_function("ReplicaGradients.shared_memory_mean"):
+                    self.shared.mean_([_local(p.grad) for p in self.params if p.grad is not None])
+                self.ready = False
+            return
         with collective(calls=len(self.pending)):  # the time the rank waits for them
             for work in self.pending:
                 work.wait()
         self.pending.clear()
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient's storage (written in place), or the plain tensor."""
+    return grad._local_tensor if hasattr(grad, "_local_tensor") else grad
 
 
 _REPLICA_GRADIENTS: "weakref.WeakKeyDictionary[nn.Module, ReplicaGradients]" = weakref.WeakKeyDictionary()
@@ -140,9 +166,21 @@ def set_gradient_sync(model: nn.Module, on: bool) -> None:
 
 
 def gradient_reduction(model: nn.Module) -> str:
-    """How ``model``'s gradients are averaged across replicas: "host replicas" (``ReplicaGradients``)
-    or "fsdp2" (FSDP2's own reduce-scatter / HSDP all-reduce, or nothing to reduce)."""
-    return "host replicas" if model in _REPLICA_GRADIENTS else "fsdp2"
+    """How ``model``'s gradients are averaged across replicas: "host replicas, shared memory" or
+    "host replicas, gloo" (``ReplicaGradients``), or "fsdp2" (FSDP2's own reduce-scatter / HSDP
+    all-reduce, or nothing to reduce)."""
+    replicas = _REPLICA_GRADIENTS.get(model)
+    return "fsdp2" if replicas is None else f"host replicas, {replicas.how}"
+
+
+def describe_gradient_reduction(model: nn.Module) -> Optional[str]:
+    """A line for the run's log on how a replicated host model averages its gradients, else None."""
+    replicas = _REPLICA_GRADIENTS.get(model)
+    if replicas is None:
+        return None
+    if replicas.shared is not None:
+        return f"gradients averaged across the {replicas.size} replicas through {replicas.why}"
+    return f"gradients averaged across the {replicas.size} replicas by asynchronous gloo all-reduces ({replicas.why})"
 
 
 def finish_gradient_sync(model: nn.Module) -> None:

@@ -43,6 +43,7 @@ from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.layout import describe as describe_layouts
 from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
+from rlhf_hpc.parallel import describe_gradient_reduction
 from rlhf_hpc.perf import Timer, memory_metrics, model_flops, peak_flops
 from rlhf_hpc.recipe import per_rank_mini_batch
 from rlhf_hpc.profiling import StepProfiler
@@ -110,6 +111,10 @@ def fit(cfg: Config, ctx: DistContext) -> None:
     profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
     for line in describe_layouts(cfg):
         tracker.log_line(f"[rlhf-hpc] {line}")
+    for name, part in (("actor", engine.actor), ("critic", engine.critic)):
+        line = describe_gradient_reduction(part.model) if part is not None else None
+        if line:
+            tracker.log_line(f"[rlhf-hpc] {name}: {line}")
     if reward_model is not None and val and val[0].reward_style == "model":
         val = []  # as verl: validation scores with rules only, and these rows have none
         tracker.log_line("[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.dist import exit_process, init_distributed
+from rlhf_hpc.host_allocator import describe as host_memory_line
 from rlhf_hpc.recipe import ConfigError, load_resolved
 
 
@@ -38,6 +39,8 @@ def main(argv: list[str]) -> int:
     if ctx.is_main:
         print(f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
               f"device {ctx.device.type}, hosts by rank: {','.join(hosts)}", flush=True)
+        if ctx.device.type == "cpu":
+            print(f"[rlhf-hpc] host memory: {host_memory_line()}", flush=True)
     from rlhf_hpc.trainer import fit
     try:
         fit(cfg, ctx)

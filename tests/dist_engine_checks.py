@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from rlhf_hpc.batching import make_padded_batch, select_rows
 from rlhf_hpc.config import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.critic import Critic
 from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
+from rlhf_hpc.host_allreduce import MIN_CAPACITY, SHM_DIR, SharedMemoryAllReduce
 from rlhf_hpc.models import build_causal_lm, build_critic
 from rlhf_hpc.optim import build_optimizer
 from rlhf_hpc.parallel import gradient_reduction, host_replicas, parallelize
@@ -77,20 +79,22 @@ def actor_cfg(**kw) -> ActorConfig:
     return cfg
 
 
-def sharded_actor(cfg: ActorConfig, fsdp_size: int, world: int, remove_padding: bool = True) -> Actor:
+def sharded_actor(cfg: ActorConfig, fsdp_size: int, world: int, remove_padding: bool = True,
+                  shared_memory: bool = True) -> Actor:
     model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
     mesh = build_train_mesh(CPU, world, fsdp_size)
     parallelize(model, mesh, FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32), CPU,
-                gradient_checkpointing=True)
+                gradient_checkpointing=True, shared_memory=shared_memory)
     return Actor(model, cfg, temperature=0.8, remove_padding=remove_padding, optimizer=build_optimizer(model, cfg.optim),
                  dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU),
                  norm_const=R)
 
 
-def run_actor_equivalence(name: str, fsdp_size: int, results: dict, rank: int, world: int, **cfg_kw) -> Actor:
+def run_actor_equivalence(name: str, fsdp_size: int, results: dict, rank: int, world: int,
+                          shared_memory: bool = True, **cfg_kw) -> Actor:
     batch = global_batch()
     cfg = actor_cfg(**cfg_kw)
-    actor = sharded_actor(cfg, fsdp_size, world)
+    actor = sharded_actor(cfg, fsdp_size, world, shared_memory=shared_memory)
     local = select_rows(batch, rank_rows(rank, world))
     old_lp, _ = actor.compute_log_prob(local, micro_batch_size=3, use_dynamic_bsz=cfg.use_dynamic_bsz,
                                        max_token_len=20)
@@ -163,6 +167,42 @@ def run_critic_equivalence(results: dict, rank: int, world: int) -> Critic:
     return critic
 
 
+def check_shared_memory_mean(rank: int, world: int) -> dict:
+    """SharedMemoryAllReduce against gloo's all-reduce: 1 MiB buckets (so tensors span buckets and
+    buckets alternate halves over calls), fp32 and bf16; when it declines; a rank with other sizes."""
+    group = dist.new_group(list(range(world)))
+    shm, why = SharedMemoryAllReduce.create(group, capacity=MIN_CAPACITY)
+    out: dict = {"why": why, "max_diff": {}}
+    g = torch.Generator().manual_seed(100 + rank)  # every rank its own values
+    for dtype in (torch.float32, torch.bfloat16):
+        for call in range(3):
+            tensors = [torch.randn(n, generator=g).to(dtype) for n in (7, 300_001, 1, 2 * MIN_CAPACITY // 4 + 3)]
+            expected = [t.float().clone() for t in tensors]  # .float() of fp32 is the tensor itself
+            for t in expected:
+                dist.all_reduce(t)
+            shm.mean_(tensors)
+            diff = max((t.float() - e / world).abs().max().item() for t, e in zip(tensors, expected))
+            key = str(dtype).removeprefix("torch.")
+            out["max_diff"][key] = max(out["max_diff"].get(key, 0.0), diff)
+    try:
+        shm.mean_([torch.zeros(10 + rank)])
+        out["unequal_sizes"] = None
+    except RuntimeError as e:
+        out["unequal_sizes"] = str(e)
+    out["after_error"] = _mean_is_right(shm, rank, world)
+    out["two_hosts"] = SharedMemoryAllReduce.create(group, host=f"node{rank % 2}")[1]
+    out["no_shm_dir"] = SharedMemoryAllReduce.create(group, shm_dir=Path("/nonexistent-shm"))[1]
+    # the creating rank (group rank 0) unlinks its files once every rank has mapped them
+    out["files_left"] = sorted(p.name for p in SHM_DIR.glob(f"rlhf_hpc_allreduce_{os.getpid()}_*"))
+    return out
+
+
+def _mean_is_right(shm, rank: int, world: int) -> bool:
+    t = [torch.full((1000,), float(rank))]
+    shm.mean_(t)
+    return bool((t[0] == sum(range(world)) / world).all())
+
+
 def full_train_state(model, optimizer):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -172,11 +212,14 @@ def phase_train(out: Path) -> None:
     results: dict = {}
     actor = run_actor_equivalence("actor_2x2", 2, results, rank, world)
     run_actor_equivalence("actor_1x4", -1, results, rank, world)
-    # replicated (the layout rlhf_hpc.layout picks for small models): one all-reduce per mini-batch
+    # replicated (the layout rlhf_hpc.layout picks for small models): one all-reduce per mini-batch,
+    # through shared memory (all ranks on this machine), and by gloo where shared memory is not used
     replicated = run_actor_equivalence("actor_4x1", 1, results, rank, world)
+    run_actor_equivalence("actor_4x1_gloo", 1, results, rank, world, shared_memory=False)
     run_actor_equivalence("actor_2x2_dynamic_bsz", 2, results, rank, world, use_dynamic_bsz=True,
                           ppo_max_token_len_per_gpu=20)
     critic = run_critic_equivalence(results, rank, world)
+    results["shared_memory_mean"] = check_shared_memory_mean(rank, world)
     # which meshes and settings the host-replica gradient path takes (the rest is FSDP2's HSDP)
     mesh_4x1, mesh_2x2 = build_train_mesh(CPU, world, 1), build_train_mesh(CPU, world, 2)
     results["host_replicas"] = {

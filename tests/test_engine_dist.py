@@ -1,6 +1,7 @@
 """FSDP2 engine under torchrun on CPU (gloo): sharded == single-process, checkpoints reshard.
 
-One 4-rank torchrun (meshes 2x2, 1x4 and 4x1 (replicated), actor and critic, save, a save that dies half-way,
+One 4-rank torchrun (meshes 2x2, 1x4 and 4x1 (replicated: shared memory and gloo), actor and critic, the shared-memory
+all-reduce, save, a save that dies half-way,
 retention) and one 2-rank torchrun (load the 4-rank checkpoint on a 1x2 mesh, export to HF; replicated <-> sharded
 checkpoints).
 Tolerances (fp32): log-probs/values 1e-5, metrics 1e-5 relative (absolute below 1), gradients 1e-5, parameters after 3 steps of
@@ -37,7 +38,7 @@ def results(tmp_path_factory):
     return torchrun(4, "train", out), torchrun(2, "reload", out)
 
 
-@pytest.mark.parametrize("name", ["actor_2x2", "actor_1x4", "actor_4x1", "actor_2x2_dynamic_bsz"])
+@pytest.mark.parametrize("name", ["actor_2x2", "actor_1x4", "actor_4x1", "actor_4x1_gloo", "actor_2x2_dynamic_bsz"])
 def test_sharded_actor_matches_single_process(results, name):
     r = results[0][name]
     assert r["logprob_max_diff"] < 1e-5
@@ -47,9 +48,31 @@ def test_sharded_actor_matches_single_process(results, name):
     assert r["param_max_diff"] < 1e-4
     assert r["param_moved"] > 1e-3  # the comparison is about weights that really changed
     assert r["pg_clipfrac_max"] > 0  # clipping was exercised
-    # a replicated mesh on the host: gradients averaged by ReplicaGradients (asynchronous all-reduces
-    # during the backward), not FSDP2's HSDP all-reduce; the same numbers either way
-    assert r["gradient_reduction"] == ("host replicas" if name == "actor_4x1" else "fsdp2")
+    # a replicated mesh on the host: gradients averaged by ReplicaGradients (through shared memory, all
+    # ranks being on this machine; or by asynchronous gloo all-reduces), not FSDP2's HSDP all-reduce;
+    # the same numbers either way
+    assert r["gradient_reduction"] == {"actor_4x1": "host replicas, shared memory",
+                                       "actor_4x1_gloo": "host replicas, gloo"}.get(name, "fsdp2")
+
+
+def test_shared_memory_mean_equals_gloo_all_reduce(results):
+    """Averaging through /dev/shm in 1 MiB buckets (tensors spanning buckets, three calls in a row)
+    equals gloo's all-reduce / 4: fp32 to its rounding (another summation order), bf16 to ~2 ulps."""
+    r = results[0]["shared_memory_mean"]
+    assert r["why"].startswith("shared memory (8 x 1 MiB in /dev/shm)"), r["why"]
+    assert r["max_diff"]["float32"] < 1e-6
+    assert r["max_diff"]["bfloat16"] < 0.04
+    assert r["files_left"] == []  # unlinked once every rank mapped it
+
+
+def test_shared_memory_mean_refuses_what_it_cannot_do(results):
+    """Ranks on two hosts, or no /dev/shm: declined on every rank, with why (ReplicaGradients keeps
+    gloo). Ranks bringing different sizes: an error on every rank, and the next call is right."""
+    r = results[0]["shared_memory_mean"]
+    assert r["two_hosts"] == "the 4 ranks run on 2 hosts"
+    assert r["no_shm_dir"] == "/nonexistent-shm does not exist"
+    assert "ranks brought different numbers of elements (between 10 and 13)" in r["unequal_sizes"]
+    assert r["after_error"]
 
 
 def test_host_replicas_only_where_every_rank_holds_the_model_and_reduces_in_its_dtype(results):
@@ -79,7 +102,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(results):
 def test_checkpoints_load_across_replicated_and_sharded_layouts(results):
     """A checkpoint of a replicated actor (host replicas: each rank's FSDP2 mesh is the rank alone)
     loads bit-exact into a sharded one, and a sharded one into a replicated one."""
-    assert results[1]["across_layouts"] == {"2x2_into_2x1": ["host replicas", True, True],
+    assert results[1]["across_layouts"] == {"2x2_into_2x1": ["host replicas, shared memory", True, True],
                                             "4x1_into_1x2": ["fsdp2", True, True]}
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import yaml
 
+from rlhf_hpc.host_allocator import malloc_tunables
 from rlhf_hpc.recipe import load_resolved
 from tests.conftest import REPO, run_launch
 
@@ -98,6 +99,11 @@ def test_local_launch_brings_up_a_gloo_group_of_the_configured_size(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "process group up: 2 ranks, backend gloo, device cpu" in out.stdout
     assert "step 2/2 | score" in out.stdout
+    # the tiny models are replicated: their gradients are averaged through shared memory on this machine
+    assert "actor: gradients averaged across the 2 replicas through shared memory" in out.stdout
+    assert "critic: gradients averaged across the 2 replicas through shared memory" in out.stdout
+    expected = malloc_tunables(os.environ)[1]  # the settings, or why the user's own stay
+    assert f"host memory: {expected}" in out.stdout
     cfg = load_resolved(run_dir / "config.yaml")
     assert cfg.trainer.n_gpus_per_node == 2 and cfg.launcher.cluster == "local"
     assert not list(run_dir.glob("global_step_*"))  # save_freq=-1: no checkpoint

@@ -22,7 +22,7 @@ from rlhf_hpc.bench.ppo_step import REPO, run
 
 KINDS = [  # (kind, name prefixes), first match wins
     ("collectives", ("c10d::", "gloo:", "record_param_comms", "FSDP::all_gather", "FSDP::post_backward_reduce",
-                     "FSDP::all_reduce", "FSDP::reduce_scatter")),
+                     "FSDP::all_reduce", "FSDP::reduce_scatter", "ReplicaGradients.")),
     ("optimizer", ("Optimizer.step", "aten::_fused_adamw", "aten::_foreach_")),
     ("attention", ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "ScaledDotProduct")),
     ("matmul", ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "MmBackward", "AddmmBackward",

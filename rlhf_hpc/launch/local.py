@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from rlhf_hpc.config import Config
+from rlhf_hpc.host_allocator import malloc_tunables
 
 
 def torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
@@ -18,10 +19,16 @@ def torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
 
 def worker_env(cfg: Config) -> dict[str, str]:
     """Environment for the ranks. CPU ranks share the cores: without a cap on OpenMP threads each
-    rank would start one thread per core and they would all fight over them."""
+    rank would start one thread per core and they would all fight over them. They also get glibc
+    malloc settings that keep freed tensor memory (``rlhf_hpc.host_allocator``) unless the user set
+    their own."""
     env = dict(os.environ)
     if cfg.trainer.device == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node))
+    if cfg.trainer.device == "cpu":
+        tunables, _ = malloc_tunables(env)
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
     env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
     return env
 
