@@ -82,6 +82,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if isinstance(total, DTensor):
         with collective():  # the all-reduce of the partial norms
             total = total.full_tensor()
-    if torch.isfinite(total) and max_norm > 0:
+    norm = total.item()
+    # torch scales by min(1, max_norm / (norm + 1e-6)): a pass over every gradient that changes nothing
+    # unless the norm is above that
+    if math.isfinite(norm) and max_norm > 0 and norm + 1e-6 > max_norm:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total.item()
+    return norm

@@ -11,7 +11,7 @@ from rlhf_hpc.batching import make_padded_batch, micro_batch_groups, pack, resto
 from rlhf_hpc.config import ActorConfig, OptimConfig
 from rlhf_hpc.critic import per_token_values
 from rlhf_hpc.models import build_causal_lm, build_critic, model_config
-from rlhf_hpc.optim import build_optimizer, lr_multiplier
+from rlhf_hpc.optim import build_optimizer, clip_grad_norm, lr_multiplier
 
 
 def skewed_batch(n=6, P=9, R=7, seed=0):
@@ -119,6 +119,26 @@ def test_lr_schedule():
         w, m, c = 2, 0.1, 0.5
         ref = s / w if s < w else max(m, math.cos(math.pi * c * 2 * (s - w) / (10 - w)) * (1 - m) / 2 + (1 + m) / 2)
         assert lr_multiplier(s, cos, 10) == pytest.approx(ref)
+
+
+def test_clip_grad_norm_scales_only_above_the_limit():
+    """Returns the norm before clipping; below the limit the gradients stay bit for bit (no pass over
+    them), above it they are scaled to the limit, a non-finite norm leaves them alone."""
+    model = torch.nn.Linear(4, 3)
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = math.sqrt(sum(float((b ** 2).sum()) for b in before))
+    assert clip_grad_norm(model, norm * 2) == pytest.approx(norm, rel=1e-6)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    assert clip_grad_norm(model, norm / 2) == pytest.approx(norm, rel=1e-6)
+    after = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters()))
+    assert after == pytest.approx(norm / 2, rel=1e-5)
+    model.weight.grad[0, 0] = float("nan")
+    kept = [p.grad.clone() for p in model.parameters()]
+    assert math.isnan(clip_grad_norm(model, 1e-3))
+    assert all(torch.allclose(p.grad, k, rtol=0, atol=0, equal_nan=True) for p, k in zip(model.parameters(), kept))
 
 
 def test_tiny_model_config_from_the_path():
