@@ -29,8 +29,6 @@ VALUE = ":".join(f"{k}={v}" for k, v in TUNABLES.items())
 USER_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                  "MALLOC_ARENA_MAX")
 PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
-
-
 KEPT = ("malloc keeps freed host memory: blocks up to 32 MiB from the heap, up to 1 GiB of it kept, in huge "
         "pages (GLIBC_TUNABLES)")
 
@@ -50,5 +48,5 @@ def describe(env: Mapping[str, str] = os.environ) -> str:
     """How this process (a rank) got its malloc settings, for the log."""
     if env.get("GLIBC_TUNABLES") == VALUE:
         return KEPT
-    _, why = malloc_tunables(env)
-    return why if why != KEPT else "the C library's defaults (this rank was not started by the launcher)"
+    value, why = malloc_tunables(env)
+    return "the C library's defaults (this rank was not started by the launcher)" if value else why

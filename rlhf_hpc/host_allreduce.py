@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = Path("/dev/shm")
-DEFAULT_CAPACITY = 32 << 20  # bytes per rank and bucket: 2 buckets for a 20M-parameter fp32 gradient
+DEFAULT_CAPACITY = 32 << 20  # bytes per rank and bucket: 3 buckets for the 19.5M-parameter fp32 actor of #19
 MIN_CAPACITY = 1 << 20
 
 

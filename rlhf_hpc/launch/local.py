@@ -23,9 +23,9 @@ def worker_env(cfg: Config) -> dict[str, str]:
     malloc settings that keep freed tensor memory (``rlhf_hpc.host_allocator``) unless the user set
     their own."""
     env = dict(os.environ)
-    if cfg.trainer.device == "cpu" and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node))
     if cfg.trainer.device == "cpu":
+        if "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node))
         tunables, _ = malloc_tunables(env)
         if tunables:
             env["GLIBC_TUNABLES"] = tunables
