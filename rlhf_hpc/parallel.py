@@ -1,5 +1,6 @@
 """The one place that applies FSDP2 to a model: sharding groups, mixed precision, offload,
-prefetch and activation checkpointing."""
+prefetch and activation checkpointing; and, for a model replicated on the host, the same without
+FSDP2 (mixed precision by casting hooks, gradients averaged by ``ReplicaGradients``)."""
 from __future__ import annotations
 
 import weakref
@@ -34,6 +35,8 @@ def _tied(model: nn.Module) -> bool:
 def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device,
                 gradient_checkpointing: bool = False, shared_memory: bool = True) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FULL_SHARD; 2-D (replicate, shard): HSDP).
+    A model replicated on the host (``host_replicas``) is left whole instead: its modules compute in
+    ``param_dtype`` (``compute_in_dtype``) and ``ReplicaGradients`` averages its gradients.
 
     Groups: each decoder layer, the input embedding and the output head (each on its own, so that
     streaming the weights out never holds more than one of them unsharded), then the root
@@ -54,7 +57,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     replicas = host_replicas(mesh, fsdp, device) if any(p.requires_grad for p in model.parameters()) else None
     if replicas is not None:
-        mesh = mesh["shard"]  # this rank alone: FSDP2 casts and groups; ReplicaGradients reduces
+        compute_in_dtype(model, mp.param_dtype)
+        _REPLICA_GRADIENTS[model] = ReplicaGradients(model, replicas, shared_memory)
+        return model
     # null (not chosen by rlhf_hpc.layout, e.g. a reward model): free after forward, no prefetch
     reshard = True if fsdp.reshard_after_forward is None else fsdp.reshard_after_forward
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
@@ -79,18 +84,51 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
 
 
 # ------------------------------------------------------------------------------ replicated on the host
+def compute_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
+    """FSDP2's mixed precision (``param_dtype``) for a model that each rank holds whole, without
+    FSDP2: a module casts its own parameters to ``dtype`` when called and puts them back when it
+    returns. The cast is part of the graph, so the backward computes in ``dtype`` and the gradients
+    arrive cast back into the parameters' own dtype (fp32), accumulated there across micro-batches,
+    as FSDP2's reduce-dtype copy does. The parameters, their names and the state dict stay as they
+    are. Re-entrant: activation checkpointing's recompute calls the module again and casts again."""
+    if dtype is None:
+        return
+    for module in model.modules():
+        names = [n for n, p in module._parameters.items() if p is not None and p.is_floating_point() and p.dtype != dtype]
+        if not names:
+            continue
+        kept: list[dict] = []  # the parameters while the module runs (a stack: calls may nest)
+
+        def cast(module, args, names=names, kept=kept):
+            kept.append({n: module._parameters[n] for n in names})
+            for n in names:
+                module._parameters[n] = kept[-1][n].to(dtype)
+
+        def restore(module, args, output, kept=kept):
+            module._parameters.update(kept.pop())
+
+        module.register_forward_pre_hook(cast)
+        module.register_forward_hook(restore, always_call=True)  # also when the forward raises
+
+
 def host_replicas(mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device):
     """The replicate group when every rank holds the whole model on the host (a (replicate, 1) mesh
-    on CPU) and the gradients are reduced in their own dtype, else None (FSDP2's HSDP does it all).
-    Only models that train ask (a frozen one keeps the mesh: with one rank per shard group its
-    forward communicates nothing either way).
+    on CPU, kept whole between forward and backward, no prefetch) and the gradients are reduced in
+    their own dtype, else None (FSDP2 does it all). Only models that train ask (a frozen one keeps
+    the mesh: with one rank per shard group its forward communicates nothing either way).
 
-    Why: on gloo, FSDP2's HSDP all-reduce runs synchronously inside the backward, once per layer
-    group, after copying the layer's gradients into a reduce buffer and out again; the backward waits
-    for each, and for the slower rank at each. On GPUs its all-reduces already run on their own stream."""
+    Such a model is not given to FSDP2 at all (``parallelize``): on a one-rank shard group FSDP2
+    has nothing to shard, yet per layer group and micro-batch it still copies the weights into an
+    all-gather buffer, and each gradient into a reduce buffer and out again (about 0.3 s of the
+    issue-19 step); on gloo its HSDP all-reduce also runs synchronously inside the backward, once per
+    layer group, waiting for the slower rank at each. ``reshard_after_forward=true`` or
+    ``forward_prefetch=true`` set in the recipe keep FSDP2, which does what they ask. On GPUs FSDP2's
+    all-reduces already run on their own stream."""
     if device.type != "cpu" or mesh.ndim != 2 or mesh["shard"].size() != 1 or mesh["replicate"].size() == 1:
         return None
     if fsdp.param_offload or fsdp.offload_policy:
+        return None
+    if fsdp.reshard_after_forward is True or fsdp.forward_prefetch:
         return None
     if torch_dtype(fsdp.mixed_precision.reduce_dtype) != torch_dtype(fsdp.model_dtype):
         return None  # FSDP2 reduces in reduce_dtype; here the gradients are reduced as they are kept
@@ -98,15 +136,15 @@ def host_replicas(mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device):
 
 
 class ReplicaGradients:
-    """DDP's gradient averaging for a model whose FSDP2 groups each rank holds whole (``host_replicas``).
+    """DDP's gradient averaging for a model each rank holds whole, without FSDP2 (``host_replicas``).
 
     Ranks all on this machine average the gradients through shared memory
     (``rlhf_hpc.host_allreduce``) when the update asks for them (``finish``): one pass over the
     gradient in each rank's own thread, nothing competing with the backward for the cores.
-    Otherwise (ranks on several hosts, no usable ``/dev/shm``): FSDP2 writes each parameter's
-    gradient when its layer's backward ends and then runs the parameter's post-accumulate-grad
-    hooks; the hook here starts an asynchronous gloo all-reduce of it (pre-divided by the replicas:
-    their mean, as FSDP2 computes), and ``finish`` waits for them. Either way only the gradients of
+    Otherwise (ranks on several hosts, no usable ``/dev/shm``): autograd accumulates each
+    parameter's gradient when the backward is done with it and then runs the parameter's
+    post-accumulate-grad hooks; the hook here starts an asynchronous gloo all-reduce of it
+    (pre-divided by the replicas: their mean, as FSDP2 computes), and ``finish`` waits for them. Either way only the gradients of
     a backward run with ``enabled`` are averaged: the update turns it on for the last micro-batch
     of a mini-batch, the others accumulate locally (as FSDP2's ``set_requires_all_reduce(False)``)."""
 
@@ -129,26 +167,20 @@ class ReplicaGradients:
         if self.shared is not None:
             self.ready = True
             return
-        local = _local(param.grad)
-        local.div_(self.size)
-        self.pending.append(dist.all_reduce(local, group=self.group, async_op=True))
+        param.grad.div_(self.size)
+        self.pending.append(dist.all_reduce(param.grad, group=self.group, async_op=True))
 
     def finish(self) -> None:
         if self.shared is not None:
             if self.ready:
                 with collective(calls=1), torch.profiler.record_function("ReplicaGradients.shared_memory_mean"):
-                    self.shared.mean_([_local(p.grad) for p in self.params if p.grad is not None])
+                    self.shared.mean_([p.grad for p in self.params if p.grad is not None])
                 self.ready = False
             return
         with collective(calls=len(self.pending)):  # the time the rank waits for them
             for work in self.pending:
                 work.wait()
         self.pending.clear()
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor gradient's storage (written in place), or the plain tensor."""
-    return grad._local_tensor if hasattr(grad, "_local_tensor") else grad
 
 
 _REPLICA_GRADIENTS: "weakref.WeakKeyDictionary[nn.Module, ReplicaGradients]" = weakref.WeakKeyDictionary()

@@ -19,9 +19,10 @@ reduce-scatters (``time_fsdp_collectives`` installs FSDP2's custom-comm hooks, w
 
 HSDP's replicate all-reduce inside FSDP2 has no hook around it; FSDP2's all-reduce hook runs right
 after it, so it is timed from the reduce-scatter's return to that hook (with a shard group of one
-rank there is no reduce-scatter, and it goes unmeasured). A replicated model on the host averages
-its gradients with ``rlhf_hpc.parallel.ReplicaGradients``: asynchronous all-reduces during the
-backward, counted where the rank waits for them. Not seen by the meter: vLLM's internal
+rank there is no reduce-scatter, and it goes unmeasured). A replicated model on the host is not
+given to FSDP2 and averages its gradients with ``rlhf_hpc.parallel.ReplicaGradients`` (through
+shared memory, or asynchronous gloo all-reduces during the backward), counted where the rank
+waits for them. Not seen by the meter: vLLM's internal
 tensor-parallel collectives during generation.
 
 ``perf/comm_fraction`` = time in collectives / ``timing_s/step`` (rank 0's), split by phase into

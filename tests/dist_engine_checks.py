@@ -228,6 +228,10 @@ def phase_train(out: Path) -> None:
         "4x1_bf16_reduce": host_replicas(mesh_4x1, FSDPConfig(mixed_precision=MixedPrecisionConfig(
             reduce_dtype="bfloat16")), CPU) is not None,
         "4x1_offload": host_replicas(mesh_4x1, FSDPConfig(param_offload=True), CPU) is not None,
+        "4x1_reshard_after_forward": host_replicas(mesh_4x1, FSDPConfig(mixed_precision=FP32,
+                                                                        reshard_after_forward=True), CPU) is not None,
+        "4x1_forward_prefetch": host_replicas(mesh_4x1, FSDPConfig(mixed_precision=FP32, forward_prefetch=True),
+                                              CPU) is not None,
         "2x2": host_replicas(mesh_2x2, FSDPConfig(mixed_precision=FP32), CPU) is not None,
     }
 

@@ -76,11 +76,13 @@ def test_shared_memory_mean_refuses_what_it_cannot_do(results):
 
 
 def test_host_replicas_only_where_every_rank_holds_the_model_and_reduces_in_its_dtype(results):
-    """ReplicaGradients takes over from FSDP2's HSDP all-reduce on a (replicate, 1) host mesh, with
-    bf16 compute too (gradients reduced in fp32, as reduce_dtype says); a bf16 reduce_dtype, offload
-    or a real shard group stay with FSDP2."""
+    """On a (replicate, 1) host mesh the model is kept whole without FSDP2 and ReplicaGradients
+    averages it, with bf16 compute too (gradients reduced in fp32, as reduce_dtype says); a bf16
+    reduce_dtype, offload, an explicit reshard_after_forward or forward_prefetch (FSDP2 features), or
+    a real shard group stay with FSDP2."""
     assert results[0]["host_replicas"] == {"4x1": True, "4x1_bf16_compute": True, "4x1_bf16_reduce": False,
-                                           "4x1_offload": False, "2x2": False}
+                                           "4x1_offload": False, "4x1_reshard_after_forward": False,
+                                           "4x1_forward_prefetch": False, "2x2": False}
 
 
 def test_sharded_critic_matches_single_process(results):

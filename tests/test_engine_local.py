@@ -194,3 +194,46 @@ def test_build_engine_from_a_recipe(world_of_one):
                                          "algorithm.use_kl_in_reward=false"])
     eng2 = build_engine(cfg2, ctx, total_steps=10)
     assert eng2.critic is None and eng2.ref is None
+
+
+@pytest.mark.parametrize("tied,checkpointing", [(False, False), (False, True), (True, False)])
+def test_host_replica_computes_as_fsdp2_mixed_precision(world_of_one, tied, checkpointing):
+    """A model replicated on the host runs without FSDP2, its modules casting their parameters to
+    bf16 when called (``compute_in_dtype``). It computes what FSDP2's bf16 mixed precision computes,
+    bit for bit: the same log-probs and entropies, and the same fp32 gradients accumulated over two
+    micro-batches (packed, then padded), with activation checkpointing too. Its parameters stay the
+    fp32 ``nn.Parameter``s they were. A tied embedding/head is the one difference: FSDP2 sums the
+    two uses' gradients in bf16 before its fp32 copy, here each is cast first and they are summed in
+    fp32, so the two agree to bf16's rounding of that sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlhf_hpc.config import FSDPConfig
+    from rlhf_hpc.parallel import compute_in_dtype, parallelize
+    path = "tiny://qwen2" + ("?tie_word_embeddings=true" if tied else "")
+    fsdp2 = build_causal_lm(path, torch.float32, seed=0)
+    plain = build_causal_lm(path, torch.float32, seed=0)
+    params = dict(plain.named_parameters())
+    parallelize(fsdp2, init_device_mesh("cpu", (1,)), FSDPConfig(), torch.device("cpu"),
+                gradient_checkpointing=checkpointing)  # default mixed precision: bf16 compute, fp32 reduce
+    if checkpointing:
+        plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compute_in_dtype(plain, torch.bfloat16)
+    outputs = {}
+    for name, model in (("fsdp2", fsdp2), ("plain", plain)):
+        model.train()  # checkpointing recomputes only in training mode
+        outputs[name] = []
+        for seed, remove_padding in ((0, True), (1, False)):  # two micro-batches, accumulated
+            b = skewed_batch(seed=seed)
+            lp, ent = per_token_logprobs(model, b, 0.7, remove_padding=remove_padding, with_entropy=True)
+            ((lp * b["advantages"]).sum() + 0.01 * ent.sum()).backward()
+            outputs[name] += [lp.detach(), ent.detach()]
+    for a, b in zip(outputs["fsdp2"], outputs["plain"]):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    for n, p in fsdp2.named_parameters():
+        expected = p.grad.full_tensor()
+        assert grads[n].dtype == torch.float32
+        atol = expected.abs().max().item() * 2**-8 if tied and n == "model.embed_tokens.weight" else 0
+        torch.testing.assert_close(grads[n], expected, rtol=0, atol=atol, msg=n)
+    assert dict(plain.named_parameters()) == params  # the same Parameter objects, not the bf16 casts
+    assert all(p.dtype == torch.float32 and isinstance(p, torch.nn.Parameter) for p in params.values())
