@@ -94,7 +94,8 @@ def compute_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
     if dtype is None:
         return
     for module in model.modules():
-        names = [n for n, p in module._parameters.items() if p is not None and p.is_floating_point() and p.dtype != dtype]
+        names = [n for n, p in module._parameters.items()
+                 if p is not None and p.is_floating_point() and p.dtype != dtype]
         if not names:
             continue
         kept: list[dict] = []  # the parameters while the module runs (a stack: calls may nest)
@@ -144,9 +145,10 @@ class ReplicaGradients:
     Otherwise (ranks on several hosts, no usable ``/dev/shm``): autograd accumulates each
     parameter's gradient when the backward is done with it and then runs the parameter's
     post-accumulate-grad hooks; the hook here starts an asynchronous gloo all-reduce of it
-    (pre-divided by the replicas: their mean, as FSDP2 computes), and ``finish`` waits for them. Either way only the gradients of
-    a backward run with ``enabled`` are averaged: the update turns it on for the last micro-batch
-    of a mini-batch, the others accumulate locally (as FSDP2's ``set_requires_all_reduce(False)``)."""
+    (pre-divided by the replicas: their mean, as FSDP2 computes), and ``finish`` waits for them.
+    Either way only the gradients of a backward run with ``enabled`` are averaged: the update turns
+    it on for the last micro-batch of a mini-batch, the others accumulate locally (as FSDP2's
+    ``set_requires_all_reduce(False)``)."""
 
     def __init__(self, model: nn.Module, group, shared_memory: bool = True):
         self.group, self.size = group, dist.get_world_size(group)
