@@ -1,8 +1,9 @@
 """Building the actor, critic, reference and reward models (and tiny random-weight test models).
 
 ``model.path`` is a Hugging Face directory or hub name (resolved from the local cache; nothing is
-downloaded at run time), or ``tiny://qwen2`` for a small Qwen2 built in code with random weights:
-query parameters set config fields, e.g. ``tiny://qwen2?hidden_size=128&num_hidden_layers=4``.
+downloaded at run time), or ``tiny://<architecture>`` (``TINY_MODELS``: qwen2, qwen3, llama, mistral,
+gemma2, gemma3) for a small model built in code with random weights: query parameters set config
+fields, e.g. ``tiny://qwen2?hidden_size=128&num_hidden_layers=4&tie_word_embeddings=true``.
 """
 from __future__ import annotations
 
@@ -15,10 +16,27 @@ from urllib.parse import parse_qsl, urlparse
 import torch
 from torch import nn
 
-# head_dim 32: vLLM's CPU attention kernels do not support head_dim 16
+# Tiny random-weight models of the architectures the project is tested on (tests/test_architectures.py),
+# each shaped like the checkpoints users train (tied where those are). head_dim 32: vLLM's CPU attention
+# kernels do not support head_dim 16.
 TINY_QWEN2 = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
+_TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+TINY_MODELS: dict[str, tuple[str, dict]] = {  # tiny://<name> -> (transformers model_type, config fields)
+    "qwen2": ("qwen2", TINY_QWEN2),  # Qwen2.5-7B (untied); ?tie_word_embeddings=true: Qwen2.5-0.5B-3B
+    "qwen3": ("qwen3", dict(_TINY, tie_word_embeddings=True)),  # q/k norms; Qwen3-0.6B-4B are tied
+    "llama": ("llama", dict(_TINY, tie_word_embeddings=True, rope_parameters=dict(  # Llama-3.2-1B/3B
+        rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=256))),
+    "mistral": ("mistral", dict(_TINY, tie_word_embeddings=False, sliding_window=None)),  # Mistral-7B-v0.3
+    # sliding-window layers (window 32, so tests' sequences cross it) and logit soft-capping; always tied
+    "gemma2": ("gemma2", dict(_TINY, query_pre_attn_scalar=32, sliding_window=32,
+                              attn_logit_softcapping=1.0, final_logit_softcapping=3.0)),  # caps that bite at tiny scales
+    "gemma3": ("gemma3_text", dict(_TINY, query_pre_attn_scalar=32, sliding_window=32,
+                                   layer_types=["sliding_attention", "full_attention"])),
+}
 
 
 def _parse_value(text: str) -> Any:
@@ -72,14 +90,19 @@ def _use_attn(config, attn: str) -> None:
 
 def model_config(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
     """The transformers config for ``path`` with ``override`` applied."""
-    from transformers import AutoConfig, Qwen2Config
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if is_tiny(path):
         url = urlparse(path)
-        if url.netloc != "qwen2":
-            raise ValueError(f"unknown tiny model '{path}'; only tiny://qwen2 is built in")
-        fields = dict(TINY_QWEN2)
+        if url.netloc not in TINY_MODELS:
+            raise ValueError(f"unknown tiny model '{path}'; the built-in ones are "
+                             f"{', '.join('tiny://' + n for n in TINY_MODELS)}")
+        model_type, fields = TINY_MODELS[url.netloc]
+        fields = dict(fields)
         fields.update({k: _parse_value(v) for k, v in parse_qsl(url.query)})
-        config = Qwen2Config(**fields)
+        config = AutoConfig.for_model(model_type, **fields)
+        # engines read the class to build from the config (vLLM would otherwise pick a pooling model)
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     else:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     for k, v in (override or {}).items():

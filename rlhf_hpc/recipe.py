@@ -657,6 +657,9 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     sp_errors, sp_warnings = sequence_parallel_problems(cfg)
     errors.extend(sp_errors)
     warnings.extend(sp_warnings)
+    arch_errors, arch_warnings = model_architecture_problems(cfg)
+    errors.extend(arch_errors)
+    warnings.extend(arch_warnings)
     if cfg.launcher.cluster == "local" and tr.nnodes > 1:
         errors.append(f"trainer.nnodes={tr.nnodes} needs several machines: use cluster=slurm "
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")
@@ -720,19 +723,44 @@ def sequence_parallel_problems(cfg: Config) -> tuple[list[str], list[str]]:
 def _heads_problem(path: Optional[str], override: dict, size: int, key: str) -> Optional[str]:
     """The model's heads against the sp size, where its config can be read here (a tiny model, or a
     local directory); elsewhere the engine checks it when it builds the model."""
-    from rlhf_hpc.models import is_tiny, model_config
     from rlhf_hpc.sequence_parallel import heads_problem
+    config = _readable_model_config(path, override)
+    if config is None:
+        return None
+    heads = config.num_attention_heads
+    return heads_problem(heads, getattr(config, "num_key_value_heads", None) or heads, size, key)
+
+
+def _readable_model_config(path: Optional[str], override: dict):
+    """The transformers config of a tiny model or a local model directory; None elsewhere (a hub
+    name resolved on the cluster, an unreadable directory: reported by the file checks / at build)."""
+    from rlhf_hpc.models import is_tiny, model_config
     if not path:
         return None
     local = os.path.expanduser(path)
     if not is_tiny(path) and not os.path.isfile(os.path.join(local, "config.json")):
         return None
     try:
-        config = model_config(path if is_tiny(path) else local, override)
-    except Exception:  # noqa: BLE001 - an unreadable model is reported by the file checks / at build
+        return model_config(path if is_tiny(path) else local, override)
+    except Exception:  # noqa: BLE001 - see above
         return None
-    heads = config.num_attention_heads
-    return heads_problem(heads, getattr(config, "num_key_value_heads", None) or heads, size, key)
+
+
+def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the policy's and the critic's architectures (rlhf_hpc.architectures),
+    where their configs can be read here."""
+    from rlhf_hpc.architectures import architecture_problems
+    errors, warnings = [], []
+    models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    if cfg.critic.enable and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        models.append(("critic.model", cfg.critic.model))
+    for key, model in models:
+        config = _readable_model_config(model.path, model.override_config)
+        if config is not None:
+            e, w = architecture_problems(config, key, model.override_config.get("attn_implementation"))
+            errors += e
+            warnings += w
+    return errors, warnings
 
 
 def unsupported_values(cfg: Config) -> list[str]:

@@ -63,8 +63,12 @@ def test_hf_engine_refuses_to_generate_with_random_weights():
     engine = make_engine(cfg, "tiny://qwen2", torch.device("cpu"))
     with pytest.raises(RuntimeError, match="before the first update_weights"):
         engine.generate([[1, 2]], Sampling(max_tokens=2))
-    with pytest.raises(ValueError, match="received nothing, e.g. 'lm_head.weight'"):
+    with pytest.raises(ValueError, match=r"weight sync: 26 engine parameter\(s\) received nothing: "
+                                         r"'model.layers.0.self_attn.q_proj.weight', .*, \.\.\. "
+                                         r"\(they would keep their previous values\)"):
         engine.update_weights(iter([("model.embed_tokens.weight", torch.zeros(256, 128))]))
+    with pytest.raises(ValueError, match="'model.embed_tokens.weight' arrived twice"):
+        engine.update_weights(iter([("model.embed_tokens.weight", torch.zeros(256, 128))] * 2))
 
 
 def metrics(kl: float, max_: float = 1.0) -> dict:

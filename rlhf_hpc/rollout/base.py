@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Protocol
+from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -137,6 +137,26 @@ def check_weight(name: str, tensor: torch.Tensor, spec: dict[str, tuple[int, ...
     if tuple(tensor.shape) != tuple(spec[name]):
         raise ValueError(f"weight sync: parameter '{name}' has shape {tuple(tensor.shape)} but the engine "
                          f"expects {tuple(spec[name])}")
+
+
+def covered(named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict[str, tuple[int, ...]]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's side of every sync's completeness check: ``named_tensors`` passed through, each
+    name checked against ``spec`` (unknown, wrong shape, twice) as it arrives; once they are all
+    through, a name of ``spec`` that never came fails, named. Raising mid-sync stops the run: an
+    engine left with some stale weights samples from a model nobody trains."""
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        check_weight(name, tensor, spec)
+        if name in seen:
+            raise ValueError(f"weight sync: parameter '{name}' arrived twice in one sync")
+        seen.add(name)
+        yield name, tensor
+    missing = [n for n in spec if n not in seen]
+    if missing:
+        raise ValueError(f"weight sync: {len(missing)} engine parameter(s) received nothing: "
+                         f"{', '.join(repr(n) for n in missing[:4])}{', ...' if len(missing) > 4 else ''} "
+                         f"(they would keep their previous values)")
 
 
 def make_engine(cfg, model_path: str, device: torch.device, tp_group=None) -> RolloutEngine:

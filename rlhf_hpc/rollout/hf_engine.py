@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.models import build_causal_lm, is_tiny, torch_dtype
-from rlhf_hpc.rollout.base import Response, Sampling, check_weight
+from rlhf_hpc.rollout.base import Response, Sampling, covered
 
 
 class HFEngine:
@@ -39,15 +39,9 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loaded = set()
-        for name, tensor in named_tensors:
-            check_weight(name, tensor, self._spec)
+        # a tied head is the embedding's parameter here too: filling one fills both
+        for name, tensor in covered(named_tensors, self._spec):
             self._params[name].copy_(tensor)
-            loaded.add(name)
-        missing = set(self._spec) - loaded
-        if missing:
-            raise ValueError(f"weight sync: {len(missing)} engine parameters received nothing, e.g. "
-                             f"'{sorted(missing)[0]}'")
         self.synced = True
 
     def release(self) -> None:

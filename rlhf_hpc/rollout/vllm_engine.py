@@ -25,20 +25,80 @@ import torch.distributed as dist
 from rlhf_hpc.dist import on_exit_process
 from rlhf_hpc.models import is_tiny, model_config
 from rlhf_hpc.profiling import collective
-from rlhf_hpc.rollout.base import Response, Sampling, check_weight
+from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
 
 log = logging.getLogger("rlhf_hpc.rollout")
 
 
-def hf_weight_spec(model_path: str, override: dict | None = None, trust_remote_code: bool = False
-                   ) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the Hugging Face parameters of ``model_path`` (built on the meta device)."""
+def hf_weight_names(model_path: str, override: dict | None = None, trust_remote_code: bool = False
+                    ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The Hugging Face parameters of ``model_path`` (built on the meta device): ``(shapes, aliases)``,
+    shapes of each parameter under its first name, and ``alias -> first name`` for names that share
+    it (a tied head: ``lm_head.weight -> model.embed_tokens.weight``)."""
     from transformers import AutoModelForCausalLM
     config = model_config(model_path, override, trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return {k: tuple(v.shape) for k, v in model.named_parameters()}
+    shapes, first, aliases = {}, {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+            shapes[name] = tuple(p.shape)
+    return shapes, aliases
+
+
+def _engine_layout(model: torch.nn.Module) -> tuple[list[str], dict[str, list[str]]]:
+    """(every parameter name, tied ones included; ``{class name: [modules with parameters of their
+    own]}``) of vLLM's model, read inside its worker."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    layers: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            layers.setdefault(type(module).__name__, []).append(name)
+    return names, layers
+
+
+class ReloadVerdicts(logging.Handler):
+    """vLLM's own accounting of one in-place reload, collected from its log while it runs: a layer
+    with parameters that received no weight ("<class>: Failed to load weights": the layer-wise
+    reload then puts its previous tensors back) and parameters never loaded ("Following weights were
+    not loaded from checkpoint"). Levels are held at WARNING meanwhile, so a quieter
+    ``VLLM_LOGGING_LEVEL`` cannot hide them."""
+
+    LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
+
+    def __init__(self, layers: dict[str, list[str]]):
+        super().__init__(logging.WARNING)
+        self.layers, self.problems, self._levels = layers, [], {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.endswith(": Failed to load weights"):
+            cls = text[:-len(": Failed to load weights")]
+            modules = self.layers.get(cls)
+            if modules:  # (layers of buffers only, e.g. a rotary cache computed from the config, hold no weights)
+                self.problems.append(f"vLLM layer {cls} ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})"
+                                     f" received no weight and kept its previous values")
+        elif text.startswith("Following weights were not loaded"):
+            names = sorted(record.args[0]) if record.args and isinstance(record.args[0], (set, list)) else [text]
+            self.problems.append(f"vLLM parameters not loaded: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}")
+
+    def __enter__(self) -> "ReloadVerdicts":
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self._levels[name] = logger.level
+            if logger.getEffectiveLevel() > logging.WARNING:
+                logger.setLevel(logging.WARNING)
+            logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, level in self._levels.items():
+            logging.getLogger(name).removeHandler(self)
+            logging.getLogger(name).setLevel(level)
 
 
 # Warnings vLLM prints that say nothing is wrong here (logger -> message prefixes):
@@ -146,7 +206,7 @@ class VLLMEngine:
         self.sleep_enabled = on_gpu and rollout.free_cache_engine
         self._asleep: set[str] = set()
         self._weights_valid = True  # dummy weights at first; False between a level-2 sleep and the next sync
-        self._spec = hf_weight_spec(model_path, mcfg.override_config, mcfg.trust_remote_code)
+        self._spec, aliases = hf_weight_names(model_path, mcfg.override_config, mcfg.trust_remote_code)
 
         path = model_path
         if is_tiny(model_path) or mcfg.override_config:
@@ -176,12 +236,23 @@ class VLLMEngine:
         with preserved_rng(device):  # vLLM seeds the global RNGs at start-up; training keeps its own
             self.llm = LLM(**kwargs)
         self.rng = GenerationRNG(cfg.trainer.seed, self.dp_rank, device)
+        engine_names, self.param_layers = self.llm.apply_model(_engine_layout)[0]
+        # a tied head's own name, where vLLM's model has a layer of that name (Qwen2, Llama: lm_head;
+        # not Gemma, whose logits come from the embedding itself): the layer-wise reload processes a
+        # layer only from weights sent to it by name, and the CPU build keeps a repacked copy of the
+        # head's matrix that goes stale otherwise (on a GPU the shared tensor alone would do)
+        self.tied_aliases: dict[str, list[str]] = {}
+        for alias, first in aliases.items():
+            if alias in engine_names:
+                self.tied_aliases.setdefault(first, []).append(alias)
         self._shm_segments = cpu_shm_segments()
         on_exit_process(self._unlink_shm)
         self.on_gpu = on_gpu
         self.max_batched_tokens = kwargs["max_num_batched_tokens"]
 
     def weight_spec(self) -> dict[str, tuple[int, ...]]:
+        """The actor parameters the engine takes, by their first name (a tied head is not asked
+        for: the engine feeds it the embedding itself)."""
         return dict(self._spec)
 
     # -------------------------------------------------------------------------------- memory
@@ -239,17 +310,38 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        spec = self._spec
-
-        def checked():
-            for name, tensor in named_tensors:
-                check_weight(name, tensor, spec)
+        """Load the actor's weights in place (vLLM's ``reload_weights``), then check on every rank
+        that every engine parameter was loaded: the names that arrived (``covered``) and vLLM's own
+        verdict on its layers (``ReloadVerdicts``). Any gap fails the sync naming it."""
+        def feed():
+            for name, tensor in covered(named_tensors, self._spec):
                 yield name, tensor
+                for alias in self.tied_aliases.get(name, ()):
+                    yield alias, tensor
         self.resume()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked()})
+        with ReloadVerdicts(self.param_layers) as verdicts:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
         # cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
         self._weights_valid = True
+        self._fail_together(verdicts.problems)
+
+    def _fail_together(self, problems: list[str]) -> None:
+        """Raise on every rank when any rank's engine reported a problem (one would otherwise wait
+        for the others at the next collective)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([len(problems)], dtype=torch.long, device=self.device)
+            with collective():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                return
+            everyone: list = [None] * dist.get_world_size()
+            with collective(calls=2, host=True):
+                dist.all_gather_object(everyone, problems)
+            problems = [f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps]
+        if problems:
+            raise RuntimeError("weight sync incomplete: " + "; ".join(problems[:6])
+                               + ("; ..." if len(problems) > 6 else ""))
 
     # ------------------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
