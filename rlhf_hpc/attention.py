@@ -121,7 +121,8 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
                          "flash_attention_2 for this model")
     B, H, L, D = query.shape
     kv_heads = key.shape[1]
-    cu, longest = sequence_starts(position_ids.reshape(B, L))
+    # (1, L) position ids (transformers' default when none are given) stand for every row
+    cu, longest = sequence_starts(position_ids.reshape(-1, L).expand(B, L))
     window = sliding_window if sliding_window is not None and longest > sliding_window else None
     q = query.transpose(1, 2).reshape(B * L, H, D)
     k = key.transpose(1, 2).reshape(B * L, kv_heads, D)

@@ -200,6 +200,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     """Write the actor of a sharded checkpoint as a Hugging Face model directory (config.json,
     safetensors in ``dtype``, the tokenizer when the model has one), loadable by
     ``AutoModelForCausalLM.from_pretrained`` and vLLM. One process, no process group needed."""
+    from rlhf_hpc.loading import materialize
     from rlhf_hpc.models import build_causal_lm, torch_dtype
     from rlhf_hpc.recipe import load_resolved
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -207,8 +208,9 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker)")
     cfg = load_resolved(ckpt_dir.parent / "config.yaml", check_files=False)
     mcfg = cfg.actor_rollout_ref.model
-    model = build_causal_lm(mcfg.path, torch.float32, "cpu", mcfg.override_config, seed=cfg.trainer.seed,
-                            trust_remote_code=mcfg.trust_remote_code)
+    # the structure, then the checkpoint's weights: the original checkpoint is not read again
+    model = materialize(build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
+                                        trust_remote_code=mcfg.trust_remote_code), torch.device("cpu"))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt_dir / "actor"), no_dist=True)
     model.load_state_dict(state["model"])

@@ -10,11 +10,11 @@ import torch
 from rlhf_hpc.actor import Actor
 from rlhf_hpc.config import Config, FSDPConfig
 from rlhf_hpc.critic import Critic
-from rlhf_hpc.dist import DistContext, all_reduce_max_int, all_reduce_sum, build_train_mesh
+from rlhf_hpc.dist import DistContext, all_reduce_max_int, all_reduce_sum
 from rlhf_hpc.layout import choose_checkpointing, resolved_fsdp_configs
 from rlhf_hpc.models import attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
 from rlhf_hpc.optim import build_lr_scheduler, build_optimizer
-from rlhf_hpc.parallel import parallelize
+from rlhf_hpc.loading import build_sharded
 from rlhf_hpc.sequence_parallel import KEYS as SP_KEYS, for_model as sequence_parallel_for
 
 
@@ -37,12 +37,6 @@ class Engine:
         return comps
 
 
-def _shard(model, fsdp: FSDPConfig, ctx: DistContext, grad_ckpt: bool):
-    """``fsdp``: with its layout filled in (rlhf_hpc.layout)."""
-    mesh = build_train_mesh(ctx.device, ctx.world_size, fsdp.fsdp_size)
-    return parallelize(model, mesh, fsdp, ctx.device, gradient_checkpointing=grad_ckpt)
-
-
 def import_external_libs(*names: Optional[str]) -> list[str]:
     """``model.external_lib`` (verl's key): import each named module before any model is built,
     so it can register custom architectures with transformers' Auto classes. Returns the names
@@ -58,8 +52,8 @@ def import_external_libs(*names: Optional[str]) -> list[str]:
 def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     """Build and shard the models on every rank (collective). ``total_steps`` sizes the LR schedules.
 
-    Every rank builds the full model on the host from the same weights (seeded for tiny models),
-    then shards it: simple and exact, at the cost of one host copy per rank during start-up.
+    A pretrained checkpoint is read once, by rank 0, and sent to the others' shards
+    (rlhf_hpc.loading); a tiny random model is built from the same seed on every rank.
     """
     arr, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
     mcfg, seed = arr.model, cfg.trainer.seed
@@ -73,9 +67,12 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
                   norm_const=float(cfg.data.max_response_length), device=ctx.device)
 
-    model = build_causal_lm(mcfg.path, torch_dtype(actor_cfg.fsdp_config.model_dtype), "cpu",
-                            mcfg.override_config, seed, mcfg.trust_remote_code, attn)
-    _shard(model, fsdp["actor"], ctx, ckpt["actor"])
+    pretrained = not is_tiny(mcfg.path)
+
+    def policy(dtype_name: str):
+        return lambda device: build_causal_lm(mcfg.path, torch_dtype(dtype_name), device, mcfg.override_config, seed,
+                                              mcfg.trust_remote_code, attn)
+    model = build_sharded(policy(actor_cfg.fsdp_config.model_dtype), fsdp["actor"], ctx, ckpt["actor"], pretrained)
     actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
     opt = build_optimizer(model, actor_cfg.optim)
     on_gpu = ctx.device.type == "cuda"
@@ -85,10 +82,8 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
 
     ref = None
     if actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref_model = build_causal_lm(mcfg.path, torch_dtype(arr.ref.fsdp_config.model_dtype), "cpu",
-                                    mcfg.override_config, seed, mcfg.trust_remote_code, attn)
-        ref_model.requires_grad_(False)
-        _shard(ref_model, fsdp["ref"], ctx, grad_ckpt=False)
+        ref_model = build_sharded(policy(arr.ref.fsdp_config.model_dtype), fsdp["ref"], ctx, False, pretrained,
+                                   frozen=True)
         ref = Actor(ref_model, actor_cfg, temperature=arr.rollout.temperature,
                     remove_padding=mcfg.use_remove_padding,
                     sp=sequence_parallel_for(arr.ref.ulysses_sequence_parallel_size, ref_model.config, SP_KEYS[1]),
@@ -102,11 +97,12 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
                                     mcfg.trust_remote_code, attn) if is_tiny(ccfg.model.path) else None
         critic_attn = ("varlen" if ccfg.ulysses_sequence_parallel_size > 1
                        else attn_implementation(ctx.device, ccfg.model.override_config))
-        cmodel = build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), "cpu",
-                              ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
-                              critic_attn, init_from=init_from)
+        cmodel = build_sharded(
+            lambda device: build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), device,
+                                        ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
+                                        critic_attn, init_from=init_from),
+            fsdp["critic"], ctx, ckpt["critic"], not is_tiny(ccfg.model.path))
         del init_from
-        _shard(cmodel, fsdp["critic"], ctx, ckpt["critic"])
         copt = build_optimizer(cmodel, ccfg.optim)
         critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
                         scheduler=build_lr_scheduler(copt, ccfg.optim, total_steps),

@@ -26,10 +26,15 @@ from typing import Optional
 
 from rlhf_hpc.config import Config, FSDPConfig
 from rlhf_hpc.layout import choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs
+from rlhf_hpc.models import is_tiny
 
 GiB = 1024 ** 3
 DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
 RUNTIME_GB = 1.0  # CUDA context, NCCL buffers, allocator slack: held in every phase
+# host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
+# (measured: 0.5 GiB resident on the CPU build); a GPU rank adds its CUDA context and NCCL's and
+# vLLM's host-side buffers (an estimate, 3 GiB in all: not measured here)
+HOST_RUNTIME_GB = {"cpu": 0.5, "cuda": 3.0}
 CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -146,6 +151,39 @@ class Phase:
 
 
 @dataclass
+class HostPlan:
+    """Host memory of one node: every rank's steady share (``per_rank``: its runtime, what is
+    offloaded to the host; on a CPU run its whole per-rank plan) and the start-up peak of reading
+    a pretrained checkpoint (rank 0 alone holds a full copy, rlhf_hpc.loading)."""
+    ranks: int
+    per_rank: dict[str, float]
+    loading: float  # one full copy of the largest pretrained model, in its model_dtype
+    capacity: Optional[float]  # bytes per node: launcher.mem_gb, or this machine's memory when local
+    capacity_source: str = ""
+    shrink: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.ranks * sum(self.per_rank.values()) + self.loading
+
+    def render(self) -> str:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.per_rank.items() if v)
+        fits = self.capacity is None or self.total <= self.capacity
+        line = (f"{'# OK  ' if fits else '# FAIL'} host/node     {self.total / GiB:6.1f} GiB  = {self.ranks} ranks x "
+                f"{sum(self.per_rank.values()) / GiB:.2f} ({parts})"
+                + (f" + loading {self.loading / GiB:.2f} (rank 0 reads the checkpoint)" if self.loading else ""))
+        return line + (f" of {self.capacity / GiB:.0f} GiB ({self.capacity_source})" if self.capacity else
+                       " (no launcher.mem_gb to check against)")
+
+    def failure(self) -> Optional[str]:
+        if self.capacity is None or self.total <= self.capacity:
+            return None
+        return (f"memory plan: host memory per node needs {self.total / GiB:.1f} GiB but {self.capacity_source} "
+                f"gives {self.capacity / GiB:.0f} GiB ({self.render().split('= ', 1)[1]}); shrink it with "
+                f"{', '.join(self.shrink)}")
+
+
+@dataclass
 class MemoryPlan:
     device: str
     capacity: float  # bytes per GPU
@@ -154,21 +192,40 @@ class MemoryPlan:
     kv_cache_tokens: Optional[int] = None
     max_model_len: int = 0
     notes: list[str] = field(default_factory=list)
+    host: Optional[HostPlan] = None
 
     def failures(self) -> list[str]:
+        """What cannot fit: a GPU phase above the GPU's memory, a KV cache smaller than one
+        sequence (GPU runs); the node's host memory above ``launcher.mem_gb`` (any run)."""
         out = []
-        for p in self.phases:
-            if p.total > self.capacity:
-                out.append(f"memory plan: phase {p.name} needs {p.total / GiB:.1f} GiB per GPU but a GPU has "
-                           f"{self.capacity / GiB:.0f} GiB ({', '.join(f'{k} {v / GiB:.1f}' for k, v in p.parts.items() if v)}); "
-                           f"shrink it with {', '.join(p.shrink)}")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
-            out.append(f"memory plan: phase gen leaves room for a KV cache of {max(self.kv_cache_tokens, 0)} tokens per "
-                       f"GPU, less than one sequence (max_model_len {self.max_model_len}); raise "
-                       f"actor_rollout_ref.rollout.gpu_memory_utilization or "
-                       f"actor_rollout_ref.rollout.tensor_model_parallel_size, or shorten "
-                       f"data.max_prompt_length / data.max_response_length")
-        return out
+        if self.device == "cuda":
+            for p in self.phases:
+                if p.total > self.capacity:
+                    out.append(f"memory plan: phase {p.name} needs {p.total / GiB:.1f} GiB per GPU but a GPU has "
+                               f"{self.capacity / GiB:.0f} GiB ({', '.join(f'{k} {v / GiB:.1f}' for k, v in p.parts.items() if v)}); "
+                               f"shrink it with {', '.join(p.shrink)}")
+            if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+                out.append(f"memory plan: phase gen leaves room for a KV cache of {max(self.kv_cache_tokens, 0)} tokens "
+                           f"per GPU, less than one sequence (max_model_len {self.max_model_len}); raise "
+                           f"actor_rollout_ref.rollout.gpu_memory_utilization or "
+                           f"actor_rollout_ref.rollout.tensor_model_parallel_size, or shorten "
+                           f"data.max_prompt_length / data.max_response_length")
+        problem = self.host.failure() if self.host is not None and self.host.capacity_source.startswith("launcher") \
+            else None
+        return out + ([problem] if problem else [])
+
+    def warnings(self) -> list[str]:
+        """The node's host memory above this machine's (a local run: the estimate is no limit the
+        job is held to, so it warns)."""
+        if self.host is None or self.host.capacity_source.startswith("launcher"):
+            return []
+        problem = self.host.failure()
+        return [problem] if problem else []
+
+    @property
+    def peak(self) -> float:
+        """The largest phase, bytes per GPU (per rank on the host for a CPU run)."""
+        return max(p.total for p in self.phases)
 
     def render(self) -> str:
         gb = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
@@ -183,6 +240,8 @@ class MemoryPlan:
         if self.kv_cache_tokens is not None:
             lines.append(f"#       KV cache room: {max(self.kv_cache_tokens, 0):,} tokens per GPU "
                          f"(one sequence: {self.max_model_len})")
+        if self.host is not None:
+            lines.append(self.host.render())
         lines += [f"# {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -262,7 +321,7 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
         capacity = (tr.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
     else:  # informational: the host's memory shared by the ranks of a node
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
-    runtime = RUNTIME_GB * GiB if on_gpu else 0.0
+    runtime = RUNTIME_GB * GiB if on_gpu else host_runtime_bytes(tr.device)
     P, R = d.max_prompt_length, d.max_response_length
     per_rank_rows = d.train_batch_size * rollout.n // world
     use_critic = bool(critic.enable)
@@ -401,14 +460,70 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
         host = 16 * s.params / _shards(world, afs) * (1 if afs.param_offload else 0.5)
         notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
                      + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
-    return MemoryPlan(tr.device, capacity, phases, s, kv_tokens, max_len, notes)
+    plan = MemoryPlan(tr.device, capacity, phases, s, kv_tokens, max_len, notes)
+    pretrained = [shp for shp, path in ((s, arr.model.path), (cs if use_critic else None, critic.model.path),
+                                        (rms, rm.model.path)) if shp is not None and not is_tiny(path)]
+    plan.host = host_plan(cfg, plan, max((x.params for x in pretrained), default=0), critic_params, rm_params,
+                          {"actor": afs, "ref": rfs if use_ref else None, "critic": cfs if use_critic else None,
+                           "reward_model": mfs if rms else None})
+    return plan
+
+
+def host_runtime_bytes(device: str) -> float:
+    """A rank's host memory beside its tensors: the libraries (``HOST_RUNTIME_GB``) and, on CPU
+    ranks started with the launcher's malloc settings (rlhf_hpc.host_allocator), the freed heap
+    malloc keeps for reuse (up to its trim threshold)."""
+    from rlhf_hpc.host_allocator import TUNABLES, malloc_tunables
+    kept = TUNABLES["glibc.malloc.trim_threshold"] if device != "cuda" and malloc_tunables(os.environ)[0] else 0
+    return HOST_RUNTIME_GB["cuda" if device == "cuda" else "cpu"] * GiB + kept
+
+
+def host_plan(cfg: Config, plan: MemoryPlan, largest_pretrained: int, critic_params: int, rm_params: int,
+              layouts: dict[str, Optional[FSDPConfig]]) -> HostPlan:
+    """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
+    to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
+    the moments between updates); CPU runs: the per-rank plan's largest phase, which is host memory
+    already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters)."""
+    tr, world = cfg.trainer, cfg.world_size
+    params = {"actor": plan.shape.params, "ref": plan.shape.params, "critic": critic_params, "reward_model": rm_params}
+    shrink = []
+    if tr.device == "cuda":
+        per_rank = {"runtime": host_runtime_bytes("cuda")}
+        for name, fsdp in layouts.items():
+            if fsdp is None:
+                continue
+            n = params[name] / _shards(world, fsdp)
+            trains = name in ("actor", "critic")
+            prefix = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic.model",
+                      "reward_model": "reward_model.model"}[name]
+            if fsdp.param_offload or fsdp.offload_policy:
+                per_rank[f"{name} offloaded"] = n * (DTYPE_BYTES[fsdp.model_dtype] * (2 if trains else 1)
+                                                     + (8 if trains else 0))
+                shrink.append(f"{prefix}.fsdp_config.param_offload=false")
+            elif trains and fsdp.optimizer_offload:
+                per_rank[f"{name} Adam moments"] = 8 * n
+                shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
+    else:
+        per_rank = {"largest phase": plan.peak}
+    loading = float(largest_pretrained * DTYPE_BYTES[cfg.actor_rollout_ref.actor.fsdp_config.model_dtype])
+    if loading:
+        shrink.append("actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads)")
+    shrink += ["trainer.n_gpus_per_node (fewer ranks per node, more nodes)"]
+    capacity, source = None, ""
+    if cfg.launcher.mem_gb:
+        capacity, source = cfg.launcher.mem_gb * GiB, "launcher.mem_gb"
+        shrink.insert(0, "launcher.mem_gb (ask Slurm for more)")
+    elif cfg.launcher.cluster == "local" or tr.device != "cuda":
+        capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink)
 
 
 def check_plan(cfg: Config) -> tuple[Optional[MemoryPlan], list[str], list[str]]:
-    """(plan, errors, warnings) for ``cfg``. Errors only for GPU runs: the ranks of a CPU run share
-    the host's memory, which the plan does not budget. No plan where the model's shape is unknown."""
+    """(plan, errors, warnings) for ``cfg``: a GPU phase that cannot fit, or a node's host memory
+    above ``launcher.mem_gb``, is an error; host memory above this machine's (a local run) a
+    warning. No plan where the model's shape is unknown."""
     try:
         plan = build_plan(cfg)
     except FileNotFoundError as e:
         return None, [], [f"memory plan skipped: {e}"]
-    return plan, plan.failures() if cfg.trainer.device == "cuda" else [], []
+    return plan, plan.failures(), plan.warnings()

@@ -216,8 +216,10 @@ class TokenScorer(BackboneWithHead):
 
 
 def build_token_scorer(path: str, dtype: torch.dtype, override: Optional[dict] = None, seed: int = 0,
-                       trust_remote_code: bool = False, attn: str = "sdpa") -> TokenScorer:
-    """The reward model of ``path`` on the host (``tiny://qwen2?...``: random weights, seeded)."""
+                       trust_remote_code: bool = False, attn: str = "sdpa", device: torch.device | str = "cpu"
+                       ) -> TokenScorer:
+    """The reward model of ``path`` on the host (``tiny://qwen2?...``: random weights, seeded;
+    ``device="meta"``: the structure only)."""
     from transformers import AutoModelForSequenceClassification
 
     config = model_config(path, override, trust_remote_code)
@@ -227,10 +229,11 @@ def build_token_scorer(path: str, dtype: torch.dtype, override: Optional[dict] =
         raise ValueError(f"reward_model.model.path: {path} has {config.num_labels} labels; a reward model scores "
                          f"with one (num_labels=1)")
     _use_attn(config, attn)
-    if is_tiny(path):
-        torch.manual_seed(seed)  # same random weights on every rank
-        classifier = AutoModelForSequenceClassification.from_config(config, dtype=dtype,
-                                                                    trust_remote_code=trust_remote_code)
+    if is_tiny(path) or str(device) == "meta":
+        with torch.device(device):
+            torch.manual_seed(seed)  # same random weights on every rank
+            classifier = AutoModelForSequenceClassification.from_config(config, dtype=dtype,
+                                                                        trust_remote_code=trust_remote_code)
     else:
         classifier = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
                                                                         trust_remote_code=trust_remote_code)

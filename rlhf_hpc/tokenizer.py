@@ -6,6 +6,7 @@ model (its vocabulary fits ``vocab_size=64``) and needing no files.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -52,3 +53,25 @@ def tokenizer_path(cfg) -> str:
     m = cfg.actor_rollout_ref.model
     path = cfg.data.tokenizer or m.tokenizer_path or m.path
     return "tiny://chars" if path.startswith("tiny://") else path
+
+
+@functools.lru_cache(maxsize=None)
+def generation_eos_ids(model_path: str) -> tuple[int, ...]:
+    """The ``eos_token_id`` of the model's ``generation_config.json`` (one id, or a list: Qwen2.5's
+    instruct models end a turn with <|im_end|> or <|endoftext|>, Llama-3's with three ids); ()
+    where there is none (tiny models, a checkpoint without one)."""
+    if model_path.startswith("tiny://"):
+        return ()
+    from transformers import GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        return ()
+    return tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """What ends a response, as verl: the tokenizer's EOS and padding token and every EOS id of
+    the model's generation config. The stop token is kept as the response's last token."""
+    ids = {tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None), *generation_eos_ids(model_path)}
+    return sorted(t for t in ids if t is not None)

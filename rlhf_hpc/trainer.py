@@ -51,7 +51,7 @@ from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rewards.reward_model import build_reward_model
 from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch, make_engine
-from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
+from rlhf_hpc.tokenizer import load_tokenizer, stop_token_ids, tokenizer_path
 from rlhf_hpc.tracking import Tracker
 
 
@@ -328,7 +328,7 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
 
 def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False) -> Sampling:
     r = cfg.actor_rollout_ref.rollout
-    stops = sorted({t for t in (tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None)) if t is not None})
+    stops = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
     if validation:
         v = r.val_kwargs
         return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample,
@@ -458,7 +458,10 @@ def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, model_
         # forward + backward = 3 x forward, per epoch
         flops = 3 * fwd_flops * cfg.actor_rollout_ref.actor.ppo_epochs
         out["perf/mfu/actor"] = flops / update_s / (peak_flops(ctx.device, cfg.trainer.peak_tflops) * ctx.world_size)
-    out.update(memory_metrics(ctx.device))
+    # memory: the largest rank's (what has to fit), one all-reduce for all of them
+    mem = memory_metrics(ctx.device)
+    names = sorted(mem)
+    out.update(zip(names, all_reduce_max(torch.tensor([mem[n] for n in names], dtype=torch.float64)).tolist()))
     return out
 
 

@@ -16,7 +16,9 @@ with llama3 rope scaling, Mistral, Gemma 2, Gemma 3), in one process group:
    so this runs in one process, an engine per architecture, and once more on the 2 ranks (an engine
    each, external_launcher) for the tied Qwen2 sharded over both;
 4. a sharded checkpoint written on the 1x2 mesh, loaded back into a fresh actor (bit for bit), and
-   exported to a Hugging Face directory that transformers loads back (tied where the original is).
+   exported to a Hugging Face directory that transformers loads back (tied where the original is);
+5. the model saved as a pretrained checkpoint, read by rank 0 alone and sent to both ranks
+   (sharded and replicated), actor and critic, against transformers' own loading.
 
 Rank 0 writes OUT/train.json; the rollout phase OUT/rollout.json.
 """
@@ -36,8 +38,10 @@ from rlhf_hpc import checkpoint as ckpt
 from rlhf_hpc.actor import Actor
 from rlhf_hpc.batching import make_padded_batch, select_rows
 from rlhf_hpc.config import ActorConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.dist import all_reduce_max, all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
-from rlhf_hpc.models import build_causal_lm
+from rlhf_hpc.dist import (DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum, build_train_mesh,
+                           exit_process)
+from rlhf_hpc.loading import build_sharded
+from rlhf_hpc.models import build_causal_lm, build_critic
 from rlhf_hpc.optim import build_optimizer
 from rlhf_hpc.parallel import parallelize
 from rlhf_hpc.recipe import load_config, write_resolved
@@ -201,6 +205,39 @@ def check_checkpoint(name: str, path: str, actor: Actor, out: Path, rank: int, w
     dist.barrier()
 
 
+def check_load_once(name: str, path: str, out: Path, rank: int, world: int, res: dict) -> None:
+    """5: a pretrained checkpoint read by rank 0 alone (rlhf_hpc.loading), sharded (FSDP2) and
+    replicated on the host, against ``from_pretrained`` in one process: weights, buffers, the tie."""
+    saved = out / f"{name}-pretrained"
+    if rank == 0:
+        build_causal_lm(path, torch.float32, seed=0).save_pretrained(saved)
+    dist.barrier()
+    ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
+    found = {}
+    for layout, fsdp_size in (("sharded", -1), ("replicated", 1)):
+        fsdp = FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32)
+        model = build_sharded(lambda device: build_causal_lm(str(saved), torch.float32, device, attn="varlen"),
+                              fsdp, ctx, gradient_checkpointing=False, from_checkpoint=True)
+        critic = build_sharded(lambda device: build_critic(str(saved), torch.float32, device, seed=1),
+                               fsdp, ctx, gradient_checkpointing=False, from_checkpoint=True)
+        found[layout] = (ckpt.full_model_state(model), ckpt.full_model_state(critic), dict(model.named_buffers()),
+                         model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+        ref = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+        ref_critic = build_critic(str(saved), torch.float32, "cpu", seed=1)
+        want, want_critic, want_buffers = ref.state_dict(), ref_critic.state_dict(), dict(ref.named_buffers())
+        tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
+        res["load_once"] = {layout: {
+            "params_bit_exact": state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want),
+            "critic_bit_exact": cstate.keys() == want_critic.keys() and all(
+                torch.equal(cstate[k], want_critic[k]) for k in want_critic),
+            "buffers_bit_exact": buffers.keys() == want_buffers.keys() and all(
+                torch.equal(buffers[k], want_buffers[k]) for k in want_buffers),
+            "tie_kept": is_tied == tied} for layout, (state, cstate, buffers, is_tied) in found.items()}
+    dist.barrier()
+
+
 def phase_train(out: Path) -> None:
     """1, 2 and 4 for every architecture on 2 ranks; 3 for the tied Qwen2 sharded over both."""
     dist.init_process_group("gloo")
@@ -210,6 +247,7 @@ def phase_train(out: Path) -> None:
         res: dict = {}
         actor = check_training(path, rank, world, res)
         check_checkpoint(name, path, actor, out, rank, world, res)
+        check_load_once(name, path, out, rank, world, res)
         results[name] = res
         if rank == 0:
             print(f"[architectures] {name}: {json.dumps(res)}", flush=True)

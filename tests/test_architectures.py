@@ -6,7 +6,8 @@ Gemma 3 (q/k norms, sliding window). In one process: actor log-probs against a p
 forward, the critic, the memory plan's reading of the shape, the Ulysses head checks, the dry-run
 refusals. Under torchrun (tests/dist_architecture_checks.py; one 2-rank run, one single-process run
 for the engines): FSDP2 on 2 ranks against one process, Ulysses sp=2 against sp=1, checkpoint and
-resume bit for bit, HF export loaded back by transformers (tied where the original is), and the
+resume bit for bit, HF export loaded back by transformers (tied where the original is), a
+pretrained checkpoint read by rank 0 alone (sharded and replicated, actor and critic), and the
 weight sync into vLLM with the engine's log-probs against the actor's.
 
 Tolerances (fp32): log-probs 1e-5 (measured <= 1e-6), parameters after two AdamW steps that move
@@ -242,3 +243,13 @@ def test_tied_head_sharded_over_two_ranks_syncs_into_each_ranks_engine(matrix):
     assert r["fed_aliases"] == {"model.embed_tokens.weight": ["lm_head.weight"]}
     assert r["rollout"]["rollout/logprob_diff_max"] < 1e-4
     assert r["without_head"][0].startswith("vLLM layer ParallelLMHead (lm_head) received no weight")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_a_checkpoint_read_by_rank0_alone_equals_from_pretrained(matrix, name):
+    """rlhf_hpc.loading: rank 0 reads, the other rank builds on the meta device and receives its
+    shard (FSDP2) or the whole model (replicated on the host); actor and critic, bit for bit."""
+    for layout, r in matrix[0][name]["load_once"].items():
+        assert r == {"params_bit_exact": True, "critic_bit_exact": True, "buffers_bit_exact": True,
+                     "tie_kept": True}, layout

@@ -103,23 +103,22 @@ class RewardModel:
 
 
 def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
-    """The reward model of ``cfg.reward_model`` sharded over the training mesh (collective: every
-    rank builds the same weights, then shards them). ``input_tokenizer``: the actor's tokenizer
+    """The reward model of ``cfg.reward_model`` sharded over the training mesh (collective; its
+    checkpoint is read by rank 0 only, rlhf_hpc.loading). ``input_tokenizer``: the actor's tokenizer
     (used only when ``reward_model.model.input_tokenizer`` is set)."""
-    from rlhf_hpc.dist import all_reduce_max_int, build_train_mesh
+    from rlhf_hpc.dist import all_reduce_max_int
     from rlhf_hpc.engine import import_external_libs
-    from rlhf_hpc.models import attn_implementation, torch_dtype
-    from rlhf_hpc.parallel import parallelize
+    from rlhf_hpc.loading import build_sharded
+    from rlhf_hpc.models import attn_implementation, is_tiny, torch_dtype
     from rlhf_hpc.tokenizer import load_tokenizer
     rm = cfg.reward_model
     m = rm.model
     import_external_libs(m.external_lib)
-    model = build_token_scorer(m.path, torch_dtype(m.fsdp_config.model_dtype), m.override_config,
-                               cfg.trainer.seed + 2, m.trust_remote_code,
-                               attn_implementation(ctx.device, m.override_config))
-    model.requires_grad_(False)  # inference only
-    mesh = build_train_mesh(ctx.device, ctx.world_size, m.fsdp_config.fsdp_size)
-    parallelize(model, mesh, m.fsdp_config, ctx.device)
+    attn = attn_implementation(ctx.device, m.override_config)
+    model = build_sharded(lambda device: build_token_scorer(m.path, torch_dtype(m.fsdp_config.model_dtype),
+                                                            m.override_config, cfg.trainer.seed + 2,
+                                                            m.trust_remote_code, attn, device),
+                          m.fsdp_config, ctx, False, not is_tiny(m.path), frozen=True)  # inference only
     reencode = m.input_tokenizer is not None
     tokenizer = load_tokenizer("tiny://chars" if m.path.startswith("tiny://") else m.path,
                                m.trust_remote_code) if reencode else None

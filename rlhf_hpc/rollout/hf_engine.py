@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.loading import materialize
 from rlhf_hpc.models import build_causal_lm, is_tiny, torch_dtype
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 
@@ -23,10 +24,14 @@ class HFEngine:
         self.device = device
         # each rank generates alone (no tensor parallelism): its data-parallel rank is its rank
         self.dp_rank = dist.get_rank() if dist.is_initialized() else 0
-        # a random-weight model is built straight on the device (no host copy, fast init on a GPU)
-        self.model = build_causal_lm(model_path, torch_dtype(rollout.dtype), device if is_tiny(model_path) else "cpu",
-                                     mcfg.override_config, seed=cfg.trainer.seed,
-                                     trust_remote_code=mcfg.trust_remote_code).to(device)
+        # the structure only, straight on the device: the first update_weights fills it (nothing is
+        # read from disk, no host copy); a random tiny model is built as it is
+        dtype = torch_dtype(rollout.dtype)
+        if is_tiny(model_path):
+            self.model = build_causal_lm(model_path, dtype, device, mcfg.override_config, seed=cfg.trainer.seed)
+        else:
+            self.model = materialize(build_causal_lm(model_path, dtype, "meta", mcfg.override_config,
+                                                     trust_remote_code=mcfg.trust_remote_code), device)
         self.model.eval().requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self._spec = {k: tuple(v.shape) for k, v in self._params.items()}
