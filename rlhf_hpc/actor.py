@@ -37,7 +37,7 @@ def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0,
         # the head runs only where a logit predicts a response token (not on prompts, not on padding)
         keep = packed.gather_index[mask]
         logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                       use_cache=False, logits_to_keep=keep).logits[0]  # (n_valid, V)
+                       use_cache=False, logits_to_keep=keep, **packed.attention_kwargs()).logits[0]  # (n_valid, V)
         labels = batch["responses"][mask]
     else:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

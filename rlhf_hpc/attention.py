@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 NAME = "varlen"
 
-# one forward passes the same position_ids tensor to every layer: find its sequences once
+# one forward passes the same position_ids tensor to every layer: where the caller gave no packing
+# metadata (``cu_seq_lens_q``), its sequences are found once per forward, not once per layer
 _cached: tuple[Optional[torch.Tensor], Optional[torch.Tensor], int] = (None, None, 0)
 
 
@@ -48,18 +49,27 @@ def varlen_mask(*args, **kwargs):
 
 def sequence_starts(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(B, L) position ids -> (cu_seqlens (S+1,) int32 over the flattened B*L tokens, longest
-    sequence). A sequence starts where its position id is 0, and at every row start."""
-    global _cached
-    if _cached[0] is position_ids:
-        return _cached[1], _cached[2]
+    sequence). A sequence starts where its position id is 0, and at every row start. Two host
+    syncs (the starts' count, the longest): callers that know the lengths pass them instead
+    (``batching.Packed.attention_kwargs``)."""
     B, L = position_ids.shape
     start = position_ids == 0
     start[:, 0] = True
     starts = start.reshape(-1).nonzero().flatten()
     cu = torch.cat([starts, starts.new_tensor([B * L])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    _cached = (position_ids, cu, longest)
-    return cu, longest
+    return cu, int(cu.diff().max())
+
+
+def packing_metadata(position_ids: torch.Tensor, batch: int, length: int, kwargs: dict) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest) of a forward's rows: the caller's (transformers' ``cu_seq_lens_q``
+    and ``max_length_q``), else found from ``position_ids`` once per forward (the same tensor
+    reaches every layer; (1, L) position ids, transformers' default, stand for every row)."""
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q"):
+        return kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
+    global _cached
+    if _cached[0] is not position_ids:
+        _cached = (position_ids, *sequence_starts(position_ids.reshape(-1, length).expand(batch, length)))
+    return _cached[1], _cached[2]
 
 
 def _kernel():
@@ -121,8 +131,7 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
                          "flash_attention_2 for this model")
     B, H, L, D = query.shape
     kv_heads = key.shape[1]
-    # (1, L) position ids (transformers' default when none are given) stand for every row
-    cu, longest = sequence_starts(position_ids.reshape(-1, L).expand(B, L))
+    cu, longest = packing_metadata(position_ids, B, L, kwargs)
     window = sliding_window if sliding_window is not None and longest > sliding_window else None
     q = query.transpose(1, 2).reshape(B * L, H, D)
     k = key.transpose(1, 2).reshape(B * L, kv_heads, D)

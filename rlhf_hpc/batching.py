@@ -13,6 +13,7 @@ either, the logits are silently wrong).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -69,11 +70,21 @@ class Packed:
 
     input_ids, position_ids: (1, N). ``gather_index``: (B, R) positions in the packed row whose
     *logits* predict response token (b, j) -- the position just before it; 0 where masked.
+    ``cu_seqlens`` (B+1,) int32 sequence bounds and ``max_len``: the packing metadata varlen and
+    flash attention need, known on the host here, so no layer has to find it (a host sync each).
     """
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     gather_index: torch.Tensor
     response_mask: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor] = None
+    max_len: int = 0
+
+    def attention_kwargs(self) -> dict:
+        """transformers' keyword arguments for packed sequences (``cu_seq_lens_q`` ...), which
+        its models hand to every layer's attention function."""
+        return dict(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=self.max_len,
+                    max_length_k=self.max_len)
 
 
 def pack(batch: Batch) -> Packed:
@@ -84,15 +95,22 @@ def pack(batch: Batch) -> Packed:
     starts = torch.cumsum(lengths, 0) - lengths
     prompt_lens = mask[:, :P].sum(-1)
     input_ids = batch["input_ids"][mask].unsqueeze(0)
-    # one host round trip for the lengths, not one per row
-    position_ids = torch.cat([torch.arange(n) for n in lengths.tolist()]).unsqueeze(0)
+    # one host round trip for the lengths, not one per row (or per layer)
+    host_lengths = lengths.tolist()
+    position_ids = torch.cat([torch.arange(n) for n in host_lengths]).unsqueeze(0)
+    bounds = [0]
+    for n in host_lengths:
+        if n:  # (an empty row holds no sequence)
+            bounds.append(bounds[-1] + n)
     # response token j of row b sits at starts[b] + prompt_lens[b] + j; its logits at one before
     j = torch.arange(R, device=mask.device).unsqueeze(0)
     index = (starts + prompt_lens).unsqueeze(1) + j - 1
     resp_mask = batch["response_mask"].bool()
     index = torch.where(resp_mask, index, torch.zeros_like(index))
     return Packed(input_ids=input_ids, position_ids=position_ids.to(input_ids.device),
-                  gather_index=index, response_mask=batch["response_mask"])
+                  gather_index=index, response_mask=batch["response_mask"],
+                  cu_seqlens=torch.tensor(bounds, dtype=torch.int32).to(input_ids.device, non_blocking=True),
+                  max_len=max(host_lengths, default=0))
 
 
 def unpack_per_token(packed_values: torch.Tensor, packed: Packed) -> torch.Tensor:

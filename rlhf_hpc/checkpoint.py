@@ -201,7 +201,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     safetensors in ``dtype``, the tokenizer when the model has one), loadable by
     ``AutoModelForCausalLM.from_pretrained`` and vLLM. One process, no process group needed."""
     from rlhf_hpc.loading import materialize
-    from rlhf_hpc.models import build_causal_lm, torch_dtype
+    from rlhf_hpc.models import build_causal_lm, local_path, torch_dtype
     from rlhf_hpc.recipe import load_resolved
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / COMPLETE).is_file():
@@ -220,7 +220,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     tok = mcfg.tokenizer_path or mcfg.path
     if not tok.startswith("tiny://"):
         from transformers import AutoTokenizer
-        AutoTokenizer.from_pretrained(tok, trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
+        AutoTokenizer.from_pretrained(local_path(tok), trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
     return out_dir
 
 
@@ -250,19 +250,30 @@ def incompatible_keys(saved_config_text: str, cfg) -> list[str]:
     return out
 
 
-def choose_resume(root: str | Path, log=print) -> Optional[Path]:
+def choose_resume(root: str | Path, log=print, at_most: Optional[int] = None) -> Optional[Path]:
     """The newest complete, undamaged checkpoint under ``root``: ``latest`` first; a damaged one
-    (a file missing or truncated against the manifest) is skipped, and the log says so."""
+    (a file missing or truncated against the manifest) is skipped, and the log says so.
+    ``at_most``: only checkpoints of that step or earlier (a rollback past a suspect one)."""
     root = Path(root)
     latest = latest_checkpoint(root)
     order = ([latest] if latest else []) + [step_dir(root, s) for s in reversed(list_checkpoints(root))
                                             if latest is None or step_dir(root, s) != latest]
+    if at_most is not None:
+        order = [p for p in order if int(p.name.split("_")[-1]) <= at_most]
     for path in order:
         problem = verify_checkpoint(path)
         if problem is None:
             return path
         log(f"[rlhf-hpc] checkpoint {path} is damaged ({problem}); falling back to the previous one")
     return None
+
+
+def mark_latest(root: str | Path, path: Path) -> None:
+    """Point ``latest_checkpointed_iteration.txt`` at ``path`` (rank 0): after a rollback a restart
+    continues from where training went back to, not from the rejected steps' checkpoints."""
+    if _rank() == 0:
+        _write_atomic(Path(root) / LATEST, path.name.split("_")[-1])
+    _barrier()
 
 
 def check_resume_compatible(path: Path, cfg) -> None:

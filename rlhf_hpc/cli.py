@@ -272,6 +272,9 @@ def jobs_command(what: str, argv: list[str]) -> int:
             for f in slurm.log_files(rec):
                 print(f"==> {f} <==")
                 print(f.read_text(errors="replace")[-20000:])
+    if what == "logs" and any((Path(argv[0]) / "wandb").glob("offline-run-*")):
+        from rlhf_hpc.tracking import wandb_sync_command
+        print(f"[rlhf-hpc] this run's W&B records are offline; upload them with: {wandb_sync_command(argv[0])}")
     return 0
 
 

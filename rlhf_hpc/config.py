@@ -295,7 +295,17 @@ class GuardConfig:
     kl_rise_threshold: Optional[float] = None  # ... or above this for kl_rise_steps steps in a row
     kl_rise_steps: int = 3
     vf_jump_factor: Optional[float] = 10.0  # value loss over this x the median of the last `window` steps
+    # scale-free collapse checks against the run's own recent level (the median of the last
+    # `window` steps): the rollouts' entropy falling below entropy_drop x it (a policy collapsed onto
+    # a few tokens), and KL(actor || reference) above kl_jump_factor x it and above kl_jump_floor (a
+    # KL that small is no collapse: the demo's triples 0.04 -> 0.13 in a healthy early step)
+    entropy_drop: Optional[float] = 0.2
+    kl_jump_factor: Optional[float] = 3.0
+    kl_jump_floor: float = 1.0
     window: int = 5
+    # a checkpoint of the starting point (global_step_0) when a fresh run begins, so a step that
+    # diverges before the first save has something to roll back to (needs trainer.save_freq > 0)
+    initial_checkpoint: bool = True
     lr_decay: float = 0.5  # actor LR multiplier applied at each rollback
     kl_coef_mult: float = 1.0  # KL coefficient multiplier at each rollback (in reward and in loss)
     max_rollbacks: int = 3

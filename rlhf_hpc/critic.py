@@ -28,7 +28,8 @@ def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True
     mask = batch["response_mask"]
     if remove_padding:
         packed = pack(batch)
-        values = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None)
+        values = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       **packed.attention_kwargs())
         return unpack_per_token(values, packed)
     values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"])

@@ -166,12 +166,14 @@ class HostPlan:
     def total(self) -> float:
         return self.ranks * sum(self.per_rank.values()) + self.loading
 
-    def render(self) -> str:
+    def _detail(self) -> str:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.per_rank.items() if v)
-        fits = self.capacity is None or self.total <= self.capacity
-        line = (f"{'# OK  ' if fits else '# FAIL'} host/node     {self.total / GiB:6.1f} GiB  = {self.ranks} ranks x "
-                f"{sum(self.per_rank.values()) / GiB:.2f} ({parts})"
+        return (f"{self.ranks} ranks x {sum(self.per_rank.values()) / GiB:.2f} ({parts})"
                 + (f" + loading {self.loading / GiB:.2f} (rank 0 reads the checkpoint)" if self.loading else ""))
+
+    def render(self) -> str:
+        fits = self.capacity is None or self.total <= self.capacity
+        line = f"{'# OK  ' if fits else '# FAIL'} host/node     {self.total / GiB:6.1f} GiB  = {self._detail()}"
         return line + (f" of {self.capacity / GiB:.0f} GiB ({self.capacity_source})" if self.capacity else
                        " (no launcher.mem_gb to check against)")
 
@@ -179,8 +181,7 @@ class HostPlan:
         if self.capacity is None or self.total <= self.capacity:
             return None
         return (f"memory plan: host memory per node needs {self.total / GiB:.1f} GiB but {self.capacity_source} "
-                f"gives {self.capacity / GiB:.0f} GiB ({self.render().split('= ', 1)[1]}); shrink it with "
-                f"{', '.join(self.shrink)}")
+                f"gives {self.capacity / GiB:.0f} GiB ({self._detail()}); shrink it with {', '.join(self.shrink)}")
 
 
 @dataclass

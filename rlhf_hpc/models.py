@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import warnings
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlparse
@@ -50,6 +51,12 @@ def _parse_value(text: str) -> Any:
 
 def is_tiny(path: str) -> bool:
     return path.startswith("tiny://")
+
+
+def local_path(path: str) -> str:
+    """A model directory given from the home directory (``~/...``) expanded: transformers and vLLM
+    would take it for a hub name."""
+    return os.path.expanduser(path) if path.startswith("~") else path
 
 
 def flash_attn_problem() -> Optional[str]:
@@ -104,7 +111,7 @@ def model_config(path: str, override: Optional[dict] = None, trust_remote_code: 
         # engines read the class to build from the config (vLLM would otherwise pick a pooling model)
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     else:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(local_path(path), trust_remote_code=trust_remote_code)
     for k, v in (override or {}).items():
         if k != "attn_implementation":  # chosen per build (attn_implementation()), not a config field
             setattr(config, k, v)
@@ -123,7 +130,7 @@ def build_causal_lm(path: str, dtype: torch.dtype, device: torch.device | str = 
             torch.manual_seed(seed)  # same random weights on every rank
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+        model = AutoModelForCausalLM.from_pretrained(local_path(path), config=config, dtype=dtype,
                                                      trust_remote_code=trust_remote_code)
     model.config.use_cache = False
     return model
@@ -186,7 +193,7 @@ def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cp
             torch.manual_seed(seed)
             backbone = AutoModel.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     else:
-        backbone = AutoModel.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
+        backbone = AutoModel.from_pretrained(local_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code)
     if init_from is not None:
         backbone.load_state_dict(init_from.model.state_dict())
     with torch.device(device):
@@ -235,7 +242,7 @@ def build_token_scorer(path: str, dtype: torch.dtype, override: Optional[dict] =
             classifier = AutoModelForSequenceClassification.from_config(config, dtype=dtype,
                                                                         trust_remote_code=trust_remote_code)
     else:
-        classifier = AutoModelForSequenceClassification.from_pretrained(path, config=config, dtype=dtype,
+        classifier = AutoModelForSequenceClassification.from_pretrained(local_path(path), config=config, dtype=dtype,
                                                                         trust_remote_code=trust_remote_code)
     classifier.requires_grad_(False)
     return TokenScorer(classifier)

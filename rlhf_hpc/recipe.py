@@ -660,6 +660,10 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     arch_errors, arch_warnings = model_architecture_problems(cfg)
     errors.extend(arch_errors)
     warnings.extend(arch_warnings)
+    from rlhf_hpc.packages import config_package_problems
+    package_errors, package_warnings = config_package_problems(cfg)
+    errors.extend(package_errors)
+    warnings.extend(package_warnings)
     if cfg.launcher.cluster == "local" and tr.nnodes > 1:
         errors.append(f"trainer.nnodes={tr.nnodes} needs several machines: use cluster=slurm "
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")

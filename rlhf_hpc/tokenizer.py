@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from rlhf_hpc.models import local_path
+
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
 TINY_CHAT_TEMPLATE = (
@@ -39,7 +41,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: Op
         tok = build_tiny_tokenizer()
     else:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(local_path(path), trust_remote_code=trust_remote_code)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
     if chat_template is not None:
@@ -64,7 +66,7 @@ def generation_eos_ids(model_path: str) -> tuple[int, ...]:
         return ()
     from transformers import GenerationConfig
     try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos = GenerationConfig.from_pretrained(local_path(model_path)).eos_token_id
     except (OSError, ValueError):
         return ()
     return tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))

@@ -71,6 +71,7 @@ class Tracker:
         self.loggers = set(cfg.trainer.logger)
         self._t_start, self._steps_timed = time.time(), 0
         self.wandb_run = self.tb = self.mlflow = None
+        self.wandb_offline = False
         self.wandb_id, self.mlflow_id = wandb_id, mlflow_id
         if not is_main:
             return
@@ -100,10 +101,15 @@ class Tracker:
         if self.wandb_id is None:
             self.wandb_id = uuid.uuid4().hex[:12]
         tr = self.cfg.trainer
+        mode, why = wandb_mode(os.environ)
+        if mode == "offline" and "WANDB_MODE" not in os.environ:
+            self.log_line(f"[rlhf-hpc] W&B offline: {why}; the run is kept in {self.run_dir / 'wandb'} "
+                          f"(upload it later: {wandb_sync_command(self.run_dir)})")
+        self.wandb_offline = mode == "offline"
         self.wandb_run = wandb.init(
             project=tr.project_name, name=tr.experiment_name, id=self.wandb_id, resume="allow",
             group=tr.wandb_group or tr.recipe or tr.experiment_name, dir=str(self.run_dir),
-            config=flatten(to_dict(self.cfg)), tags=wandb_tags(self.cfg))
+            config=flatten(to_dict(self.cfg)), tags=wandb_tags(self.cfg), mode=mode)
         # charts are drawn against the training step; W&B's own step is the row counter
         self.wandb_run.define_metric(GLOBAL_STEP)
         self.wandb_run.define_metric("*", step_metric=GLOBAL_STEP)
@@ -160,8 +166,9 @@ class Tracker:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, self.log_step)
         if self.wandb_run is not None:
+            # one row per call: W&B's step is the row counter, the charts' x-axis training/global_step
+            # (defined as every metric's step metric at init)
             self.wandb_run.log({**metrics, GLOBAL_STEP: step}, step=self.log_step)
-            self.wandb_run.log(metrics, step=step)
         if self.mlflow is not None:
             from mlflow.entities import Metric
             now = int(time.time() * 1000)
@@ -195,8 +202,46 @@ class Tracker:
             self.tb.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+            if self.wandb_offline:
+                print(f"[rlhf-hpc] W&B ran offline; upload the run with: {wandb_sync_command(self.run_dir)}",
+                      flush=True)
         if self.mlflow is not None:
             self.mlflow.set_terminated(self.mlflow_id, "FINISHED")
+
+
+WANDB_REACH_TIMEOUT_S = 3.0
+
+
+def wandb_mode(env) -> tuple[str, str]:
+    """(W&B's mode, why): ``WANDB_MODE`` where it is set; else "offline" when there are no
+    credentials (no ``WANDB_API_KEY``, no netrc entry for the W&B host) or the service does not
+    answer within ``WANDB_REACH_TIMEOUT_S`` (a compute node without internet: ``wandb.init`` would
+    fail or hang there); else "online"."""
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"], "WANDB_MODE is set"
+    import netrc
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    has_key = bool(env.get("WANDB_API_KEY"))
+    if not has_key:
+        try:
+            has_key = netrc.netrc(env.get("NETRC") or None).authenticators(host) is not None
+        except (OSError, netrc.NetrcParseError):
+            has_key = False
+    if not has_key:
+        return "offline", f"no W&B credentials here (WANDB_API_KEY, or a ~/.netrc entry for {host})"
+    try:
+        socket.create_connection((host, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=WANDB_REACH_TIMEOUT_S).close()
+    except OSError as e:
+        return "offline", f"{host} cannot be reached from here ({e.strerror or e})"
+    return "online", "credentials found and the service answers"
+
+
+def wandb_sync_command(run_dir: str | Path) -> str:
+    return f"wandb sync {Path(run_dir).resolve() / 'wandb'}/offline-run-*"
 
 
 def mlflow_tracking_uri(run_dir: str | Path) -> str:

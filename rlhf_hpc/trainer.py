@@ -140,11 +140,13 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         """The stability guard rejected this step: continue from the last good checkpoint with a
         smaller actor LR (and a stronger KL pull when ``kl_coef_mult`` says so). Returns its step."""
         tracker.log_line(f"[rlhf-hpc] step {at_step}: {guard.trip(reason)}")
-        target = ckpt.choose_resume(run_dir, tracker.log_line)
+        # (a check on the rollouts judges the previous update: the checkpoint saved after it is not good)
+        target = ckpt.choose_resume(run_dir, tracker.log_line, at_most=at_step - 1 - guard.lag)
         if target is None:
-            raise RuntimeError(f"stability guard tripped at step {at_step} ({reason}) before any checkpoint exists; "
-                               f"set trainer.save_freq so a good checkpoint is there to roll back to")
+            raise RuntimeError(f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
+                               f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)")
         extra = restore(target)
+        ckpt.mark_latest(run_dir, target)
         # the reward's KL coefficient as saved, times the rollbacks' scale since that checkpoint
         kl_ctrl.value *= guard.kl_scale / extra.get("guard", {}).get("kl_scale", 1.0)
         apply_guard_scales()
@@ -152,6 +154,8 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         tracker.log_line(f"[rlhf-hpc] rolled back to {target} (step {back_to})")
         return back_to
 
+    if resume_from is None and tr.guard.enable and tr.guard.initial_checkpoint and tr.save_freq > 0:
+        save(0)  # the starting point: what a divergence in the first steps rolls back to
     if tr.val_before_train and val and step == 0:
         tracker.log(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn), step)
 

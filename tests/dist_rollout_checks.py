@@ -29,9 +29,9 @@ CPU = torch.device("cpu")
 P, R = 8, 8
 
 
-def hf_greedy(state: dict, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_greedy(state: dict, prompts: list[list[int]], max_tokens: int, path: str = "tiny://qwen2") -> list[list[int]]:
     """Plain transformers greedy decoding of a model with exactly ``state`` as weights."""
-    model = build_causal_lm("tiny://qwen2", torch.float32, seed=99)
+    model = build_causal_lm(path, torch.float32, seed=99)
     model.load_state_dict(state)
     model.eval()
     outs = []
@@ -53,10 +53,10 @@ def engine_vs_actor(actor: Actor, prompts, responses) -> dict[str, float]:
     return logprob_mismatch(engine_lp, lp.detach(), batch["response_mask"])
 
 
-def sharded_fp32_actor(cfg, world: int, temperature: float) -> Actor:
+def sharded_fp32_actor(cfg, world: int, temperature: float, path: str = "tiny://qwen2") -> Actor:
     """The tiny actor in fp32, sharded over every rank (FULL_SHARD), with the recipe's actor config."""
     from rlhf_hpc.parallel import parallelize
-    model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
+    model = build_causal_lm(path, torch.float32, seed=0)
     fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
     parallelize(model, build_train_mesh(CPU, world, -1), fsdp, CPU)
     acfg = cfg.actor_rollout_ref.actor
@@ -79,7 +79,9 @@ def main(engine_name: str, out: Path) -> None:
     prompts = [torch.randint(1, 256, (int(n),), generator=g).tolist() for n in torch.randint(2, P + 1, (4,), generator=g)]
     greedy = Sampling(n=1, temperature=0.0, max_tokens=R, do_sample=False)
     sample = Sampling(n=2, temperature=temperature, top_p=1.0, top_k=-1, max_tokens=R)
-    res: dict = {"rank": rank}
+    res: dict = {"rank": rank, "engine": engine_name}
+    if engine_name == "vllm":  # what the engine was built with under the external launcher
+        res["disable_custom_all_reduce"] = engine.llm.llm_engine.vllm_config.parallel_config.disable_custom_all_reduce
 
     def check(tag: str) -> None:
         state = full_model_state(actor.model)  # collective

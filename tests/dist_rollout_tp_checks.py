@@ -1,7 +1,7 @@
 """Tensor-parallel rollout (TP=2) under torchrun on CPU: 2 ranks, one vLLM tensor-parallel group, the
 FSDP actor sharded over both. test_rollout_tp.py runs and reads this.
 
-    torchrun --nproc-per-node=2 tests/dist_rollout_tp_checks.py OUT
+    torchrun --nproc-per-node=2 tests/dist_rollout_tp_checks.py OUT [MODEL]   # default tiny://qwen2
 
 Each rank writes OUT/rank<r>.json. Rank 0 closes its engine, rank 1 ends through ``exit_process``
 without closing it (the path where vLLM's shared-memory segments used to be left behind).
@@ -27,15 +27,15 @@ CPU = torch.device("cpu")
 P, R = 8, 8
 
 
-def main(out: Path) -> None:
+def main(out: Path, path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm",
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={path}",
                                         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                                         f"data.max_prompt_length={P}", f"data.max_response_length={R}"])
     temperature = 0.8
-    actor = sharded_fp32_actor(cfg, world, temperature)
-    engine = make_engine(cfg, "tiny://qwen2", CPU, build_rollout_tp_group(2, 2))
+    actor = sharded_fp32_actor(cfg, world, temperature, path)
+    engine = make_engine(cfg, path, CPU, build_rollout_tp_group(2, 2))
     res: dict = {"rank": rank, "dp_rank": engine.dp_rank, "shm_segments": list(engine._shm_segments)}
 
     state = full_model_state(actor.model)
@@ -46,7 +46,8 @@ def main(out: Path) -> None:
     g = torch.Generator().manual_seed(rank)  # each rank has its own prompts
     prompts = [torch.randint(1, 256, (int(n),), generator=g).tolist() for n in torch.randint(2, P + 1, (4,), generator=g)]
     greedy = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=R, do_sample=False))
-    res["greedy_equal_transformers"] = [o[0].token_ids == h for o, h in zip(greedy, hf_greedy(states[0], prompts, R))]
+    res["greedy_equal_transformers"] = [o[0].token_ids == h
+                                        for o, h in zip(greedy, hf_greedy(states[0], prompts, R, path))]
     res["greedy"] = [o[0].token_ids for o in greedy]
 
     # seeded per step as the trainer does (from the engine's data-parallel rank), and unseeded: then
@@ -102,5 +103,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "tiny://qwen2")
     exit_process(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlhf_hpc import attention
 from rlhf_hpc.actor import per_token_logprobs
@@ -40,12 +41,44 @@ def test_varlen_matches_sdpa_packed_padded_and_unpadded(models):
         lp_ref, _ = per_token_logprobs(sdpa, b, remove_padding=packed)
         lp, _ = per_token_logprobs(varlen, b, remove_padding=packed)
         assert (lp - lp_ref).abs().max().item() < 1e-5, packed
-    # the packed forward split the row where the sequences are
+    # the packed row is split where the sequences are: by the packing's own metadata, and the same
+    # found from the position ids where a caller passes none
     lens = ragged["attention_mask"].sum(-1)
-    per_token_logprobs(varlen, ragged, remove_padding=True)
-    cu = attention._cached[1].tolist()
-    assert cu == [0] + torch.cumsum(lens, 0).tolist()
-    assert attention._cached[2] == int(lens.max())
+    packed = pack(ragged)
+    assert packed.cu_seqlens.tolist() == [0] + torch.cumsum(lens, 0).tolist() and packed.max_len == int(lens.max())
+    cu, longest = attention.packing_metadata(packed.position_ids, 1, packed.position_ids.shape[1], {})
+    assert cu.tolist() == packed.cu_seqlens.tolist() and longest == packed.max_len
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the ops that make a CUDA host wait for the device (a scalar read, a data-dependent size)."""
+    SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.SYNCING
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_per_layer():
+    """A packed forward costs the same host syncs with 2 layers as with 6: none is per layer
+    (before: the sequence bounds were found again in every layer, 2 syncs each)."""
+    b = batch((12, 5, 9), (10, 3, 7), 12, 10)
+    counts = {}
+    for layers in (2, 6):
+        model = build_causal_lm(f"{URL}&num_hidden_layers={layers}", torch.float32, attn="varlen", seed=3)
+        for with_metadata in (True, False):
+            packed = pack(b)
+            kwargs = packed.attention_kwargs() if with_metadata else {}
+            with torch.no_grad(), HostSyncs() as syncs:
+                model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                      use_cache=False, **kwargs)
+            counts[layers, with_metadata] = syncs.count
+    assert counts[2, True] == counts[6, True] and counts[2, False] == counts[6, False], counts
+    assert counts[2, False] > counts[2, True]  # finding the bounds from position ids syncs (once per forward)
 
 
 def test_sequences_of_equal_length_share_one_batched_call(models):

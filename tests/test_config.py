@@ -342,3 +342,18 @@ def test_build_resolve_validate_are_separable():
                          "launcher": {"cluster": "local"}}))
     assert validate(cfg) == []
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 256
+
+
+def test_a_logger_or_engine_whose_package_is_missing_is_refused_at_dry_run(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    hidden = {"tensorboard", "vllm"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny_klppo", ["trainer.logger=[console,tensorboard]", "actor_rollout_ref.rollout.name=vllm"])
+    assert ("trainer.logger=tensorboard needs the tensorboard package, which is not installed here: pip install "
+            "'tensorboard>=2.14' (or set trainer.logger to something else)") in str(e.value)
+    assert "actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed here: bash env/setup.sh gpu" \
+        in str(e.value)
+    monkeypatch.undo()
+    load_config("tiny_klppo", ["trainer.logger=[console,tensorboard]", "actor_rollout_ref.rollout.name=vllm"])

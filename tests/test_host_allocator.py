@@ -64,3 +64,14 @@ def test_freed_buffers_are_reused_without_page_faults():
     if default < 2000:
         pytest.skip(f"this C library keeps freed memory by itself ({default} faults): nothing to compare")
     assert tuned < default / 20, (tuned, default)
+
+
+def test_gpu_ranks_get_nccl_without_cumem_unless_the_user_chose(monkeypatch):
+    """vLLM's sleep mode remaps memory through CUDA's virtual-memory API; NCCL buffers allocated
+    through it have crashed colocated engines (verl sets the same)."""
+    cfg, _ = load_config("qwen7b_klppo", check_files=False)
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    assert worker_env(cfg)["NCCL_CUMEM_ENABLE"] == "0"
+    assert "NCCL_CUMEM_ENABLE" not in worker_env(load_config("tiny_klppo")[0])  # CPU ranks: no NCCL
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    assert worker_env(cfg)["NCCL_CUMEM_ENABLE"] == "1"  # the user's choice stays

@@ -138,3 +138,33 @@ def test_the_reward_model_has_its_phase_and_stays_resident_unless_offloaded():
     _, offloaded = plan_of("qwen7b_klppo", *rm, "reward_model.model.fsdp_config.param_offload=true")
     assert phase(offloaded, "gen").parts["reward model params"] == 0.0
     assert phase(offloaded, "gen").total == pytest.approx(gen.total - rm_params * 4 / 8)
+
+
+def test_the_host_line_counts_offloaded_state_and_the_copy_rank0_reads():
+    """qwen7b_klppo on 8 GPUs: per rank the runtime, the actor's Adam moments (optimizer_offload)
+    and the reference's offloaded shard; once per node the fp32 copy rank 0 reads at start-up.
+    Refused before anything is queued when launcher.mem_gb is smaller, naming the keys."""
+    from rlhf_hpc.memory_plan import GiB
+    cfg, _ = load_config("qwen7b_klppo", ["launcher.mem_gb=480"], check_files=False)
+    plan, errors, _ = check_plan(cfg)
+    params = plan.shape.params
+    host = plan.host
+    assert errors == [] and host.ranks == 8 and host.capacity == 480 * GiB
+    assert host.per_rank == pytest.approx({"runtime": 3 * GiB, "actor Adam moments": 8 * params / 8,
+                                           "ref offloaded": 4 * params / 8})
+    assert host.loading == pytest.approx(4 * params)  # one fp32 copy, not one per rank
+    assert "# OK   host/node" in plan.render()
+    cfg.launcher.mem_gb = 64
+    _, errors, _ = check_plan(cfg)
+    assert errors == [f"memory plan: host memory per node needs {host.total / GiB:.1f} GiB but launcher.mem_gb gives "
+                      f"64 GiB (8 ranks x {sum(host.per_rank.values()) / GiB:.2f} (runtime 3.00, actor Adam moments 7.09, "
+                      f"ref offloaded 3.55) + loading 28.37 (rank 0 reads the checkpoint)); shrink it with "
+                      f"launcher.mem_gb (ask Slurm for more), actor_rollout_ref.actor.fsdp_config.optimizer_offload=false, "
+                      f"actor_rollout_ref.ref.fsdp_config.param_offload=false, "
+                      f"actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads), "
+                      f"trainer.n_gpus_per_node (fewer ranks per node, more nodes)"]
+
+
+def test_a_tiny_random_model_has_nothing_to_read():
+    plan, _, _ = check_plan(load_config("tiny_klppo", [], check_files=False)[0])
+    assert plan.host.loading == 0 and plan.host.per_rank == {"largest phase": plan.peak}

@@ -58,6 +58,36 @@ def test_guard_ignores_a_small_noisy_value_loss_and_catches_a_blow_up():
     assert g.check({**big, "critic/vf_loss": 250.0}) is not None
 
 
+# a healthy real run (BENCHMARKS.md "A real model learns": SmolLM2-135M, GRPO, 40 steps): the policy
+# sharpens (entropy 2.27 -> 0.28) and moves away from the reference (KL 0 -> 0.31) over many steps
+HEALTHY_ENTROPY = [2.266, 2.168, 2.226, 2.156, 2.036, 2.105, 2.112, 2.04, 2.096, 1.985, 2.28, 2.042, 1.967, 2.134,
+                   1.83, 1.922, 1.875, 1.738, 1.717, 1.649, 1.674, 1.615, 1.23, 1.415, 1.245, 1.011, 1.17, 1.05,
+                   0.966, 0.857, 0.837, 0.59, 0.717, 0.535, 0.547, 0.416, 0.413, 0.344, 0.58, 0.277]
+HEALTHY_KL = [0.0, 0.002, 0.001, -0.0, 0.003, -0.0, 0.003, 0.001, 0.001, 0.006, 0.002, 0.011, 0.013, 0.004, 0.017,
+              0.022, 0.019, 0.029, 0.029, 0.067, 0.059, 0.071, 0.12, 0.073, 0.101, 0.143, 0.147, 0.16, 0.159, 0.203,
+              0.21, 0.261, 0.216, 0.282, 0.266, 0.345, 0.278, 0.336, 0.282, 0.309]
+
+
+def test_guard_catches_a_collapse_against_the_runs_own_level():
+    """The demo at LR 10: entropy 4.14 -> 0.0 and KL 0 -> 4.2 in one step. Both scale-free checks
+    see it; a healthy run's gradual sharpening and drift trips neither. They judge the rollouts,
+    i.e. the previous update: lag 1 (the checkpoint saved after it is not rolled back to)."""
+    g = StabilityGuard(GuardConfig())
+    assert g.check({"actor/entropy": 4.14, "actor/ref_kl_mean": 0.0}) is None and g.lag == 0
+    reason = g.check({"actor/entropy": 0.0, "actor/ref_kl_mean": 4.2})
+    assert reason == ("actor/entropy 0 < trainer.guard.entropy_drop=0.2 x its median over the last 1 steps (4.14): "
+                      "the policy collapsed") and g.lag == 1
+    g = StabilityGuard(GuardConfig(entropy_drop=None))
+    g.check({"actor/entropy": 4.14, "actor/ref_kl_mean": 0.0})
+    assert g.check({"actor/entropy": 0.0, "actor/ref_kl_mean": 4.2}).startswith(
+        "KL(actor || reference) 4.2 jumped past trainer.guard.kl_jump_factor=3.0 x its median over the last 1 steps (0)")
+    healthy = StabilityGuard(GuardConfig())
+    for entropy, kl in zip(HEALTHY_ENTROPY, HEALTHY_KL):
+        assert healthy.check({"actor/entropy": entropy, "actor/ref_kl_mean": kl}) is None, (entropy, kl)
+    # a loss check judges this step's own update: lag 0
+    assert healthy.check({"actor/pg_loss": math.nan}) == "actor/pg_loss is nan" and healthy.lag == 0
+
+
 def test_guard_trips_scale_and_stop():
     g = StabilityGuard(GuardConfig(lr_decay=0.5, kl_coef_mult=2.0, max_rollbacks=2))
     assert g.trip("x") == "stability guard tripped: x; rolling back (#1), actor LR x0.5, KL coefficient x2"
@@ -225,6 +255,22 @@ def test_guard_rolls_back_a_divergent_step_and_the_run_finishes(tmp_path, fault,
     assert [h["_step"] for h in history] == [r["training/log_step"] for r in rows]
     assert [h["training/global_step"] for h in history] == steps
     assert [h.get("guard/tripped") for h in history].count(1.0) == 1
+
+
+@pytest.mark.slow
+def test_a_collapse_at_lr_10_rolls_back_to_the_start_then_stops(tmp_path):
+    """The demo at actor LR 10 collapses in its first update (entropy 4.14 -> 0, KL 4.2): the guard
+    rolls back to the starting point (global_step_0, trainer.guard.initial_checkpoint) with the LR
+    halved each time, and stops with the reason after max_rollbacks (LR 5, 2.5, 1.25 collapse too).
+    Before: nothing tripped and the run ended "successfully"."""
+    run = tmp_path / "run"
+    out = train(run, "trainer.total_training_steps=6", "actor_rollout_ref.actor.optim.lr=10.0", ok=False)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert text.count(f"rolled back to {run}/global_step_0 (step 0)") == 3, out.stdout[-3000:]
+    assert "stability guard tripped: actor/entropy" in text and "the policy collapsed" in text
+    assert "stopping after 3 rollbacks (trainer.guard.max_rollbacks). Lower the learning rate" in text
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "0"  # a restart starts over, not from a bad step
 
 
 @pytest.mark.slow

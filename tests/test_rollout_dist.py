@@ -64,3 +64,10 @@ def test_bad_mapping_fails_loudly_naming_the_parameter(ranks):
         assert r["errors"]["bad_shape"] == (
             "ValueError: weight sync: parameter 'model.layers.0.self_attn.k_proj.weight' has shape (128, 128) "
             "but the engine expects (64, 128)")
+
+
+def test_vllm_under_the_external_launcher_uses_nccls_all_reduce(ranks):
+    """disable_custom_all_reduce: vLLM's own all-reduce has crashed with TP + sleep mode under the
+    external launcher (verl sets the same); the hf engine has no such setting."""
+    want = [True, True] if ranks[0]["engine"] == "vllm" else [None, None]
+    assert [r.get("disable_custom_all_reduce") for r in ranks] == want

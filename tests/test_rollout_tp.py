@@ -27,13 +27,17 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "dist_rollout_tp_checks.py"
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny://qwen2", "tiny://qwen2?tie_word_embeddings=true"],
+                ids=["untied", "tied"])
+def ranks(request, tmp_path_factory):
+    """The Qwen2.5-7B layout (untied head) and the 0.5B-3B one (head tied to the embedding: each
+    tensor-parallel half of vLLM's head gets its rows of the embedding)."""
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
     out = tmp_path_factory.mktemp("tp2")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           str(SCRIPT), str(out), request.param], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -166,8 +166,8 @@ def test_usr2_preemption_stops_both_nodes_at_one_step_and_resumes(tmp_path, tmp_
     (stop,) = [int(s) for s in re.findall(r"stopping after step (\d+): preempted \(signal\); checkpoint saved", text)]
     assert 2 <= stop < STEPS
     assert f"resumed from {run}/global_step_{stop} (step {stop})" in text
-    # one checkpoint at the stop, written by both ranks (one on each node), and the final one
-    assert {p.name for p in run.glob("global_step_*")} == {f"global_step_{stop}", f"global_step_{STEPS}"}
+    # the starting point, one checkpoint at the stop, written by both ranks (one on each node), and the final one
+    assert {p.name for p in run.glob("global_step_*")} == {"global_step_0", f"global_step_{stop}", f"global_step_{STEPS}"}
     assert sorted(p.name for p in (run / f"global_step_{stop}" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
     assert len(hosts_by_rank(text)) == 2  # two allocations, each a 2-host group
     assert raw_steps(run) == list(range(1, STEPS + 1))  # every step logged exactly once

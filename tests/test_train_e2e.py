@@ -73,7 +73,8 @@ def test_the_demo_learns(demo_run):
 
 def test_checkpoints_and_console(demo_run):
     _, run, stdout = demo_run
-    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_20", "global_step_40", "global_step_60"]
+    assert sorted((p.name for p in run.glob("global_step_*")), key=lambda n: int(n.split("_")[-1])) == [
+        "global_step_0", "global_step_20", "global_step_40", "global_step_60"]  # 0: trainer.guard.initial_checkpoint
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "60"
     assert (run / "config.yaml").is_file()
     assert "step 60/60 | score" in stdout and "ETA" in stdout

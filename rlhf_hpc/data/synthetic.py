@@ -1,27 +1,39 @@
-"""A task built in code for the CPU demo: ``synthetic://copy``.
+"""Tasks built in code: ``synthetic://copy`` (the CPU demo) and ``synthetic://add`` (the smallest
+real run).
 
-The prompt names a target character ("copy: 3"); the reward is the share of the response's
-characters that equal it. A randomly initialised tiny model starts near chance (1/50 per character
-with the ``tiny://chars`` tokenizer) and PPO measurably teaches it to copy within minutes on a CPU:
-the signal is dense (every character counts) and needs the model to read its prompt.
+``copy``: the prompt names a target character ("copy: 3"); the reward is the share of the
+response's characters that equal it. A randomly initialised tiny model starts near chance (1/50 per
+character with the ``tiny://chars`` tokenizer) and PPO measurably teaches it to copy within minutes
+on a CPU: the signal is dense (every character counts) and needs the model to read its prompt.
+Options: ``synthetic://copy?targets=0123&size=512`` (characters to copy, number of rows).
+
+``add``: "What is 7 + 5? Answer with only the number."; the reward is 1 when the last integer of
+the response is the sum. A real instruction-tuned model knows the format and some sums, which is
+what RL needs to start from: SmolLM2-135M-Instruct answers single-digit sums right about one time
+in five at temperature 1 (BENCHMARKS.md). Options: ``synthetic://add?max=9&size=512`` (largest
+operand, number of rows).
 
 Rows come out in the reference data format, so they go through the same pipeline as parquet data.
-Options in the URL: ``synthetic://copy?targets=0123&size=512`` (characters to copy, number of rows).
 """
 from __future__ import annotations
 
 import random
+import re
 from urllib.parse import parse_qsl, urlparse
 
 DATA_SOURCE = "synthetic/copy"
+ADD_SOURCE = "synthetic/add"
 
 
 def synthetic_rows(url: str, split_seed: int) -> list[dict]:
-    """Rows for ``synthetic://copy[?targets=...&size=...]``; ``split_seed`` tells train from val."""
+    """Rows for ``synthetic://copy[?...]`` or ``synthetic://add[?...]``; ``split_seed`` tells
+    train from val."""
     parsed = urlparse(url)
-    if parsed.netloc != "copy":
-        raise ValueError(f"unknown synthetic task '{url}'; the built-in one is synthetic://copy")
+    if parsed.netloc not in ("copy", "add"):
+        raise ValueError(f"unknown synthetic task '{url}'; the built-in ones are synthetic://copy and synthetic://add")
     opts = dict(parse_qsl(parsed.query))
+    if parsed.netloc == "add":
+        return addition_rows(int(opts.get("max", 9)), int(opts.get("size", 512)), split_seed)
     targets = opts.get("targets", "0123")
     size = int(opts.get("size", 512))
     rng = random.Random(split_seed)
@@ -40,3 +52,22 @@ def copy_score(response: str, ground_truth: str) -> float:
     """Share of the response's characters equal to the target (0 for an empty response)."""
     text = response.strip()
     return sum(c == ground_truth for c in text) / len(text) if text else 0.0
+
+
+def addition_rows(largest: int, size: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(size):
+        a, b = rng.randint(0, largest), rng.randint(0, largest)
+        rows.append({"data_source": ADD_SOURCE,
+                     "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with only the number."}],
+                     "ability": "arithmetic",
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                     "extra_info": {"index": i}})
+    return rows
+
+
+def addition_score(response: str, ground_truth: str) -> float:
+    """1.0 when the response's last integer is the sum, else 0."""
+    numbers = re.findall(r"-?\d+", response.replace(",", ""))
+    return float(bool(numbers) and int(numbers[-1]) == int(ground_truth))

@@ -21,7 +21,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
     """Environment for the ranks. CPU ranks share the cores: without a cap on OpenMP threads each
     rank would start one thread per core and they would all fight over them. They also get glibc
     malloc settings that keep freed tensor memory (``rlhf_hpc.host_allocator``) unless the user set
-    their own."""
+    their own. GPU ranks get NCCL without cuMem (see below). A variable the user set is kept."""
     env = dict(os.environ)
     if cfg.trainer.device == "cpu":
         if "OMP_NUM_THREADS" not in env:
@@ -29,6 +29,11 @@ def worker_env(cfg: Config) -> dict[str, str]:
         tunables, _ = malloc_tunables(env)
         if tunables:
             env["GLIBC_TUNABLES"] = tunables
+    elif cfg.trainer.device == "cuda":
+        # NCCL's buffers off the CUDA virtual-memory API (cuMem): vLLM's sleep mode frees and remaps
+        # memory through that API in the same process, and NCCL buffers allocated through it have
+        # crashed colocated engines on wake (verl sets the same for its colocated vLLM)
+        env.setdefault("NCCL_CUMEM_ENABLE", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
     return env
 

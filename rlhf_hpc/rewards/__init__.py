@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_hpc.data.synthetic import DATA_SOURCE as COPY_SOURCE, copy_score
+from rlhf_hpc.data.synthetic import ADD_SOURCE, DATA_SOURCE as COPY_SOURCE, addition_score, copy_score
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
 
@@ -22,10 +22,12 @@ def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: d
         return gsm8k_score(response, str(ground_truth))
     if src == COPY_SOURCE:
         return copy_score(response, str(ground_truth))
+    if src == ADD_SOURCE:
+        return addition_score(response, str(ground_truth))
     if "math" in src or "aime" in src:
         return boxed_score(response, str(ground_truth))
     raise ValueError(f"no rule reward for data_source '{data_source}' (built in: openai/gsm8k, *math*, "
-                     f"{COPY_SOURCE}); set custom_reward_function.path to score it")
+                     f"{COPY_SOURCE}, {ADD_SOURCE}); set custom_reward_function.path to score it")
 
 
 def load_custom_function(path: str, name: str) -> ScoreFn:

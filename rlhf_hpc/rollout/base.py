@@ -20,7 +20,8 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's EOS
     ignore_eos: bool = False
     do_sample: bool = True
-    # fixes the draws of one generate() call (a resumed run replays the same rollouts); None: engine RNG
+    # fixes the draws of one generate() call (a resumed run replays the same rollouts): the engine's
+    # generation RNG is re-seeded with it, no per-request seeds; None: the RNG continues
     seed: Optional[int] = None
 
     @property

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.dist import on_exit_process
-from rlhf_hpc.models import is_tiny, model_config
+from rlhf_hpc.models import is_tiny, local_path, model_config
+from rlhf_hpc.packages import VLLM_BELOW, VLLM_MIN
 from rlhf_hpc.profiling import collective
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
@@ -135,10 +136,6 @@ def quiet_vllm_logging() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropHarmless) for f in logger.filters):
             logger.addFilter(_DropHarmless(prefixes))
-# vLLM releases whose in-place reload the engine uses: ``reload_weights(weights_iterator=...)`` on the
-# model runner (layerwise reload; documented from v0.18.0) and ``sleep(level=2)`` restoring buffers on
-# wake. The CPU build tested here is 0.32. Keep in step with setup.cfg's gpu extra.
-VLLM_MIN, VLLM_BELOW = "0.18", "0.34"
 
 
 def check_vllm_version() -> None:
@@ -208,7 +205,7 @@ class VLLMEngine:
         self._weights_valid = True  # dummy weights at first; False between a level-2 sleep and the next sync
         self._spec, aliases = hf_weight_names(model_path, mcfg.override_config, mcfg.trust_remote_code)
 
-        path = model_path
+        path = local_path(model_path)
         if is_tiny(model_path) or mcfg.override_config:
             # vLLM reads the architecture from a directory: write the (overridden) config only
             self._config_dir = tempfile.TemporaryDirectory(prefix="rlhf-hpc-vllm-")
@@ -226,6 +223,10 @@ class VLLMEngine:
         )
         if world > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
+            # vLLM's custom all-reduce (its own IPC buffers, captured into CUDA graphs) has crashed
+            # with tensor parallelism + sleep mode under the external launcher; NCCL's all-reduce
+            # is used instead (verl sets the same for this engine mode). A no-op on CPU
+            kwargs["disable_custom_all_reduce"] = True
         if on_gpu:
             kwargs["enable_sleep_mode"] = self.sleep_enabled
         else:
@@ -238,7 +239,7 @@ class VLLMEngine:
         self.rng = GenerationRNG(cfg.trainer.seed, self.dp_rank, device)
         engine_names, self.param_layers = self.llm.apply_model(_engine_layout)[0]
         # a tied head's own name, where vLLM's model has a layer of that name (Qwen2, Llama: lm_head;
-        # not Gemma, whose logits come from the embedding itself): the layer-wise reload processes a
+        # not Gemma 2, whose logits come from the embedding itself): the layer-wise reload processes a
         # layer only from weights sent to it by name, and the CPU build keeps a repacked copy of the
         # head's matrix that goes stale otherwise (on a GPU the shared tensor alone would do)
         self.tied_aliases: dict[str, list[str]] = {}
@@ -248,7 +249,6 @@ class VLLMEngine:
         self._shm_segments = cpu_shm_segments()
         on_exit_process(self._unlink_shm)
         self.on_gpu = on_gpu
-        self.max_batched_tokens = kwargs["max_num_batched_tokens"]
 
     def weight_spec(self) -> dict[str, tuple[int, ...]]:
         """The actor parameters the engine takes, by their first name (a tied head is not asked
@@ -354,20 +354,20 @@ class VLLMEngine:
         prompts, mine = self._gather_tp(prompt_token_ids, sampling)
         if not prompts:  # the whole group has nothing to generate (validation: more ranks than prompts)
             return []
-        def params(i: int) -> SamplingParams:
-            return SamplingParams(
-                n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
-                top_p=1.0 if sampling.greedy else sampling.top_p,
-                top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
-                max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
-                ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False,
-                # vLLM seeds the n samples of a request seed, seed + 1, ...: prompts step by n
-                seed=None if sampling.seed is None else sampling.seed + i * sampling.n)
-        outs = []
-        with self.rng.active():  # unseeded requests draw from the group's generation RNG
-            for chunk in self._chunks(prompts, sampling.seed is not None, sampling.n):
-                outs += self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chunk],
-                                          [params(i) for i in chunk], use_tqdm=False)
+        params = SamplingParams(
+            n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
+            max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
+        # no per-request seeds: vLLM draws a seeded request's noise on its own, one small kernel per
+        # request and decode step (and the CPU build dies under chunked prefill); the whole batch
+        # draws from the generation RNG instead, re-seeded for a seeded call (as verl's colocated
+        # mode), so the same step on the same data-parallel rank replays the same rollouts
+        with self.rng.active():
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         results = []
         for out in outs[mine]:
             group = []
@@ -377,22 +377,6 @@ class VLLMEngine:
                                       finish_reason="stop" if c.finish_reason == "stop" else "length"))
             results.append(group)
         return results
-
-    def _chunks(self, prompts: list[list[int]], seeded: bool, n: int) -> list[list[int]]:
-        """Prompt indices per generate() call. On CPU, a seeded request whose prefill gets split
-        into chunks kills the engine ("CPU Generator does not use offset"), so seeded calls are
-        sized to prefill in one scheduler step: their prompt tokens fit max_num_batched_tokens."""
-        if not seeded or self.on_gpu:
-            return [list(range(len(prompts)))]
-        chunks, cur, used = [], [], 0
-        for i, p in enumerate(prompts):
-            need = len(p) * n
-            if cur and used + need > self.max_batched_tokens:
-                chunks.append(cur)
-                cur, used = [], 0
-            cur.append(i)
-            used += need
-        return chunks + ([cur] if cur else [])
 
     def _gather_tp(self, prompts: list[list[int]], sampling: Sampling) -> tuple[list[list[int]], slice]:
         """All prompts of this tensor-parallel group, and the slice that belongs to this rank.

@@ -1,0 +1,62 @@
+"""W&B on compute nodes: offline chosen where there are no credentials or no service, said once,
+with the command that uploads the run; one history row per logged step."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from rlhf_hpc.recipe import load_config
+from rlhf_hpc.tracking import Tracker, wandb_mode
+from tests.conftest import wandb_history
+
+
+def netrc_file(tmp_path, host: str = "api.wandb.ai"):
+    f = tmp_path / "netrc"
+    f.write_text(f"machine {host} login user password 0123456789\n")
+    f.chmod(0o600)
+    return str(f)
+
+
+def test_wandb_mode_is_offline_without_credentials(tmp_path):
+    mode, why = wandb_mode({"HOME": str(tmp_path), "NETRC": str(tmp_path / "none")})
+    assert mode == "offline" and why.startswith("no W&B credentials here (WANDB_API_KEY, or a ~/.netrc entry")
+    assert wandb_mode({"WANDB_MODE": "disabled"}) == ("disabled", "WANDB_MODE is set")
+
+
+def test_wandb_mode_is_offline_when_the_service_does_not_answer(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
+    mode, why = wandb_mode(env)
+    assert mode == "offline" and why.startswith("127.0.0.1 cannot be reached from here")
+    with socket.socket() as server:  # credentials in a netrc, and a service that answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        env = {"NETRC": netrc_file(tmp_path, "127.0.0.1"), "WANDB_BASE_URL": f"http://127.0.0.1:{server.getsockname()[1]}"}
+        assert wandb_mode(env)[0] == "online"
+
+
+def test_tracker_goes_offline_by_itself_and_logs_each_row_once(tmp_path, monkeypatch, capsys):
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    cfg, _ = load_config("tiny_klppo", ["trainer.logger=[console,wandb]"])
+    run = tmp_path / "run"
+    tracker = Tracker(cfg, run, is_main=True, total_steps=3)
+    for step in (1, 2, 3):
+        tracker.log({"critic/score/mean": 0.1 * step, "timing_s/step": 1.0}, step)
+    tracker.close()
+    out = capsys.readouterr().out
+    sync = f"wandb sync {run.resolve() / 'wandb'}/offline-run-*"
+    assert out.count("[rlhf-hpc] W&B offline: no W&B credentials here") == 1 and sync in out
+    assert f"[rlhf-hpc] W&B ran offline; upload the run with: {sync}" in out
+    (wandb_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 60
+    while len(history := wandb_history(wandb_file)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)  # W&B's service process writes the file after finish() returns
+    assert [h["_step"] for h in history] == [1, 2, 3]  # one row per log() call
+    assert [h["training/global_step"] for h in history] == [1, 2, 3]
+    assert [h["critic/score/mean"] for h in history] == pytest.approx([0.1, 0.2, 0.3])
