@@ -144,8 +144,9 @@ def test_clip_grad_norm_scales_only_above_the_limit():
 def test_tiny_model_config_from_the_path():
     c = model_config("tiny://qwen2?hidden_size=32&num_hidden_layers=3", override={"rms_norm_eps": 1e-5})
     assert (c.hidden_size, c.num_hidden_layers, c.rms_norm_eps, c.vocab_size) == (32, 3, 1e-5, 256)
-    with pytest.raises(ValueError, match="unknown tiny model 'tiny://llama'"):
-        model_config("tiny://llama")
+    with pytest.raises(ValueError, match=r"unknown tiny model 'tiny://bert'; the built-in ones are tiny://qwen2, "
+                                         r"tiny://qwen3, tiny://llama, tiny://mistral, tiny://gemma2, tiny://gemma3"):
+        model_config("tiny://bert")
 
 
 def test_same_seed_same_weights_on_every_rank():
