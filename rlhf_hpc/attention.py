@@ -17,6 +17,7 @@ KV cache. Select it with ``actor_rollout_ref.model.override_config.attn_implemen
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Optional
 
 import torch
@@ -116,7 +117,6 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
                        sliding_window=sliding_window, softcap=softcap, **kwargs)
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         if softcap is not None:  # sdpa has no soft-capping: the model's own eager attention has
-            import sys
             eager = sys.modules[type(module).__module__].eager_attention_forward
             if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
                 attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device

@@ -87,7 +87,7 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlhf_hpc.models import is_tiny, model_config
+    from rlhf_hpc.models import model_config
     expanded = Path(path).expanduser()
     if is_tiny(path) or (expanded / "config.json").is_file():
         config, source = model_config(path, override, trust_remote_code), f"config of {path}"
@@ -161,6 +161,7 @@ class HostPlan:
     capacity: Optional[float]  # bytes per node: launcher.mem_gb, or this machine's memory when local
     capacity_source: str = ""
     shrink: list[str] = field(default_factory=list)
+    enforced: bool = False  # the capacity is the job's limit (launcher.mem_gb): above it is an error
 
     @property
     def total(self) -> float:
@@ -211,14 +212,13 @@ class MemoryPlan:
                            f"actor_rollout_ref.rollout.gpu_memory_utilization or "
                            f"actor_rollout_ref.rollout.tensor_model_parallel_size, or shorten "
                            f"data.max_prompt_length / data.max_response_length")
-        problem = self.host.failure() if self.host is not None and self.host.capacity_source.startswith("launcher") \
-            else None
+        problem = self.host.failure() if self.host is not None and self.host.enforced else None
         return out + ([problem] if problem else [])
 
     def warnings(self) -> list[str]:
         """The node's host memory above this machine's (a local run: the estimate is no limit the
         job is held to, so it warns)."""
-        if self.host is None or self.host.capacity_source.startswith("launcher"):
+        if self.host is None or self.host.enforced:
             return []
         problem = self.host.failure()
         return [problem] if problem else []
@@ -516,7 +516,8 @@ def host_plan(cfg: Config, plan: MemoryPlan, largest_pretrained: int, critic_par
         shrink.insert(0, "launcher.mem_gb (ask Slurm for more)")
     elif cfg.launcher.cluster == "local" or tr.device != "cuda":
         capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink)
+    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink,
+                    enforced=bool(cfg.launcher.mem_gb))
 
 
 def check_plan(cfg: Config) -> tuple[Optional[MemoryPlan], list[str], list[str]]:
