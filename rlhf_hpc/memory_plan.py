@@ -36,6 +36,9 @@ RUNTIME_GB = 1.0  # CUDA context, NCCL buffers, allocator slack: held in every p
 # vLLM's host-side buffers (an estimate, 3 GiB in all: not measured here)
 HOST_RUNTIME_GB = {"cpu": 0.5, "cuda": 3.0}
 CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
+# vLLM's CPU build beside its weights and KV space: scheduler, sampler and attention buffers, the warm-up's
+# freed heap (SmolLM2-135M fp32: engine start takes 2.03 GiB above the import, weights + KV space are 1.5)
+VLLM_CPU_RUNTIME_GB = 0.5
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -381,8 +384,9 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
     vllm_share = rollout.gpu_memory_utilization * capacity
     vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
     if rollout.name != "hf" and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
-        vllm_share = s.params * rb / tp + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
-        vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE)": vllm_share}
+        vllm_share = (s.params * rb / tp + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
+                      + VLLM_CPU_RUNTIME_GB * GiB)
+        vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE + its runtime)": vllm_share}
     elif rollout.name != "hf":
         batched = max(rollout.max_num_batched_tokens, max_len)
         weights = s.params * rb / tp

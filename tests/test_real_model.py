@@ -174,6 +174,7 @@ def test_the_layout_and_memory_plan_match_the_run(gsm8k_run_dir):
     assert errors == []
     measured = max(json.loads(line)["perf/max_memory_allocated_gb"] for line in (run / "metrics.jsonl").open())
     ratio = measured * GiB / plan.peak
+    # peak RSS against the plan, measured: hf 7.33 / 6.31 GiB (1.16), vllm 9.24-9.64 / 7.81 GiB (1.18-1.23)
     assert 0.85 <= ratio <= 1.3, (engine, measured, plan.peak / GiB)
 
 
