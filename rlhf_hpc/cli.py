@@ -14,6 +14,7 @@ from rlhf_hpc.recipe import (ConfigError, dump_yaml, get_key, list_recipes, load
 
 USAGE = """\
 usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
+       python launch.py preflight [recipe=NAME] [key.path=value ...] [--dry-run]
        python launch.py status|logs|cancel RUN_DIR
        python launch.py compare RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out DIR]
        python launch.py export RUN_DIR/global_step_N --out DIR [--dtype bfloat16|float32]
@@ -27,6 +28,10 @@ usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v
   sweep.key=[a,b]  one run per value (several sweep keys: the grid); on Slurm one array job
   --dry-run        validate, print the resolved config and the exact command (for Slurm: the
                    sbatch script); run nothing
+  preflight recipe=NAME [key=value ...]
+                   the same job, checking the allocation instead of training: process group,
+                   bandwidth per mesh dimension, engine start + weight sync + generation, sleep/wake,
+                   one actor micro-batch against the memory plan (<run dir>/preflight/preflight.txt)
 """
 
 # The keys most runs touch, shown by --help with their defaults.
@@ -129,6 +134,8 @@ def run(argv: list[str]) -> int:
     if argv and argv[0] == "compare":
         from rlhf_hpc.compare import main as compare_main
         return compare_main(argv[1:])
+    if argv and argv[0] == "preflight":
+        return run(preflight_args(argv[1:]))
     recipe, overrides, sweeps, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())
@@ -219,6 +226,24 @@ def check_before_start(cfg, run_dir: Path) -> None:
             ckpt.check_resume_compatible(latest, cfg)
 
 
+PREFLIGHT_TIME_MIN = 30  # a preflight's time limit at most (short jobs start sooner)
+
+
+def preflight_args(argv: list[str]) -> list[str]:
+    """``preflight recipe=... [k=v]`` -> the run's arguments for a job that checks the allocation
+    (rlhf_hpc.preflight) instead of training: in ``<run dir>/preflight``, named ``<name>_preflight``,
+    with a time limit of at most ``PREFLIGHT_TIME_MIN`` minutes."""
+    recipe, overrides, sweeps, _ = parse_args(argv)
+    if sweeps:
+        raise ConfigError("usage: python launch.py preflight [recipe=NAME] [key=value ...] (no sweeps: one "
+                          "allocation is checked at a time)")
+    cfg, _ = load_config(recipe, overrides, check_files=False)
+    tr = cfg.trainer
+    return argv + ["trainer.preflight=true", f"trainer.experiment_name={tr.experiment_name}_preflight",
+                   f"trainer.default_local_dir={Path(tr.default_local_dir).expanduser() / 'preflight'}",
+                   f"launcher.time_min={min(cfg.launcher.time_min, PREFLIGHT_TIME_MIN)}"]
+
+
 def prepare_run(argv: list[str]) -> int:
     """``prepare recipe=... [k=v]``: validate and write the run's config.yaml, print its path. What
     slurm/klppo.sbatch runs first, so a plain sbatch job uses the same resolved config."""
@@ -272,6 +297,9 @@ def jobs_command(what: str, argv: list[str]) -> int:
             for f in slurm.log_files(rec):
                 print(f"==> {f} <==")
                 print(f.read_text(errors="replace")[-20000:])
+    library_logs = sorted((Path(argv[0]) / "logs").glob("libraries.rank*.log"))
+    if what == "logs" and library_logs:
+        print(f"[rlhf-hpc] vLLM's and torch's warnings, by rank: {', '.join(map(str, library_logs))}")
     if what == "logs" and any((Path(argv[0]) / "wandb").glob("offline-run-*")):
         from rlhf_hpc.tracking import wandb_sync_command
         print(f"[rlhf-hpc] this run's W&B records are offline; upload them with: {wandb_sync_command(argv[0])}")

@@ -10,7 +10,7 @@ loading, inheritance, ``key=value`` overrides and validation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 # values of override_config.attn_implementation (verl's key); varlen: rlhf_hpc/attention.py
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
@@ -350,9 +350,13 @@ class TrainerConfig:
     min_free_disk_gb: float = 1.0
     guard: GuardConfig = field(default_factory=GuardConfig)
     # testing: make a fault happen on purpose, "KIND@STEP[:RANK]" with KIND in nan_grad, lr_x1000,
-    # kill (this rank dies mid-step, first attempt only), kill_in_save, slow (every step from STEP
-    # on 1 s longer): rlhf_hpc/faults.py
+    # kill (this rank dies mid-step, first attempt only), kill_in_save, wrong_weights (that step's
+    # weight sync sends wrong weights; 0: the preflight's), slow (every step from STEP on 1 s
+    # longer): rlhf_hpc/faults.py
     inject_fault: Optional[str] = None
+    # the job checks the allocation instead of training (rlhf_hpc/preflight.py); set by
+    # `launch.py preflight recipe=...`, which also puts the job in <run dir>/preflight
+    preflight: bool = False
 
 
 @dataclass
@@ -408,6 +412,11 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    # not a key: the dotted keys the recipe file (with its bases) set, before overrides and
+    # defaults (rlhf_hpc.recipe.load_config; a run keeps them in RUN_DIR/recipe.yaml). Advice
+    # never asks to change what the recipe chose (rlhf_hpc.profiling.CommHint).
+    recipe_keys: ClassVar[frozenset] = frozenset()
+    recipe_tree: ClassVar[Optional[dict]] = None  # that recipe mapping itself
 
     @property
     def world_size(self) -> int:

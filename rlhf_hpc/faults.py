@@ -8,6 +8,9 @@ configured each hook does nothing. Nothing here replaces module attributes.
 - ``kill``: this rank dies after generation, first attempt only (a crashed worker);
 - ``kill_in_save``: this rank dies after the first checkpoint component was written, first
   attempt only (a crash in the middle of a checkpoint write);
+- ``wrong_weights``: the weight sync before that step's generation (step 0: the preflight's)
+  sends every tensor x1.5 (a broken sync: the engine samples from other weights than the
+  actor's, which the log-prob check must catch);
 - ``slow``: from that step on, every step of this rank (all ranks by default) takes
   ``SLOW_STEP_S`` longer (a slow node): a run whose length does not depend on how fast the
   machine is, for the tests of time limits.
@@ -20,8 +23,8 @@ import os
 import time
 from typing import Callable, Optional
 
-KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save", "slow")
-DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0, "slow": None}
+KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save", "wrong_weights", "slow")
+DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0, "wrong_weights": None, "slow": None}
 SLOW_STEP_S = 1.0
 
 
@@ -71,6 +74,13 @@ class FaultInjector:
             for g in optimizer.param_groups:
                 g["lr"] *= 1000.0
         yield  # the update's scheduler step sets the learning rate afresh from its schedule
+
+    def weights_transform(self, step: int) -> Optional[Callable]:
+        """For ``sync_weights_to_rollout(transform=...)`` (``wrong_weights``)."""
+        if self.fault.get("wrong_weights") != step:
+            return None
+        del self.fault["wrong_weights"]
+        return lambda stream: ((name, t * 1.5) for name, t in stream)
 
     def checkpoint_hook(self, step: int) -> Optional[Callable[[str], None]]:
         """Called by ``save_checkpoint`` after each component it wrote (``kill_in_save``)."""

@@ -277,49 +277,73 @@ class StepProfiler:
 
 class CommHint:
     """The reference design's rule: communication above 20% of the step for several steps in a
-    row -> name the keys that reduce it (said once per such stretch)."""
+    row -> name the keys that reduce it. Said once per run, and only with keys the recipe left
+    open (``Config.recipe_keys``): a recipe's own choice is not second-guessed every run."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         self.streak = 0
+        self.said = False
 
     def update(self, m: dict[str, float]) -> Optional[str]:
         self.streak = self.streak + 1 if m["perf/comm_fraction"] > HINT_FRACTION else 0
-        if self.streak != HINT_STEPS:
+        if self.streak != HINT_STEPS or self.said:
             return None
         split = {g: m[f"perf/comm_fraction_{g}"] for g in GROUPS}
         top = max(split, key=split.get)
+        advice = self.keys_for(top)
+        if not advice:
+            return None
+        self.said = True
         shares = ", ".join(f"{g} {v:.0%}" for g, v in split.items())
         return (f"[rlhf-hpc] communication took {m['perf/comm_fraction']:.0%} of the step for {HINT_STEPS} steps "
-                f"({shares}); most in {top}: {self.keys_for(top)}")
+                f"({shares}); most in {top}: {advice}")
 
     def keys_for(self, group: str) -> str:
+        """The advice for ``group``: one ``key (why)`` per suggestion the recipe did not set, "; "-joined
+        ("" when none is left)."""
+        return "; ".join(text for key, text in self.suggestions(group) if key not in self.cfg.recipe_keys)
+
+    def suggestions(self, group: str) -> list[tuple[str, str]]:
         tr, arr = self.cfg.trainer, self.cfg.actor_rollout_ref
+        actor = "actor_rollout_ref.actor"
         if group == "weight_sync":
-            return (f"raise actor_rollout_ref.rollout.update_weights_bucket_mb (now {arr.rollout.update_weights_bucket_mb}; "
-                    f"fewer, larger all-gathers overlapping the engine's copy)")
+            return [("actor_rollout_ref.rollout.update_weights_bucket_mb",
+                     f"raise actor_rollout_ref.rollout.update_weights_bucket_mb (now "
+                     f"{arr.rollout.update_weights_bucket_mb}; fewer, larger all-gathers overlapping the engine's copy)")]
         if group == "train":
             from rlhf_hpc.layout import resolved_fsdp_configs
-            fsdp, keys = resolved_fsdp_configs(self.cfg)["actor"], []
+            fsdp, out = resolved_fsdp_configs(self.cfg)["actor"], []
             if fsdp.fsdp_size == 1:  # replicated: the only collective is one gradient all-reduce per mini-batch
-                return (f"fewer, larger mini-batches (actor_rollout_ref.actor.ppo_mini_batch_size, now "
-                        f"{arr.actor.ppo_mini_batch_size}; one gradient all-reduce each), or "
-                        f"fsdp_config.mixed_precision.reduce_dtype=bfloat16 (half the bytes)")
+                out.append((f"{actor}.ppo_mini_batch_size",
+                            f"fewer, larger mini-batches ({actor}.ppo_mini_batch_size, now "
+                            f"{arr.actor.ppo_mini_batch_size}; one gradient all-reduce each)"))
+                if tr.device != "cpu":  # (CPU replicas average through shared memory in their own dtype:
+                    # a bf16 reduce would move them onto gloo's slower all-reduce, rlhf_hpc.parallel)
+                    out.append((f"{actor}.fsdp_config.mixed_precision.reduce_dtype",
+                                f"{actor}.fsdp_config.mixed_precision.reduce_dtype=bfloat16 (half the bytes)"))
+                return out
             if (tr.nnodes > 1 and fsdp.fsdp_size in (-1, None)) or (fsdp.fsdp_size or 0) > tr.n_gpus_per_node:
-                keys.append(f"shard inside a node with HSDP: actor_rollout_ref.actor.fsdp_config.fsdp_size="
-                            f"{tr.n_gpus_per_node} (now {fsdp.fsdp_size}; likewise critic.model.fsdp_config.fsdp_size)")
-            keys.append(f"larger actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (now "
-                        f"{arr.actor.ppo_micro_batch_size_per_gpu}; every micro-batch gathers the weights again)")
+                out.append((f"{actor}.fsdp_config.fsdp_size",
+                            f"shard inside a node with HSDP: {actor}.fsdp_config.fsdp_size="
+                            f"{tr.n_gpus_per_node} (now {fsdp.fsdp_size}; likewise critic.model.fsdp_config.fsdp_size)"))
+            out.append((f"{actor}.ppo_micro_batch_size_per_gpu",
+                        f"larger {actor}.ppo_micro_batch_size_per_gpu (now {arr.actor.ppo_micro_batch_size_per_gpu}; "
+                        f"every micro-batch gathers the weights again)"))
             if not fsdp.forward_prefetch:
-                keys.append("fsdp_config.forward_prefetch=true (overlap the next layer's all-gather)")
+                out.append((f"{actor}.fsdp_config.forward_prefetch",
+                            "fsdp_config.forward_prefetch=true (overlap the next layer's all-gather)"))
             if fsdp.reshard_after_forward:
-                keys.append("fsdp_config.reshard_after_forward=false (no second all-gather in backward; more memory)")
+                out.append((f"{actor}.fsdp_config.reshard_after_forward",
+                            "fsdp_config.reshard_after_forward=false (no second all-gather in backward; more memory)"))
             if arr.actor.ulysses_sequence_parallel_size == 1:
-                keys.append("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 or 4 (each rank holds a slice "
-                            "of every row: raise the token budgets / micro-batch sizes for fewer micro-batches)")
-            return "; ".join(keys)
+                out.append((f"{actor}.ulysses_sequence_parallel_size",
+                            f"{actor}.ulysses_sequence_parallel_size=2 or 4 (each rank holds a slice of every row: "
+                            f"raise the token budgets / micro-batch sizes for fewer micro-batches)"))
+            return out
         if group == "rollout":
-            return (f"lower actor_rollout_ref.rollout.tensor_model_parallel_size (now "
-                    f"{arr.rollout.tensor_model_parallel_size}) if the model fits")
-        return ("this is mostly waiting at the metric all-reduces for the slowest rank: even out the work per rank "
-                "(trainer.balance_batch=true, actor_rollout_ref.actor.use_dynamic_bsz=true)")
+            return [("actor_rollout_ref.rollout.tensor_model_parallel_size",
+                     f"lower actor_rollout_ref.rollout.tensor_model_parallel_size (now "
+                     f"{arr.rollout.tensor_model_parallel_size}) if the model fits")]
+        return [("trainer.balance_batch", "this is mostly waiting at the metric all-reduces for the slowest rank: "
+                 "even out the work per rank (trainer.balance_batch=true, actor_rollout_ref.actor.use_dynamic_bsz=true)")]

@@ -31,6 +31,7 @@ import yaml
 from rlhf_hpc.config import ATTN_IMPLEMENTATIONS, Config
 
 RECIPE_META_KEYS = ("base", "description")
+RECIPE_FILE = "recipe.yaml"  # in a run directory, beside config.yaml
 
 
 class ConfigError(Exception):
@@ -896,16 +897,26 @@ def load_config(recipe: Optional[str], overrides: Iterable[str] = (), check_file
     """Recipe name/path (None: the defaults alone, which are verl's) + overrides -> (resolved,
     validated Config, warnings)."""
     from rlhf_hpc.verl_keys import drop_out_of_scope_keys
-    tree = apply_cluster_profile(apply_overrides(load_recipe_tree(recipe) if recipe else {}, overrides))
+    written = load_recipe_tree(recipe) if recipe else {}
+    tree = apply_cluster_profile(apply_overrides(written, overrides))
     cfg = resolve(build(drop_out_of_scope_keys(tree, set(all_keys()))))
+    cfg.recipe_tree = written
+    cfg.recipe_keys = recipe_keys(written)
     warnings = validate(cfg, check_files=check_files)
     return cfg, warnings
+
+
+def recipe_keys(tree: dict) -> frozenset:
+    return frozenset(k for k in flatten(tree) if k not in RECIPE_META_KEYS)
 
 
 def load_resolved(path: str | Path, check_files: bool = True) -> Config:
     """Read a resolved ``config.yaml`` written by ``write_resolved`` (what workers start from)."""
     tree = parse_yaml(Path(path).read_text()) or {}
     cfg = resolve(build(tree))
+    written = Path(path).with_name(RECIPE_FILE)
+    if written.is_file():
+        cfg.recipe_keys = recipe_keys(parse_yaml(written.read_text()) or {})
     validate(cfg, check_files=check_files)
     return cfg
 
@@ -941,4 +952,8 @@ def write_resolved(cfg: Config, run_dir: str | Path) -> Path:
     tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
     tmp.write_text(text)
     os.replace(tmp, target)
+    tree = getattr(cfg, "recipe_tree", None)
+    if tree is not None:  # what the recipe chose, for advice that leaves it alone
+        (run_dir / RECIPE_FILE).write_text("# the recipe as its files wrote it (bases merged), before overrides and "
+                                           "defaults; config.yaml is what runs\n" + dump_yaml(tree))
     return target

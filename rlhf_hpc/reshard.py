@@ -133,10 +133,13 @@ def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
 
 
 def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket_mb: float,
-                            name_map: Callable[[str], str] = hf_name) -> dict[str, float]:
-    """Stream the actor's weights into ``engine`` in place. Returns ``timing_s/update_weights``."""
+                            name_map: Callable[[str], str] = hf_name, transform: Optional[Callable] = None
+                            ) -> dict[str, float]:
+    """Stream the actor's weights into ``engine`` in place. Returns ``timing_s/update_weights``.
+    ``transform``: the fault seam's (rlhf_hpc.faults, ``wrong_weights``) wrapper of the stream."""
     t0 = time.perf_counter()
-    engine.update_weights(stream_full_params(model, dtype, bucket_mb, name_map))
+    stream = stream_full_params(model, dtype, bucket_mb, name_map)
+    engine.update_weights(transform(stream) if transform is not None else stream)
     if dist.is_initialized():
         with collective():
             dist.barrier()

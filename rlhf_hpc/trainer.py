@@ -39,6 +39,7 @@ from rlhf_hpc.dist import DistContext, all_reduce_max, all_reduce_min, all_reduc
 from rlhf_hpc.distribute import RolloutRow, coverage, prompt_share, redistribute_rows
 from rlhf_hpc.engine import Engine, build_engine
 from rlhf_hpc.faults import FaultInjector
+from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.layout import describe as describe_layouts
 from rlhf_hpc.guard import StabilityGuard
@@ -109,8 +110,9 @@ def fit(cfg: Config, ctx: DistContext) -> None:
         torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
     tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
     profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
-    for line in describe_layouts(cfg):
-        tracker.log_line(f"[rlhf-hpc] {line}")
+    if not os.environ.get(LAYOUT_SHOWN):  # (a local launch printed them with the memory plan)
+        for line in describe_layouts(cfg):
+            tracker.log_line(f"[rlhf-hpc] {line}")
     for name, part in (("actor", engine.actor), ("critic", engine.critic)):
         line = describe_gradient_reduction(part.model) if part is not None else None
         if line:
@@ -178,7 +180,7 @@ def fit(cfg: Config, ctx: DistContext) -> None:
                 engine.free_gradients()  # then the engine empties PyTorch's cache before waking
                 rollout.resume()
                 sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
-                                        arr.rollout.update_weights_bucket_mb)
+                                        arr.rollout.update_weights_bucket_mb, transform=faults.weights_transform(step))
             # 2. rollout: an even share of the step's prompts on each rank, n responses each
             prompts = sampler.next_batch()
             mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)

@@ -1,6 +1,7 @@
 """What every torchrun rank runs: ``python -m rlhf_hpc.worker RUN_DIR/config.yaml``."""
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from rlhf_hpc.dist import exit_process, init_distributed
 from rlhf_hpc.host_allocator import describe as host_memory_line
+from rlhf_hpc.library_logs import library_log_path, route_library_logs
 from rlhf_hpc.recipe import ConfigError, load_resolved
 
 
@@ -26,6 +28,7 @@ def main(argv: list[str]) -> int:
         record_user_error(run_dir, f"error: {e}")  # the launcher prints it once for the job
         return 0
     install_signal_handler()  # Slurm's USR2: finish the step, save, stop
+    route_library_logs(run_dir, int(os.environ.get("RANK", "0")))  # before vLLM is imported
     ctx = init_distributed(cfg)
     # one collective proves every rank joined the same group on the chosen backend
     ranks = torch.tensor([float(ctx.rank)], device=ctx.device)
@@ -41,9 +44,13 @@ def main(argv: list[str]) -> int:
               f"device {ctx.device.type}, hosts by rank: {','.join(hosts)}", flush=True)
         if ctx.device.type == "cpu":
             print(f"[rlhf-hpc] host memory: {host_memory_line()}", flush=True)
+        print(f"[rlhf-hpc] vLLM's and torch's warnings: {library_log_path(run_dir, '*')}", flush=True)
     from rlhf_hpc.trainer import fit
     try:
-        fit(cfg, ctx)
+        if cfg.trainer.preflight:
+            preflight(cfg, ctx, run_dir)
+        else:
+            fit(cfg, ctx)
     except (ConfigError, DataError) as e:
         # a user error every rank meets alike: one line for the job (printed by the launcher),
         # not a traceback per rank and torchrun's failure report
@@ -51,6 +58,25 @@ def main(argv: list[str]) -> int:
     if dist.is_initialized():  # a vLLM engine's shutdown already ended the group
         dist.destroy_process_group()
     return 0
+
+
+def preflight(cfg, ctx, run_dir: Path) -> None:
+    """The allocation check in place of training (rlhf_hpc.preflight): a failed check becomes the
+    job's one-line error (exit code 2 from the launcher, no requeue)."""
+    from rlhf_hpc.launch.stop import record_user_error
+    from rlhf_hpc.preflight import PreflightFailed, run_preflight, write_report
+    log = (lambda line: print(f"[rlhf-hpc] preflight: {line}", flush=True)) if ctx.is_main else (lambda line: None)
+    checks: list = []
+    try:
+        checks = run_preflight(cfg, ctx, log, checks)
+    except PreflightFailed as e:
+        if ctx.is_main:
+            report = write_report(run_dir, checks, str(e))
+            record_user_error(run_dir, f"error: preflight failed: {e} (report: {report})")
+        return
+    if ctx.is_main:
+        report = write_report(run_dir, checks, None)
+        print(f"[rlhf-hpc] preflight passed: {len(checks)} checks ({report})", flush=True)
 
 
 if __name__ == "__main__":

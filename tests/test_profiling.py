@@ -232,28 +232,52 @@ def test_mlflow_metric_names_map_rejected_characters_one_way():
 
 
 # ------------------------------------------------------------------------------ no launch
-def test_hint_after_three_steps_over_a_fifth_once_per_stretch():
-    cfg = load_config("tiny_klppo")[0]
-    hint = CommHint(cfg)
+def _fractions(total: float, train: float) -> dict[str, float]:
+    return {"perf/comm_fraction": total, "perf/comm_fraction_train": train,
+            "perf/comm_fraction_weight_sync": total - train, "perf/comm_fraction_rollout": 0.0,
+            "perf/comm_fraction_other": 0.0}
 
-    def step(total, train):
-        return hint.update({"perf/comm_fraction": total, "perf/comm_fraction_train": train,
-                            "perf/comm_fraction_weight_sync": total - train, "perf/comm_fraction_rollout": 0.0,
-                            "perf/comm_fraction_other": 0.0})
-    said = [step(f, f * 0.9) for f in (0.3, 0.3, 0.1, 0.3, 0.25, 0.4, 0.5, 0.6, 0.2)]
-    assert [i for i, s in enumerate(said) if s] == [3 + HINT_STEPS - 1]
-    # the tiny model is replicated (rlhf_hpc.layout): its one collective is the gradient all-reduce
-    assert "most in train" in said[5] and "ppo_mini_batch_size, now 8" in said[5]
-    assert "fsdp_size" not in said[5]
-    sharded = CommHint(load_config("tiny_klppo", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=2"])[0])
-    assert "fsdp_config.forward_prefetch=true" in sharded.keys_for("train")
-    assert "fsdp_size" not in sharded.keys_for("train")  # one node already shards inside the node
+
+def test_hint_after_three_steps_over_a_fifth_once_per_run():
+    # sharded (fsdp_size=2): FSDP's keys the recipe leaves open are there to name
+    hint = CommHint(load_config("tiny_klppo", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=2"])[0])
+    said = [hint.update(_fractions(f, f * 0.9)) for f in (0.3, 0.3, 0.1, 0.3, 0.25, 0.4, 0.5, 0.6, 0.2,
+                                                          0.1, 0.3, 0.3, 0.3, 0.3)]
+    assert [i for i, s in enumerate(said) if s] == [3 + HINT_STEPS - 1]  # the second stretch says nothing
+    assert "most in train" in said[5] and "fsdp_config.forward_prefetch=true" in said[5]
+    assert "ppo_micro_batch_size_per_gpu" not in said[5]  # tiny_klppo sets it (4)
+    assert "fsdp_size" not in said[5]  # one node already shards inside the node
+
+
+def test_hint_leaves_what_the_recipe_chose_alone():
+    cfg = load_config("tiny_klppo")[0]
+    assert {"actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.tensor_model_parallel_size"
+            } <= cfg.recipe_keys and "actor_rollout_ref.rollout.update_weights_bucket_mb" not in cfg.recipe_keys
+    # the demo's model is replicated (rlhf_hpc.layout): its one collective is the gradient all-reduce,
+    # whose one key the recipe set (and a bf16 reduce would leave the CPU's shared-memory path)
+    hint = CommHint(cfg)
+    assert hint.keys_for("train") == "" and hint.keys_for("rollout") == ""
+    assert not any(hint.update(_fractions(0.5, 0.45)) for _ in range(10))  # nothing to say: silent
+    assert "update_weights_bucket_mb (now" in hint.keys_for("weight_sync")  # left at its default
+    cfg.recipe_keys = frozenset()  # a recipe that left everything open
+    assert "ppo_mini_batch_size, now 8" in CommHint(cfg).keys_for("train")
+    assert "reduce_dtype" not in CommHint(cfg).keys_for("train")
     multi = load_config("qwen7b_klppo_4node", check_files=False)[0]
     assert "fsdp_size" not in CommHint(multi).keys_for("train")  # that recipe is HSDP already (8 per node)
     multi = load_config("qwen7b_klppo_4node", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"],
                         check_files=False)[0]
-    assert "fsdp_config.fsdp_size=8 (now -1" in CommHint(multi).keys_for("train")
-    assert "update_weights_bucket_mb" in CommHint(cfg).keys_for("weight_sync")
+    assert "fsdp_config.fsdp_size=8 (now -1" in CommHint(multi).keys_for("train")  # the override is advised
+
+
+def test_a_run_keeps_what_its_recipe_chose(tmp_path):
+    from rlhf_hpc.recipe import load_resolved, write_resolved
+    cfg = load_config("tiny_klppo", ["actor_rollout_ref.actor.optim.lr=2e-3"])[0]
+    write_resolved(cfg, tmp_path)
+    again = load_resolved(tmp_path / "config.yaml")
+    assert again.recipe_keys == cfg.recipe_keys and "actor_rollout_ref.actor.optim.lr" in again.recipe_keys
+    assert again.actor_rollout_ref.actor.optim.lr == 2e-3 and "trainer.device" in again.recipe_keys
+    (tmp_path / "recipe.yaml").unlink()  # a run directory from before: every key open to advice
+    assert load_resolved(tmp_path / "config.yaml").recipe_keys == frozenset()
 
 
 def test_profiler_ranks_and_save_path_choose_what_is_traced_where(tmp_path):

@@ -110,6 +110,27 @@ def test_submitted_job_completes(slurm, tmp_path):
     assert status.stdout.strip() == f"{job}\tCOMPLETED"
     logs = run_launch("logs", str(run))
     assert "step 4/4 | score" in logs.stdout
+    # the job's log has the layout (the submit's console is elsewhere) and names the libraries' logs
+    assert logs.stdout.count("[rlhf-hpc] FSDP layout of actor, ref, critic") == 1
+    assert f"warnings, by rank: {run}/logs/libraries.rank0.log, {run}/logs/libraries.rank1.log" in logs.stdout
+
+
+def test_preflight_through_slurm_checks_a_sharded_layout(slurm, tmp_path):
+    """``launch.py preflight`` submitted like a run: the job's log has every check, the shard
+    dimension's bandwidth among them (fsdp_size=2), and the hf engine's sleep/wake is skipped."""
+    out = run_launch("preflight", *TINY, f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.rollout.name=hf",
+                     *[f"{m}.fsdp_config.fsdp_size=2" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
+                                                               "critic.model")])
+    assert out.returncode == 0, out.stderr
+    run = tmp_path / "preflight"
+    (job,) = job_ids(run)
+    assert wait_done(job) == "COMPLETED"
+    logs = run_launch("logs", str(run)).stdout
+    assert "[rlhf-hpc] preflight passed: 7 checks" in logs, logs[-3000:]
+    report = (run / "preflight.txt").read_text()
+    assert "OK   bandwidth shard" in report and "all-gather" in report
+    assert "SKIP sleep/wake" in report and "hf engine" in report
+    assert "OK   generation" in report and "OK   actor micro-batch" in report
 
 
 def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,11 @@ def demo_run(request, tmp_path_factory):
     out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}",
                      f"actor_rollout_ref.rollout.name={request.param}", timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return request.param, run, out.stdout
+    return request.param, run, out.stdout, out.stderr
 
 
 def test_every_metric_is_present_and_finite_every_step(demo_run):
-    _, run, _ = demo_run
+    _, run, _, _ = demo_run
     records = read_metrics(run)
     assert [r["training/global_step"] for r in records] == list(range(1, 61))
     for r in records:
@@ -61,7 +62,7 @@ def test_every_metric_is_present_and_finite_every_step(demo_run):
 
 
 def test_the_demo_learns(demo_run):
-    _, run, _ = demo_run
+    _, run, _, _ = demo_run
     scores = [r["critic/score/mean"] for r in read_metrics(run)]
     k = len(scores) // 10
     first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
@@ -72,14 +73,34 @@ def test_the_demo_learns(demo_run):
 
 
 def test_checkpoints_and_console(demo_run):
-    _, run, stdout = demo_run
+    _, run, stdout, _ = demo_run
     assert sorted((p.name for p in run.glob("global_step_*")), key=lambda n: int(n.split("_")[-1])) == [
         "global_step_0", "global_step_20", "global_step_40", "global_step_60"]  # 0: trainer.guard.initial_checkpoint
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "60"
     assert (run / "config.yaml").is_file()
     assert "step 60/60 | score" in stdout and "ETA" in stdout
-    # the tiny models are replicated (rlhf_hpc.layout), and the log says why
-    assert "[rlhf-hpc] FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false" in stdout
+    # the tiny models are replicated (rlhf_hpc.layout), and the plan says why, once
+    assert stdout.count("FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false") == 1
+    assert "# FSDP layout of actor, ref, critic" in stdout
+
+
+# the demo's console: the memory plan and layout ("# "), the project's own lines, the steps
+CONSOLE_LINE = re.compile(r"# |\[rlhf-hpc\] |step \d+/60 \| |\s*$")
+
+
+def test_the_console_is_the_plan_the_layout_and_the_steps(demo_run):
+    engine, run, stdout, stderr = demo_run
+    assert stderr.strip() == "", stderr[-3000:]
+    stray = [line for line in stdout.splitlines() if not CONSOLE_LINE.match(line)]
+    assert stray == [], stray[:20]
+    # advice names no key the recipe set: the demo's one gradient all-reduce is its mini-batch's (its own 8)
+    assert "communication took" not in stdout and "now 8" not in stdout
+    logs = {p.name: p.read_text() for p in (run / "logs").glob("libraries.rank*.log")}
+    assert sorted(logs) == ["libraries.rank0.log", "libraries.rank1.log"]
+    assert f"[rlhf-hpc] vLLM's and torch's warnings: {run}/logs/libraries.rank*.log" in stdout
+    if engine == "vllm":  # what vLLM said went to the files, warnings included
+        assert all("WARNING vllm.v1.worker.cpu_worker" in text for text in logs.values())
+        assert "INFO vllm.v1.engine.core: init engine" in logs["libraries.rank0.log"]
 
 
 def _run(run: Path, steps: int, *extra: str):

@@ -10,6 +10,10 @@ from rlhf_hpc.config import Config
 from rlhf_hpc.host_allocator import malloc_tunables
 
 
+# set for ranks whose console already shows the plan's layout lines: rank 0 does not repeat them
+LAYOUT_SHOWN = "RLHF_HPC_LAYOUT_SHOWN"
+
+
 def torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
     """The exact command line local mode runs (also what ``--dry-run`` prints)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
@@ -29,6 +33,9 @@ def worker_env(cfg: Config) -> dict[str, str]:
         tunables, _ = malloc_tunables(env)
         if tunables:
             env["GLIBC_TUNABLES"] = tunables
+        # torch's C++ warnings go straight to stderr (rlhf_hpc.library_logs cannot route them); on
+        # CPU ranks they are vLLM's thread and NUMA binding notes
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     elif cfg.trainer.device == "cuda":
         # NCCL's buffers off the CUDA virtual-memory API (cuMem): vLLM's sleep mode frees and remaps
         # memory through that API in the same process, and NCCL buffers allocated through it have
@@ -50,6 +57,7 @@ def run_local(cfg: Config, config_path: str | Path) -> int:
     for attempt in range(attempts):
         env = worker_env(cfg)
         env["RLHF_HPC_ATTEMPT"] = str(attempt)
+        env[LAYOUT_SHOWN] = "1"  # this console has the layout lines already (cli printed the plan)
         code = subprocess.run(torchrun_command(cfg, config_path), env=env).returncode
         user_error = read_user_error(run_dir)
         if user_error:
