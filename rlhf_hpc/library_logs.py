@@ -4,8 +4,8 @@ vLLM, torch and their Python warnings print a dozen lines per rank before the fi
 run (thread binding, preloaded allocators, Triton missing, the global seed, deprecations inside
 vLLM) that say nothing a user can act on. Each rank writes them to
 ``RUN_DIR/logs/libraries.rank<R>.log``; errors still reach the console. What stays on the console:
-this project's own lines, transformers' warnings (a checkpoint that does not fit the model is one),
-and every error.
+this project's own lines, transformers' warnings (a checkpoint that does not fit the model is one;
+its progress bars are off), and every error.
 
 Where the user chose how a library logs, that library is left alone: ``VLLM_CONFIGURE_LOGGING`` or
 ``VLLM_LOGGING_CONFIG_PATH`` set keeps vLLM's own set-up, and ``TORCH_CPP_LOG_LEVEL`` is the user's
@@ -87,6 +87,9 @@ def route_library_logs(run_dir: str | Path, rank: int) -> Path:
     for handler in logging.getLogger("torch").handlers:
         if isinstance(handler, logging.StreamHandler) and not any(isinstance(f, _Below) for f in handler.filters):
             handler.addFilter(_Below(logging.ERROR, file))
+
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()  # "Loading weights" bars: one per model per rank
 
     logging.captureWarnings(True)
     py_warnings = logging.getLogger("py.warnings")
