@@ -98,9 +98,8 @@ def test_the_console_is_the_plan_the_layout_and_the_steps(demo_run):
     logs = {p.name: p.read_text() for p in (run / "logs").glob("libraries.rank*.log")}
     assert sorted(logs) == ["libraries.rank0.log", "libraries.rank1.log"]
     assert f"[rlhf-hpc] vLLM's and torch's warnings: {run}/logs/libraries.rank*.log" in stdout
-    if engine == "vllm":  # what vLLM said went to the files, warnings included
+    if engine == "vllm":  # what vLLM warned about went to the files (its INFO lines too, at VLLM_LOGGING_LEVEL=INFO)
         assert all("WARNING vllm.v1.worker.cpu_worker" in text for text in logs.values())
-        assert "INFO vllm.v1.engine.core: init engine" in logs["libraries.rank0.log"]
 
 
 def _run(run: Path, steps: int, *extra: str):
