@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -52,6 +52,7 @@ class Check:
     ok: Optional[bool]  # None: skipped (does not apply here)
     detail: str
     fix: str = ""
+    figures: dict = field(default_factory=dict)  # the measured numbers behind the line
 
     def line(self) -> str:
         status = "SKIP" if self.ok is None else ("OK  " if self.ok else "FAIL")
@@ -85,15 +86,15 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
         left waiting in a collective the others never reach)."""
         try:
             check, error = fn(), None
-        except PreflightFailed:
-            raise
         except Exception as e:  # noqa: BLE001 - reported as the stage's failure, with its type
             check, error = None, f"{type(e).__name__}: {e}"
-        ok = all_reduce_min(torch.tensor([0.0 if error else 1.0])).item() == 1.0
-        if not ok:
-            return add(Check(stage, False, error or "failed on another rank (its log has the error)",
-                             "see the error above"))
-        return add(check)
+        passed = error is None and check.ok is not False
+        if all_reduce_min(torch.tensor([1.0 if passed else 0.0])).item() == 1.0:
+            return add(check)
+        if check is not None and check.ok is False:  # this rank's own verdict
+            return add(check)
+        return add(Check(stage, False, error or "failed on another rank (that rank's log has its line)",
+                         "see the error above" if error else "see the other ranks' lines"))
 
     hosts: list = [None] * ctx.world_size
     dist.all_gather_object(hosts, socket.gethostname())
@@ -375,9 +376,10 @@ def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) ->
     actor.optimizer.zero_grad(set_to_none=True)
     peak = -all_reduce_min(torch.tensor([-float(peak)], dtype=torch.float64)).item()  # the largest rank's
     detail = f"{rows} rows x {P + R} tokens, forward + backward in {seconds:.1f} s: peak {peak / GiB:.2f} GiB"
+    figures = {"rows": rows, "tokens": rows * (P + R), "seconds": seconds, "peak_gib": peak / GiB}
     phase = next((p for p in plan.phases if p.name == "update_actor"), None) if plan else None
     if phase is None:
-        return Check("actor micro-batch", True, detail + " (no memory plan for this model)")
+        return Check("actor micro-batch", True, detail + " (no memory plan for this model)", figures=figures)
     optimizer = phase.parts.get("optimizer", 0.0)
     # GPU: max_memory_allocated counts tensors only (not the CUDA context the plan's runtime holds)
     planned = phase.total - optimizer - (phase.parts.get("runtime", 0.0) if on_gpu else 0.0)
@@ -389,7 +391,8 @@ def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) ->
                f"with the first step: {projected / GiB:.1f} of {plan.capacity / GiB:.0f} GiB)")
     why = ("the update would not fit" if not fits else
            f"the plan underestimates this phase by more than {PLAN_TOLERANCE}x (please report it)")
-    return Check("actor micro-batch", ok, detail, f"{why}: lower {', '.join(phase.shrink[:3])}")
+    figures.update(plan_gib=planned / GiB, plan_ratio=ratio)
+    return Check("actor micro-batch", ok, detail, f"{why}: lower {', '.join(phase.shrink[:3])}", figures)
 
 
 def write_report(run_dir: Path, checks: list[Check], failed: Optional[str]) -> Path:

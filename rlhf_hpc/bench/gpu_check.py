@@ -10,7 +10,10 @@ downloads, no vLLM or flash-attn needed) and measures, each case on its own fres
   attention        a packed row of sequences: sdpa with the dense block-diagonal mask transformers
                    builds for packed sequences vs per-sequence causal sdpa vs torch's varlen kernel
   tiny KL-PPO      two steps of the ``tiny_klppo`` recipe end to end on the device (fit(), hf engine,
-                   critic, reference, checkpoint, validation)
+                   critic, reference, checkpoint, validation), in fp32 and in bf16 (flash-attn's
+                   kernel where it is installed)
+  preflight        ``launch.py preflight``'s checks on this device (rlhf_hpc/preflight.py): engine,
+                   weight sync, generation agreement, one actor micro-batch's peak against the plan
   actor update     tokens/s, MFU, peak memory: packed + dynamic token budget, activation
                    checkpointing off/on, attention sdpa or varlen (rlhf_hpc/attention.py, checked
                    against sdpa's log-probs first), padded fixed micro-batches on 0.5B as the baseline
@@ -20,7 +23,8 @@ downloads, no vLLM or flash-attn needed) and measures, each case on its own fres
   7B update step   first: one full update step of the 7B shape (4 of its layers) without offload, with
                    the 7B recipe's optimizer offload and with param+optimizer offload, one CPU thread:
                    forward/backward, clipping, state moves and optimizer.step timed apart; the memory
-                   plan's estimate against the measured peak
+                   plan's estimate against the measured peak. With parameter offload AdamW runs on the host: its
+                   estimate comes from a probe of this host's AdamW rate, not a constant
   7B offload       one actor forward/backward micro-batch with param+optimizer offload off and on
 
 A time budget (``--budget-s``, counted from start) skips a case whose estimate no longer fits and
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -347,7 +352,6 @@ class Models:
 
 # ------------------------------------------------------------------------------------ cases
 def env_info(device: torch.device, work: Workload) -> dict:
-    import importlib.util
 
     import transformers
 
@@ -432,7 +436,24 @@ def attention_case(device: torch.device, work: Workload, head_dim: int = 128, he
     return out
 
 
-def tiny_klppo_case(device: torch.device) -> dict:
+def tiny_overrides(device: torch.device, run_dir: Path, bf16: bool = False) -> list[str]:
+    """``tiny_klppo`` on this one device with the hf engine (no vLLM here); ``bf16``: every model
+    and the engine in bfloat16, with flash-attn's kernel where it is installed (GPU)."""
+    out = [f"trainer.device={device.type}", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+           "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2",
+           "trainer.logger=[console]", "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}",
+           "actor_rollout_ref.rollout.name=hf"]
+    if bf16:
+        out += [f"{m}.fsdp_config.mixed_precision.param_dtype=bfloat16" for m in
+                ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")]
+        out.append("actor_rollout_ref.rollout.dtype=bfloat16")
+        if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+            out += [f"{m}.override_config.attn_implementation=flash_attention_2"
+                    for m in ("actor_rollout_ref.model", "critic.model")]
+    return out
+
+
+def tiny_klppo_case(device: torch.device, bf16: bool = False) -> dict:
     """Two steps of the tiny recipe through ``fit`` on this device (hf engine: no vLLM here)."""
     from rlhf_hpc import checkpoint as ckpt
     from rlhf_hpc.dist import DistContext
@@ -441,11 +462,8 @@ def tiny_klppo_case(device: torch.device) -> dict:
     from rlhf_hpc.trainer import fit
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_tiny_"))
     try:
-        cfg, _ = load_config("tiny_klppo", [
-            f"trainer.device={device.type}", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
-            "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2",
-            "trainer.logger=[console]", "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}",
-            "actor_rollout_ref.rollout.name=hf"])
+        overrides = tiny_overrides(device, run_dir, bf16)
+        cfg, _ = load_config("tiny_klppo", overrides)
         write_resolved(cfg, run_dir)
         ctx = DistContext(rank=0, world_size=1, local_rank=0, device=device, backend=dist.get_backend())
         fit(cfg, ctx)
@@ -463,8 +481,33 @@ def tiny_klppo_case(device: torch.device) -> dict:
         return {"time_s": last["timing_s/step"], "tokens_per_s": last["perf/throughput"],
                 "peak_gib": last["perf/max_memory_allocated_gb"],
                 "logprob_diff_max": last["rollout/logprob_diff_max"], "score_mean": last["critic/score/mean"],
-                "note": f"2 steps + checkpoint + validation; step 2 {last['timing_s/step']:.2f} s, "
-                        f"engine-vs-actor logprob diff {last['rollout/logprob_diff_max']:.1e}"}
+                "engine_actor_kl": last["rollout/engine_actor_kl"],
+                "note": f"2 steps + checkpoint + validation{', bf16' if bf16 else ''}"
+                        f"{', flash_attention_2' if any('flash_attention_2' in o for o in overrides) else ''}; "
+                        f"step 2 {last['timing_s/step']:.2f} s, engine-vs-actor logprob diff "
+                        f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}"}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def preflight_case(device: torch.device) -> dict:
+    """``launch.py preflight``'s checks (rlhf_hpc.preflight) in this process on this one device:
+    the rank's engine start, weight sync, generation agreement, and one actor micro-batch's peak
+    against the memory plan (on a GPU: max_memory_allocated against the plan less its runtime)."""
+    from rlhf_hpc.dist import DistContext
+    from rlhf_hpc.preflight import run_preflight
+    from rlhf_hpc.recipe import load_config
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_preflight_"))
+    try:
+        cfg, _ = load_config("tiny_klppo", tiny_overrides(device, run_dir) + ["trainer.preflight=true"])
+        ctx = DistContext(rank=0, world_size=1, local_rank=0, device=device, backend=dist.get_backend())
+        checks: list = []
+        run_preflight(cfg, ctx, lambda line: print(f"[gpu_check] preflight: {line}", flush=True), checks)
+        micro = next(c for c in checks if c.name == "actor micro-batch")
+        f = micro.figures
+        return {"checks": [c.line() for c in checks], "time_s": f["seconds"], "tokens_per_s": f["tokens"] / f["seconds"],
+                "peak_gib": f["peak_gib"], "plan_gib": f.get("plan_gib"), "plan_ratio": f.get("plan_ratio"),
+                "note": f"{len(checks)} checks passed; micro-batch {micro.detail}"}
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -695,17 +738,54 @@ def update_step_case(models: Models, shape: Shape, work: Workload, device: torch
                     f"(x4 mini-batches a step); memory plan {estimate:.1f} GiB vs {peak:.1f} GiB measured"}
 
 
+def host_adamw_s_per_param(probe: int = 2**24) -> tuple[float, float]:
+    """Seconds per parameter of AdamW on this host with one thread (the update step's setting; the
+    project's fused optimizer), timed on ``probe`` parameters: (the first step, which allocates and
+    zeroes the state, a later step)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        p = torch.nn.Parameter(torch.zeros(probe))
+        p.grad = torch.full_like(p, 1e-3)
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+        t0 = time.perf_counter()
+        opt.step()
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        opt.step()
+        return first / probe, (time.perf_counter() - t0) / probe
+    finally:
+        torch.set_num_threads(threads)
+
+
+def update_step_estimate_s(mode: str, params: int, k: float, host_rate: tuple[float, float]) -> float:
+    """The update-step case's estimate: the device part (~20 s on a GPU) and, with parameter
+    offload, its two AdamW steps on the host (the first creates the state) at the probed rate, a
+    half more for clipping the host gradients and moving the weights."""
+    base = 20 * k
+    if UPDATE_MODES[mode][0]:
+        base += params * sum(host_rate) * 1.5
+    return base
+
+
 def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> list[Case]:
+    from rlhf_hpc.memory_plan import model_shape
     small, medium, large = (SMOKE_S, SMOKE_M, SMOKE_L) if smoke else (QWEN25_0_5B, QWEN25_1_5B, QWEN25_7B)
     k = 0.1 if smoke else 1.0  # the smoke estimates: seconds on a 2-core CPU
     # first what decides the design: the 7B update step in each offload mode (host AdamW or not)
     step_shape = SMOKE_L if smoke else QWEN25_7B_4L
-    out = [Case(f"7B update step, {mode}", step_shape.name, (40 if mode.startswith("param") else 20) * k,
+    host_rate = host_adamw_s_per_param()
+    step_params = model_shape(step_shape.path).params
+    out = [Case(f"7B update step, {mode}", step_shape.name, update_step_estimate_s(mode, step_params, k, host_rate),
                 lambda m=mode: update_step_case(models, step_shape, work, device, m, 7_615_616_512))
            for mode in UPDATE_MODES]
     out += [Case("attention: packed, dense mask vs per sequence", "-", 5 * k, lambda: attention_case(device, work)),
            Case("tiny KL-PPO: 2 steps end to end (fit)", "tiny_klppo", 60 * k if not smoke else 15,
-                lambda: tiny_klppo_case(device))]
+                lambda: tiny_klppo_case(device)),
+           Case("tiny KL-PPO in bf16 (fit; flash-attn when installed)", "tiny_klppo", 60 * k if not smoke else 15,
+                lambda: tiny_klppo_case(device, bf16=True)),
+           Case("preflight on this device (tiny_klppo, hf engine)", "tiny_klppo", 30 * k if not smoke else 10,
+                lambda: preflight_case(device))]
     for shape, t in ((small, 1.0), (medium, 2.0)):
         out += [Case("actor update: packed+dynamic, AC off", shape.name, 25 * t * k,
                      lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=False)),
