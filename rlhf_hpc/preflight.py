@@ -334,13 +334,12 @@ def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) ->
     rows of full-length prompt + response, forward and backward with the gradient reduction, no
     optimizer step (the weights stay as they are); its peak against the plan's update phase less
     the optimizer state, which the first optimizer step allocates (exact arithmetic in the plan)."""
-    from rlhf_hpc.batching import make_padded_batch
+    from rlhf_hpc import sequence_parallel
     from rlhf_hpc.actor import per_token_logprobs
+    from rlhf_hpc.batching import make_padded_batch, to_device
     from rlhf_hpc.memory_plan import micro_tokens
     from rlhf_hpc.parallel import finish_gradient_sync, set_gradient_sync
     from rlhf_hpc.reshard import peak_rss_bytes, reset_peak_rss
-    from rlhf_hpc import sequence_parallel
-    from rlhf_hpc.batching import to_device
     arr, d = cfg.actor_rollout_ref, cfg.data
     actor = engine.actor
     P, R = d.max_prompt_length, d.max_response_length
