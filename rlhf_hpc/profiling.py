@@ -345,5 +345,7 @@ class CommHint:
             return [("actor_rollout_ref.rollout.tensor_model_parallel_size",
                      f"lower actor_rollout_ref.rollout.tensor_model_parallel_size (now "
                      f"{arr.rollout.tensor_model_parallel_size}) if the model fits")]
+        if tr.device == "cpu":  # CPU ranks share the cores: waiting at the all-reduces is contention, not imbalance
+            return []
         return [("trainer.balance_batch", "this is mostly waiting at the metric all-reduces for the slowest rank: "
                  "even out the work per rank (trainer.balance_batch=true, actor_rollout_ref.actor.use_dynamic_bsz=true)")]

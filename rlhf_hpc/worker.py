@@ -65,9 +65,9 @@ def preflight(cfg, ctx, run_dir: Path) -> None:
     job's one-line error (exit code 2 from the launcher, no requeue)."""
     from rlhf_hpc.launch.stop import record_user_error
     from rlhf_hpc.preflight import PreflightFailed, run_preflight, write_report
-    def log(line: str) -> None:  # rank 0 reports; another rank only its own failure
-        if ctx.is_main or line.startswith("FAIL"):
-            print(f"[rlhf-hpc] preflight{'' if ctx.is_main else f' (rank {ctx.rank})'}: {line}", flush=True)
+    def log(line: str) -> None:  # rank 0 reports (other ranks' prints would interleave with its lines)
+        if ctx.is_main:
+            print(f"[rlhf-hpc] preflight: {line}", flush=True)
     checks: list = []
     try:
         checks = run_preflight(cfg, ctx, log, checks)

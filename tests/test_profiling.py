@@ -259,6 +259,7 @@ def test_hint_leaves_what_the_recipe_chose_alone():
     assert hint.keys_for("train") == "" and hint.keys_for("rollout") == ""
     assert not any(hint.update(_fractions(0.5, 0.45)) for _ in range(10))  # nothing to say: silent
     assert "update_weights_bucket_mb (now" in hint.keys_for("weight_sync")  # left at its default
+    assert hint.keys_for("other") == ""  # CPU ranks share the cores: their waiting is contention
     cfg.recipe_keys = frozenset()  # a recipe that left everything open
     assert "ppo_mini_batch_size, now 8" in CommHint(cfg).keys_for("train")
     assert "reduce_dtype" not in CommHint(cfg).keys_for("train")
