@@ -131,9 +131,13 @@ def test_every_step_logs_the_comm_fraction_and_its_split(run):
 
 def test_console_hint_follows_the_logged_fractions(run):
     run_dir, first, _ = run
-    fractions = [r["perf/comm_fraction"] for r in read_metrics(run_dir)[:3]]
+    records = read_metrics(run_dir)[:3]
+    fractions = [r["perf/comm_fraction"] for r in records]
+    top = max(GROUPS, key=lambda g: records[-1][f"perf/comm_fraction_{g}"])
     hinted = "[rlhf-hpc] communication took" in first
-    assert hinted == all(f > 0.2 for f in fractions), (fractions, first[-2000:])
+    # (on CPU, waiting at the all-reduces, "other", has no advice: ranks sharing cores wait by contention)
+    assert hinted == (all(f > 0.2 for f in fractions) and top != "other"), (fractions, top, first[-2000:])
+    assert first.count("[rlhf-hpc] communication took") <= 1
 
 
 def test_meter_counts_hsdp_replicate_all_reduces(tmp_path):
