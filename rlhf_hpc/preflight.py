@@ -339,7 +339,7 @@ def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) ->
     from rlhf_hpc.batching import make_padded_batch, to_device
     from rlhf_hpc.memory_plan import micro_tokens
     from rlhf_hpc.parallel import finish_gradient_sync, set_gradient_sync
-    from rlhf_hpc.reshard import peak_rss_bytes, reset_peak_rss
+    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
     arr, d = cfg.actor_rollout_ref, cfg.data
     actor = engine.actor
     P, R = d.max_prompt_length, d.max_response_length
@@ -358,9 +358,7 @@ def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) ->
     on_gpu = ctx.device.type == "cuda"
     if on_gpu:
         torch.cuda.synchronize(ctx.device)
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    else:
-        reset_peak_rss()
+    reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
     actor.model.train()
     set_gradient_sync(actor.model, True)
@@ -371,7 +369,7 @@ def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) ->
     if on_gpu:
         torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(ctx.device) if on_gpu else (peak_rss_bytes() or 0)
+    peak = peak_memory_bytes(ctx.device)
     actor.optimizer.zero_grad(set_to_none=True)
     peak = -all_reduce_min(torch.tensor([-float(peak)], dtype=torch.float64)).item()  # the largest rank's
     detail = f"{rows} rows x {P + R} tokens, forward + backward in {seconds:.1f} s: peak {peak / GiB:.2f} GiB"

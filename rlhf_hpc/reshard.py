@@ -144,24 +144,3 @@ def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket
         with collective():
             dist.barrier()
     return {"timing_s/update_weights": time.perf_counter() - t0}
-
-
-def peak_rss_bytes() -> Optional[int]:
-    """This process's peak resident memory since the last ``reset_peak_rss`` (Linux VmHWM)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (writes 5 to /proc/self/clear_refs; Linux only)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass

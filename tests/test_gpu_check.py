@@ -77,6 +77,7 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert ("tiny_klppo", "tiny KL-PPO: 2 steps end to end (fit)") in names
     assert ("tiny_klppo", "tiny KL-PPO in bf16 (fit; flash-attn when installed)") in names
     assert ("tiny_klppo", "preflight on this device (tiny_klppo, hf engine)") in names
+    assert ("smoke-plan", "memory plan per phase: fit, bf16, 512-token responses") in names
 
 
 def test_smoke_figures_are_measurements(smoke):
@@ -120,6 +121,11 @@ def test_smoke_figures_are_measurements(smoke):
     # the plan counts the 1 GiB of freed heap the launcher's malloc settings keep, which this process,
     # started without the launcher, does not have; on a GPU the comparison leaves the runtime out.)
     assert 0 < preflight["plan_ratio"] <= 1.3
+    # every phase of the plan with its measured peak (on CPU the process's RSS: no ratio asserted here;
+    # tests/test_real_model.py holds the CPU ratios, a GPU run of this case the GPU's)
+    phases = by[("smoke-plan", "memory plan per phase: fit, bf16, 512-token responses")]["phases"]
+    assert list(phases) == ["gen", "old_log_prob", "ref", "values", "update_actor", "update_critic"]
+    assert all(p["plan_gib"] > 0 and p["measured_gib"] > 0 for p in phases.values()), phases
     attn = by[("-", "attention: packed, dense mask vs per sequence")]
     assert attn["max_abs_diff"] < 2e-2  # bf16: the dense block-diagonal mask is per-sequence attention
 

@@ -331,3 +331,24 @@ def test_nsys_sbatch_matches_the_golden_file(tmp_path):
         NSYS_GOLDEN.write_text(script)
     assert script == NSYS_GOLDEN.read_text()
     assert "nsys profile --trace=cuda,nvtx,osrt" in script and "mkdir -p <TMP>/run/profile" in script
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc/self/clear_refs")
+def test_timer_keeps_each_phase_peak_and_the_runs_peak():
+    """Phase peaks (``memory_gb/<phase>``) restart at each phase; the outer phase and the run's peak
+    (``perf/max_memory_allocated_gb``) still see the largest inner one."""
+    from rlhf_hpc.perf import memory_metrics
+    cpu = torch.device("cpu")
+    timer = Timer(cpu)
+    with timer("step"):
+        with timer("big"):
+            x = torch.ones(384 * 2**20 // 4)  # 384 MiB, touched; freed at once (mmap'd: back to the OS)
+            del x
+        with timer("small"):
+            y = torch.ones(1024)
+            del y
+    big, small, step = (timer.peaks[f"memory_gb/{n}"] for n in ("big", "small", "step"))
+    assert big - small > 0.3, timer.peaks
+    assert step >= big
+    assert memory_metrics(cpu)["perf/max_memory_allocated_gb"] >= big
+    assert set(timer.times) == {"timing_s/step", "timing_s/big", "timing_s/small"}

@@ -12,6 +12,9 @@ downloads, no vLLM or flash-attn needed) and measures, each case on its own fres
   tiny KL-PPO      two steps of the ``tiny_klppo`` recipe end to end on the device (fit(), hf engine,
                    critic, reference, checkpoint, validation), in fp32 and in bf16 (flash-attn's
                    kernel where it is installed)
+  memory per phase the same ``fit()`` with Qwen2.5-0.5B's layers (vocabulary 64: the built-in
+                   tokenizer's) and 512-token responses in bf16: every memory-plan phase's
+                   estimate against the peak ``max_memory_allocated`` measured in that phase
   preflight        ``launch.py preflight``'s checks on this device (rlhf_hpc/preflight.py): engine,
                    weight sync, generation agreement, one actor micro-batch's peak against the plan
   actor update     tokens/s, MFU, peak memory: packed + dynamic token budget, activation
@@ -96,6 +99,10 @@ QWEN25_7B_4L = Shape("qwen2.5-7b-4L", 152064, 3584, 18944, 4, 28, 4, False)
 SMOKE_S = Shape("smoke-s", 512, 128, 256, 2, 4, 2, True, 10000.0, 1024)
 SMOKE_M = Shape("smoke-m", 512, 128, 384, 3, 4, 2, True, 10000.0, 1024)
 SMOKE_L = Shape("smoke-l", 512, 192, 512, 2, 6, 2, False, 10000.0, 1024)
+# the memory-per-phase run: Qwen2.5-0.5B's layers with the vocabulary of tiny_klppo's tokenizer
+# (tiny://chars: a random model samples every id of its vocabulary, and this tokenizer must decode them)
+PLAN_LAYERS = Shape("qwen2.5-0.5b-layers", 64, 896, 4864, 24, 14, 2, True)
+SMOKE_PLAN = Shape("smoke-plan", 64, 128, 384, 3, 4, 2, True, 10000.0, 1024)
 
 
 @dataclass(frozen=True)
@@ -223,19 +230,14 @@ def free_memory(device: torch.device) -> None:
 
 
 def reset_peak(device: torch.device) -> None:
-    from rlhf_hpc.reshard import reset_peak_rss
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_peak_rss()
+    from rlhf_hpc.perf import reset_peak_memory
+    reset_peak_memory(device)
 
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak device memory allocated since ``reset_peak`` (on the CPU: peak resident memory)."""
-    from rlhf_hpc.reshard import peak_rss_bytes
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return (peak_rss_bytes() or 0) / 2**30
+    from rlhf_hpc.perf import peak_memory_bytes
+    return peak_memory_bytes(device) / 2**30
 
 
 def used_memory_gib(device: torch.device) -> float:
@@ -453,16 +455,34 @@ def tiny_overrides(device: torch.device, run_dir: Path, bf16: bool = False) -> l
     return out
 
 
-def tiny_klppo_case(device: torch.device, bf16: bool = False) -> dict:
-    """Two steps of the tiny recipe through ``fit`` on this device (hf engine: no vLLM here)."""
+def plan_overrides(device: torch.device, shape: Shape, response_len: int) -> list[str]:
+    """``tiny_klppo`` with ``shape``'s model (actor, reference, critic) and longer responses, the
+    plan sized for this device's memory: the memory-per-phase case."""
+    out = [f"actor_rollout_ref.model.path={shape.path}", f"data.max_response_length={response_len}",
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
+    if device.type == "cuda":
+        out.append(f"trainer.gpu_memory_gb={torch.cuda.get_device_properties(device).total_memory / 2**30:.1f}")
+    return out
+
+
+def tiny_klppo_case(device: torch.device, bf16: bool = False, plan_shape: Optional[Shape] = None,
+                    response_len: int = 512) -> dict:
+    """Two steps of the tiny recipe through ``fit`` on this device (hf engine: no vLLM here). With
+    ``plan_shape``: that model instead, and each memory-plan phase against its measured peak
+    (``memory_gb/<phase>`` of step 2; on a GPU max_memory_allocated against the plan less its
+    runtime part, which that counter cannot see)."""
     from rlhf_hpc import checkpoint as ckpt
     from rlhf_hpc.dist import DistContext
+    from rlhf_hpc.memory_plan import check_plan
     from rlhf_hpc.recipe import load_config, write_resolved
     from rlhf_hpc.tracking import read_metrics
     from rlhf_hpc.trainer import fit
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_tiny_"))
     try:
         overrides = tiny_overrides(device, run_dir, bf16)
+        if plan_shape is not None:
+            overrides += plan_overrides(device, plan_shape, response_len)
         cfg, _ = load_config("tiny_klppo", overrides)
         write_resolved(cfg, run_dir)
         ctx = DistContext(rank=0, world_size=1, local_rank=0, device=device, backend=dist.get_backend())
@@ -478,6 +498,8 @@ def tiny_klppo_case(device: torch.device, bf16: bool = False) -> dict:
         if problem:
             raise RuntimeError(f"checkpoint of step 2: {problem}")
         last = records[-1]
+        if plan_shape is not None:
+            return memory_per_phase(check_plan(cfg)[0], last)
         return {"time_s": last["timing_s/step"], "tokens_per_s": last["perf/throughput"],
                 "peak_gib": last["perf/max_memory_allocated_gb"],
                 "logprob_diff_max": last["rollout/logprob_diff_max"], "score_mean": last["critic/score/mean"],
@@ -488,6 +510,22 @@ def tiny_klppo_case(device: torch.device, bf16: bool = False) -> dict:
                         f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}"}
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def memory_per_phase(plan, last: dict) -> dict:
+    """The plan's phases against step 2's measured peaks (the optimizer state exists from step 1's
+    update on, as the plan counts it): figures per phase and the worst ratio."""
+    rows = plan.against_measured(last)
+    if len(rows) != len(plan.phases):
+        raise RuntimeError(f"phases without a measured peak: {sorted({p.name for p in plan.phases} - {r[0] for r in rows})}")
+    ratios = {name: measured / planned for name, planned, measured in rows if planned > 0}
+    worst = max(ratios, key=lambda n: abs(math.log(ratios[n])))
+    return {"time_s": last["timing_s/step"], "tokens_per_s": last["perf/throughput"],
+            "peak_gib": last["perf/max_memory_allocated_gb"],
+            "phases": {name: {"plan_gib": planned, "measured_gib": measured} for name, planned, measured in rows},
+            "worst_phase": worst, "worst_measured_over_plan": ratios[worst],
+            "note": "measured/plan GiB: " + ", ".join(f"{n} {m:.2f}/{p:.2f}" for n, p, m in rows)
+                    + f"; worst {worst} {ratios[worst]:.2f}x"}
 
 
 def preflight_case(device: torch.device) -> dict:
@@ -771,6 +809,7 @@ def update_step_estimate_s(mode: str, params: int, k: float, host_rate: tuple[fl
 def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> list[Case]:
     from rlhf_hpc.memory_plan import model_shape
     small, medium, large = (SMOKE_S, SMOKE_M, SMOKE_L) if smoke else (QWEN25_0_5B, QWEN25_1_5B, QWEN25_7B)
+    plan_shape = SMOKE_PLAN if smoke else PLAN_LAYERS
     k = 0.1 if smoke else 1.0  # the smoke estimates: seconds on a 2-core CPU
     # first what decides the design: the 7B update step in each offload mode (host AdamW or not)
     step_shape = SMOKE_L if smoke else QWEN25_7B_4L
@@ -784,6 +823,8 @@ def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> 
                 lambda: tiny_klppo_case(device)),
            Case("tiny KL-PPO in bf16 (fit; flash-attn when installed)", "tiny_klppo", 60 * k if not smoke else 15,
                 lambda: tiny_klppo_case(device, bf16=True)),
+           Case("memory plan per phase: fit, bf16, 512-token responses", plan_shape.name, 90 * k if not smoke else 20,
+                lambda: tiny_klppo_case(device, bf16=True, plan_shape=plan_shape, response_len=512 if not smoke else 32)),
            Case("preflight on this device (tiny_klppo, hf engine)", "tiny_klppo", 30 * k if not smoke else 10,
                 lambda: preflight_case(device))]
     for shape, t in ((small, 1.0), (medium, 2.0)):

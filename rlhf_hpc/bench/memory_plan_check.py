@@ -34,13 +34,6 @@ CASES = [  # (name, model, rows, prompt length, response length, gradient checkp
 ]
 
 
-def _status(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure(name: str) -> dict:
     """Run in a child process: one update step of ``name``; measured and estimated bytes."""
     import torch
@@ -54,6 +47,7 @@ def measure(name: str) -> dict:
     from rlhf_hpc.models import build_causal_lm
     from rlhf_hpc.optim import build_optimizer
     from rlhf_hpc.parallel import parallelize
+    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
 
     _, path, rows, P, R, ckpt = next(c for c in CASES if c[0] == name)
     dist.init_process_group("gloo")
@@ -67,16 +61,15 @@ def measure(name: str) -> dict:
     fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
     cfg = ActorConfig(ppo_micro_batch_size_per_gpu=rows, clip_ratio_low=0.2, clip_ratio_high=0.2)
 
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    base = rss_bytes()
+    reset_peak_memory(cpu)  # VmHWM := VmRSS
     model = build_causal_lm(path, torch.float32, seed=0)
     parallelize(model, build_train_mesh(cpu, 1, -1), fsdp, cpu, gradient_checkpointing=ckpt)
     actor = Actor(model, cfg, optimizer=build_optimizer(model, cfg.optim), dp_size=1, all_reduce=all_reduce_sum,
                   sync_max=lambda k: all_reduce_max_int(k, cpu))
     for _ in range(2):  # the second step runs with the optimizer state alive, as every later one
         actor.update_policy(batch, rows)
-    measured = _status("VmHWM") - base
+    measured = peak_memory_bytes(cpu) - base
     estimate = update_bytes(shape, shape.params, fsdp, 1, rows * (P + R), rows * R, ckpt, shape.vocab)
     dist.destroy_process_group()
     return {"case": name, "params": shape.params, "tokens": rows * (P + R), "checkpointing": ckpt,

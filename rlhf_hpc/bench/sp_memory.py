@@ -31,7 +31,7 @@ def worker(sp_size: int, checkpointing: bool, tokens: int, hidden: int, layers: 
     from rlhf_hpc.actor import per_token_logprobs
     from rlhf_hpc.batching import make_padded_batch
     from rlhf_hpc.models import build_causal_lm
-    from rlhf_hpc.reshard import peak_rss_bytes, reset_peak_rss
+    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
     from rlhf_hpc.sequence_parallel import build_sequence_parallel
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -58,10 +58,11 @@ def worker(sp_size: int, checkpointing: bool, tokens: int, hidden: int, layers: 
 
     seed = 1 if sp is not None else 1 + rank
     step(row(256, seed))  # allocates the gradients
-    reset_peak_rss()
-    base = peak_rss_bytes()
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    base = peak_memory_bytes(cpu)
     lp_sum, seconds = step(row(tokens, seed))
-    rise = (peak_rss_bytes() - base) / 2**20
+    rise = (peak_memory_bytes(cpu) - base) / 2**20
     rises = [None] * dist.get_world_size()
     dist.all_gather_object(rises, (rise, lp_sum, seconds))
     if rank == 0:

@@ -34,14 +34,6 @@ def relaunch(args) -> None:
     sys.exit(subprocess.call(cmd, env=env))
 
 
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def worker(skip_generate: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -51,7 +43,8 @@ def worker(skip_generate: bool) -> None:
     from rlhf_hpc.models import build_causal_lm
     from rlhf_hpc.parallel import parallelize
     from rlhf_hpc.recipe import load_config
-    from rlhf_hpc.reshard import peak_rss_bytes, reset_peak_rss, stream_full_params
+    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
+    from rlhf_hpc.reshard import stream_full_params
     from rlhf_hpc.rollout.base import Sampling, make_engine
 
     dist.init_process_group("gloo")
@@ -83,13 +76,13 @@ def worker(skip_generate: bool) -> None:
         times, rises = [], []
         for _ in range(2):
             dist.barrier()
-            base = rss()
-            reset_peak_rss()
+            base = rss_bytes()
+            reset_peak_memory(cpu)
             t0 = time.perf_counter()
             hf.update_weights(make())
             dist.barrier()
             times.append(time.perf_counter() - t0)
-            rises.append(peak_rss_bytes() - base)
+            rises.append(peak_memory_bytes(cpu) - base)
         rise = torch.tensor([float(max(rises))])
         dist.all_reduce(rise, op=dist.ReduceOp.MAX)
         rows.append({"method": name, "time_s": min(times), "peak_rise_mib_max_rank": rise.item() / 2**20})

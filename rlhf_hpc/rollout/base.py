@@ -165,14 +165,20 @@ def make_engine(cfg, model_path: str, device: torch.device, tp_group=None) -> Ro
     import importlib.util
     rollout = cfg.actor_rollout_ref.rollout
     name = rollout.name
+    from rlhf_hpc.packages import cpu_only_builds
+    cpu_vllm = cpu_only_builds().get("vllm") if device.type == "cuda" else None  # cannot serve a GPU rank
     if name == "auto":
-        name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        name = "vllm" if importlib.util.find_spec("vllm") is not None and not cpu_vllm else "hf"
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"[rlhf-hpc] actor_rollout_ref.rollout.name=auto: using the {name} engine", flush=True)
+            print(f"[rlhf-hpc] actor_rollout_ref.rollout.name=auto: using the {name} engine"
+                  + (f" ({cpu_vllm} is vLLM's CPU build)" if cpu_vllm else ""), flush=True)
     if name == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("actor_rollout_ref.rollout.name=vllm but vLLM is not installed here: install it "
                                "(env/setup.sh) or set actor_rollout_ref.rollout.name=hf")
+        if cpu_vllm:
+            raise RuntimeError(f"actor_rollout_ref.rollout.name=vllm on a GPU, but {cpu_vllm} is vLLM's CPU build: "
+                               f"install the GPU build (bash env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf")
         from rlhf_hpc.rollout.vllm_engine import VLLMEngine
         return VLLMEngine(cfg, model_path, device, tp_group)
     from rlhf_hpc.rollout.hf_engine import HFEngine
