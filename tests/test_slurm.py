@@ -22,7 +22,7 @@ from tests.conftest import REPO, require, run_launch
 
 TINY = ["recipe=tiny_klppo", "cluster=slurm", "launcher.cluster_profile=local", "trainer.test_freq=-1",
         "trainer.val_before_train=false"]
-NONDETERMINISTIC = ("timing_s/", "perf/")
+NONDETERMINISTIC = ("timing_s/", "perf/", "memory_gb/")
 
 
 def slurm_up() -> bool:

@@ -29,7 +29,7 @@ STEP_METRICS = [
 ]
 # what may differ between two runs of the same steps: wall-clock and memory figures, and the
 # loggers' row counter (a restarted run repeats steps)
-NONDETERMINISTIC = ("timing_s/", "perf/", "training/log_step")
+NONDETERMINISTIC = ("timing_s/", "perf/", "memory_gb/", "training/log_step")
 
 
 def engine_available(name: str) -> None:
