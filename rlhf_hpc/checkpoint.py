@@ -238,7 +238,8 @@ RESUME_KEYS = (
 
 def incompatible_keys(saved_config_text: str, cfg) -> list[str]:
     """``key: saved -> now`` for every RESUME_KEYS entry that differs."""
-    from rlhf_hpc.recipe import flatten, parse_yaml, to_dict
+    from rlhf_hpc.config import flatten
+    from rlhf_hpc.recipe import parse_yaml, to_dict
     saved = flatten(parse_yaml(saved_config_text) or {})
     now = flatten(to_dict(cfg))
     out = []
@@ -282,14 +283,14 @@ def check_resume_compatible(path: Path, cfg) -> None:
         return
     diff = incompatible_keys(saved.read_text(), cfg)
     if diff:
-        from rlhf_hpc.recipe import ConfigError
+        from rlhf_hpc.config import ConfigError
         raise ConfigError([f"cannot resume from {path}: the run's config changed in keys that define it"] + diff +
                           ["use a new trainer.default_local_dir, or trainer.resume_mode=disable to start over"])
 
 
 def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
     """Before anything starts: the run directory can be created and written, with enough free space."""
-    from rlhf_hpc.recipe import ConfigError
+    from rlhf_hpc.config import ConfigError
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.config import Config
-from rlhf_hpc.recipe import (ConfigError, dump_yaml, get_key, list_recipes, load_config,
+from rlhf_hpc.config import Config, ConfigError
+from rlhf_hpc.recipe import (dump_yaml, get_key, list_recipes, load_config,
                              parse_override, to_dict, write_resolved)
 
 USAGE = """\

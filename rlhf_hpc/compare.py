@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.recipe import ConfigError, flatten, parse_yaml
+from rlhf_hpc.config import ConfigError, flatten
+from rlhf_hpc.recipe import parse_yaml
 from rlhf_hpc.tracking import (MLFLOW_DIR, MLFLOW_ID_FILE, RUN_SPECIFIC, mlflow_metric_name, mlflow_tracking_uri,
                                read_metrics)
 

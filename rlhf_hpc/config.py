@@ -421,3 +421,28 @@ class Config:
     @property
     def world_size(self) -> int:
         return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+
+class ConfigError(Exception):
+    """A user error in a recipe or override; ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: list[str] | str):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        if len(self.errors) == 1:
+            return f"invalid configuration: {self.errors[0]}"
+        return "invalid configuration:\n" + "\n".join(f"  - {e}" for e in self.errors)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out

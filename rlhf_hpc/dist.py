@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.config import Config
-from rlhf_hpc.profiling import collective
+from rlhf_hpc.comm import collective
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.dist import all_reduce_max, all_reduce_sum
-from rlhf_hpc.profiling import collective
+from rlhf_hpc.comm import collective
 
 
 @dataclass

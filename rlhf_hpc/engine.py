@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from rlhf_hpc.actor import Actor
-from rlhf_hpc.config import Config, FSDPConfig
+from rlhf_hpc.config import Config
 from rlhf_hpc.critic import Critic
 from rlhf_hpc.dist import DistContext, all_reduce_max_int, all_reduce_sum
 from rlhf_hpc.layout import choose_checkpointing, resolved_fsdp_configs

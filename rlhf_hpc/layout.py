@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rlhf_hpc.config import Config, FSDPConfig
+from rlhf_hpc.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, activation_bytes, logits_bytes, micro_tokens,
+                             model_shape)
 
-GiB = 2**30
 # share of a rank's memory the models' whole training state may take before sharding is chosen
 REPLICATE_SHARE = 0.2
 # share of a rank's memory one micro-batch's activations may take before checkpointing is chosen
 CHECKPOINT_SHARE = 0.1
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 SECTIONS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rollout_ref.ref.fsdp_config",
             "critic": "critic.model.fsdp_config"}
@@ -51,7 +51,6 @@ class Layout:
 def rank_memory_bytes(cfg: Config) -> float:
     """Memory of one rank: the GPU's (``trainer.gpu_memory_gb``), or the host's share per rank."""
     if cfg.trainer.device == "cuda":
-        from rlhf_hpc.memory_plan import DEFAULT_GPU_MEMORY_GB
         return (cfg.trainer.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(cfg.trainer.n_gpus_per_node, 1)
 
@@ -74,7 +73,6 @@ def training_state_bytes(cfg: Config, params: int, critic_params: Optional[int] 
 
 def _model_params(cfg: Config) -> tuple[Optional[int], Optional[int], str]:
     """(actor params, critic params, "") from the models' configs, or (None, None, why not)."""
-    from rlhf_hpc.memory_plan import model_shape
     arr = cfg.actor_rollout_ref
     try:
         s = model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
@@ -154,7 +152,6 @@ def choose_checkpointing(cfg: Config) -> dict[str, tuple[bool, str]]:
     kept (why = ""). Left at null: off when one micro-batch's activations without it (the memory
     plan's estimate, ``rlhf_hpc.memory_plan``) stay within ``CHECKPOINT_SHARE`` of a rank's
     memory, since recomputing them costs a third more compute in every update; on otherwise."""
-    from rlhf_hpc.memory_plan import DTYPE_BYTES as PLAN_BYTES, _activations, logits_bytes, micro_tokens, model_shape
     arr, critic, d = cfg.actor_rollout_ref, cfg.critic, cfg.data
     memory = rank_memory_bytes(cfg)
     per_rank_rows = max(1, d.train_batch_size * arr.rollout.n // max(cfg.world_size, 1))
@@ -174,9 +171,9 @@ def choose_checkpointing(cfg: Config) -> dict[str, tuple[bool, str]]:
             continue
         tokens, resp = micro_tokens(section.ppo_micro_batch_size_per_gpu, per_rank_rows, bool(section.use_dynamic_bsz),
                                     section.ppo_max_token_len_per_gpu, d.max_prompt_length, d.max_response_length)
-        b = PLAN_BYTES[section.fsdp_config.mixed_precision.param_dtype if name == "actor"
+        b = DTYPE_BYTES[section.fsdp_config.mixed_precision.param_dtype if name == "actor"
                        else critic.model.fsdp_config.mixed_precision.param_dtype]
-        act = _activations(shape, tokens, b, checkpointing=False, with_grad=True)
+        act = activation_bytes(shape, tokens, b, checkpointing=False, with_grad=True)
         act += logits_bytes(resp, shape.vocab, b, with_grad=True) if vocab else 0
         small = act <= CHECKPOINT_SHARE * memory
         out[name] = (not small, f"a micro-batch's activations ({act / GiB:.2f} GiB, {tokens} tokens) "

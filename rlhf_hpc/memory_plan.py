@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.config import Config, FSDPConfig
 from rlhf_hpc.layout import choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs
 from rlhf_hpc.models import is_tiny
+from rlhf_hpc.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, ModelShape, activation_bytes, logits_bytes,
+                             micro_tokens, model_shape)
 
-GiB = 1024 ** 3
-DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
 RUNTIME_GB = 1.0  # CUDA context, NCCL buffers, allocator slack: held in every phase
 # host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
 # (measured: 0.5 GiB resident on the CPU build); a GPU rank adds its CUDA context and NCCL's and
@@ -40,107 +39,7 @@ CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
 # freed heap (SmolLM2-135M fp32: engine start takes 2.03 GiB above the import, weights + KV space are 1.5)
 VLLM_CPU_RUNTIME_GB = 0.5
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-
-# published config.json fields of models the shipped recipes use, for dry runs away from the cluster
-KNOWN_MODELS = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
-
-
-@dataclass
-class ModelShape:
-    """What the plan needs of a decoder-only model. Parameter counts are exact (meta build)."""
-    params: int
-    layer_params: int  # one decoder layer
-    embed_params: int
-    head_params: int  # 0 when tied to the embedding
-    hidden: int
-    layers: int
-    intermediate: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    source: str = ""
-
-    @property
-    def largest_group(self) -> int:
-        """Parameters of the largest FSDP group (parallel.py: each layer, embedding, head, root)."""
-        return max(self.layer_params, self.embed_params, self.head_params)
-
-
-_shapes: dict[str, ModelShape] = {}
-
-
-def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
-    """Shape of ``path`` from its config alone (no weights); remembered per process."""
-    key = repr((path, sorted((override or {}).items()), trust_remote_code))
-    if key not in _shapes:
-        _shapes[key] = _model_shape(path, override, trust_remote_code)
-    return _shapes[key]
-
-
-def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from rlhf_hpc.models import model_config
-    expanded = Path(path).expanduser()
-    if is_tiny(path) or (expanded / "config.json").is_file():
-        config, source = model_config(path, override, trust_remote_code), f"config of {path}"
-    else:
-        key = next((k for k in KNOWN_MODELS if k in Path(path).name.lower()), None)
-        if key is None:
-            raise FileNotFoundError(f"no config.json at {path} and no published shape for it: run the dry run "
-                                    f"where the model directory is")
-        config = Qwen2Config(**KNOWN_MODELS[key])
-        for k, v in (override or {}).items():
-            if k != "attn_implementation":
-                setattr(config, k, v)
-        source = f"published {key} config (no config.json at {path} here)"
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    from rlhf_hpc.parallel import _tied, decoder_layers
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    layers = decoder_layers(model)
-    tied = _tied(model)
-    heads = config.num_attention_heads
-    return ModelShape(
-        params=count(model), layer_params=max(count(layer) for layer in layers),
-        embed_params=model.get_input_embeddings().weight.numel(),
-        head_params=0 if tied or model.get_output_embeddings() is None else model.get_output_embeddings().weight.numel(),
-        hidden=config.hidden_size, layers=len(layers), intermediate=config.intermediate_size,
-        vocab=config.vocab_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", heads),
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, source=source)
-
-
 # ------------------------------------------------------------------------------------ estimates
-def layer_activation_bytes(s: ModelShape, compute_bytes: int) -> int:
-    """Bytes a decoder layer keeps for backward per token (Qwen2/Llama block, flash-style attention):
-    RMSNorms keep their fp32 input and normalised value (2 x 2h fp32) and a cast output (2 x h);
-    q/k/v and their rotary copies (2 x (q + 2kv) - kv), the attention output (q), o_proj output (h);
-    gate, up, act(gate), act(gate) x up (4 x I); down_proj output (h)."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    return 4 * 4 * s.hidden + compute_bytes * (2 * s.hidden + 3 * q + 3 * kv + 2 * s.hidden + 4 * s.intermediate)
-
-
-LOGITS_CHUNK = 1024  # rows algos.token_logprobs_chunked takes at a time
-
-
-def logits_bytes(n_tokens: int, vocab: int, compute_bytes: int, with_grad: bool) -> int:
-    """The head's output for ``n_tokens`` response tokens (compute dtype; with gradients also its
-    gradient), and one chunk's fp32 temporaries (upcast, divided by the temperature, a logsumexp
-    or softmax temporary; in backward the recomputed chunk and its gradient)."""
-    full = n_tokens * vocab * compute_bytes * (2 if with_grad else 1)
-    return full + min(n_tokens, LOGITS_CHUNK) * vocab * 4 * (4 if with_grad else 3)
-
-
 @dataclass
 class Phase:
     name: str
@@ -306,15 +205,6 @@ def _working(s: ModelShape, fsdp: FSDPConfig, with_grad: bool) -> float:
     return float(out)
 
 
-def _activations(s: ModelShape, tokens: int, b: int, checkpointing: bool, with_grad: bool) -> float:
-    per_layer = layer_activation_bytes(s, b)
-    if not with_grad:  # a forward keeps one layer's temporaries at a time
-        return float(tokens * per_layer)
-    if checkpointing:  # each layer's input is kept, one layer is recomputed at a time
-        return float(tokens * (s.layers * s.hidden * b + per_layer))
-    return float(tokens * s.layers * per_layer)
-
-
 def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, tokens: int, response_tokens: int,
                  checkpointing: bool, head_vocab: int) -> dict[str, float]:
     """One model's own share of an update phase: its training state, the unsharded group, the
@@ -322,20 +212,8 @@ def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, token
     ``head_vocab`` logits; 0: a value head, one number per token)."""
     b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
     return {**_train_state(params, fsdp, world, "update"), "unsharded group": _working(s, fsdp, with_grad=True),
-            "activations": _activations(s, tokens, b, checkpointing, True),
+            "activations": activation_bytes(s, tokens, b, checkpointing, True),
             "logits": float(logits_bytes(response_tokens, head_vocab, b, with_grad=True)) if head_vocab else tokens * 8.0}
-
-
-def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
-                 prompt_len: int, response_len: int, sp: int = 1) -> tuple[int, int]:
-    """(tokens, response tokens) of the largest micro-batch on one rank: a token budget caps both
-    (a budget filled by short prompts is almost all response); fixed rows hold at most rows x full
-    length. With sequence parallelism (``sp`` > 1) a micro-batch holds the rows of sp ranks, each
-    rank 1/sp of its tokens (the budget is per rank, as verl's)."""
-    if dynamic:
-        return max_token_len, max_token_len
-    rows = min(rows or per_rank_rows, per_rank_rows * sp)
-    return -(-rows * (prompt_len + response_len) // sp), -(-rows * response_len // sp)
 
 
 def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None,
@@ -438,7 +316,7 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
         b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
         parts = {"runtime": runtime, **awake, **resident("forward"),
                  "unsharded group": _working(shp, fsdp, with_grad=False),
-                 "activations": _activations(shp, tokens, b, False, False),
+                 "activations": activation_bytes(shp, tokens, b, False, False),
                  "logits": logits_bytes(resp, head_vocab, b, with_grad=False) if head_vocab else tokens * 4.0}
         phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
 

@@ -40,6 +40,17 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {  # tiny://<name> -> (transformers m
 }
 
 
+def tiny_fields(path: str) -> tuple[str, dict]:
+    """(transformers model_type, config fields) of a ``tiny://<name>?field=value&...`` address: the
+    built-in fields of ``<name>`` (``TINY_MODELS``) with the query's on top."""
+    url = urlparse(path)
+    if url.netloc not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model '{path}'; the built-in ones are "
+                         f"{', '.join('tiny://' + n for n in TINY_MODELS)}")
+    model_type, fields = TINY_MODELS[url.netloc]
+    return model_type, {**fields, **{k: _parse_value(v) for k, v in parse_qsl(url.query)}}
+
+
 def _parse_value(text: str) -> Any:
     for cast in (int, float):
         try:
@@ -100,13 +111,7 @@ def model_config(path: str, override: Optional[dict] = None, trust_remote_code: 
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if is_tiny(path):
-        url = urlparse(path)
-        if url.netloc not in TINY_MODELS:
-            raise ValueError(f"unknown tiny model '{path}'; the built-in ones are "
-                             f"{', '.join('tiny://' + n for n in TINY_MODELS)}")
-        model_type, fields = TINY_MODELS[url.netloc]
-        fields = dict(fields)
-        fields.update({k: _parse_value(v) for k, v in parse_qsl(url.query)})
+        model_type, fields = tiny_fields(path)
         config = AutoConfig.for_model(model_type, **fields)
         # engines read the class to build from the config (vLLM would otherwise pick a pooling model)
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlhf_hpc.config import OptimConfig
-from rlhf_hpc.profiling import collective
+from rlhf_hpc.comm import collective
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:

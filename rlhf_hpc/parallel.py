@@ -15,7 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from rlhf_hpc.config import FSDPConfig
 from rlhf_hpc.host_allreduce import SharedMemoryAllReduce
 from rlhf_hpc.models import torch_dtype
-from rlhf_hpc.profiling import collective, time_fsdp_collectives
+from rlhf_hpc.comm import collective, time_fsdp_collectives
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -27,7 +27,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def _tied(model: nn.Module) -> bool:
+def tied_embeddings(model: nn.Module) -> bool:
     emb, out = model.get_input_embeddings(), model.get_output_embeddings()
     return out is not None and out.weight is emb.weight
 
@@ -66,7 +66,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
     layers = decoder_layers(model)
     for layer in layers:
         fully_shard(layer, **kw)
-    if not _tied(model):
+    if not tied_embeddings(model):
         fully_shard(model.get_input_embeddings(), **kw)
         out = model.get_output_embeddings()
         if out is not None:

@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from rlhf_hpc.config import Config
 from rlhf_hpc.dist import DistContext, all_reduce_min, build_rollout_tp_group, build_train_mesh, mesh_shape
-
-GiB = 2**30
+from rlhf_hpc.sizing import GiB
 REPORT = "preflight.txt"
 # bus bandwidth (GB/s, nccl-tests' definition) below which an interconnect is taken to be broken or
 # misconfigured: about a quarter of what the slowest common generation gives for large messages
@@ -70,7 +69,7 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
     from rlhf_hpc.engine import build_engine
     from rlhf_hpc.faults import FaultInjector
     from rlhf_hpc.memory_plan import check_plan
-    from rlhf_hpc.rollout.base import make_engine
+    from rlhf_hpc.rollout.factory import make_engine
     from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
     arr, tr = cfg.actor_rollout_ref, cfg.trainer
 
@@ -330,14 +329,14 @@ def wake_check(cfg: Config, ctx: DistContext, engine, rollout, state: dict) -> C
 
 # ---------------------------------------------------------------------------------------- 5
 def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) -> Check:
-    """The largest micro-batch the actor update will see (rlhf_hpc.memory_plan.micro_tokens):
+    """The largest micro-batch the actor update will see (rlhf_hpc.sizing.micro_tokens):
     rows of full-length prompt + response, forward and backward with the gradient reduction, no
     optimizer step (the weights stay as they are); its peak against the plan's update phase less
     the optimizer state, which the first optimizer step allocates (exact arithmetic in the plan)."""
     from rlhf_hpc import sequence_parallel
     from rlhf_hpc.actor import per_token_logprobs
     from rlhf_hpc.batching import make_padded_batch, to_device
-    from rlhf_hpc.memory_plan import micro_tokens
+    from rlhf_hpc.sizing import micro_tokens
     from rlhf_hpc.parallel import finish_gradient_sync, set_gradient_sync
     from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
     arr, d = cfg.actor_rollout_ref, cfg.data

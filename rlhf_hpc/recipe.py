@@ -28,23 +28,10 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from rlhf_hpc.config import ATTN_IMPLEMENTATIONS, Config
+from rlhf_hpc.config import ATTN_IMPLEMENTATIONS, Config, ConfigError, flatten
 
 RECIPE_META_KEYS = ("base", "description")
 RECIPE_FILE = "recipe.yaml"  # in a run directory, beside config.yaml
-
-
-class ConfigError(Exception):
-    """A user error in a recipe or override; ``errors`` holds one message per problem."""
-
-    def __init__(self, errors: list[str] | str):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        if len(self.errors) == 1:
-            return f"invalid configuration: {self.errors[0]}"
-        return "invalid configuration:\n" + "\n".join(f"  - {e}" for e in self.errors)
 
 
 # ---------------------------------------------------------------------------------------- YAML
@@ -923,18 +910,6 @@ def load_resolved(path: str | Path, check_files: bool = True) -> Config:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
-    out = {}
-    for k, v in tree.items():
-        key = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key))
-        else:
-            out[key] = v
-    return out
 
 
 def write_resolved(cfg: Config, run_dir: str | Path) -> Path:

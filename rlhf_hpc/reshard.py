@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from rlhf_hpc.profiling import collective
+from rlhf_hpc.comm import collective
 
 # wrappers that change parameter names but not the model (activation checkpointing, compile)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")

@@ -39,7 +39,7 @@ from torch import nn
 
 from rlhf_hpc import algos
 from rlhf_hpc.batching import Batch, pack, unpack_per_token
-from rlhf_hpc.profiling import collective
+from rlhf_hpc.comm import collective
 
 # verl's keys, as the validation messages name them
 KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",

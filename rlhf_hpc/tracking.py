@@ -21,7 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.recipe import flatten, to_dict
+from rlhf_hpc.config import flatten
+from rlhf_hpc.recipe import to_dict
 
 WANDB_ID_FILE = "wandb_run_id"
 GLOBAL_STEP, LOG_STEP = "training/global_step", "training/log_step"

@@ -52,7 +52,8 @@ from rlhf_hpc.profiling import StepProfiler
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rewards.reward_model import build_reward_model
-from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch, make_engine
+from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch
+from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.tokenizer import load_tokenizer, stop_token_ids, tokenizer_path
 from rlhf_hpc.tracking import Tracker
 

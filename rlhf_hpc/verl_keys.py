@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rlhf_hpc.recipe import ConfigError, flatten
+from rlhf_hpc.config import ConfigError, flatten
 
 # (key, or a prefix ending in "."; values that switch the feature off, or None: any value is refused;
 #  the feature, as the message names it)

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from rlhf_hpc.dist import exit_process, init_distributed
 from rlhf_hpc.host_allocator import describe as host_memory_line
 from rlhf_hpc.library_logs import library_log_path, route_library_logs
-from rlhf_hpc.recipe import ConfigError, load_resolved
+from rlhf_hpc.config import ConfigError
+from rlhf_hpc.recipe import load_resolved
 
 
 def main(argv: list[str]) -> int:

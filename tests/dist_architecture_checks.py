@@ -46,7 +46,8 @@ from rlhf_hpc.optim import build_optimizer
 from rlhf_hpc.parallel import parallelize
 from rlhf_hpc.recipe import load_config, write_resolved
 from rlhf_hpc.reshard import stream_full_params, sync_weights_to_rollout
-from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
+from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
+from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.sequence_parallel import build_sequence_parallel
 
 ARCHS = {"qwen2": "tiny://qwen2", "qwen2_tied": "tiny://qwen2?tie_word_embeddings=true", "qwen3": "tiny://qwen3",

@@ -23,7 +23,8 @@ from rlhf_hpc.models import build_causal_lm
 from rlhf_hpc.optim import build_optimizer
 from rlhf_hpc.recipe import load_config
 from rlhf_hpc.reshard import stream_full_params, sync_weights_to_rollout
-from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
+from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
+from rlhf_hpc.rollout.factory import make_engine
 
 CPU = torch.device("cpu")
 P, R = 8, 8

@@ -19,7 +19,8 @@ from rlhf_hpc.checkpoint import full_model_state
 from rlhf_hpc.dist import build_rollout_tp_group, exit_process
 from rlhf_hpc.recipe import load_config
 from rlhf_hpc.reshard import sync_weights_to_rollout
-from rlhf_hpc.rollout.base import Sampling, make_engine
+from rlhf_hpc.rollout.base import Sampling
+from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.trainer import step_seed
 from tests.dist_rollout_checks import engine_vs_actor, hf_greedy, sharded_fp32_actor
 

@@ -109,7 +109,7 @@ def test_critic_builds_on_the_backbone(name):
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_memory_plan_reads_the_shape(name):
-    from rlhf_hpc.memory_plan import model_shape
+    from rlhf_hpc.sizing import model_shape
     path = ARCHS[name]
     model = build_causal_lm(path, torch.float32, seed=0)
     s = model_shape(path)

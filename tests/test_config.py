@@ -368,7 +368,7 @@ def test_gpu_only_kernels_and_cpu_only_builds_against_the_device():
                for w in warnings), warnings
     # on a GPU rank, vLLM's CPU build is refused by name before it touches the device
     if "vllm" in builds:
-        from rlhf_hpc.rollout.base import make_engine
+        from rlhf_hpc.rollout.factory import make_engine
         cfg, _ = load_config("tiny_klppo", cuda)
         with pytest.raises(RuntimeError, match="is vLLM's CPU build: install the GPU build"):
             make_engine(cfg, cfg.actor_rollout_ref.model.path, torch.device("cuda", 0))

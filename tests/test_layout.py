@@ -6,7 +6,8 @@ builds the chosen mesh and trains like one process on it: tests/test_engine_dist
 from __future__ import annotations
 
 from rlhf_hpc.layout import GiB, choose_layouts, describe, resolved_fsdp_configs, training_state_bytes
-from rlhf_hpc.memory_plan import build_plan, model_shape
+from rlhf_hpc.memory_plan import build_plan
+from rlhf_hpc.sizing import model_shape
 from rlhf_hpc.recipe import load_config
 
 

@@ -23,7 +23,8 @@ from mlflow import MlflowClient  # in the test extras (setup.cfg)
 
 from rlhf_hpc.compare import compare, load_run, series
 from rlhf_hpc.perf import Timer
-from rlhf_hpc.profiling import GROUPS, HINT_STEPS, CommHint, StepProfiler, collective
+from rlhf_hpc.comm import GROUPS, collective
+from rlhf_hpc.profiling import HINT_STEPS, CommHint, StepProfiler
 from rlhf_hpc.recipe import ConfigError, load_config, load_resolved
 from rlhf_hpc.tracking import Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri, read_metrics
 from tests.conftest import REPO, run_launch

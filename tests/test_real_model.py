@@ -94,7 +94,8 @@ def test_vllm_stops_at_the_eos_and_the_eos_is_scored(smollm):
     from rlhf_hpc.distribute import RolloutRow
     from rlhf_hpc.models import build_causal_lm
     from rlhf_hpc.reshard import sync_weights_to_rollout
-    from rlhf_hpc.rollout.base import logprob_mismatch, make_engine
+    from rlhf_hpc.rollout.base import logprob_mismatch
+    from rlhf_hpc.rollout.factory import make_engine
     from rlhf_hpc.tokenizer import load_tokenizer
     from rlhf_hpc.trainer import make_step_batch, sampling_for, scores_on_last_token
     cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={smollm}", "actor_rollout_ref.rollout.name=vllm",
@@ -165,7 +166,8 @@ def test_kl_ppo_steps_on_gsm8k_agree_with_the_engine(gsm8k_run_dir):
 
 @pytest.mark.slow
 def test_the_layout_and_memory_plan_match_the_run(gsm8k_run_dir):
-    from rlhf_hpc.memory_plan import GiB, check_plan
+    from rlhf_hpc.memory_plan import check_plan
+    from rlhf_hpc.sizing import GiB
     engine, run, stdout, dry, args = gsm8k_run_dir
     layout = ("# FSDP layout of actor, ref, critic: fsdp_size=2, reshard_after_forward=true, "
               "forward_prefetch=false; the training state (4.5 GiB, 0.13B parameters) needs more than 20%")

@@ -8,7 +8,8 @@ import torch
 
 from rlhf_hpc.recipe import load_config
 from rlhf_hpc.reshard import _buckets, hf_name, stream_full_params
-from rlhf_hpc.rollout.base import Sampling, logprob_mismatch, make_engine
+from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
+from rlhf_hpc.rollout.factory import make_engine
 
 
 def test_buckets_respect_the_size_and_give_a_big_tensor_its_own():

@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from rlhf_hpc.tracking import read_metrics
 from tests.conftest import REPO, require, run_launch
 from tests.test_slurm import TINY, deterministic, job_ids, raw_steps, slurm_up, state, wait_done

@@ -629,7 +629,8 @@ def sync_into(engine, models: Models, shape: Shape, work: Workload, device: torc
 def rollout_case(models: Models, shape: Shape, work: Workload, device: torch.device) -> dict:
     """Weight sync FSDP actor -> hf engine (bf16), then generation with the synced weights."""
     from rlhf_hpc.recipe import load_config
-    from rlhf_hpc.rollout.base import Sampling, make_engine
+    from rlhf_hpc.rollout.base import Sampling
+    from rlhf_hpc.rollout.factory import make_engine
     cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=bfloat16",
                                         "trainer.n_gpus_per_node=1"])
     engine = make_engine(cfg, shape.path, device)
@@ -713,7 +714,8 @@ def update_step_case(models: Models, shape: Shape, work: Workload, device: torch
     from rlhf_hpc import algos
     from rlhf_hpc.actor import per_token_logprobs
     from rlhf_hpc.batching import to_device
-    from rlhf_hpc.memory_plan import model_shape, update_bytes
+    from rlhf_hpc.memory_plan import update_bytes
+    from rlhf_hpc.sizing import model_shape
     from rlhf_hpc.optim import clip_grad_norm, move_optimizer_state
     param_off, opt_off = UPDATE_MODES[mode]
     actor = models.actor(shape, work, grad_ckpt=True, offload=param_off, optimizer_offload=opt_off)
@@ -807,7 +809,7 @@ def update_step_estimate_s(mode: str, params: int, k: float, host_rate: tuple[fl
 
 
 def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> list[Case]:
-    from rlhf_hpc.memory_plan import model_shape
+    from rlhf_hpc.sizing import model_shape
     small, medium, large = (SMOKE_S, SMOKE_M, SMOKE_L) if smoke else (QWEN25_0_5B, QWEN25_1_5B, QWEN25_7B)
     plan_shape = SMOKE_PLAN if smoke else PLAN_LAYERS
     k = 0.1 if smoke else 1.0  # the smoke estimates: seconds on a 2-core CPU

@@ -43,7 +43,8 @@ def measure(name: str) -> dict:
     from rlhf_hpc.batching import make_padded_batch
     from rlhf_hpc.config import ActorConfig, FSDPConfig, MixedPrecisionConfig
     from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh
-    from rlhf_hpc.memory_plan import model_shape, update_bytes
+    from rlhf_hpc.memory_plan import update_bytes
+    from rlhf_hpc.sizing import model_shape
     from rlhf_hpc.models import build_causal_lm
     from rlhf_hpc.optim import build_optimizer
     from rlhf_hpc.parallel import parallelize

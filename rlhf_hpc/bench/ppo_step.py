@@ -91,9 +91,8 @@ def phase_times(rows: list[dict], skip: int = 2) -> dict[str, float]:
 
 def model_shape() -> dict:
     """The workload model's Qwen2 config fields (``MODEL``'s query over the tiny defaults)."""
-    from urllib.parse import parse_qsl, urlparse
-    from rlhf_hpc.models import TINY_QWEN2, _parse_value
-    return {**TINY_QWEN2, **{k: _parse_value(v) for k, v in parse_qsl(urlparse(MODEL).query)}}
+    from rlhf_hpc.models import tiny_fields
+    return tiny_fields(MODEL)[1]
 
 
 def trl_workload(workdir: Path, steps: int, bf16: bool = False) -> None:

@@ -45,7 +45,8 @@ def worker(skip_generate: bool) -> None:
     from rlhf_hpc.recipe import load_config
     from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
     from rlhf_hpc.reshard import stream_full_params
-    from rlhf_hpc.rollout.base import Sampling, make_engine
+    from rlhf_hpc.rollout.base import Sampling
+    from rlhf_hpc.rollout.factory import make_engine
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

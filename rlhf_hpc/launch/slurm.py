@@ -22,8 +22,7 @@ from typing import Optional
 
 import submitit
 
-from rlhf_hpc.config import Config
-from rlhf_hpc.recipe import ConfigError
+from rlhf_hpc.config import Config, ConfigError
 
 JOBS_FILE = "slurm_jobs.json"
 

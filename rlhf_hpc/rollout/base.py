@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass
@@ -158,28 +157,3 @@ def covered(named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict[str, t
         raise ValueError(f"weight sync: {len(missing)} engine parameter(s) received nothing: "
                          f"{', '.join(repr(n) for n in missing[:4])}{', ...' if len(missing) > 4 else ''} "
                          f"(they would keep their previous values)")
-
-
-def make_engine(cfg, model_path: str, device: torch.device, tp_group=None) -> RolloutEngine:
-    """The engine ``actor_rollout_ref.rollout.name`` asks for."""
-    import importlib.util
-    rollout = cfg.actor_rollout_ref.rollout
-    name = rollout.name
-    from rlhf_hpc.packages import cpu_only_builds
-    cpu_vllm = cpu_only_builds().get("vllm") if device.type == "cuda" else None  # cannot serve a GPU rank
-    if name == "auto":
-        name = "vllm" if importlib.util.find_spec("vllm") is not None and not cpu_vllm else "hf"
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"[rlhf-hpc] actor_rollout_ref.rollout.name=auto: using the {name} engine"
-                  + (f" ({cpu_vllm} is vLLM's CPU build)" if cpu_vllm else ""), flush=True)
-    if name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("actor_rollout_ref.rollout.name=vllm but vLLM is not installed here: install it "
-                               "(env/setup.sh) or set actor_rollout_ref.rollout.name=hf")
-        if cpu_vllm:
-            raise RuntimeError(f"actor_rollout_ref.rollout.name=vllm on a GPU, but {cpu_vllm} is vLLM's CPU build: "
-                               f"install the GPU build (bash env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf")
-        from rlhf_hpc.rollout.vllm_engine import VLLMEngine
-        return VLLMEngine(cfg, model_path, device, tp_group)
-    from rlhf_hpc.rollout.hf_engine import HFEngine
-    return HFEngine(cfg, model_path, device)

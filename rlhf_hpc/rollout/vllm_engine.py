@@ -25,7 +25,7 @@ import torch.distributed as dist
 from rlhf_hpc.dist import on_exit_process
 from rlhf_hpc.models import is_tiny, local_path, model_config
 from rlhf_hpc.packages import VLLM_BELOW, VLLM_MIN
-from rlhf_hpc.profiling import collective
+from rlhf_hpc.comm import collective
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
 
