@@ -73,6 +73,7 @@ class Actor:
         self.dp_size, self.all_reduce, self.sync_max = dp_size, all_reduce, sync_max
         self.norm_const = norm_const
         self.optimizer_offload = optimizer_offload
+        self.kl_loss_coef = cfg.kl_loss_coef  # the trainer scales it on a guard rollback (cfg stays as set)
 
     # ------------------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -142,7 +143,7 @@ class Actor:
             if cfg.use_kl_loss:
                 kl_loss = algos.agg_loss(algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type), mask,
                                          cfg.loss_agg_mode, **kw)
-                loss = loss + cfg.kl_loss_coef * kl_loss
+                loss = loss + self.kl_loss_coef * kl_loss
                 metrics.share("actor/kl_loss", weight * kl_loss)
             metrics.share("actor/pg_loss", weight * pg_loss)
             for k, v in pgm.items():

@@ -218,49 +218,120 @@ def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, token
 
 def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None,
                rm_shape: Optional[ModelShape] = None) -> MemoryPlan:
-    arr, d, tr = cfg.actor_rollout_ref, cfg.data, cfg.trainer
-    actor, rollout, ref, critic = arr.actor, arr.rollout, arr.ref, cfg.critic
-    world = cfg.world_size
-    s = shape or model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
-    on_gpu = tr.device == "cuda"
-    if on_gpu:
-        capacity = (tr.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
-    else:  # informational: the host's memory shared by the ranks of a node
-        capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
-    runtime = RUNTIME_GB * GiB if on_gpu else host_runtime_bytes(tr.device)
-    P, R = d.max_prompt_length, d.max_response_length
-    per_rank_rows = d.train_batch_size * rollout.n // world
-    use_critic = bool(critic.enable)
-    cs = critic_shape or s
-    critic_params = cs.params - cs.head_params + cs.hidden + 1 if use_critic else 0
-    use_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.layout)
-    ckpt = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}
-    afs, rfs, cfs = layouts["actor"], layouts["ref"], layouts["critic"]
-    rm, rms = cfg.reward_model, None
-    notes = describe_layouts(cfg)
-    if rm.enable:
-        try:
-            rms = rm_shape or model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
-        except FileNotFoundError as e:
-            notes.append(f"reward model left out of the plan: {e}")
-    rm_params = rms.params - rms.head_params + rms.hidden if rms else 0  # backbone + one-label score head
-    mfs = rm.model.fsdp_config
+    """The plan of ``cfg``: its phases in step order (``PlanBuilder``), the host's line, notes."""
+    return PlanBuilder(cfg, shape, critic_shape, rm_shape).build()
 
-    def resident(phase: str, skip: str = "") -> dict[str, float]:
+
+class PlanBuilder:
+    """What the phases of one plan share (the shapes, layouts, capacity, what stays resident), and
+    one method per kind of phase: generation, a forward pass, an update."""
+
+    def __init__(self, cfg: Config, shape: Optional[ModelShape], critic_shape: Optional[ModelShape],
+                 rm_shape: Optional[ModelShape]):
+        arr, tr = cfg.actor_rollout_ref, cfg.trainer
+        self.cfg, self.world = cfg, cfg.world_size
+        self.s = shape or model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
+        self.on_gpu = tr.device == "cuda"
+        if self.on_gpu:
+            self.capacity = (tr.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
+        else:  # informational: the host's memory shared by the ranks of a node
+            self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
+        self.runtime = RUNTIME_GB * GiB if self.on_gpu else host_runtime_bytes(tr.device)
+        self.P, self.R = cfg.data.max_prompt_length, cfg.data.max_response_length
+        self.per_rank_rows = cfg.data.train_batch_size * arr.rollout.n // self.world
+        self.use_critic = bool(cfg.critic.enable)
+        self.cs = critic_shape or self.s
+        self.critic_params = self.cs.params - self.cs.head_params + self.cs.hidden + 1 if self.use_critic else 0
+        self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.layout)
+        self.ckpt = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}
+        self.afs, self.rfs, self.cfs = layouts["actor"], layouts["ref"], layouts["critic"]
+        self.notes = describe_layouts(cfg)
+        rm = cfg.reward_model
+        self.rms = None
+        if rm.enable:
+            try:
+                self.rms = rm_shape or model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
+            except FileNotFoundError as e:
+                self.notes.append(f"reward model left out of the plan: {e}")
+        self.rm_params = self.rms.params - self.rms.head_params + self.rms.hidden if self.rms else 0  # + 1-label head
+        self.mfs = rm.model.fsdp_config
+        self.phases: list[Phase] = []
+        self.kv_tokens: Optional[int] = None
+
+    def build(self) -> MemoryPlan:
+        cfg, s = self.cfg, self.s
+        arr, tr, critic, rm = cfg.actor_rollout_ref, cfg.trainer, cfg.critic, cfg.reward_model
+        actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+        self.gen_phase()
+        self.forward_phase("old_log_prob", s, self.afs, rollout.log_prob_micro_batch_size_per_gpu,
+                           rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu, s.vocab,
+                           ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"], "actor",
+                           actor.ulysses_sequence_parallel_size)
+        if self.use_ref:
+            self.forward_phase("ref", s, self.rfs, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
+                               ref.log_prob_max_token_len_per_gpu, s.vocab,
+                               ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"], "ref",
+                               ref.ulysses_sequence_parallel_size or 1)
+        if self.use_critic:
+            self.forward_phase("values", self.cs, self.cfs, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
+                               critic.forward_max_token_len_per_gpu, 0,
+                               ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic",
+                               critic.ulysses_sequence_parallel_size)
+        if self.rms:
+            self.forward_phase("reward_model", self.rms, self.mfs, rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
+                               rm.forward_max_token_len_per_gpu, 0,
+                               ["reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu",
+                                *self.offload_keys("reward_model.model", self.mfs, optimizer=False)], "reward_model")
+        prefix = "actor_rollout_ref.actor"
+        self.update_phase("update_actor", s, s.params, self.afs, actor.ppo_micro_batch_size_per_gpu,
+                          actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, self.ckpt["actor"], s.vocab,
+                          self.update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
+                                           self.ckpt["actor"], self.afs), "actor", actor.ulysses_sequence_parallel_size)
+        if self.use_critic:
+            self.update_phase("update_critic", self.cs, self.critic_params, self.cfs, critic.ppo_micro_batch_size_per_gpu,
+                              critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, self.ckpt["critic"],
+                              0, self.update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
+                                                  self.ckpt["critic"], self.cfs), "critic",
+                              critic.ulysses_sequence_parallel_size)
+        notes = self.notes
+        if self.on_gpu and not tr.gpu_memory_gb:
+            notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
+        afs = self.afs
+        if afs.param_offload or afs.optimizer_offload:
+            host = 16 * s.params / _shards(self.world, afs) * (1 if afs.param_offload else 0.5)
+            notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
+                         + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
+        max_len = rollout.max_model_len or (self.P + self.R)
+        plan = MemoryPlan(tr.device, self.capacity, self.phases, s, self.kv_tokens, max_len, notes)
+        pretrained = [shp for shp, path in ((s, arr.model.path), (self.cs if self.use_critic else None, critic.model.path),
+                                            (self.rms, rm.model.path)) if shp is not None and not is_tiny(path)]
+        plan.host = host_plan(cfg, plan, max((x.params for x in pretrained), default=0), self.critic_params,
+                              self.rm_params,
+                              {"actor": afs, "ref": self.rfs if self.use_ref else None,
+                               "critic": self.cfs if self.use_critic else None,
+                               "reward_model": self.mfs if self.rms else None})
+        return plan
+
+    def resident(self, phase: str, skip: str = "") -> dict[str, float]:
         """What the other models keep on the GPU during ``phase``."""
-        out = {}
+        s, world, out = self.s, self.world, {}
         if skip != "actor":
-            out["actor state"] = sum(_train_state(s.params, afs, world, phase).values())
-        if use_ref and skip != "ref":
+            out["actor state"] = sum(_train_state(s.params, self.afs, world, phase).values())
+        if self.use_ref and skip != "ref":
+            rfs = self.rfs
             out["ref params"] = 0.0 if rfs.param_offload or rfs.offload_policy else s.params * DTYPE_BYTES[rfs.model_dtype] / _shards(world, rfs)
-        if use_critic and skip != "critic":
-            out["critic state"] = sum(_train_state(critic_params, cfs, world, phase).values())
-        if rms and skip != "reward_model":
+        if self.use_critic and skip != "critic":
+            out["critic state"] = sum(_train_state(self.critic_params, self.cfs, world, phase).values())
+        if self.rms and skip != "reward_model":
+            mfs = self.mfs
             out["reward model params"] = (0.0 if mfs.param_offload or mfs.offload_policy
-                                          else rm_params * DTYPE_BYTES[mfs.model_dtype] / _shards(world, mfs))
+                                          else self.rm_params * DTYPE_BYTES[mfs.model_dtype] / _shards(world, mfs))
         return out
 
+    @staticmethod
     def offload_keys(prefix: str, fsdp: FSDPConfig, optimizer: bool = True) -> list[str]:
         """The offload switches of one model that are still off."""
         keys = [] if fsdp.param_offload else [f"{prefix}.fsdp_config.param_offload"]
@@ -268,112 +339,69 @@ def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Op
             keys.append(f"{prefix}.fsdp_config.optimizer_offload")
         return keys
 
-    def update_keys(prefix: str, section, ckpt_key: str, ckpt: bool, fsdp: FSDPConfig) -> list[str]:
+    def update_keys(self, prefix: str, section, ckpt_key: str, ckpt: bool, fsdp: FSDPConfig) -> list[str]:
         keys = [f"{prefix}.ppo_max_token_len_per_gpu" if section.use_dynamic_bsz
                 else f"{prefix}.ppo_micro_batch_size_per_gpu (or {prefix}.use_dynamic_bsz with a token budget)"]
         keys += [] if ckpt else [ckpt_key]
-        keys += offload_keys(prefix if prefix != "critic" else "critic.model", fsdp)
-        if _shards(world, fsdp) < world:
+        keys += self.offload_keys(prefix if prefix != "critic" else "critic.model", fsdp)
+        if _shards(self.world, fsdp) < self.world:
             keys.append(f"{prefix if prefix != 'critic' else 'critic.model'}.fsdp_config.fsdp_size")
         return keys
 
-    phases = []
-    # generation: vLLM takes its share of the GPU; training keeps its resident shards beside it
-    tp = rollout.tensor_model_parallel_size
-    rb = DTYPE_BYTES[rollout.dtype]
-    max_len = rollout.max_model_len or (P + R)
-    kv_tokens = None
-    vllm_share = rollout.gpu_memory_utilization * capacity
-    vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
-    if rollout.name != "hf" and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
-        vllm_share = (s.params * rb / tp + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
-                      + VLLM_CPU_RUNTIME_GB * GiB)
-        vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE + its runtime)": vllm_share}
-    elif rollout.name != "hf":
-        batched = max(rollout.max_num_batched_tokens, max_len)
-        weights = s.params * rb / tp
-        act = batched * (4 * s.hidden + (2 * s.intermediate + (s.heads + 2 * s.kv_heads) * s.head_dim) / tp) * rb
-        sampler = min(rollout.max_num_seqs, batched) * s.vocab * 4 * 2
-        graphs = 0 if rollout.enforce_eager else CUDA_GRAPHS_GB * GiB
-        kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb / min(tp, s.kv_heads)
-        kv_tokens = int((vllm_share - weights - act - sampler - graphs) // kv_per_token) if on_gpu else None
-    else:  # transformers generate: a full copy of the weights in the rollout dtype and its KV cache
-        vllm_gen = {"hf engine weights": s.params * rb}
-    phases.append(Phase("gen", {"runtime": runtime, **vllm_gen, **resident("gen")},
-                        ["actor_rollout_ref.rollout.gpu_memory_utilization",
-                         *offload_keys("actor_rollout_ref.actor", afs),
-                         *(offload_keys("actor_rollout_ref.ref", rfs, optimizer=False) if use_ref else []),
-                         *(offload_keys("critic.model", cfs) if use_critic else []),
-                         *(offload_keys("reward_model.model", mfs, optimizer=False) if rms else [])]))
-    # vLLM during the training phases: asleep (sleep mode frees weights and KV cache) or not
-    awake = {} if (rollout.free_cache_engine and on_gpu) or rollout.name == "hf" else {"vLLM (not freed)": vllm_share}
-    if rollout.name == "hf":
-        awake = {"hf engine weights": s.params * rb}
+    def gen_phase(self) -> None:
+        """Generation: vLLM takes its share of the GPU, training keeps its resident shards beside it;
+        sets ``awake``, what the engine keeps during the training phases (asleep or not)."""
+        s, rollout, on_gpu = self.s, self.cfg.actor_rollout_ref.rollout, self.on_gpu
+        tp = rollout.tensor_model_parallel_size
+        rb = DTYPE_BYTES[rollout.dtype]
+        max_len = rollout.max_model_len or (self.P + self.R)
+        vllm_share = rollout.gpu_memory_utilization * self.capacity
+        vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
+        if rollout.name != "hf" and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
+            vllm_share = (s.params * rb / tp + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
+                          + VLLM_CPU_RUNTIME_GB * GiB)
+            vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE + its runtime)": vllm_share}
+        elif rollout.name != "hf":
+            batched = max(rollout.max_num_batched_tokens, max_len)
+            weights = s.params * rb / tp
+            act = batched * (4 * s.hidden + (2 * s.intermediate + (s.heads + 2 * s.kv_heads) * s.head_dim) / tp) * rb
+            sampler = min(rollout.max_num_seqs, batched) * s.vocab * 4 * 2
+            graphs = 0 if rollout.enforce_eager else CUDA_GRAPHS_GB * GiB
+            kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb / min(tp, s.kv_heads)
+            self.kv_tokens = int((vllm_share - weights - act - sampler - graphs) // kv_per_token) if on_gpu else None
+        else:  # transformers generate: a full copy of the weights in the rollout dtype and its KV cache
+            vllm_gen = {"hf engine weights": s.params * rb}
+        self.phases.append(Phase("gen", {"runtime": self.runtime, **vllm_gen, **self.resident("gen")},
+                                 ["actor_rollout_ref.rollout.gpu_memory_utilization",
+                                  *self.offload_keys("actor_rollout_ref.actor", self.afs),
+                                  *(self.offload_keys("actor_rollout_ref.ref", self.rfs, optimizer=False)
+                                    if self.use_ref else []),
+                                  *(self.offload_keys("critic.model", self.cfs) if self.use_critic else []),
+                                  *(self.offload_keys("reward_model.model", self.mfs, optimizer=False)
+                                    if self.rms else [])]))
+        # vLLM during the training phases: asleep (sleep mode frees weights and KV cache) or not
+        self.awake = ({} if (rollout.free_cache_engine and on_gpu) or rollout.name == "hf"
+                      else {"vLLM (not freed)": vllm_share})
+        if rollout.name == "hf":
+            self.awake = {"hf engine weights": s.params * rb}
 
-    def forward_phase(name: str, shp: ModelShape, fsdp: FSDPConfig, rows, dyn, budget, head_vocab, keys, skip,
-                      sp: int = 1):
-        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R, sp)
+    def forward_phase(self, name: str, shp: ModelShape, fsdp: FSDPConfig, rows, dyn, budget, head_vocab, keys, skip,
+                      sp: int = 1) -> None:
+        tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
         b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
-        parts = {"runtime": runtime, **awake, **resident("forward"),
+        parts = {"runtime": self.runtime, **self.awake, **self.resident("forward"),
                  "unsharded group": _working(shp, fsdp, with_grad=False),
                  "activations": activation_bytes(shp, tokens, b, False, False),
                  "logits": logits_bytes(resp, head_vocab, b, with_grad=False) if head_vocab else tokens * 4.0}
-        phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
+        self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
 
-    forward_phase("old_log_prob", s, afs, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
-                  rollout.log_prob_max_token_len_per_gpu, s.vocab,
-                  ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                   "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"], "actor",
-                  actor.ulysses_sequence_parallel_size)
-    if use_ref:
-        forward_phase("ref", s, rfs, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
-                      ref.log_prob_max_token_len_per_gpu, s.vocab,
-                      ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                       "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"], "ref", ref.ulysses_sequence_parallel_size or 1)
-    if use_critic:
-        forward_phase("values", cs, cfs, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                      critic.forward_max_token_len_per_gpu, 0,
-                      ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic",
-                      critic.ulysses_sequence_parallel_size)
-
-    if rms:
-        forward_phase("reward_model", rms, mfs, rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
-                      rm.forward_max_token_len_per_gpu, 0,
-                      ["reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu",
-                       *offload_keys("reward_model.model", mfs, optimizer=False)], "reward_model")
-
-    def update_phase(name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, ckpt, head_vocab,
-                     keys, who, sp: int = 1):
-        tokens, resp = micro_tokens(rows, per_rank_rows, dyn, budget, P, R, sp)
-        own = update_bytes(shp, params, fsdp, world, tokens, resp, ckpt, head_vocab)
-        parts = {"runtime": runtime, **awake, **resident("forward", skip=who), **own}
-        phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
-                            + (", gradient checkpointing" if ckpt else "")))
-
-    prefix = "actor_rollout_ref.actor"
-    update_phase("update_actor", s, s.params, afs, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
-                 actor.ppo_max_token_len_per_gpu, ckpt["actor"], s.vocab,
-                 update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
-                             ckpt["actor"], afs), "actor", actor.ulysses_sequence_parallel_size)
-    if use_critic:
-        update_phase("update_critic", cs, critic_params, cfs, critic.ppo_micro_batch_size_per_gpu,
-                     critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, ckpt["critic"],
-                     0, update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
-                                    ckpt["critic"], cfs), "critic",
-                     critic.ulysses_sequence_parallel_size)
-    if on_gpu and not tr.gpu_memory_gb:
-        notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
-    if afs.param_offload or afs.optimizer_offload:
-        host = 16 * s.params / _shards(world, afs) * (1 if afs.param_offload else 0.5)
-        notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
-                     + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
-    plan = MemoryPlan(tr.device, capacity, phases, s, kv_tokens, max_len, notes)
-    pretrained = [shp for shp, path in ((s, arr.model.path), (cs if use_critic else None, critic.model.path),
-                                        (rms, rm.model.path)) if shp is not None and not is_tiny(path)]
-    plan.host = host_plan(cfg, plan, max((x.params for x in pretrained), default=0), critic_params, rm_params,
-                          {"actor": afs, "ref": rfs if use_ref else None, "critic": cfs if use_critic else None,
-                           "reward_model": mfs if rms else None})
-    return plan
+    def update_phase(self, name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, ckpt,
+                     head_vocab, keys, who, sp: int = 1) -> None:
+        tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
+        own = update_bytes(shp, params, fsdp, self.world, tokens, resp, ckpt, head_vocab)
+        parts = {"runtime": self.runtime, **self.awake, **self.resident("forward", skip=who), **own}
+        self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
+                                 + (", gradient checkpointing" if ckpt else "")))
 
 
 def host_runtime_bytes(device: str) -> float:

@@ -505,19 +505,57 @@ def missing_files(cfg: Config) -> list[str]:
 
 
 def validate(cfg: Config, check_files: bool = True) -> list[str]:
-    """Cross-field checks on a resolved config. Raises ConfigError listing every problem; returns
-    warnings (notes that do not stop a run). With ``check_files`` False (a dry run prepared away
-    from the cluster) missing files are warnings too."""
-    errors: list[str] = []
+    """Cross-field checks on a resolved config, by topic. Raises ConfigError listing every problem;
+    returns warnings (notes that do not stop a run). With ``check_files`` False (a dry run prepared
+    away from the cluster) missing files are warnings too."""
+    from rlhf_hpc.packages import config_package_problems
+    errors: list[str] = bypass_problems(cfg)
     warnings: list[str] = []
+    size_errors, sizes_ok = size_problems(cfg)
+    errors += size_errors
+    if sizes_ok:  # the batch arithmetic needs positive sizes
+        batch_errors, batch_warnings = batch_size_problems(cfg)
+        errors += batch_errors
+        warnings += batch_warnings
+    errors += mesh_problems(cfg)
+    errors += algorithm_problems(cfg)
+    errors += profiler_problems(cfg)
+    for topic in (sequence_parallel_problems, model_architecture_problems, config_package_problems):
+        topic_errors, topic_warnings = topic(cfg)
+        errors += topic_errors
+        warnings += topic_warnings
+    if cfg.launcher.cluster == "local" and cfg.trainer.nnodes > 1:
+        errors.append(f"trainer.nnodes={cfg.trainer.nnodes} needs several machines: use cluster=slurm "
+                      f"(launcher.cluster), or trainer.nnodes=1 to run here")
+    errors += unsupported_values(cfg)
+    errors += reward_model_problems(cfg)
+    warnings += strategy_warnings(cfg)
+    files = missing_files(cfg)
+    if check_files:
+        errors += files
+    else:
+        warnings += [f"{f} on this machine (it must exist where the job runs)" for f in files]
+    if errors:
+        raise ConfigError(errors)
+    return warnings
+
+
+def bypass_problems(cfg: Config) -> list[str]:
+    rollout = cfg.actor_rollout_ref.rollout
+    if cfg.algorithm.rollout_correction.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
+        return [f"algorithm.rollout_correction.bypass_mode=true takes the engine's log-probs as the PPO anchor, "
+                f"but with actor_rollout_ref.rollout.top_p={rollout.top_p} / top_k={rollout.top_k} they are "
+                f"log-probs of the truncated sampling distribution, not of the policy the actor trains; set "
+                f"top_p=1.0 and top_k=-1, or bypass_mode=false"]
+    return []
+
+
+def size_problems(cfg: Config) -> tuple[list[str], bool]:
+    """(errors, whether the sizes the batch arithmetic divides by are positive): counts, lengths,
+    learning rates that must be > 0, and the attention implementations named."""
+    errors: list[str] = []
     d, arr, tr = cfg.data, cfg.actor_rollout_ref, cfg.trainer
     actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
-    if cfg.algorithm.rollout_correction.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
-        errors.append(f"algorithm.rollout_correction.bypass_mode=true takes the engine's log-probs as the PPO anchor, "
-                      f"but with actor_rollout_ref.rollout.top_p={rollout.top_p} / top_k={rollout.top_k} they are "
-                      f"log-probs of the truncated sampling distribution, not of the policy the actor trains; set "
-                      f"top_p=1.0 and top_k=-1, or bypass_mode=false")
-    world = cfg.world_size
 
     def positive(key: str, value: Optional[float], allow_zero: bool = False) -> bool:
         if value is None or value > 0 or (allow_zero and value == 0):
@@ -542,58 +580,70 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
                 "actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.total_epochs",
                 "trainer.total_training_steps", "actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
         ok &= positive(key, get_key(cfg, key))
+    return errors, ok
 
-    # batch sizes, as verl accepts them: prompts x n responses are spread evenly over the ranks
-    # (rlhf_hpc.distribute), each rank's share is cut into mini-batches of
-    # ppo_mini_batch_size x n / ranks rows (rounded down; the last one may be smaller), those
-    # into micro-batches
-    if ok:
-        if d.train_batch_size * rollout.n % world:
-            errors.append(f"data.train_batch_size ({d.train_batch_size}) x actor_rollout_ref.rollout.n "
-                          f"({rollout.n}) = {d.train_batch_size * rollout.n} responses must be divisible by "
-                          f"the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = {world}, so every "
-                          f"rank trains on the same number of responses")
-        for who, mbs, micro, dyn in (
-                ("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                 actor.use_dynamic_bsz),
-                ("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz)):
-            if who == "critic" and not critic.enable:
-                continue
-            per_rank = per_rank_mini_batch(mbs, rollout.n, world)
-            if mbs > d.train_batch_size:
-                errors.append(f"{who}.ppo_mini_batch_size ({mbs}) is larger than data.train_batch_size "
-                              f"({d.train_batch_size}): a step holds at most one mini-batch")
-            elif per_rank == 0:
-                errors.append(f"{who}.ppo_mini_batch_size ({mbs}) x actor_rollout_ref.rollout.n ({rollout.n}) "
-                              f"must be at least the number of ranks ({world}): each rank needs a row per "
-                              f"mini-batch")
-            else:
-                if d.train_batch_size % mbs:
-                    warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) does not divide data.train_batch_size "
-                                    f"({d.train_batch_size}): the last mini-batch of each epoch is smaller")
-                if mbs * rollout.n % world:
-                    warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) x rollout.n ({rollout.n}) is not divisible "
-                                    f"by the {world} ranks: mini-batches hold {per_rank} rows per rank, "
-                                    f"{per_rank * world} in all")
-                if not dyn and micro > per_rank:
-                    warnings.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) is larger than the per-rank "
-                                    f"mini-batch ({per_rank}): each mini-batch runs as one micro-batch")
-                elif not dyn and per_rank % micro:
-                    errors.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank "
-                                  f"mini-batch, {who}.ppo_mini_batch_size x rollout.n / ranks = {per_rank}")
-        seq_len = d.max_prompt_length + d.max_response_length
-        for key in ("actor_rollout_ref.actor", "critic"):
-            section = get_key(cfg, key)
-            if section.use_dynamic_bsz and section.ppo_max_token_len_per_gpu < seq_len:
-                errors.append(f"{key}.ppo_max_token_len_per_gpu ({section.ppo_max_token_len_per_gpu}) is smaller "
-                              f"than one full sequence, data.max_prompt_length + data.max_response_length = {seq_len}")
-        for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.ref"):
-            section = get_key(cfg, key)
-            if section.log_prob_use_dynamic_bsz and section.log_prob_max_token_len_per_gpu < seq_len:
-                errors.append(f"{key}.log_prob_max_token_len_per_gpu ({section.log_prob_max_token_len_per_gpu}) "
-                              f"is smaller than one full sequence ({seq_len} tokens)")
 
-    # meshes: (replicate, shard) must multiply to the world size
+def batch_size_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the batch sizes, as verl accepts them: prompts x n responses are
+    spread evenly over the ranks (rlhf_hpc.distribute), each rank's share is cut into mini-batches
+    of ppo_mini_batch_size x n / ranks rows (rounded down; the last one may be smaller), those into
+    micro-batches. Sizes are positive here (size_problems)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    d, arr, world = cfg.data, cfg.actor_rollout_ref, cfg.world_size
+    actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+    if d.train_batch_size * rollout.n % world:
+        errors.append(f"data.train_batch_size ({d.train_batch_size}) x actor_rollout_ref.rollout.n "
+                      f"({rollout.n}) = {d.train_batch_size * rollout.n} responses must be divisible by "
+                      f"the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = {world}, so every "
+                      f"rank trains on the same number of responses")
+    for who, mbs, micro, dyn in (
+            ("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+             actor.use_dynamic_bsz),
+            ("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz)):
+        if who == "critic" and not critic.enable:
+            continue
+        per_rank = per_rank_mini_batch(mbs, rollout.n, world)
+        if mbs > d.train_batch_size:
+            errors.append(f"{who}.ppo_mini_batch_size ({mbs}) is larger than data.train_batch_size "
+                          f"({d.train_batch_size}): a step holds at most one mini-batch")
+        elif per_rank == 0:
+            errors.append(f"{who}.ppo_mini_batch_size ({mbs}) x actor_rollout_ref.rollout.n ({rollout.n}) "
+                          f"must be at least the number of ranks ({world}): each rank needs a row per "
+                          f"mini-batch")
+        else:
+            if d.train_batch_size % mbs:
+                warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) does not divide data.train_batch_size "
+                                f"({d.train_batch_size}): the last mini-batch of each epoch is smaller")
+            if mbs * rollout.n % world:
+                warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) x rollout.n ({rollout.n}) is not divisible "
+                                f"by the {world} ranks: mini-batches hold {per_rank} rows per rank, "
+                                f"{per_rank * world} in all")
+            if not dyn and micro > per_rank:
+                warnings.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) is larger than the per-rank "
+                                f"mini-batch ({per_rank}): each mini-batch runs as one micro-batch")
+            elif not dyn and per_rank % micro:
+                errors.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank "
+                              f"mini-batch, {who}.ppo_mini_batch_size x rollout.n / ranks = {per_rank}")
+    seq_len = d.max_prompt_length + d.max_response_length
+    for key in ("actor_rollout_ref.actor", "critic"):
+        section = get_key(cfg, key)
+        if section.use_dynamic_bsz and section.ppo_max_token_len_per_gpu < seq_len:
+            errors.append(f"{key}.ppo_max_token_len_per_gpu ({section.ppo_max_token_len_per_gpu}) is smaller "
+                          f"than one full sequence, data.max_prompt_length + data.max_response_length = {seq_len}")
+    for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.ref"):
+        section = get_key(cfg, key)
+        if section.log_prob_use_dynamic_bsz and section.log_prob_max_token_len_per_gpu < seq_len:
+            errors.append(f"{key}.log_prob_max_token_len_per_gpu ({section.log_prob_max_token_len_per_gpu}) "
+                          f"is smaller than one full sequence ({seq_len} tokens)")
+    return errors, warnings
+
+
+def mesh_problems(cfg: Config) -> list[str]:
+    """Meshes: (replicate, shard) must multiply to the world size; a tensor-parallel group of the
+    rollout stays inside one node."""
+    errors: list[str] = []
+    world, tr, rollout = cfg.world_size, cfg.trainer, cfg.actor_rollout_ref.rollout
     if world > 0:
         for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
                     "critic.model.fsdp_config", "reward_model.model.fsdp_config"):
@@ -609,8 +659,15 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
             errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide "
                           f"trainer.n_gpus_per_node ({tr.n_gpus_per_node}): a tensor-parallel group stays "
                           f"inside one node")
+    return errors
 
-    # algorithm
+
+def algorithm_problems(cfg: Config) -> list[str]:
+    """The algorithm's and the sampler's values: clip ratios, estimators against n and the critic,
+    gamma and lambda, greedy decoding with n > 1; the engine's memory share; resume_mode."""
+    errors: list[str] = []
+    arr, tr, critic = cfg.actor_rollout_ref, cfg.trainer, cfg.critic
+    actor, rollout = arr.actor, arr.rollout
     if actor.clip_ratio_c <= 1.0:
         errors.append(f"actor_rollout_ref.actor.clip_ratio_c ({actor.clip_ratio_c}) must be > 1.0 "
                       f"(the dual-clip lower bound on the loss of negative advantages)")
@@ -641,38 +698,17 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     if tr.resume_mode not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(tr.resume_mode)):
         errors.append(f"trainer.resume_mode: '{tr.resume_mode}' is neither auto, disable nor an existing "
                       f"checkpoint directory")
-    errors.extend(profiler_problems(cfg))
-    sp_errors, sp_warnings = sequence_parallel_problems(cfg)
-    errors.extend(sp_errors)
-    warnings.extend(sp_warnings)
-    arch_errors, arch_warnings = model_architecture_problems(cfg)
-    errors.extend(arch_errors)
-    warnings.extend(arch_warnings)
-    from rlhf_hpc.packages import config_package_problems
-    package_errors, package_warnings = config_package_problems(cfg)
-    errors.extend(package_errors)
-    warnings.extend(package_warnings)
-    if cfg.launcher.cluster == "local" and tr.nnodes > 1:
-        errors.append(f"trainer.nnodes={tr.nnodes} needs several machines: use cluster=slurm "
-                      f"(launcher.cluster), or trainer.nnodes=1 to run here")
+    return errors
 
-    errors.extend(unsupported_values(cfg))
-    errors.extend(reward_model_problems(cfg))
+
+def strategy_warnings(cfg: Config) -> list[str]:
     fsdp1 = [key for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
              if get_key(cfg, key) == "fsdp"]
     fsdp1 += ["reward_model.strategy"] if cfg.reward_model.enable and cfg.reward_model.strategy == "fsdp" else []
-    if fsdp1:
-        warnings.append(f"{', '.join(k + '=fsdp' for k in fsdp1)}: the engine here is FSDP2 (fully_shard) whatever "
-                        f"the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs")
-
-    files = missing_files(cfg)
-    if check_files:
-        errors.extend(files)
-    else:
-        warnings.extend(f"{f} on this machine (it must exist where the job runs)" for f in files)
-    if errors:
-        raise ConfigError(errors)
-    return warnings
+    if not fsdp1:
+        return []
+    return [f"{', '.join(k + '=fsdp' for k in fsdp1)}: the engine here is FSDP2 (fully_shard) whatever "
+            f"the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs"]
 
 
 def sequence_parallel_problems(cfg: Config) -> tuple[list[str], list[str]]:

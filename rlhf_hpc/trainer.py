@@ -60,245 +60,319 @@ from rlhf_hpc.tracking import Tracker
 
 def fit(cfg: Config, ctx: DistContext) -> None:
     """Train until ``trainer.total_training_steps`` (or ``total_epochs``) on every rank."""
-    tr, arr = cfg.trainer, cfg.actor_rollout_ref
-    run_dir = Path(tr.default_local_dir).expanduser()
-    torch.manual_seed(tr.seed)
-    tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
-    train = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed)
-    val = load_examples(cfg.data.val_files, tokenizer, cfg.data, split_seed=cfg.data.seed + 1) if cfg.data.val_files else []
-    sampler = StatefulSampler(len(train), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
-    total_steps = tr.total_training_steps or sampler.batches_per_epoch * tr.total_epochs
+    PPOTrainer(cfg, ctx).train()
 
-    engine = build_engine(cfg, ctx, total_steps)
-    tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
-    rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
-    kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
-    reward_fn = RewardFunction(cfg)
-    reward_model = build_reward_model(cfg, ctx, tokenizer) if cfg.reward_model.enable else None
-    logprob_check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
 
-    guard = StabilityGuard(tr.guard)
-    base_kl_loss_coef = arr.actor.kl_loss_coef
-    faults = FaultInjector(tr.inject_fault, ctx.rank)
+class PPOTrainer:
+    """The loop on one rank. ``__init__`` builds the models, the engine, the data and the trackers
+    and resumes from a checkpoint where there is one; ``train`` runs the steps with validation, the
+    stability guard, checkpoints and stops; ``train_step`` is one step of the algorithm, phase by
+    phase. ``state_dict`` / ``load_state_dict`` are the one list of resumable state besides the
+    models' own (``Engine.checkpoint_components``). The guard's scales are trainer state: applied to
+    the actor's LR schedule and KL-loss coefficient, never written into the config."""
 
-    def restore(path: Path) -> dict:
-        """Load a checkpoint into every piece of training state; the guard's scales are re-applied."""
-        extra = ckpt.load_checkpoint(path, engine.checkpoint_components())
-        sampler.load_state_dict(extra["sampler"])
-        kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        engine.actor.scheduler.load_state_dict(extra["actor_scheduler"])
-        if engine.critic is not None:
-            engine.critic.scheduler.load_state_dict(extra["critic_scheduler"])
+    def __init__(self, cfg: Config, ctx: DistContext):
+        tr, arr = cfg.trainer, cfg.actor_rollout_ref
+        self.cfg, self.ctx = cfg, ctx
+        self.run_dir = Path(tr.default_local_dir).expanduser()
+        torch.manual_seed(tr.seed)
+        self.tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
+        self.train_set = load_examples(cfg.data.train_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed)
+        self.val_set = (load_examples(cfg.data.val_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed + 1)
+                        if cfg.data.val_files else [])
+        self.sampler = StatefulSampler(len(self.train_set), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        self.total_steps = tr.total_training_steps or self.sampler.batches_per_epoch * tr.total_epochs
+
+        self.engine = build_engine(cfg, ctx, self.total_steps)
+        tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
+        self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
+        self.kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
+        self.reward_fn = RewardFunction(cfg)
+        self.reward_model = build_reward_model(cfg, ctx, self.tokenizer) if cfg.reward_model.enable else None
+        self.logprob_check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
+        self.guard = StabilityGuard(tr.guard)
+        self.faults = FaultInjector(tr.inject_fault, ctx.rank)
+        # the actor's settings before any rollback scaled them
+        self.base_lrs = list(self.engine.actor.scheduler.base_lrs)
+        self.base_kl_loss_coef = arr.actor.kl_loss_coef
+
+        self.step, wandb_id, mlflow_id = 0, None, None
+        self.resumed_from = find_resume_checkpoint(cfg, self.run_dir, log=print if ctx.is_main else (lambda *_: None))
+        if self.resumed_from is not None:
+            extra = self.restore(self.resumed_from)
+            self.step, wandb_id, mlflow_id = extra["global_step"], extra.get("wandb_run_id"), extra.get("mlflow_run_id")
+            if "guard" in extra:
+                self.guard.load_state_dict(extra["guard"])
+                self.apply_guard_scales()
+        else:
+            torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
+        self.tracker = Tracker(cfg, self.run_dir, ctx.is_main, self.total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
+        self.profiler = StepProfiler(cfg, ctx.rank, ctx.device, self.run_dir)
+        self.say_layout()
+        if self.reward_model is not None and self.val_set and self.val_set[0].reward_style == "model":
+            self.val_set = []  # as verl: validation scores with rules only, and these rows have none
+            self.tracker.log_line("[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "
+                                  "(verl validates rule-scored data only)")
+        if self.resumed_from is not None:
+            self.tracker.log_line(f"[rlhf-hpc] resumed from {self.resumed_from} (step {self.step})")
+        self.stopper = StopCheck(self.run_dir, cfg.launcher.time_margin_s, all_reduce_max)
+        if ctx.is_main:
+            (self.run_dir / STOPPED).unlink(missing_ok=True)
+        config = self.run_dir / "config.yaml"
+        self.config_text = config.read_text() if config.is_file() else None
+
+    def say_layout(self) -> None:
+        """The layout lines (unless the local launch printed them with the memory plan) and how each
+        trained model reduces its gradients."""
+        if not os.environ.get(LAYOUT_SHOWN):
+            for line in describe_layouts(self.cfg):
+                self.tracker.log_line(f"[rlhf-hpc] {line}")
+        for name, part in (("actor", self.engine.actor), ("critic", self.engine.critic)):
+            line = describe_gradient_reduction(part.model) if part is not None else None
+            if line:
+                self.tracker.log_line(f"[rlhf-hpc] {name}: {line}")
+
+    # -------------------------------------------------------------------------- resumable state
+    def state_dict(self, step: int) -> dict:
+        """Everything a resumed run needs besides the models and optimizers (the checkpoint's extra)."""
+        out = {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+               "actor_scheduler": self.engine.actor.scheduler.state_dict(), "wandb_run_id": self.tracker.wandb_id,
+               "mlflow_run_id": self.tracker.mlflow_id, "guard": self.guard.state_dict()}
+        if self.engine.critic is not None:
+            out["critic_scheduler"] = self.engine.critic.scheduler.state_dict()
+        return out
+
+    def load_state_dict(self, extra: dict) -> None:
+        """The data position, the KL controller and the LR schedules of ``extra`` (the guard's state
+        is loaded by a resume only: a rollback keeps counting its own)."""
+        self.sampler.load_state_dict(extra["sampler"])
+        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        self.engine.actor.scheduler.load_state_dict(extra["actor_scheduler"])
+        if self.engine.critic is not None:
+            self.engine.critic.scheduler.load_state_dict(extra["critic_scheduler"])
+
+    def restore(self, path: Path) -> dict:
+        """Load a checkpoint into the models and the trainer; returns its extra."""
+        extra = ckpt.load_checkpoint(path, self.engine.checkpoint_components())
+        self.load_state_dict(extra)
         return extra
 
-    base_lrs = list(engine.actor.scheduler.base_lrs)  # before any rollback scaled them
+    def save(self, at_step: int) -> None:
+        ckpt.save_checkpoint(self.run_dir, at_step, self.engine.checkpoint_components(), self.state_dict(at_step),
+                             self.cfg.trainer.max_ckpt_to_keep, good=True, config_text=self.config_text,
+                             after_component=self.faults.checkpoint_hook(at_step))
 
-    def apply_guard_scales() -> None:
-        sched = engine.actor.scheduler
-        sched.base_lrs = [lr * guard.lr_scale for lr in base_lrs]
-        for group, base, fn in zip(engine.actor.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+    def apply_guard_scales(self) -> None:
+        """The guard's LR and KL scales on the actor: its schedule's base LRs and KL-loss coefficient."""
+        actor = self.engine.actor
+        sched = actor.scheduler
+        sched.base_lrs = [lr * self.guard.lr_scale for lr in self.base_lrs]
+        for group, base, fn in zip(actor.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * fn(sched.last_epoch)
-        engine.actor.cfg.kl_loss_coef = base_kl_loss_coef * guard.kl_scale
+        actor.kl_loss_coef = self.base_kl_loss_coef * self.guard.kl_scale
 
-    step, wandb_id, mlflow_id = 0, None, None
-    resume_from = find_resume_checkpoint(cfg, run_dir, log=print if ctx.is_main else (lambda *_: None))
-    if resume_from is not None:
-        extra = restore(resume_from)
-        step, wandb_id, mlflow_id = extra["global_step"], extra.get("wandb_run_id"), extra.get("mlflow_run_id")
-        if "guard" in extra:
-            guard.load_state_dict(extra["guard"])
-            apply_guard_scales()
-    else:
-        torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
-    tracker = Tracker(cfg, run_dir, ctx.is_main, total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
-    profiler = StepProfiler(cfg, ctx.rank, ctx.device, run_dir)
-    if not os.environ.get(LAYOUT_SHOWN):  # (a local launch printed them with the memory plan)
-        for line in describe_layouts(cfg):
-            tracker.log_line(f"[rlhf-hpc] {line}")
-    for name, part in (("actor", engine.actor), ("critic", engine.critic)):
-        line = describe_gradient_reduction(part.model) if part is not None else None
-        if line:
-            tracker.log_line(f"[rlhf-hpc] {name}: {line}")
-    if reward_model is not None and val and val[0].reward_style == "model":
-        val = []  # as verl: validation scores with rules only, and these rows have none
-        tracker.log_line("[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "
-                         "(verl validates rule-scored data only)")
-    if resume_from is not None:
-        tracker.log_line(f"[rlhf-hpc] resumed from {resume_from} (step {step})")
-    stopper = StopCheck(run_dir, cfg.launcher.time_margin_s, all_reduce_max)
-    if ctx.is_main:
-        (run_dir / STOPPED).unlink(missing_ok=True)
-    config_text = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else None
-
-    def save(at_step: int) -> None:
-        extra = {"global_step": at_step, "sampler": sampler.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
-                 "actor_scheduler": engine.actor.scheduler.state_dict(), "wandb_run_id": tracker.wandb_id,
-                 "mlflow_run_id": tracker.mlflow_id,
-                 "guard": guard.state_dict()}
-        if engine.critic is not None:
-            extra["critic_scheduler"] = engine.critic.scheduler.state_dict()
-        ckpt.save_checkpoint(run_dir, at_step, engine.checkpoint_components(), extra, tr.max_ckpt_to_keep,
-                             good=True, config_text=config_text, after_component=faults.checkpoint_hook(at_step))
-
-    def roll_back(at_step: int, reason: str) -> int:
+    def roll_back(self, at_step: int, reason: str) -> int:
         """The stability guard rejected this step: continue from the last good checkpoint with a
         smaller actor LR (and a stronger KL pull when ``kl_coef_mult`` says so). Returns its step."""
-        tracker.log_line(f"[rlhf-hpc] step {at_step}: {guard.trip(reason)}")
+        self.tracker.log_line(f"[rlhf-hpc] step {at_step}: {self.guard.trip(reason)}")
         # (a check on the rollouts judges the previous update: the checkpoint saved after it is not good)
-        target = ckpt.choose_resume(run_dir, tracker.log_line, at_most=at_step - 1 - guard.lag)
+        target = ckpt.choose_resume(self.run_dir, self.tracker.log_line, at_most=at_step - 1 - self.guard.lag)
         if target is None:
             raise RuntimeError(f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
                                f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)")
-        extra = restore(target)
-        ckpt.mark_latest(run_dir, target)
+        extra = self.restore(target)
+        ckpt.mark_latest(self.run_dir, target)
         # the reward's KL coefficient as saved, times the rollbacks' scale since that checkpoint
-        kl_ctrl.value *= guard.kl_scale / extra.get("guard", {}).get("kl_scale", 1.0)
-        apply_guard_scales()
+        self.kl_ctrl.value *= self.guard.kl_scale / extra.get("guard", {}).get("kl_scale", 1.0)
+        self.apply_guard_scales()
         back_to = extra["global_step"]
-        tracker.log_line(f"[rlhf-hpc] rolled back to {target} (step {back_to})")
+        self.tracker.log_line(f"[rlhf-hpc] rolled back to {target} (step {back_to})")
         return back_to
 
-    if resume_from is None and tr.guard.enable and tr.guard.initial_checkpoint and tr.save_freq > 0:
-        save(0)  # the starting point: what a divergence in the first steps rolls back to
-    if tr.val_before_train and val and step == 0:
-        tracker.log(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn), step)
+    # -------------------------------------------------------------------------------- the loop
+    def train(self) -> None:
+        """Steps until the last one: each validated when due, judged by the guard (a divergent step
+        is logged, then undone), checkpointed when due; all ranks stop together on a signal."""
+        cfg, tr = self.cfg, self.cfg.trainer
+        if self.resumed_from is None and tr.guard.enable and tr.guard.initial_checkpoint and tr.save_freq > 0:
+            self.save(0)  # the starting point: what a divergence in the first steps rolls back to
+        if tr.val_before_train and self.val_set and self.step == 0:
+            self.tracker.log(self.validate(), self.step)
+        self.model_cfg = model_config(cfg.actor_rollout_ref.model.path, cfg.actor_rollout_ref.model.override_config)
+        plan = check_plan(cfg)[0] if self.ctx.is_main else None  # its phases against this run's peaks (once)
+        first_step = self.step
+        while self.step < self.total_steps:
+            self.step += 1
+            step = self.step
+            metrics = self.train_step(step)
+            # the plan checked by this run. GPU: at its second step (the first has no optimizer state
+            # yet). CPU: at its first, as peak RSS only ratchets up (malloc keeps freed heap): later
+            # steps show every phase at the first step's peak
+            if plan is not None and step >= min(first_step + (2 if self.ctx.device.type == "cuda" else 1),
+                                                self.total_steps):
+                line, plan = plan.render_measured(metrics), None  # once
+                if line:
+                    self.tracker.log_line(f"[rlhf-hpc] {line}")
+            # 10. validation
+            if self.val_set and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == self.total_steps):
+                t0 = time.perf_counter()
+                metrics.update(self.validate())
+                metrics["timing_s/testing"] = time.perf_counter() - t0
+            # 11. the stability guard: a divergent step is logged, then undone
+            reason = self.guard.check(metrics)
+            metrics["guard/rollbacks"] = float(self.guard.rollbacks)
+            if reason is not None:
+                self.tracker.log({**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(self.guard.rollbacks + 1)},
+                                 step)
+                self.step = self.roll_back(step, reason)
+                continue
+            # 12. checkpoint
+            saved = tr.save_freq > 0 and (step % tr.save_freq == 0 or step == self.total_steps)
+            if saved:
+                t0 = time.perf_counter()
+                self.save(step)
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
+            self.tracker.log(metrics, step)
+            # preemption signal, stop request or the end of the allocation: all ranks stop together
+            if step < self.total_steps and self.stopper.should_stop(metrics["timing_s/step"]):
+                if not saved:
+                    self.save(step)
+                if self.ctx.is_main:
+                    self.stopper.mark_stopped()
+                self.tracker.log_line(f"[rlhf-hpc] stopping after step {step}: {self.stopper.reason}; checkpoint saved")
+                break
+        self.tracker.close()
+        self.rollout.close()
 
-    model_cfg = model_config(arr.model.path, arr.model.override_config)  # for the FLOP count
-    bypass = cfg.algorithm.rollout_correction.bypass_mode
-    plan = check_plan(cfg)[0] if ctx.is_main else None  # its phases against this run's peaks (once)
-    first_step = step
-    while step < total_steps:
-        step += 1
-        timer, metrics = Timer(ctx.device), {}
+    def validate(self) -> dict[str, float]:
+        return validate(self.cfg, self.ctx, self.engine, self.rollout, self.val_set, self.tokenizer, self.reward_fn)
 
-        def check_engine(engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor) -> None:
-            """The standing rollout/actor log-prob check on the same tokens; raises when the
-            engine is broken (rollout.base.LogprobCheck)."""
-            metrics.update(logprob_mismatch(engine_lp, actor_lp, mask, all_reduce_sum, all_reduce_max))
-            warning = logprob_check(metrics, step)
-            if warning and ctx.is_main:
-                tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
-        with profiler.step(step, timer), timer("step"), out_of_memory_report(timer, ctx.device):
+    # -------------------------------------------------------------------------------- one step
+    def train_step(self, step: int) -> dict[str, float]:
+        """One step of the algorithm, its phases in order (each timed under ``timing_s/<phase>``);
+        returns the step's metrics, global over ranks."""
+        cfg, arr, engine = self.cfg, self.cfg.actor_rollout_ref, self.engine
+        timer, metrics = Timer(self.ctx.device), {}
+        with self.profiler.step(step, timer), timer("step"), out_of_memory_report(timer, self.ctx.device):
             # 1. weights: training layout -> engine (streamed, bucketed, in place)
             with timer("update_weights"):
                 engine.free_gradients()  # then the engine empties PyTorch's cache before waking
-                rollout.resume()
-                sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
-                                        arr.rollout.update_weights_bucket_mb, transform=faults.weights_transform(step))
+                self.rollout.resume()
+                sync_weights_to_rollout(engine.actor.model, self.rollout, torch_dtype(arr.rollout.dtype),
+                                        arr.rollout.update_weights_bucket_mb, transform=self.faults.weights_transform(step))
             # 2. rollout: an even share of the step's prompts on each rank, n responses each
-            prompts = sampler.next_batch()
-            mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
-            with timer("gen"):
-                responses = rollout.generate([train[prompts[p]].prompt_ids for p in mine],
-                                             sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, rollout.dp_rank)))
-            rollout.release()
-            faults.after_generation(step)
-            # every rank trains on the same number of rows; balance_batch evens out their tokens
-            rows, balance = redistribute_rows(rollout_rows(train, prompts, mine, responses), ctx.world_size,
-                                              ctx.rank, tr.balance_batch)
-            metrics.update(balance)
-            metrics.update(coverage([r.prompt_pos for r in rows], len(prompts)))
-            batch = make_step_batch(cfg, tokenizer, rows)
-            # 3. old log-probs (the PPO anchor): the actor's, or in verl's bypass mode the engine's
-            #    own (no forward pass; the check below then runs on the update's first mini-batch);
-            #    reference log-probs, values
-            if bypass:
-                batch["old_log_probs"], entropy = batch["engine_log_probs"].clone(), None
-            else:
-                with timer("old_log_prob"):
-                    batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
-                        batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
-                        arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
-                check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"])
-            if engine.ref is not None:
-                with timer("ref"):
-                    batch["ref_log_prob"], _ = engine.ref.compute_log_prob(
-                        batch, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
-                        arr.ref.log_prob_max_token_len_per_gpu)
-            if engine.critic is not None:
-                with timer("values"):
-                    batch["values"] = engine.critic.compute_values(batch, cfg.critic.ppo_micro_batch_size_per_gpu)
-            # 4. rewards: a score per response, on its last valid token; a reward model's score
-            #    replaces the rule/custom one (verl's naive reward manager)
+            batch, rows, prompts = self.generate(step, timer, metrics)
+            # 3. old log-probs (the PPO anchor), reference log-probs, values
+            entropy = self.log_probs_and_values(batch, step, timer, metrics)
+            # 4. rewards: a score per response, on its last valid token
             with timer("reward"):
-                if reward_model is not None:
-                    with timer("reward_model"):
-                        scores = reward_model.score(batch, [train[r.example].messages for r in rows])
-                    metrics.update(reduce_stats({"reward_model/score": scores}))
-                else:
-                    scores = score_responses(reward_fn, tokenizer, train, rows, batch)
-                batch["token_scores"] = scores_on_last_token(scores, batch["response_mask"])
+                batch["token_scores"] = scores_on_last_token(self.score(batch, rows, timer, metrics),
+                                                             batch["response_mask"])
             # 5. KL: in the reward (controller) and/or as a loss in the actor update
             if cfg.algorithm.use_kl_in_reward:
                 batch["token_rewards"], kl_metrics = algos.apply_kl_to_rewards(
                     batch["token_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
-                    kl_ctrl, cfg.algorithm.kl_penalty, all_reduce=all_reduce_sum)
+                    self.kl_ctrl, cfg.algorithm.kl_penalty, all_reduce=all_reduce_sum)
                 metrics.update(kl_metrics)
             else:
                 batch["token_rewards"] = batch["token_scores"]
             # 6. advantages (a prompt's responses may sit on several ranks: group statistics are global)
             with timer("adv"):
                 batch["advantages"], batch["returns"] = compute_advantages(cfg, batch, num_groups=len(prompts))
-            # 7. critic, then 8. actor: as verl, the actor waits while trainer.critic_warmup > step
-            if engine.critic is not None:
-                with timer("update_critic"):
-                    metrics.update(engine.critic.update_critic(
-                        batch, per_rank_mini_batch(cfg.critic.ppo_mini_batch_size, arr.rollout.n, ctx.world_size),
-                        seed=step))
-            if tr.critic_warmup <= step:
-                pre_update = [] if bypass else None
-                with timer("update_actor"), faults.around_actor_update(step, engine.actor.optimizer, batch):
-                    metrics.update(engine.actor.update_policy(
-                        batch, per_rank_mini_batch(arr.actor.ppo_mini_batch_size, arr.rollout.n, ctx.world_size),
-                        seed=step, pre_update_sample=pre_update))
-                    metrics["actor/kl_coef"] = engine.actor.cfg.kl_loss_coef
-                if bypass:
-                    check_engine(*(torch.cat(t) for t in zip(*pre_update)))
+            # 7. critic, then 8. actor
+            self.update(batch, step, timer, metrics)
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, engine.critic is not None))
         # entropy_coeff=0: the update computes no entropy; as verl, the old-log-prob pass reports it
         if "actor/rollout_entropy/mean" in metrics:
             metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
         metrics.update(timer.times)
-        metrics.update(profiler.metrics(timer.times, tracker.log_line))
-        metrics.update(perf_metrics(cfg, ctx, batch, timer, model_cfg))
-        # the plan checked by this run. GPU: at its second step (the first has no optimizer state
-        # yet). CPU: at its first, as peak RSS only ratchets up (malloc keeps freed heap): later
-        # steps show every phase at the first step's peak
-        if plan is not None and step >= min(first_step + (2 if ctx.device.type == "cuda" else 1), total_steps):
-            line, plan = plan.render_measured(metrics), None  # once
-            if line:
-                tracker.log_line(f"[rlhf-hpc] {line}")
-        metrics["training/epoch"] = sampler.epoch
-        # 10. validation
-        if val and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == total_steps):
-            t0 = time.perf_counter()
-            metrics.update(validate(cfg, ctx, engine, rollout, val, tokenizer, reward_fn))
-            metrics["timing_s/testing"] = time.perf_counter() - t0
-        # 11. the stability guard: a divergent step is logged, then undone
-        reason = guard.check(metrics)
-        metrics["guard/rollbacks"] = float(guard.rollbacks)
-        if reason is not None:
-            tracker.log({**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(guard.rollbacks + 1)}, step)
-            step = roll_back(step, reason)
-            continue
-        # 12. checkpoint
-        saved = tr.save_freq > 0 and (step % tr.save_freq == 0 or step == total_steps)
-        if saved:
-            t0 = time.perf_counter()
-            save(step)
-            metrics["timing_s/save_checkpoint"] = time.perf_counter() - t0
-        tracker.log(metrics, step)
-        # preemption signal, stop request or the end of the allocation: all ranks stop together
-        if step < total_steps and stopper.should_stop(metrics["timing_s/step"]):
-            if not saved:
-                save(step)
-            if ctx.is_main:
-                stopper.mark_stopped()
-            tracker.log_line(f"[rlhf-hpc] stopping after step {step}: {stopper.reason}; checkpoint saved")
-            break
-    tracker.close()
-    rollout.close()
+        metrics.update(self.profiler.metrics(timer.times, self.tracker.log_line))
+        metrics.update(perf_metrics(cfg, self.ctx, batch, timer, self.model_cfg))
+        metrics["training/epoch"] = self.sampler.epoch
+        return metrics
+
+    def generate(self, step: int, timer: Timer, metrics: dict) -> tuple[dict, list[RolloutRow], list[int]]:
+        """This rank's share of the step's prompts through the engine; the responses redistributed
+        so every rank trains on the same number of rows (``balance_batch`` evens out their tokens).
+        Returns (the step batch, its rows, the step's prompts as dataset indices)."""
+        cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
+        prompts = self.sampler.next_batch()
+        mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
+        with timer("gen"):
+            responses = self.rollout.generate([self.train_set[prompts[p]].prompt_ids for p in mine],
+                                              sampling_for(cfg, self.tokenizer,
+                                                           seed=step_seed(tr.seed, step, self.rollout.dp_rank)))
+        self.rollout.release()
+        self.faults.after_generation(step)
+        rows, balance = redistribute_rows(rollout_rows(self.train_set, prompts, mine, responses), ctx.world_size,
+                                          ctx.rank, tr.balance_batch)
+        metrics.update(balance)
+        metrics.update(coverage([r.prompt_pos for r in rows], len(prompts)))
+        return make_step_batch(cfg, self.tokenizer, rows), rows, prompts
+
+    def log_probs_and_values(self, batch: dict, step: int, timer: Timer, metrics: dict) -> Optional[torch.Tensor]:
+        """``old_log_probs``: the actor's, or in verl's bypass mode the engine's own (no forward
+        pass; the engine check then runs on the update's first mini-batch); ``ref_log_prob`` and
+        ``values`` where there is a reference and a critic. Returns the rollout's entropy (or None)."""
+        arr, engine = self.cfg.actor_rollout_ref, self.engine
+        entropy = None
+        if self.cfg.algorithm.rollout_correction.bypass_mode:
+            batch["old_log_probs"] = batch["engine_log_probs"].clone()
+        else:
+            with timer("old_log_prob"):
+                batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
+                    batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
+                    arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
+            self.check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"], step, metrics)
+        if engine.ref is not None:
+            with timer("ref"):
+                batch["ref_log_prob"], _ = engine.ref.compute_log_prob(
+                    batch, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
+                    arr.ref.log_prob_max_token_len_per_gpu)
+        if engine.critic is not None:
+            with timer("values"):
+                batch["values"] = engine.critic.compute_values(batch, self.cfg.critic.ppo_micro_batch_size_per_gpu)
+        return entropy
+
+    def check_engine(self, engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor, step: int,
+                     metrics: dict) -> None:
+        """The standing rollout/actor log-prob check on the same tokens; raises when the engine is
+        broken (rollout.base.LogprobCheck)."""
+        metrics.update(logprob_mismatch(engine_lp, actor_lp, mask, all_reduce_sum, all_reduce_max))
+        warning = self.logprob_check(metrics, step)
+        if warning and self.ctx.is_main:
+            self.tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
+
+    def score(self, batch: dict, rows: list[RolloutRow], timer: Timer, metrics: dict) -> torch.Tensor:
+        """(B,) a score per response: the reward model's where there is one (it replaces the rule or
+        custom score, as verl's naive reward manager), else the reward function's."""
+        if self.reward_model is None:
+            return score_responses(self.reward_fn, self.tokenizer, self.train_set, rows, batch)
+        with timer("reward_model"):
+            scores = self.reward_model.score(batch, [self.train_set[r.example].messages for r in rows])
+        metrics.update(reduce_stats({"reward_model/score": scores}))
+        return scores
+
+    def update(self, batch: dict, step: int, timer: Timer, metrics: dict) -> None:
+        """The critic's update, then the actor's; as verl, the actor waits while
+        ``trainer.critic_warmup`` > step."""
+        arr, engine, world = self.cfg.actor_rollout_ref, self.engine, self.ctx.world_size
+        if engine.critic is not None:
+            with timer("update_critic"):
+                metrics.update(engine.critic.update_critic(
+                    batch, per_rank_mini_batch(self.cfg.critic.ppo_mini_batch_size, arr.rollout.n, world), seed=step))
+        if self.cfg.trainer.critic_warmup > step:
+            return
+        bypass = self.cfg.algorithm.rollout_correction.bypass_mode
+        pre_update = [] if bypass else None
+        with timer("update_actor"), self.faults.around_actor_update(step, engine.actor.optimizer, batch):
+            metrics.update(engine.actor.update_policy(
+                batch, per_rank_mini_batch(arr.actor.ppo_mini_batch_size, arr.rollout.n, world),
+                seed=step, pre_update_sample=pre_update))
+            metrics["actor/kl_coef"] = engine.actor.kl_loss_coef
+        if bypass:
+            self.check_engine(*(torch.cat(t) for t in zip(*pre_update)), step, metrics)
 
 
 # ----------------------------------------------------------------------------------- pieces
