@@ -188,7 +188,11 @@ class Tracker:
                            ("critic/vf_loss", "vf_loss"), ("rollout/logprob_diff_max", "lp_diff")):
             if key in m:
                 parts.append(f"{label} {m[key]:.4g}")
-        parts.append(f"{dt:.2f}s/step  ETA {_fmt_duration(eta)}")
+        # validation scores (val-core/<data_source>/reward/mean@n), by data source
+        parts += [f"val {k.split('/')[1]} {v:.4g}" for k, v in sorted(m.items())
+                  if k.startswith("val-core/") and isinstance(v, (int, float))]
+        if "timing_s/step" in m:  # (a validation before training is no step)
+            parts.append(f"{dt:.2f}s/step  ETA {_fmt_duration(eta)}")
         return " | ".join(parts)
 
     def log_line(self, text: str) -> None:

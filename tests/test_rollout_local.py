@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -37,10 +38,27 @@ def test_logprob_mismatch_only_counts_valid_tokens():
     a = torch.tensor([[-1.5, -2.0, 0.0]])
     m = torch.tensor([[1, 1, 0]])
     assert logprob_mismatch(e, a, m) == {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.25,
-                                         "rollout/engine_actor_kl": 0.25}
+                                         "rollout/engine_actor_kl": 0.25,
+                                         "rollout/engine_actor_k3_kl": pytest.approx((math.exp(-0.5) - 0.5) / 2)}
     # rounding noise cancels in the signed mean (the KL estimate), not in the absolute one
     noisy = logprob_mismatch(torch.tensor([[-1.01, -2.0, -0.99]]), torch.tensor([[-1.0, -2.01, -1.0]]), torch.ones(1, 3))
     assert noisy["rollout/logprob_diff_mean"] == pytest.approx(0.01) and noisy["rollout/engine_actor_kl"] == pytest.approx(0.01 / 3)
+
+
+def test_a_broken_engine_trips_the_check_even_where_k1_comes_out_negative():
+    from rlhf_hpc.rollout.base import LogprobCheck
+    # few tokens, the engine far from the actor both ways: k1's signs cancel below zero, k3 cannot
+    engine = torch.tensor([[-3.0, -0.5, -4.0, -0.2]])
+    actor = torch.tensor([[-1.0, -2.0, -1.5, -1.0]])
+    m = logprob_mismatch(engine, actor, torch.ones(1, 4))
+    assert m["rollout/engine_actor_kl"] < 0 < 1.0 < m["rollout/engine_actor_k3_kl"], m
+    check = LogprobCheck("bfloat16", "bfloat16")
+    assert check(m, 1).startswith(f"step 1: rollout/engine_actor_k3_kl = {m['rollout/engine_actor_k3_kl']:.3g} ")
+    # healthy bf16 noise (|diff| ~1e-2 both ways) stays far below the limit in k3 too
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(64, 32, generator=g) * 4
+    noise = logprob_mismatch(lp + 1e-2 * torch.randn(64, 32, generator=g), lp, torch.ones(64, 32))
+    assert noise["rollout/engine_actor_k3_kl"] < 1e-4 and check(noise, 2) is None
 
 
 def test_greedy_sampling():

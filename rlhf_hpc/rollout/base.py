@@ -62,24 +62,32 @@ class RolloutEngine(Protocol):
         """Shut down (last thing a rank does: vLLM's teardown ends the process group too)."""
 
 
+# k3's log-ratio is capped here: exp(20) is far above any limit, and a finite figure for any engine
+K3_LOG_RATIO_CAP = 20.0
+
+
 def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, response_mask: torch.Tensor,
                      all_reduce_sum: Optional[Callable] = None, all_reduce_max: Optional[Callable] = None
                      ) -> dict[str, float]:
     """Standing check of the weight sync on the same sampled tokens, (B, R) each ->
-    ``rollout/logprob_diff_max`` and ``_mean`` of |engine - actor|, and ``rollout/engine_actor_kl``,
-    the mean of engine - actor: the engine sampled the tokens, so this estimates
-    KL(engine || actor) >= 0, which rounding noise barely moves (its signs cancel) but a broken
-    engine raises. Over all ranks with the reducers (sums and maxima of host tensors)."""
+    ``rollout/logprob_diff_max`` and ``_mean`` of |engine - actor|, and two estimates of
+    KL(engine || actor) (the engine sampled the tokens): ``rollout/engine_actor_kl``, the mean of
+    engine - actor (k1: rounding noise barely moves it, its signs cancel, but on few tokens a broken
+    engine can make it negative), and ``rollout/engine_actor_k3_kl``, the mean of
+    exp(r) - r - 1 with r = actor - engine (k3, verl's low_var_kl: never negative; ~r^2/2 for
+    noise). Over all ranks with the reducers (sums and maxima of host tensors)."""
     mask = response_mask.bool()
     signed = (engine_logprobs.double() - actor_logprobs.double())[mask]
-    sums = torch.stack([signed.abs().sum(), signed.sum(), torch.tensor(float(signed.numel()), dtype=torch.float64)])
+    r = (-signed).clamp(max=K3_LOG_RATIO_CAP)  # (a finite estimate for any engine, however broken)
+    k3 = torch.expm1(r) - r
+    sums = torch.stack([signed.abs().sum(), signed.sum(), torch.tensor(float(signed.numel()), dtype=torch.float64),
+                        k3.sum()])
     peak = signed.abs().max().reshape(1) if signed.numel() else torch.zeros(1, dtype=torch.float64)
     if all_reduce_sum is not None:
         sums, peak = all_reduce_sum(sums), all_reduce_max(peak)
     n = max(sums[2].item(), 1.0)
     return {"rollout/logprob_diff_max": peak.item(), "rollout/logprob_diff_mean": sums[0].item() / n,
-            "rollout/engine_actor_kl": sums[1].item() / n}
-
+            "rollout/engine_actor_kl": sums[1].item() / n, "rollout/engine_actor_k3_kl": sums[3].item() / n}
 
 # rollout/engine_actor_kl (mean engine - actor log-prob of the engine's own samples, an estimate of
 # KL(engine || actor)) above which the engine is taken to be broken, by the coarser precision of the
@@ -88,7 +96,8 @@ def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor
 # on CPU (TP=2) measured |diff| means of 8e-4 - 1e-3, and ~1e-2 is normal on GPUs. An engine on stale
 # or wrong weights, or a tensor-parallel group whose ranks sampled apart (|diff| mean 0.03-0.08 even
 # on the tiny fp32 model), samples tokens the actor finds unlikely. Never the max (one rare token
-# moves it); `LOGPROB_CHECK_PATIENCE` steps in a row.
+# moves it); `LOGPROB_CHECK_PATIENCE` steps in a row. The check reads the larger of k1 and k3
+# (rollout/engine_actor_k3_kl, ~|diff|^2/2 for noise: far below k1's noise-free limits).
 ENGINE_ACTOR_KL_LIMIT = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05}
 LOGPROB_CHECK_PATIENCE = 2
 
@@ -111,11 +120,14 @@ class LogprobCheck:
         kl = metrics["rollout/engine_actor_kl"]
         if not math.isfinite(kl):  # non-finite log-probs: a diverged actor, the stability guard's case
             return None
-        if kl <= self.limit:
+        # the larger of the two estimates: k1 can come out negative for a broken engine, k3 cannot
+        k3 = metrics.get("rollout/engine_actor_k3_kl", -math.inf)
+        key, value = ("rollout/engine_actor_kl", kl) if kl >= k3 else ("rollout/engine_actor_k3_kl", k3)
+        if value <= self.limit:
             self.strikes = 0
             return None
         self.strikes += 1
-        message = (f"step {step}: rollout/engine_actor_kl = {kl:.3g} (|diff| mean "
+        message = (f"step {step}: {key} = {value:.3g} (|diff| mean "
                    f"{metrics['rollout/logprob_diff_mean']:.3g}, max {metrics['rollout/logprob_diff_max']:.3g}) "
                    f"exceeds {self.limit:g}, the limit for a "
                    f"{self.precision} run ({self.strikes}/{self.patience} steps in a row): the rollout engine "
