@@ -20,6 +20,11 @@ import torch
 Batch = dict[str, torch.Tensor]
 
 
+def per_rank_mini_batch(mini_batch_prompts: int, n: int, world_size: int) -> int:
+    """Responses each rank holds in one PPO mini-batch."""
+    return mini_batch_prompts * n // world_size
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L) 0/1 mask -> (B, L) positions counting valid tokens from 0 (0 on left padding)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)

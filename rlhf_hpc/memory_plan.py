@@ -244,7 +244,7 @@ class PlanBuilder:
         self.critic_params = self.cs.params - self.cs.head_params + self.cs.hidden + 1 if self.use_critic else 0
         self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.layout)
-        self.ckpt = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}
+        self.recompute = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}
         self.afs, self.rfs, self.cfs = layouts["actor"], layouts["ref"], layouts["critic"]
         self.notes = describe_layouts(cfg)
         rm = cfg.reward_model
@@ -287,14 +287,14 @@ class PlanBuilder:
                                 *self.offload_keys("reward_model.model", self.mfs, optimizer=False)], "reward_model")
         prefix = "actor_rollout_ref.actor"
         self.update_phase("update_actor", s, s.params, self.afs, actor.ppo_micro_batch_size_per_gpu,
-                          actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, self.ckpt["actor"], s.vocab,
+                          actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, self.recompute["actor"], s.vocab,
                           self.update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
-                                           self.ckpt["actor"], self.afs), "actor", actor.ulysses_sequence_parallel_size)
+                                           self.recompute["actor"], self.afs), "actor", actor.ulysses_sequence_parallel_size)
         if self.use_critic:
             self.update_phase("update_critic", self.cs, self.critic_params, self.cfs, critic.ppo_micro_batch_size_per_gpu,
-                              critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, self.ckpt["critic"],
+                              critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, self.recompute["critic"],
                               0, self.update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
-                                                  self.ckpt["critic"], self.cfs), "critic",
+                                                  self.recompute["critic"], self.cfs), "critic",
                               critic.ulysses_sequence_parallel_size)
         notes = self.notes
         if self.on_gpu and not tr.gpu_memory_gb:
@@ -339,10 +339,10 @@ class PlanBuilder:
             keys.append(f"{prefix}.fsdp_config.optimizer_offload")
         return keys
 
-    def update_keys(self, prefix: str, section, ckpt_key: str, ckpt: bool, fsdp: FSDPConfig) -> list[str]:
+    def update_keys(self, prefix: str, section, recompute_key: str, recompute: bool, fsdp: FSDPConfig) -> list[str]:
         keys = [f"{prefix}.ppo_max_token_len_per_gpu" if section.use_dynamic_bsz
                 else f"{prefix}.ppo_micro_batch_size_per_gpu (or {prefix}.use_dynamic_bsz with a token budget)"]
-        keys += [] if ckpt else [ckpt_key]
+        keys += [] if recompute else [recompute_key]
         keys += self.offload_keys(prefix if prefix != "critic" else "critic.model", fsdp)
         if _shards(self.world, fsdp) < self.world:
             keys.append(f"{prefix if prefix != 'critic' else 'critic.model'}.fsdp_config.fsdp_size")
@@ -395,13 +395,13 @@ class PlanBuilder:
                  "logits": logits_bytes(resp, head_vocab, b, with_grad=False) if head_vocab else tokens * 4.0}
         self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
 
-    def update_phase(self, name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, ckpt,
+    def update_phase(self, name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, recompute,
                      head_vocab, keys, who, sp: int = 1) -> None:
         tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
-        own = update_bytes(shp, params, fsdp, self.world, tokens, resp, ckpt, head_vocab)
+        own = update_bytes(shp, params, fsdp, self.world, tokens, resp, recompute, head_vocab)
         parts = {"runtime": self.runtime, **self.awake, **self.resident("forward", skip=who), **own}
         self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
-                                 + (", gradient checkpointing" if ckpt else "")))
+                                 + (", gradient checkpointing" if recompute else "")))
 
 
 def host_runtime_bytes(device: str) -> float:

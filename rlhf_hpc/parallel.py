@@ -73,8 +73,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
             fully_shard(out, **kw)
     fully_shard(model, **kw)
     time_fsdp_collectives(model, hsdp=mesh.ndim == 2)  # FSDP2's collectives count in perf/comm_fraction
-    if replicas is not None:
-        _REPLICA_GRADIENTS[model] = ReplicaGradients(model, replicas, shared_memory)
     if fsdp.forward_prefetch:
         # issue the next layer's all-gather while this layer computes (and the mirror in backward)
         for prev, nxt in zip(layers, layers[1:]):

@@ -66,7 +66,7 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
     """All checks, collectively on every rank, appended to ``checks`` as they finish; ``log`` gets
     each line as it is known (rank 0 prints). Raises ``PreflightFailed`` (on every rank alike) at
     the first failed check."""
-    from rlhf_hpc.engine import build_engine
+    from rlhf_hpc.training_models import build_training_models
     from rlhf_hpc.faults import FaultInjector
     from rlhf_hpc.memory_plan import check_plan
     from rlhf_hpc.rollout.factory import make_engine
@@ -104,7 +104,7 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
     plan, _, _ = check_plan(cfg)
     faults = FaultInjector(tr.inject_fault, ctx.rank)
     tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
-    engine = build_engine(cfg, ctx, total_steps=1)
+    models = build_training_models(cfg, ctx, total_steps=1)
     tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
     state: dict = {}
 
@@ -116,12 +116,12 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
                      f"(TP={arr.rollout.tensor_model_parallel_size}, {engines} engine{'s' * (engines > 1)})")
     agreed("rollout engine", start)
     rollout = state["rollout"]
-    agreed("weight sync", lambda: sync_check(cfg, engine, rollout, faults))
-    agreed("generation", lambda: generation_check(cfg, ctx, engine, rollout, tokenizer))
+    agreed("weight sync", lambda: sync_check(cfg, models, rollout, faults))
+    agreed("generation", lambda: generation_check(cfg, ctx, models, rollout, tokenizer))
     slept = agreed("sleep/wake", lambda: sleep_check(cfg, ctx, rollout, plan, state))
-    agreed("actor micro-batch", lambda: micro_batch_check(cfg, ctx, engine, tokenizer, plan))
+    agreed("actor micro-batch", lambda: micro_batch_check(cfg, ctx, models, tokenizer, plan))
     if slept.ok is not None:
-        agreed("sleep/wake", lambda: wake_check(cfg, ctx, engine, rollout, state))
+        agreed("sleep/wake", lambda: wake_check(cfg, ctx, models, rollout, state))
     rollout.close()  # (vLLM's teardown also ends the process group)
     return checks
 
@@ -237,18 +237,18 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
 
 
 # ---------------------------------------------------------------------------------------- 3
-def sync_check(cfg: Config, engine, rollout, faults) -> Check:
+def sync_check(cfg: Config, models, rollout, faults) -> Check:
     from rlhf_hpc.models import torch_dtype
     from rlhf_hpc.reshard import sync_weights_to_rollout
     rollout.resume()
     arr = cfg.actor_rollout_ref
-    timing = sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
+    timing = sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype),
                                      arr.rollout.update_weights_bucket_mb, transform=faults.weights_transform(0))
     return Check("weight sync", True, f"{len(rollout.weight_spec())} tensors in {timing['timing_s/update_weights']:.2f} s, "
                  f"every name once with its shape (buckets of {arr.rollout.update_weights_bucket_mb} MB)")
 
 
-def generation_check(cfg: Config, ctx: DistContext, engine, rollout, tokenizer) -> Check:
+def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) -> Check:
     """A few of the recipe's own prompts, GEN_TOKENS tokens each; the actor scores the engine's
     tokens and the mean difference must stay within the stop rule's limit for these dtypes."""
     from rlhf_hpc.data.dataset import load_examples
@@ -269,7 +269,7 @@ def generation_check(cfg: Config, ctx: DistContext, engine, rollout, tokenizer) 
                        logprobs=list(r.logprobs), finish_reason=r.finish_reason)
             for i, (e, group) in enumerate(zip(mine, groups)) for r in group]
     batch = make_step_batch(cfg, tokenizer, rows)
-    lp, _ = engine.actor.compute_log_prob(batch, arr.rollout.log_prob_micro_batch_size_per_gpu,
+    lp, _ = models.actor.compute_log_prob(batch, arr.rollout.log_prob_micro_batch_size_per_gpu,
                                           arr.rollout.log_prob_use_dynamic_bsz, arr.rollout.log_prob_max_token_len_per_gpu)
     m = logprob_mismatch(batch["engine_log_probs"], lp, batch["response_mask"], all_reduce_sum, all_reduce_max)
     check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
@@ -307,7 +307,7 @@ def sleep_check(cfg: Config, ctx: DistContext, rollout, plan, state: dict) -> Ch
                  "(env/setup.sh gpu) and actor_rollout_ref.rollout.free_cache_engine")
 
 
-def wake_check(cfg: Config, ctx: DistContext, engine, rollout, state: dict) -> Check:
+def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> Check:
     """After the training phase: the engine takes its memory back (new weights, then the KV cache
     on the next generation), no more than it freed."""
     from rlhf_hpc.models import torch_dtype
@@ -317,7 +317,7 @@ def wake_check(cfg: Config, ctx: DistContext, engine, rollout, state: dict) -> C
     torch.cuda.empty_cache()  # what the micro-batch left in PyTorch's cache is not the engine's
     before = torch.cuda.mem_get_info(ctx.device)[0]
     rollout.resume()
-    sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype),
+    sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype),
                             arr.rollout.update_weights_bucket_mb)
     from rlhf_hpc.rollout.base import Sampling
     rollout.generate([[1, 2, 3]], Sampling(n=1, max_tokens=4, do_sample=False))  # wakes the KV cache
@@ -328,7 +328,7 @@ def wake_check(cfg: Config, ctx: DistContext, engine, rollout, state: dict) -> C
 
 
 # ---------------------------------------------------------------------------------------- 5
-def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) -> Check:
+def micro_batch_check(cfg: Config, ctx: DistContext, models, tokenizer, plan) -> Check:
     """The largest micro-batch the actor update will see (rlhf_hpc.sizing.micro_tokens):
     rows of full-length prompt + response, forward and backward with the gradient reduction, no
     optimizer step (the weights stay as they are); its peak against the plan's update phase less
@@ -340,7 +340,7 @@ def micro_batch_check(cfg: Config, ctx: DistContext, engine, tokenizer, plan) ->
     from rlhf_hpc.parallel import finish_gradient_sync, set_gradient_sync
     from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
     arr, d = cfg.actor_rollout_ref, cfg.data
-    actor = engine.actor
+    actor = models.actor
     P, R = d.max_prompt_length, d.max_response_length
     per_rank_rows = max(1, d.train_batch_size * arr.rollout.n // max(ctx.world_size, 1))
     sp = arr.actor.ulysses_sequence_parallel_size

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
+from rlhf_hpc.batching import per_rank_mini_batch
 from rlhf_hpc.config import ATTN_IMPLEMENTATIONS, Config, ConfigError, flatten
 
 RECIPE_META_KEYS = ("base", "description")
@@ -375,11 +376,6 @@ def _interpolate(cfg: Config, errors: list[str]) -> None:
             elif isinstance(val, list) and any(isinstance(v, str) and "${" in v for v in val):
                 setattr(node, f.name, [resolve_str(v, key) if isinstance(v, str) else v for v in val])
     walk(cfg, "")
-
-
-def per_rank_mini_batch(mini_batch_prompts: int, n: int, world_size: int) -> int:
-    """Responses each rank holds in one PPO mini-batch."""
-    return mini_batch_prompts * n // world_size
 
 
 def resolve(cfg: Config) -> Config:

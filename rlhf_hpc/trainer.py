@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc import algos, checkpoint as ckpt
-from rlhf_hpc.batching import make_padded_batch
+from rlhf_hpc.batching import make_padded_batch, per_rank_mini_batch
 from rlhf_hpc.config import Config
 from rlhf_hpc.data.dataset import Example, StatefulSampler, load_examples
 from rlhf_hpc.dist import DistContext, all_reduce_max, all_reduce_min, all_reduce_sum, build_rollout_tp_group
 from rlhf_hpc.distribute import RolloutRow, coverage, prompt_share, redistribute_rows
-from rlhf_hpc.engine import Engine, build_engine
+from rlhf_hpc.training_models import TrainingModels, build_training_models
 from rlhf_hpc.faults import FaultInjector
 from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
@@ -47,7 +47,6 @@ from rlhf_hpc.guard import StabilityGuard
 from rlhf_hpc.models import model_config, torch_dtype
 from rlhf_hpc.parallel import describe_gradient_reduction
 from rlhf_hpc.perf import Timer, memory_metrics, model_flops, peak_flops
-from rlhf_hpc.recipe import per_rank_mini_batch
 from rlhf_hpc.profiling import StepProfiler
 from rlhf_hpc.reshard import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
@@ -64,11 +63,11 @@ def fit(cfg: Config, ctx: DistContext) -> None:
 
 
 class PPOTrainer:
-    """The loop on one rank. ``__init__`` builds the models, the engine, the data and the trackers
+    """The loop on one rank. ``__init__`` builds the models, the rollout engine, the data and the trackers
     and resumes from a checkpoint where there is one; ``train`` runs the steps with validation, the
     stability guard, checkpoints and stops; ``train_step`` is one step of the algorithm, phase by
     phase. ``state_dict`` / ``load_state_dict`` are the one list of resumable state besides the
-    models' own (``Engine.checkpoint_components``). The guard's scales are trainer state: applied to
+    models' own (``TrainingModels.checkpoint_components``). The guard's scales are trainer state: applied to
     the actor's LR schedule and KL-loss coefficient, never written into the config."""
 
     def __init__(self, cfg: Config, ctx: DistContext):
@@ -83,7 +82,7 @@ class PPOTrainer:
         self.sampler = StatefulSampler(len(self.train_set), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.total_steps = tr.total_training_steps or self.sampler.batches_per_epoch * tr.total_epochs
 
-        self.engine = build_engine(cfg, ctx, self.total_steps)
+        self.models = build_training_models(cfg, ctx, self.total_steps)
         tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
         self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
         self.kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
@@ -93,7 +92,7 @@ class PPOTrainer:
         self.guard = StabilityGuard(tr.guard)
         self.faults = FaultInjector(tr.inject_fault, ctx.rank)
         # the actor's settings before any rollback scaled them
-        self.base_lrs = list(self.engine.actor.scheduler.base_lrs)
+        self.base_lrs = list(self.models.actor.scheduler.base_lrs)
         self.base_kl_loss_coef = arr.actor.kl_loss_coef
 
         self.step, wandb_id, mlflow_id = 0, None, None
@@ -127,7 +126,7 @@ class PPOTrainer:
         if not os.environ.get(LAYOUT_SHOWN):
             for line in describe_layouts(self.cfg):
                 self.tracker.log_line(f"[rlhf-hpc] {line}")
-        for name, part in (("actor", self.engine.actor), ("critic", self.engine.critic)):
+        for name, part in (("actor", self.models.actor), ("critic", self.models.critic)):
             line = describe_gradient_reduction(part.model) if part is not None else None
             if line:
                 self.tracker.log_line(f"[rlhf-hpc] {name}: {line}")
@@ -136,10 +135,10 @@ class PPOTrainer:
     def state_dict(self, step: int) -> dict:
         """Everything a resumed run needs besides the models and optimizers (the checkpoint's extra)."""
         out = {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-               "actor_scheduler": self.engine.actor.scheduler.state_dict(), "wandb_run_id": self.tracker.wandb_id,
+               "actor_scheduler": self.models.actor.scheduler.state_dict(), "wandb_run_id": self.tracker.wandb_id,
                "mlflow_run_id": self.tracker.mlflow_id, "guard": self.guard.state_dict()}
-        if self.engine.critic is not None:
-            out["critic_scheduler"] = self.engine.critic.scheduler.state_dict()
+        if self.models.critic is not None:
+            out["critic_scheduler"] = self.models.critic.scheduler.state_dict()
         return out
 
     def load_state_dict(self, extra: dict) -> None:
@@ -147,24 +146,24 @@ class PPOTrainer:
         is loaded by a resume only: a rollback keeps counting its own)."""
         self.sampler.load_state_dict(extra["sampler"])
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        self.engine.actor.scheduler.load_state_dict(extra["actor_scheduler"])
-        if self.engine.critic is not None:
-            self.engine.critic.scheduler.load_state_dict(extra["critic_scheduler"])
+        self.models.actor.scheduler.load_state_dict(extra["actor_scheduler"])
+        if self.models.critic is not None:
+            self.models.critic.scheduler.load_state_dict(extra["critic_scheduler"])
 
     def restore(self, path: Path) -> dict:
         """Load a checkpoint into the models and the trainer; returns its extra."""
-        extra = ckpt.load_checkpoint(path, self.engine.checkpoint_components())
+        extra = ckpt.load_checkpoint(path, self.models.checkpoint_components())
         self.load_state_dict(extra)
         return extra
 
     def save(self, at_step: int) -> None:
-        ckpt.save_checkpoint(self.run_dir, at_step, self.engine.checkpoint_components(), self.state_dict(at_step),
+        ckpt.save_checkpoint(self.run_dir, at_step, self.models.checkpoint_components(), self.state_dict(at_step),
                              self.cfg.trainer.max_ckpt_to_keep, good=True, config_text=self.config_text,
                              after_component=self.faults.checkpoint_hook(at_step))
 
     def apply_guard_scales(self) -> None:
         """The guard's LR and KL scales on the actor: its schedule's base LRs and KL-loss coefficient."""
-        actor = self.engine.actor
+        actor = self.models.actor
         sched = actor.scheduler
         sched.base_lrs = [lr * self.guard.lr_scale for lr in self.base_lrs]
         for group, base, fn in zip(actor.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
@@ -245,20 +244,20 @@ class PPOTrainer:
         self.rollout.close()
 
     def validate(self) -> dict[str, float]:
-        return validate(self.cfg, self.ctx, self.engine, self.rollout, self.val_set, self.tokenizer, self.reward_fn)
+        return validate(self.cfg, self.ctx, self.models, self.rollout, self.val_set, self.tokenizer, self.reward_fn)
 
     # -------------------------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, float]:
         """One step of the algorithm, its phases in order (each timed under ``timing_s/<phase>``);
         returns the step's metrics, global over ranks."""
-        cfg, arr, engine = self.cfg, self.cfg.actor_rollout_ref, self.engine
+        cfg, arr, models = self.cfg, self.cfg.actor_rollout_ref, self.models
         timer, metrics = Timer(self.ctx.device), {}
         with self.profiler.step(step, timer), timer("step"), out_of_memory_report(timer, self.ctx.device):
             # 1. weights: training layout -> engine (streamed, bucketed, in place)
             with timer("update_weights"):
-                engine.free_gradients()  # then the engine empties PyTorch's cache before waking
+                models.free_gradients()  # then the engine empties PyTorch's cache before waking
                 self.rollout.resume()
-                sync_weights_to_rollout(engine.actor.model, self.rollout, torch_dtype(arr.rollout.dtype),
+                sync_weights_to_rollout(models.actor.model, self.rollout, torch_dtype(arr.rollout.dtype),
                                         arr.rollout.update_weights_bucket_mb, transform=self.faults.weights_transform(step))
             # 2. rollout: an even share of the step's prompts on each rank, n responses each
             batch, rows, prompts = self.generate(step, timer, metrics)
@@ -282,7 +281,7 @@ class PPOTrainer:
             # 7. critic, then 8. actor
             self.update(batch, step, timer, metrics)
         # 9. metrics (global over ranks)
-        metrics.update(data_metrics(batch, entropy, engine.critic is not None))
+        metrics.update(data_metrics(batch, entropy, models.critic is not None))
         # entropy_coeff=0: the update computes no entropy; as verl, the old-log-prob pass reports it
         if "actor/rollout_entropy/mean" in metrics:
             metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
@@ -315,24 +314,24 @@ class PPOTrainer:
         """``old_log_probs``: the actor's, or in verl's bypass mode the engine's own (no forward
         pass; the engine check then runs on the update's first mini-batch); ``ref_log_prob`` and
         ``values`` where there is a reference and a critic. Returns the rollout's entropy (or None)."""
-        arr, engine = self.cfg.actor_rollout_ref, self.engine
+        arr, models = self.cfg.actor_rollout_ref, self.models
         entropy = None
         if self.cfg.algorithm.rollout_correction.bypass_mode:
             batch["old_log_probs"] = batch["engine_log_probs"].clone()
         else:
             with timer("old_log_prob"):
-                batch["old_log_probs"], entropy = engine.actor.compute_log_prob(
+                batch["old_log_probs"], entropy = models.actor.compute_log_prob(
                     batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
                     arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
             self.check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"], step, metrics)
-        if engine.ref is not None:
+        if models.ref is not None:
             with timer("ref"):
-                batch["ref_log_prob"], _ = engine.ref.compute_log_prob(
+                batch["ref_log_prob"], _ = models.ref.compute_log_prob(
                     batch, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
                     arr.ref.log_prob_max_token_len_per_gpu)
-        if engine.critic is not None:
+        if models.critic is not None:
             with timer("values"):
-                batch["values"] = engine.critic.compute_values(batch, self.cfg.critic.ppo_micro_batch_size_per_gpu)
+                batch["values"] = models.critic.compute_values(batch, self.cfg.critic.ppo_micro_batch_size_per_gpu)
         return entropy
 
     def check_engine(self, engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor, step: int,
@@ -357,20 +356,20 @@ class PPOTrainer:
     def update(self, batch: dict, step: int, timer: Timer, metrics: dict) -> None:
         """The critic's update, then the actor's; as verl, the actor waits while
         ``trainer.critic_warmup`` > step."""
-        arr, engine, world = self.cfg.actor_rollout_ref, self.engine, self.ctx.world_size
-        if engine.critic is not None:
+        arr, models, world = self.cfg.actor_rollout_ref, self.models, self.ctx.world_size
+        if models.critic is not None:
             with timer("update_critic"):
-                metrics.update(engine.critic.update_critic(
+                metrics.update(models.critic.update_critic(
                     batch, per_rank_mini_batch(self.cfg.critic.ppo_mini_batch_size, arr.rollout.n, world), seed=step))
         if self.cfg.trainer.critic_warmup > step:
             return
         bypass = self.cfg.algorithm.rollout_correction.bypass_mode
         pre_update = [] if bypass else None
-        with timer("update_actor"), self.faults.around_actor_update(step, engine.actor.optimizer, batch):
-            metrics.update(engine.actor.update_policy(
+        with timer("update_actor"), self.faults.around_actor_update(step, models.actor.optimizer, batch):
+            metrics.update(models.actor.update_policy(
                 batch, per_rank_mini_batch(arr.actor.ppo_mini_batch_size, arr.rollout.n, world),
                 seed=step, pre_update_sample=pre_update))
-            metrics["actor/kl_coef"] = engine.actor.kl_loss_coef
+            metrics["actor/kl_coef"] = models.actor.kl_loss_coef
         if bypass:
             self.check_engine(*(torch.cat(t) for t in zip(*pre_update)), step, metrics)
 
@@ -557,7 +556,7 @@ def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, timer: Timer, model
     return out
 
 
-def validate(cfg: Config, ctx: DistContext, engine: Engine, rollout, val: list[Example], tokenizer,
+def validate(cfg: Config, ctx: DistContext, models: TrainingModels, rollout, val: list[Example], tokenizer,
              reward_fn: RewardFunction) -> dict[str, float]:
     """Generate for the whole validation set (``rollout.val_kwargs``; greedy by default) and report
     the mean score per data source as ``val-core/<data_source>/reward/mean@<n>``. As in verl,
@@ -565,7 +564,7 @@ def validate(cfg: Config, ctx: DistContext, engine: Engine, rollout, val: list[E
     null); each such chunk is split evenly over the ranks."""
     arr = cfg.actor_rollout_ref
     rollout.resume()
-    sync_weights_to_rollout(engine.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb)
+    sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb)
     sources = sorted({e.data_source for e in val})
     sums = torch.zeros(len(sources), 2, dtype=torch.float64)
     chunk = cfg.data.val_batch_size or len(val)

@@ -218,7 +218,7 @@ def test_custom_chat_template_and_template_kwargs_shape_the_prompts():
 def test_external_lib_is_imported_before_models_are_built(tmp_path, monkeypatch):
     (tmp_path / "my_models_lib.py").write_text("REGISTERED = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from rlhf_hpc.engine import import_external_libs
+    from rlhf_hpc.training_models import import_external_libs
     assert import_external_libs("my_models_lib", None, "my_models_lib") == ["my_models_lib"]
     import sys
     assert sys.modules["my_models_lib"].REGISTERED

@@ -307,7 +307,7 @@ def batch_flops(shape: Shape, batch: dict, passes: float, lm_head: bool = True) 
 
 # ------------------------------------------------------------------------------------ models
 class Models:
-    """Builds the models of the measured cases the way ``build_engine`` does (FSDP2 on the
+    """Builds the models of the measured cases the way ``build_training_models`` does (FSDP2 on the
     world-size-1 mesh, fp32 master weights, bf16 compute), straight on the device."""
 
     def __init__(self, device: torch.device):

@@ -50,7 +50,7 @@ def measure(name: str) -> dict:
     from rlhf_hpc.parallel import parallelize
     from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
 
-    _, path, rows, P, R, ckpt = next(c for c in CASES if c[0] == name)
+    _, path, rows, P, R, recompute = next(c for c in CASES if c[0] == name)
     dist.init_process_group("gloo")
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
@@ -65,15 +65,15 @@ def measure(name: str) -> dict:
     base = rss_bytes()
     reset_peak_memory(cpu)  # VmHWM := VmRSS
     model = build_causal_lm(path, torch.float32, seed=0)
-    parallelize(model, build_train_mesh(cpu, 1, -1), fsdp, cpu, gradient_checkpointing=ckpt)
+    parallelize(model, build_train_mesh(cpu, 1, -1), fsdp, cpu, gradient_checkpointing=recompute)
     actor = Actor(model, cfg, optimizer=build_optimizer(model, cfg.optim), dp_size=1, all_reduce=all_reduce_sum,
                   sync_max=lambda k: all_reduce_max_int(k, cpu))
     for _ in range(2):  # the second step runs with the optimizer state alive, as every later one
         actor.update_policy(batch, rows)
     measured = peak_memory_bytes(cpu) - base
-    estimate = update_bytes(shape, shape.params, fsdp, 1, rows * (P + R), rows * R, ckpt, shape.vocab)
+    estimate = update_bytes(shape, shape.params, fsdp, 1, rows * (P + R), rows * R, recompute, shape.vocab)
     dist.destroy_process_group()
-    return {"case": name, "params": shape.params, "tokens": rows * (P + R), "checkpointing": ckpt,
+    return {"case": name, "params": shape.params, "tokens": rows * (P + R), "checkpointing": recompute,
             "measured_mib": measured / 2 ** 20, "estimated_mib": sum(estimate.values()) / 2 ** 20,
             "estimate_parts_mib": {k: v / 2 ** 20 for k, v in estimate.items()}}
 

@@ -2,7 +2,7 @@
 
     python -m rlhf_hpc.bench.startup_memory --model DIR [--ranks 1 2 4] [--before TREE] [--json OUT]
 
-For each rank count, ``torchrun --nproc-per-node=N`` runs ``build_engine`` (actor, reference and
+For each rank count, ``torchrun --nproc-per-node=N`` runs ``build_training_models`` (actor, reference and
 critic of the recipe, from ``--model``, fp32 master weights) and exits; nothing else (no rollout
 engine, no step). Measured: the peak over time of the node's total proportional set size (PSS: a
 page shared by k processes counts 1/k to each, so shared libraries and the page cache's file
@@ -27,10 +27,13 @@ WORKER = r"""
 import json, os, sys, torch
 from rlhf_hpc.recipe import load_config
 from rlhf_hpc.dist import init_distributed
-from rlhf_hpc.engine import build_engine
+try:
+    from rlhf_hpc.training_models import build_training_models
+except ImportError:  # a tree from before the rename
+    from rlhf_hpc.engine import build_engine as build_training_models
 cfg, _ = load_config("tiny_klppo", json.loads(sys.argv[1]), check_files=False)
 ctx = init_distributed(cfg)
-engine = build_engine(cfg, ctx, total_steps=10)
+models = build_training_models(cfg, ctx, total_steps=10)
 torch.distributed.barrier()
 peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 out = [None] * ctx.world_size

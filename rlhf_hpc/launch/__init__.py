@@ -1,1 +1,2 @@
-"""Starting jobs: ``local`` (torchrun on this machine) and, later, ``slurm`` (submitit)."""
+"""Starting jobs: ``local`` (torchrun on this machine), ``slurm`` (submitit: sbatch, requeue, sweeps),
+``node`` (what each node of a job runs), ``stop`` (signals and the time limit)."""

@@ -107,7 +107,7 @@ def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
     checkpoint is read by rank 0 only, rlhf_hpc.loading). ``input_tokenizer``: the actor's tokenizer
     (used only when ``reward_model.model.input_tokenizer`` is set)."""
     from rlhf_hpc.dist import all_reduce_max_int
-    from rlhf_hpc.engine import import_external_libs
+    from rlhf_hpc.training_models import import_external_libs
     from rlhf_hpc.loading import build_sharded
     from rlhf_hpc.models import attn_implementation, is_tiny, torch_dtype
     from rlhf_hpc.tokenizer import load_tokenizer

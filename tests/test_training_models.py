@@ -1,4 +1,4 @@
-"""Engine pieces in one process: packing, token-budget micro-batches, LR schedule, models."""
+"""Training models in one process: packing, token-budget micro-batches, LR schedule, models."""
 from __future__ import annotations
 
 import math
@@ -170,16 +170,16 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_build_engine_from_a_recipe(world_of_one):
+def test_build_training_models_from_a_recipe(world_of_one):
     from torch.distributed.tensor import DTensor
 
     from rlhf_hpc.dist import DistContext
-    from rlhf_hpc.engine import build_engine
+    from rlhf_hpc.training_models import build_training_models
     from rlhf_hpc.recipe import load_config
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     cfg, _ = load_config("tiny_klppo", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.use_kl_loss=true",
                                         "actor_rollout_ref.actor.optim.lr_warmup_steps=2"])
-    eng = build_engine(cfg, ctx, total_steps=10)
+    eng = build_training_models(cfg, ctx, total_steps=10)
     assert isinstance(next(eng.actor.model.parameters()), DTensor)
     assert eng.ref is not None and not any(p.requires_grad for p in eng.ref.model.parameters())
     assert eng.critic is not None and set(eng.checkpoint_components()) == {"actor", "critic"}
@@ -193,7 +193,7 @@ def test_build_engine_from_a_recipe(world_of_one):
     assert torch.equal(a, c)
     cfg2, _ = load_config("tiny_klppo", ["trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo",
                                          "algorithm.use_kl_in_reward=false"])
-    eng2 = build_engine(cfg2, ctx, total_steps=10)
+    eng2 = build_training_models(cfg2, ctx, total_steps=10)
     assert eng2.critic is None and eng2.ref is None
 
 

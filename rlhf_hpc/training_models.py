@@ -1,4 +1,5 @@
-"""The training engine: actor, reference and critic built from the config on their FSDP2 meshes."""
+"""The models trained (actor, critic) and the reference, built from the config on their FSDP2 meshes
+(the generation engine is rlhf_hpc.rollout)."""
 from __future__ import annotations
 
 import importlib
@@ -19,7 +20,7 @@ from rlhf_hpc.sequence_parallel import KEYS as SP_KEYS, for_model as sequence_pa
 
 
 @dataclass
-class Engine:
+class TrainingModels:
     actor: Actor
     ref: Optional[Actor]  # None when no KL is used anywhere
     critic: Optional[Critic]  # None for critic-free estimators (grpo, rloo, ...)
@@ -49,7 +50,7 @@ def import_external_libs(*names: Optional[str]) -> list[str]:
     return done
 
 
-def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
+def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> TrainingModels:
     """Build and shard the models on every rank (collective). ``total_steps`` sizes the LR schedules.
 
     A pretrained checkpoint is read once, by rank 0, and sent to the others' shards
@@ -63,7 +64,7 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
         attn = "varlen"  # the implementation that exchanges heads (rlhf_hpc.sequence_parallel)
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
     fsdp = resolved_fsdp_configs(cfg)  # the layouts left at null, chosen from the model size
-    ckpt = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}  # likewise checkpointing
+    recompute = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}  # likewise checkpointing
     common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
                   norm_const=float(cfg.data.max_response_length), device=ctx.device)
 
@@ -72,7 +73,7 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
     def policy(dtype_name: str):
         return lambda device: build_causal_lm(mcfg.path, torch_dtype(dtype_name), device, mcfg.override_config, seed,
                                               mcfg.trust_remote_code, attn)
-    model = build_sharded(policy(actor_cfg.fsdp_config.model_dtype), fsdp["actor"], ctx, ckpt["actor"], pretrained)
+    model = build_sharded(policy(actor_cfg.fsdp_config.model_dtype), fsdp["actor"], ctx, recompute["actor"], pretrained)
     actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
     opt = build_optimizer(model, actor_cfg.optim)
     on_gpu = ctx.device.type == "cuda"
@@ -101,7 +102,7 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
             lambda device: build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), device,
                                         ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
                                         critic_attn, init_from=init_from),
-            fsdp["critic"], ctx, ckpt["critic"], not is_tiny(ccfg.model.path))
+            fsdp["critic"], ctx, recompute["critic"], not is_tiny(ccfg.model.path))
         del init_from
         copt = build_optimizer(cmodel, ccfg.optim)
         critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
@@ -109,4 +110,4 @@ def build_engine(cfg: Config, ctx: DistContext, total_steps: int) -> Engine:
                         optimizer_offload=on_gpu and ccfg.model.fsdp_config.optimizer_offload,
                         sp=sequence_parallel_for(ccfg.ulysses_sequence_parallel_size, cmodel.config, SP_KEYS[2]),
                         **common)
-    return Engine(actor=actor, ref=ref, critic=critic)
+    return TrainingModels(actor=actor, ref=ref, critic=critic)
