@@ -1,6 +1,7 @@
 """The package's import graph, parsed from the source (imports at module top and inside functions):
-no cycles, and no private name (``_x``) imported from another module. A cycle hides behind an
-import placed inside a function until the day that function runs at import time."""
+no cycles, no private name (``_x``) imported from another module, and every name imported from the
+project exists where it is imported from. A cycle, or a name that moved, hides behind an import
+placed inside a function until the day that function runs."""
 from __future__ import annotations
 
 import ast
@@ -97,6 +98,41 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def defined_names(path: Path) -> set[str]:
+    """The names a module binds at its top level (definitions, assignments, its own imports)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try)):  # e.g. a guarded import: count what its branches bind
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
+                elif isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(sub.name)
+                elif isinstance(sub, ast.Assign):
+                    names |= {n.id for t in sub.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_every_imported_project_name_exists():
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    sources = list(PACKAGE.rglob("*.py")) + list((REPO / "tests").glob("*.py")) + [REPO / "launch.py"]
+    defined = {m: defined_names(p) for m, p in files.items()}
+    missing = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in files:
+                missing += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                            if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in files]
+    assert missing == []
 
 
 def test_no_private_name_is_imported_across_modules():

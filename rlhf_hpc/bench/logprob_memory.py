@@ -20,12 +20,13 @@ def run(variant: str, tokens: int, vocab: int) -> dict:
     import torch
 
     from rlhf_hpc import algos
-    from rlhf_hpc.reshard import peak_rss_bytes, reset_peak_rss
+    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
+    cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, vocab, generator=g).to(torch.bfloat16).requires_grad_(True)
     labels = torch.randint(0, vocab, (tokens,), generator=g)
-    reset_peak_rss()
-    base = peak_rss_bytes()
+    reset_peak_memory(cpu)
+    base = peak_memory_bytes(cpu)
     if variant == "full fp32 upcast":
         z = logits.float() / 0.7
         lp, ent = algos.logprobs_from_logits(z, labels), algos.entropy_from_logits_chunked(z.detach())
@@ -33,7 +34,7 @@ def run(variant: str, tokens: int, vocab: int) -> dict:
         lp, ent = algos.token_logprobs_chunked(logits, labels, 0.7, with_entropy=True, entropy_grad=False)
     lp.sum().backward()
     return {"variant": variant, "tokens": tokens, "vocab": vocab, "logits_mib": tokens * vocab * 2 / 2**20,
-            "peak_rise_mib": (peak_rss_bytes() - base) / 2**20, "logprob_sum": lp.sum().item(),
+            "peak_rise_mib": (peak_memory_bytes(cpu) - base) / 2**20, "logprob_sum": lp.sum().item(),
             "entropy_sum": ent.sum().item()}
 
 
