@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.config import Config, ConfigError
-from rlhf_hpc.recipe import (dump_yaml, get_key, list_recipes, load_config,
-                             parse_override, to_dict, write_resolved)
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
+from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
 
 USAGE = """\
 usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
@@ -64,7 +65,7 @@ def help_text() -> str:
     defaults = Config()
     width = max(len(k) for k in MAIN_KEYS)
     lines += [f"  {k:<{width}}  {get_key(defaults, k)!r}" for k in MAIN_KEYS]
-    lines += ["", "All keys and their meaning: rlhf_hpc/config.py. Names follow verl's ppo_trainer.yaml."]
+    lines += ["", "All keys and their meaning: rlhf_hpc/config/schema.py. Names follow verl's ppo_trainer.yaml."]
     return "\n".join(lines)
 
 
@@ -115,7 +116,7 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     args = parser.parse_args(argv)
-    from rlhf_hpc.checkpoint import export_hf
+    from rlhf_hpc.ppo.checkpoint import export_hf
     try:
         out = export_hf(args.checkpoint, args.out, dtype=args.dtype)
     except FileNotFoundError as e:
@@ -132,7 +133,7 @@ def run(argv: list[str]) -> int:
     if argv and argv[0] == "prepare":
         return prepare_run(argv[1:])
     if argv and argv[0] == "compare":
-        from rlhf_hpc.compare import main as compare_main
+        from rlhf_hpc.observability.compare import main as compare_main
         return compare_main(argv[1:])
     if argv and argv[0] == "preflight":
         return run(preflight_args(argv[1:]))
@@ -205,7 +206,7 @@ def check_data(cfg) -> None:
 def check_memory_plan(cfg, show: bool) -> None:
     """Print the per-GPU memory plan (comment lines: the dry run's output stays YAML-readable);
     refuse (ConfigError naming the keys) a plan that cannot fit."""
-    from rlhf_hpc.memory_plan import check_plan
+    from rlhf_hpc.planning.memory_plan import check_plan
     plan, errors, warnings = check_plan(cfg)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -218,7 +219,7 @@ def check_memory_plan(cfg, show: bool) -> None:
 def check_before_start(cfg, run_dir: Path) -> None:
     """The run directory is writable with room to spare, and a checkpoint it would resume from
     belongs to the same run (model, tokenizer, data, ...)."""
-    from rlhf_hpc import checkpoint as ckpt
+    from rlhf_hpc.ppo import checkpoint as ckpt
     ckpt.check_run_dir(run_dir, cfg.trainer.min_free_disk_gb)
     if cfg.trainer.resume_mode == "auto":
         latest = ckpt.choose_resume(run_dir, log=lambda *_: None)
@@ -301,7 +302,7 @@ def jobs_command(what: str, argv: list[str]) -> int:
     if what == "logs" and library_logs:
         print(f"[rlhf-hpc] vLLM's and torch's warnings, by rank: {', '.join(map(str, library_logs))}")
     if what == "logs" and any((Path(argv[0]) / "wandb").glob("offline-run-*")):
-        from rlhf_hpc.tracking import wandb_sync_command
+        from rlhf_hpc.observability.tracking import wandb_sync_command
         print(f"[rlhf-hpc] this run's W&B records are offline; upload them with: {wandb_sync_command(argv[0])}")
     return 0
 

@@ -30,9 +30,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.config import Config
-from rlhf_hpc.dist import DistContext, all_reduce_min, build_rollout_tp_group, build_train_mesh, mesh_shape
-from rlhf_hpc.sizing import GiB
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_min, build_rollout_tp_group,
+                                                build_train_mesh, mesh_shape)
+from rlhf_hpc.planning.sizing import GiB
 REPORT = "preflight.txt"
 # bus bandwidth (GB/s, nccl-tests' definition) below which an interconnect is taken to be broken or
 # misconfigured: about a quarter of what the slowest common generation gives for large messages
@@ -66,11 +67,11 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
     """All checks, collectively on every rank, appended to ``checks`` as they finish; ``log`` gets
     each line as it is known (rank 0 prints). Raises ``PreflightFailed`` (on every rank alike) at
     the first failed check."""
-    from rlhf_hpc.training_models import build_training_models
-    from rlhf_hpc.faults import FaultInjector
-    from rlhf_hpc.memory_plan import check_plan
+    from rlhf_hpc.ppo.training_models import build_training_models
+    from rlhf_hpc.ppo.faults import FaultInjector
+    from rlhf_hpc.planning.memory_plan import check_plan
     from rlhf_hpc.rollout.factory import make_engine
-    from rlhf_hpc.tokenizer import load_tokenizer, tokenizer_path
+    from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
     arr, tr = cfg.actor_rollout_ref, cfg.trainer
 
     def add(check: Check) -> Check:
@@ -128,7 +129,7 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
 
 # ---------------------------------------------------------------------------------------- 1
 def process_group_check(cfg: Config, ctx: DistContext, hosts: list[str]) -> Check:
-    from rlhf_hpc.layout import resolved_fsdp_configs
+    from rlhf_hpc.planning.layout import resolved_fsdp_configs
     fsdp = resolved_fsdp_configs(cfg)["actor"]
     replicate, shard = mesh_shape(ctx.world_size, fsdp.fsdp_size)
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
@@ -197,7 +198,7 @@ def bus_bandwidth(group, size: int, device: torch.device, op: str, iters: int = 
 
 def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Check]:
     """One check per mesh dimension with more than one rank (the groups every rank is in)."""
-    from rlhf_hpc.layout import resolved_fsdp_configs
+    from rlhf_hpc.planning.layout import resolved_fsdp_configs
     fsdp = resolved_fsdp_configs(cfg)["actor"]
     replicate, shard = mesh_shape(ctx.world_size, fsdp.fsdp_size)
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
@@ -209,7 +210,7 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
                 group = mesh.get_group(name)
                 dims.append((name, group, dist.get_process_group_ranks(group),
                              "actor_rollout_ref.actor.fsdp_config.fsdp_size"))
-    if tp > 1:  # the engine's all-reduces: tp consecutive ranks (rlhf_hpc.dist.build_rollout_tp_group)
+    if tp > 1:  # the engine's all-reduces: tp consecutive ranks (rlhf_hpc.distributed.process_group.build_rollout_tp_group)
         mine = None
         for start in range(0, ctx.world_size, tp):
             group = dist.new_group(list(range(start, start + tp)))
@@ -238,8 +239,8 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
 
 # ---------------------------------------------------------------------------------------- 3
 def sync_check(cfg: Config, models, rollout, faults) -> Check:
-    from rlhf_hpc.models import torch_dtype
-    from rlhf_hpc.reshard import sync_weights_to_rollout
+    from rlhf_hpc.models.hf import torch_dtype
+    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     rollout.resume()
     arr = cfg.actor_rollout_ref
     timing = sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype),
@@ -252,10 +253,10 @@ def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) 
     """A few of the recipe's own prompts, GEN_TOKENS tokens each; the actor scores the engine's
     tokens and the mean difference must stay within the stop rule's limit for these dtypes."""
     from rlhf_hpc.data.dataset import load_examples
-    from rlhf_hpc.distribute import RolloutRow
-    from rlhf_hpc.dist import all_reduce_max, all_reduce_sum
+    from rlhf_hpc.distributed.rows import RolloutRow
+    from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
     from rlhf_hpc.rollout.base import LogprobCheck, logprob_mismatch
-    from rlhf_hpc.trainer import make_step_batch, sampling_for
+    from rlhf_hpc.ppo.trainer import make_step_batch, sampling_for
     arr = cfg.actor_rollout_ref
     examples = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed)
     dp = getattr(rollout, "dp_rank", ctx.rank)
@@ -282,7 +283,7 @@ def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) 
                  f"(limit {check.limit:g})",
                  "the engine samples from other weights than the actor's: compare actor_rollout_ref.rollout.dtype "
                  "with actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype, and see whether the "
-                 "model's architecture is tested (rlhf_hpc/architectures.py)")
+                 "model's architecture is tested (rlhf_hpc/models/architectures.py)")
 
 
 # ---------------------------------------------------------------------------------------- 4
@@ -310,8 +311,8 @@ def sleep_check(cfg: Config, ctx: DistContext, rollout, plan, state: dict) -> Ch
 def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> Check:
     """After the training phase: the engine takes its memory back (new weights, then the KV cache
     on the next generation), no more than it freed."""
-    from rlhf_hpc.models import torch_dtype
-    from rlhf_hpc.reshard import sync_weights_to_rollout
+    from rlhf_hpc.models.hf import torch_dtype
+    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     arr = cfg.actor_rollout_ref
     freed_then = state.get("freed", 0)
     torch.cuda.empty_cache()  # what the micro-batch left in PyTorch's cache is not the engine's
@@ -329,16 +330,16 @@ def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> C
 
 # ---------------------------------------------------------------------------------------- 5
 def micro_batch_check(cfg: Config, ctx: DistContext, models, tokenizer, plan) -> Check:
-    """The largest micro-batch the actor update will see (rlhf_hpc.sizing.micro_tokens):
+    """The largest micro-batch the actor update will see (rlhf_hpc.planning.sizing.micro_tokens):
     rows of full-length prompt + response, forward and backward with the gradient reduction, no
     optimizer step (the weights stay as they are); its peak against the plan's update phase less
     the optimizer state, which the first optimizer step allocates (exact arithmetic in the plan)."""
-    from rlhf_hpc import sequence_parallel
-    from rlhf_hpc.actor import per_token_logprobs
-    from rlhf_hpc.batching import make_padded_batch, to_device
-    from rlhf_hpc.sizing import micro_tokens
-    from rlhf_hpc.parallel import finish_gradient_sync, set_gradient_sync
-    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
+    from rlhf_hpc.distributed import sequence_parallel
+    from rlhf_hpc.ppo.actor import per_token_logprobs
+    from rlhf_hpc.ops.batching import make_padded_batch, to_device
+    from rlhf_hpc.planning.sizing import micro_tokens
+    from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
+    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
     arr, d = cfg.actor_rollout_ref, cfg.data
     actor = models.actor
     P, R = d.max_prompt_length, d.max_response_length

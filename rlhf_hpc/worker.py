@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.dist import exit_process, init_distributed
-from rlhf_hpc.host_allocator import describe as host_memory_line
-from rlhf_hpc.library_logs import library_log_path, route_library_logs
-from rlhf_hpc.config import ConfigError
-from rlhf_hpc.recipe import load_resolved
+from rlhf_hpc.distributed.process_group import exit_process, init_distributed
+from rlhf_hpc.distributed.host_allocator import describe as host_memory_line
+from rlhf_hpc.observability.library_logs import library_log_path, route_library_logs
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_resolved
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         if ctx.device.type == "cpu":
             print(f"[rlhf-hpc] host memory: {host_memory_line()}", flush=True)
         print(f"[rlhf-hpc] vLLM's and torch's warnings: {library_log_path(run_dir, '*')}", flush=True)
-    from rlhf_hpc.trainer import fit
+    from rlhf_hpc.ppo.trainer import fit
     try:
         if cfg.trainer.preflight:
             preflight(cfg, ctx, run_dir)

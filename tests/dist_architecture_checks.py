@@ -3,7 +3,7 @@
     torchrun --nproc-per-node=2 tests/dist_architecture_checks.py train OUT   # 1, 2, 4 (and 3 once, sharded)
     python tests/dist_architecture_checks.py rollout OUT                       # 3, one engine at a time
 
-For every tiny architecture of ``rlhf_hpc.models.TINY_MODELS`` (Qwen2 untied and tied, Qwen3, Llama
+For every tiny architecture of ``rlhf_hpc.models.hf.TINY_MODELS`` (Qwen2 untied and tied, Qwen3, Llama
 with llama3 rope scaling, Mistral, Gemma 2, Gemma 3), in one process group:
 
 1. FSDP2 over both ranks (FULL_SHARD, varlen attention, activation checkpointing) against one
@@ -34,21 +34,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from rlhf_hpc import checkpoint as ckpt
-from rlhf_hpc.actor import Actor
-from rlhf_hpc.batching import make_padded_batch, select_rows
-from rlhf_hpc.config import ActorConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.dist import (DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum, build_train_mesh,
-                           exit_process)
-from rlhf_hpc.loading import build_sharded
-from rlhf_hpc.models import build_causal_lm, build_critic
-from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.parallel import parallelize
-from rlhf_hpc.recipe import load_config, write_resolved
-from rlhf_hpc.reshard import stream_full_params, sync_weights_to_rollout
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ops.batching import make_padded_batch, select_rows
+from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum,
+                                                build_train_mesh, exit_process)
+from rlhf_hpc.distributed.loading import build_sharded
+from rlhf_hpc.models.hf import build_causal_lm, build_critic
+from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.recipe.load import load_config, write_resolved
+from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
 from rlhf_hpc.rollout.factory import make_engine
-from rlhf_hpc.sequence_parallel import build_sequence_parallel
+from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
 
 ARCHS = {"qwen2": "tiny://qwen2", "qwen2_tied": "tiny://qwen2?tie_word_embeddings=true", "qwen3": "tiny://qwen3",
          "llama": "tiny://llama", "mistral": "tiny://mistral", "gemma2": "tiny://gemma2", "gemma3": "tiny://gemma3"}
@@ -207,7 +207,7 @@ def check_checkpoint(name: str, path: str, actor: Actor, out: Path, rank: int, w
 
 
 def check_load_once(name: str, path: str, out: Path, rank: int, world: int, res: dict) -> None:
-    """5: a pretrained checkpoint read by rank 0 alone (rlhf_hpc.loading), sharded (FSDP2) and
+    """5: a pretrained checkpoint read by rank 0 alone (rlhf_hpc.distributed.loading), sharded (FSDP2) and
     replicated on the host, against ``from_pretrained`` in one process: weights, buffers, the tie."""
     saved = out / f"{name}-pretrained"
     if rank == 0:

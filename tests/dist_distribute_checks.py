@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc import algos
-from rlhf_hpc.batching import make_padded_batch
-from rlhf_hpc.dist import all_reduce_sum, exit_process
-from rlhf_hpc.distribute import RolloutRow, coverage, prompt_share, redistribute_rows
+from rlhf_hpc.ops import algos
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.distributed.process_group import all_reduce_sum, exit_process
+from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows
 from tests.dist_engine_checks import actor_cfg, full_grads, max_diff, sharded_actor
 
 PROMPTS, N, P, R = 6, 2, 8, 6

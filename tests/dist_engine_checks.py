@@ -17,17 +17,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from rlhf_hpc import checkpoint as ckpt
-from rlhf_hpc.actor import Actor
-from rlhf_hpc.batching import make_padded_batch, select_rows
-from rlhf_hpc.config import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.critic import Critic
-from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
-from rlhf_hpc.host_allreduce import MIN_CAPACITY, SHM_DIR, SharedMemoryAllReduce
-from rlhf_hpc.models import build_causal_lm, build_critic
-from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.parallel import gradient_reduction, host_replicas, parallelize
-from rlhf_hpc.recipe import load_config, write_resolved
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ops.batching import make_padded_batch, select_rows
+from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.ppo.critic import Critic
+from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
+from rlhf_hpc.distributed.host_allreduce import MIN_CAPACITY, SHM_DIR, SharedMemoryAllReduce
+from rlhf_hpc.models.hf import build_causal_lm, build_critic
+from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.distributed.fsdp import gradient_reduction, host_replicas, parallelize
+from rlhf_hpc.recipe.load import load_config, write_resolved
 
 ROWS, P, R, PER_RANK_MINI = 16, 8, 6, 2
 FP32 = MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")
@@ -212,7 +212,7 @@ def phase_train(out: Path) -> None:
     results: dict = {}
     actor = run_actor_equivalence("actor_2x2", 2, results, rank, world)
     run_actor_equivalence("actor_1x4", -1, results, rank, world)
-    # replicated (the layout rlhf_hpc.layout picks for small models): one all-reduce per mini-batch,
+    # replicated (the layout rlhf_hpc.planning.layout picks for small models): one all-reduce per mini-batch,
     # through shared memory (all ranks on this machine), and by gloo where shared memory is not used
     replicated = run_actor_equivalence("actor_4x1", 1, results, rank, world)
     run_actor_equivalence("actor_4x1_gloo", 1, results, rank, world, shared_memory=False)

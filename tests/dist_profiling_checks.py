@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.config import FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.dist import build_train_mesh, exit_process
-from rlhf_hpc.models import build_causal_lm
-from rlhf_hpc.parallel import parallelize
-from rlhf_hpc.perf import Timer
-from rlhf_hpc.profiling import StepProfiler
-from rlhf_hpc.recipe import load_config
+from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.process_group import build_train_mesh, exit_process
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.observability.perf import Timer
+from rlhf_hpc.observability.profiling import StepProfiler
+from rlhf_hpc.recipe.load import load_config
 
 CPU = torch.device("cpu")
 

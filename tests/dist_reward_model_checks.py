@@ -14,9 +14,9 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlhf_hpc.batching import select_rows
-from rlhf_hpc.dist import exit_process, init_distributed
-from rlhf_hpc.recipe import load_config
+from rlhf_hpc.ops.batching import select_rows
+from rlhf_hpc.distributed.process_group import exit_process, init_distributed
+from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rewards.reward_model import build_reward_model
 from tests.test_reward_model import random_batch
 

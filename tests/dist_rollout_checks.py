@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.actor import Actor, per_token_logprobs
-from rlhf_hpc.batching import make_padded_batch
-from rlhf_hpc.checkpoint import full_model_state
-from rlhf_hpc.config import FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
-from rlhf_hpc.models import build_causal_lm
-from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.recipe import load_config
-from rlhf_hpc.reshard import stream_full_params, sync_weights_to_rollout
+from rlhf_hpc.ppo.actor import Actor, per_token_logprobs
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.ppo.checkpoint import full_model_state
+from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
 from rlhf_hpc.rollout.factory import make_engine
 
@@ -56,7 +56,7 @@ def engine_vs_actor(actor: Actor, prompts, responses) -> dict[str, float]:
 
 def sharded_fp32_actor(cfg, world: int, temperature: float, path: str = "tiny://qwen2") -> Actor:
     """The tiny actor in fp32, sharded over every rank (FULL_SHARD), with the recipe's actor config."""
-    from rlhf_hpc.parallel import parallelize
+    from rlhf_hpc.distributed.fsdp import parallelize
     model = build_causal_lm(path, torch.float32, seed=0)
     fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
     parallelize(model, build_train_mesh(CPU, world, -1), fsdp, CPU)

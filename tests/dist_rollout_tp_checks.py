@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.checkpoint import full_model_state
-from rlhf_hpc.dist import build_rollout_tp_group, exit_process
-from rlhf_hpc.recipe import load_config
-from rlhf_hpc.reshard import sync_weights_to_rollout
+from rlhf_hpc.ppo.checkpoint import full_model_state
+from rlhf_hpc.distributed.process_group import build_rollout_tp_group, exit_process
+from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 from rlhf_hpc.rollout.base import Sampling
 from rlhf_hpc.rollout.factory import make_engine
-from rlhf_hpc.trainer import step_seed
+from rlhf_hpc.ppo.trainer import step_seed
 from tests.dist_rollout_checks import engine_vs_actor, hf_greedy, sharded_fp32_actor
 
 CPU = torch.device("cpu")
@@ -91,7 +91,7 @@ def main(out: Path, path: str) -> None:
         res["per_rank_seed_error"] = str(e)
 
     # the all_gather_into_tensor path (NCCL's) gives the same tensors as the row-piece path (gloo's)
-    from rlhf_hpc.reshard import stream_full_params
+    from rlhf_hpc.rollout.weight_sync import stream_full_params
     pieces = dict(stream_full_params(actor.model, torch.float32, bucket_mb=0.01, into_tensor=False))
     whole = dict(stream_full_params(actor.model, torch.float32, bucket_mb=0.01, into_tensor=True))
     res["into_tensor_equal"] = pieces.keys() == whole.keys() and all(torch.equal(pieces[k], whole[k]) for k in pieces)

@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc import checkpoint as ckpt
-from rlhf_hpc.actor import Actor
-from rlhf_hpc.batching import make_padded_batch, select_rows
-from rlhf_hpc.config import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.critic import Critic
-from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
-from rlhf_hpc.models import build_causal_lm, build_critic
-from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.parallel import parallelize
-from rlhf_hpc.sequence_parallel import build_sequence_parallel
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ops.batching import make_padded_batch, select_rows
+from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.ppo.critic import Critic
+from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
+from rlhf_hpc.models.hf import build_causal_lm, build_critic
+from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
 
 ROWS, P, R, PER_RANK_MINI, FSDP_SIZE = 16, 32, 24, 2, 2
 FP32 = MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")

@@ -9,13 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_hpc import algos
-from rlhf_hpc.algos import (AdaptiveKLController, FixedKLController, agg_loss, apply_kl_to_rewards,
-                            entropy_from_logits, entropy_from_logits_chunked, gae_advantages,
-                            global_batch_counts, grpo_advantages, kl_penalty, logprobs_from_logits,
-                            masked_mean, masked_var, masked_whiten, policy_loss,
-                            reinforce_pp_advantages, reinforce_pp_baseline_advantages,
-                            rloo_advantages, value_loss)
+from rlhf_hpc.ops import algos
+from rlhf_hpc.ops.algos import (AdaptiveKLController, FixedKLController, agg_loss, apply_kl_to_rewards,
+                                entropy_from_logits, entropy_from_logits_chunked, gae_advantages,
+                                global_batch_counts, grpo_advantages, kl_penalty, logprobs_from_logits, masked_mean,
+                                masked_var, masked_whiten, policy_loss, reinforce_pp_advantages,
+                                reinforce_pp_baseline_advantages, rloo_advantages, value_loss)
 
 T = torch.tensor
 settings.register_profile("rlhf", max_examples=60, deadline=None)
@@ -234,7 +233,7 @@ def test_adaptive_controller_direction_and_bound(kl, target, n):
 
 
 def test_make_kl_controller_from_config():
-    from rlhf_hpc.config import KLControlConfig
+    from rlhf_hpc.config.schema import KLControlConfig
     assert isinstance(algos.make_kl_controller(KLControlConfig()), FixedKLController)
     c = algos.make_kl_controller(KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.02, horizon=50))
     assert isinstance(c, AdaptiveKLController) and (c.value, c.target, c.horizon) == (0.2, 0.02, 50)
@@ -375,7 +374,7 @@ def test_logprobs_from_logits():
 def test_chunked_token_logprobs_equal_the_full_fp32_upcast(dtype):
     """What actor.per_token_logprobs computed before chunking: a full fp32 copy divided by the
     temperature, then log-softmax and entropy over it; values and gradients to 1e-5."""
-    from rlhf_hpc.algos import token_logprobs_chunked
+    from rlhf_hpc.ops.algos import token_logprobs_chunked
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(37, 300, generator=g) * 3).to(dtype).requires_grad_(True)
     labels = torch.randint(0, 300, (37,), generator=g)

@@ -1,6 +1,6 @@
 """The architecture matrix: every architecture users train goes through the same checks.
 
-Tiny random-weight configs (``rlhf_hpc.models.TINY_MODELS``) of Qwen2 (untied and tied), Qwen3 (q/k
+Tiny random-weight configs (``rlhf_hpc.models.hf.TINY_MODELS``) of Qwen2 (untied and tied), Qwen3 (q/k
 norms), Llama (tied, llama3 rope scaling), Mistral, Gemma 2 (sliding window, soft-capping) and
 Gemma 3 (q/k norms, sliding window). In one process: actor log-probs against a plain transformers
 forward, the critic, the memory plan's reading of the shape, the Ulysses head checks, the dry-run
@@ -24,10 +24,10 @@ import sys
 import pytest
 import torch
 
-from rlhf_hpc.actor import per_token_logprobs
-from rlhf_hpc.batching import make_padded_batch
-from rlhf_hpc.models import TINY_MODELS, build_causal_lm, build_critic
-from rlhf_hpc.recipe import ConfigError, load_config
+from rlhf_hpc.ppo.actor import per_token_logprobs
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.models.hf import TINY_MODELS, build_causal_lm, build_critic
+from rlhf_hpc.recipe.load import ConfigError, load_config
 from tests.conftest import REPO, require
 from tests.dist_architecture_checks import ARCHS
 
@@ -109,7 +109,7 @@ def test_critic_builds_on_the_backbone(name):
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_memory_plan_reads_the_shape(name):
-    from rlhf_hpc.sizing import model_shape
+    from rlhf_hpc.planning.sizing import model_shape
     path = ARCHS[name]
     model = build_causal_lm(path, torch.float32, seed=0)
     s = model_shape(path)
@@ -248,7 +248,7 @@ def test_tied_head_sharded_over_two_ranks_syncs_into_each_ranks_engine(matrix):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_a_checkpoint_read_by_rank0_alone_equals_from_pretrained(matrix, name):
-    """rlhf_hpc.loading: rank 0 reads, the other rank builds on the meta device and receives its
+    """rlhf_hpc.distributed.loading: rank 0 reads, the other rank builds on the meta device and receives its
     shard (FSDP2) or the whole model (replicated on the host); actor and critic, bit for bit."""
     for layout, r in matrix[0][name]["load_once"].items():
         assert r == {"params_bit_exact": True, "critic_bit_exact": True, "buffers_bit_exact": True,

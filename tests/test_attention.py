@@ -1,4 +1,4 @@
-"""``attn_implementation=varlen`` (rlhf_hpc/attention.py): per-sequence attention for packed rows.
+"""``attn_implementation=varlen`` (rlhf_hpc/models/attention.py): per-sequence attention for packed rows.
 
 On the CPU it runs its reference path (causal sdpa per sequence); the GPU kernel is checked by the
 GPU readiness script against sdpa. Here: the same log-probs and gradients as sdpa for packed,
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlhf_hpc import attention
-from rlhf_hpc.actor import per_token_logprobs
-from rlhf_hpc.batching import make_padded_batch, pack
-from rlhf_hpc.models import attn_implementation, build_causal_lm, build_critic
-from rlhf_hpc.recipe import ConfigError, load_config
+from rlhf_hpc.models import attention
+from rlhf_hpc.ppo.actor import per_token_logprobs
+from rlhf_hpc.ops.batching import make_padded_batch, pack
+from rlhf_hpc.models.hf import attn_implementation, build_causal_lm, build_critic
+from rlhf_hpc.recipe.load import ConfigError, load_config
 
 URL = "tiny://qwen2?vocab_size=200&num_hidden_layers=2&num_attention_heads=4&num_key_value_heads=2"
 
@@ -162,7 +162,7 @@ def test_kernel_arguments_fit_this_torchs_varlen_kernel():
 def test_a_gpu_without_a_working_flash_attn_uses_varlen_and_says_so():
     """Never sdpa on a GPU (a dense block-diagonal mask over packed rows): this machine has no
     flash-attn, so a CUDA device gets varlen with a warning naming the reason."""
-    from rlhf_hpc.models import flash_attn_problem
+    from rlhf_hpc.models.hf import flash_attn_problem
     problem = flash_attn_problem()
     if problem is None:
         pytest.skip("flash-attn imports here")

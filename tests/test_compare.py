@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_hpc.compare import compare, series, load_run
-from rlhf_hpc.recipe import load_config, write_resolved
+from rlhf_hpc.observability.compare import compare, series, load_run
+from rlhf_hpc.recipe.load import load_config, write_resolved
 from tests.conftest import run_launch, wandb_run_record
 
 KL_KEY = "algorithm.kl_ctrl.kl_coef"

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_hpc.config import Config
-from rlhf_hpc.recipe import (ConfigError, apply_overrides, build, flatten, load_config,
-                             load_recipe_tree, load_resolved, parse_override, resolve, to_dict,
-                             validate, write_resolved)
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.recipe.load import (ConfigError, apply_overrides, build, flatten, load_config, load_recipe_tree,
+                                  load_resolved, parse_override, resolve, write_resolved)
+from rlhf_hpc.config.tree import to_dict
+from rlhf_hpc.recipe.checks import validate
 
 
 def errors_of(fn, *args, **kwargs) -> list[str]:
@@ -305,7 +306,7 @@ def test_interpolation_and_derived_defaults():
     assert (a.clip_ratio_low, a.clip_ratio_high) == (0.2, 0.2)
     assert cfg.critic.enable is True and cfg.critic.model.path == "Qwen/Qwen2.5-7B-Instruct"
     assert cfg.critic.ppo_mini_batch_size == 256
-    assert a.fsdp_config.fsdp_size is None  # chosen from the model size (rlhf_hpc.layout)
+    assert a.fsdp_config.fsdp_size is None  # chosen from the model size (rlhf_hpc.planning.layout)
     (msg,) = errors_of(tiny, "trainer.project_name=${trainer.experiment_nme}")
     assert msg == ("trainer.project_name: '${trainer.experiment_nme}' refers to an unknown key "
                    "(did you mean 'trainer.experiment_name'?)")
@@ -351,7 +352,7 @@ def test_gpu_only_kernels_and_cpu_only_builds_against_the_device():
     assert ("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 runs on CUDA GPUs only "
             "and trainer.device=cpu: set it to sdpa or varlen") in str(e.value)
     # a GPU run from this environment (torch and vLLM are CPU builds here): said at dry run, with the fix
-    from rlhf_hpc.packages import cpu_only_builds
+    from rlhf_hpc.recipe.packages import cpu_only_builds
     import torch
     builds = cpu_only_builds()
     if torch.version.cuda is not None:

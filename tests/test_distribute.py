@@ -1,4 +1,4 @@
-"""How a step is spread over ranks (rlhf_hpc.distribute): no prompt dropped, equal rows per rank,
+"""How a step is spread over ranks (rlhf_hpc.distributed.rows): no prompt dropped, equal rows per rank,
 token-balanced assignment, group statistics across ranks, and the update independent of where
 rows sit. One 4-rank torchrun (tests/dist_distribute_checks.py) plus single-process checks.
 
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from rlhf_hpc.distribute import balance_ratio, balanced_partitions, contiguous_partitions, prompt_share
+from rlhf_hpc.distributed.rows import balance_ratio, balanced_partitions, contiguous_partitions, prompt_share
 from tests.conftest import REPO
 
 SCRIPT = REPO / "tests" / "dist_distribute_checks.py"

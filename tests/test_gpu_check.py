@@ -155,8 +155,8 @@ def test_model_flops_match_torch_flop_counter():
     L x L square, the formula counts the causal half)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from rlhf_hpc.models import build_causal_lm
-    from rlhf_hpc.perf import model_flops
+    from rlhf_hpc.models.hf import build_causal_lm
+    from rlhf_hpc.observability.perf import model_flops
     model = build_causal_lm("tiny://qwen2?vocab_size=320&num_hidden_layers=3&intermediate_size=384", torch.float32,
                             attn="eager")
     cfg = model.config

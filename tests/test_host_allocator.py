@@ -1,4 +1,4 @@
-"""Host memory for CPU ranks (rlhf_hpc.host_allocator): the launcher's environment for the ranks, and
+"""Host memory for CPU ranks (rlhf_hpc.distributed.host_allocator): the launcher's environment for the ranks, and
 what the settings do to page faults when a step frees and allocates the same buffers again."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from rlhf_hpc.host_allocator import VALUE, describe, malloc_tunables
+from rlhf_hpc.distributed.host_allocator import VALUE, describe, malloc_tunables
 from rlhf_hpc.launch.local import worker_env
-from rlhf_hpc.recipe import load_config
+from rlhf_hpc.recipe.load import load_config
 
 # 10 rounds of four 16 MiB tensors written and freed: the sizes of a step's gradient copy-ins
 ROUNDS = """

@@ -10,6 +10,12 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGE = REPO / "rlhf_hpc"
+# The layers, bottom first: a module imports only from its own layer and the ones before it (each
+# folder of rlhf_hpc/ is a layer; cli, worker, preflight and bench sit on top). README.md,
+# "Architecture", says what each holds.
+LAYERS = ("config", "ops", "models", "distributed", "planning", "recipe", "rollout", "rewards", "data",
+          "observability", "launch", "ppo", "top")
+TOP = ("cli", "worker", "preflight", "bench")
 
 
 def module_name(path: Path) -> str:
@@ -90,7 +96,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycles():
     graph, _ = import_graph()
-    assert len(graph) > 40 and "rlhf_hpc.trainer" in graph["rlhf_hpc.worker"]  # the parse sees the package
+    assert len(graph) > 40 and "rlhf_hpc.ppo.trainer" in graph["rlhf_hpc.worker"]  # the parse sees the package
     assert cycles(graph) == []
 
 
@@ -133,6 +139,20 @@ def test_every_imported_project_name_exists():
                 missing += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
                             if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in files]
     assert missing == []
+
+
+def layer(module: str) -> str:
+    head = module.split(".")[1]
+    return "top" if head in TOP else head
+
+
+def test_every_module_sits_in_a_layer_and_imports_only_from_below():
+    graph, _ = import_graph()
+    modules = [m for m in graph if m != "rlhf_hpc"]
+    assert sorted({layer(m) for m in modules} - set(LAYERS)) == []  # a new folder gets its place in LAYERS
+    upward = sorted(f"{m} imports {d} ({layer(m)} < {layer(d)})" for m in modules for d in graph[m]
+                    if d != "rlhf_hpc" and LAYERS.index(layer(d)) > LAYERS.index(layer(m)))
+    assert upward == []
 
 
 def test_no_private_name_is_imported_across_modules():

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from rlhf_hpc.host_allocator import malloc_tunables
-from rlhf_hpc.recipe import load_resolved
+from rlhf_hpc.distributed.host_allocator import malloc_tunables
+from rlhf_hpc.recipe.load import load_resolved
 from tests.conftest import REPO, run_launch
 
 

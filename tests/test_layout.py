@@ -1,14 +1,14 @@
-"""The FSDP layout chosen for models whose recipe leaves it open (rlhf_hpc/layout.py): replicated
+"""The FSDP layout chosen for models whose recipe leaves it open (rlhf_hpc/planning/layout.py): replicated
 when the whole training state is small against a rank's memory, sharded inside a node otherwise;
 explicit keys win; the memory plan and the log say what was chosen and why. That the engine
 builds the chosen mesh and trains like one process on it: tests/test_engine_dist.py
 (``actor_4x1``) and the demo's log (tests/test_train_e2e.py)."""
 from __future__ import annotations
 
-from rlhf_hpc.layout import GiB, choose_layouts, describe, resolved_fsdp_configs, training_state_bytes
-from rlhf_hpc.memory_plan import build_plan
-from rlhf_hpc.sizing import model_shape
-from rlhf_hpc.recipe import load_config
+from rlhf_hpc.planning.layout import GiB, choose_layouts, describe, resolved_fsdp_configs, training_state_bytes
+from rlhf_hpc.planning.memory_plan import build_plan
+from rlhf_hpc.planning.sizing import model_shape
+from rlhf_hpc.recipe.load import load_config
 
 
 def test_a_small_model_is_replicated_and_the_reason_is_given():
@@ -61,7 +61,7 @@ def test_the_choice_follows_the_memory_a_rank_has():
 
 
 def test_activation_checkpointing_is_chosen_from_the_micro_batch_activations():
-    from rlhf_hpc.layout import choose_checkpointing
+    from rlhf_hpc.planning.layout import choose_checkpointing
     tiny = load_config("tiny_klppo")[0]  # the recipe turns the actor's off; the critic's is left open
     choice = choose_checkpointing(tiny)
     assert choice["actor"] == (False, "")

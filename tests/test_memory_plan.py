@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_hpc.memory_plan import build_plan, check_plan
-from rlhf_hpc.sizing import GiB, layer_activation_bytes, logits_bytes, model_shape
-from rlhf_hpc.recipe import load_config
+from rlhf_hpc.planning.memory_plan import build_plan, check_plan
+from rlhf_hpc.planning.sizing import GiB, layer_activation_bytes, logits_bytes, model_shape
+from rlhf_hpc.recipe.load import load_config
 from tests.conftest import run_launch
 
 
@@ -145,7 +145,7 @@ def test_the_host_line_counts_offloaded_state_and_the_copy_rank0_reads():
     """qwen7b_klppo on 8 GPUs: per rank the runtime, the actor's Adam moments (optimizer_offload)
     and the reference's offloaded shard; once per node the fp32 copy rank 0 reads at start-up.
     Refused before anything is queued when launcher.mem_gb is smaller, naming the keys."""
-    from rlhf_hpc.sizing import GiB
+    from rlhf_hpc.planning.sizing import GiB
     cfg, _ = load_config("qwen7b_klppo", ["launcher.mem_gb=480"], check_files=False)
     plan, errors, _ = check_plan(cfg)
     params = plan.shape.params

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from rlhf_hpc.preflight import BUSBW_FLOOR_GBPS, Check, interconnect
-from rlhf_hpc.recipe import parse_yaml
+from rlhf_hpc.config.tree import parse_yaml
 from tests.conftest import require, run_launch
 
 CHECKS = ["process group", "bandwidth replicate", "rollout engine", "weight sync", "generation", "sleep/wake",

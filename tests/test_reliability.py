@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_hpc import checkpoint as ckpt
-from rlhf_hpc.config import GuardConfig
-from rlhf_hpc.guard import StabilityGuard
-from rlhf_hpc.checkpoint import RESUME_KEYS, check_resume_compatible
-from rlhf_hpc.recipe import ConfigError, dump_yaml, get_key, load_config, to_dict
-from rlhf_hpc.tracking import read_metrics
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.config.schema import GuardConfig
+from rlhf_hpc.ppo.guard import StabilityGuard
+from rlhf_hpc.ppo.checkpoint import RESUME_KEYS, check_resume_compatible
+from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
+from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import run_launch, wandb_history
 
 # what may differ between two runs of the same steps (a restarted run repeats steps: log_step)
@@ -136,7 +137,7 @@ def test_checkpoint_state_is_loaded_without_arbitrary_code(tmp_path):
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     run = tmp_path / "run"
     cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={run}"])
-    from rlhf_hpc.recipe import dump_yaml, to_dict
+    from rlhf_hpc.config.tree import dump_yaml, to_dict
     model = torch.nn.Linear(4, 4)
     ckpt.save_checkpoint(run, 2, {"actor": (model, None)}, {"global_step": 2}, config_text=dump_yaml(to_dict(cfg)))
     other, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={run}", "data.max_response_length=12",
@@ -325,8 +326,8 @@ def test_run_files_are_not_world_writable(uninterrupted):
 
 
 def test_out_of_memory_names_the_phase_and_the_keys():
-    from rlhf_hpc.perf import Timer
-    from rlhf_hpc.trainer import out_of_memory_report
+    from rlhf_hpc.observability.perf import Timer
+    from rlhf_hpc.ppo.trainer import out_of_memory_report
     timer = Timer()
     with pytest.raises(RuntimeError) as e:
         with timer("step"), out_of_memory_report(timer, torch.device("cpu")):

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_hpc.batching import make_padded_batch
-from rlhf_hpc.config import RewardModelConfig
-from rlhf_hpc.recipe import ConfigError, load_config
-from rlhf_hpc.models import build_token_scorer
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.config.schema import RewardModelConfig
+from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.models.hf import build_token_scorer
 from rlhf_hpc.rewards.reward_model import RewardModel
 from tests.conftest import REPO, SHARED, require
 
@@ -94,7 +94,7 @@ def test_reencoding_through_the_reward_models_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
     from rlhf_hpc.data.dataset import chat_token_ids
-    from rlhf_hpc.tokenizer import build_tiny_tokenizer
+    from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
     actor_tok, rm_tok = build_tiny_tokenizer(), AutoTokenizer.from_pretrained(SHARED / "assets" / "qwen2-tokenizer")
     path = save_tiny_rm(tmp_path / "rm", vocab_size=len(rm_tok), tokenizer=rm_tok)
     chats = [[{"role": "user", "content": "copy: abc"}], [{"role": "system", "content": "be brief"},
@@ -198,7 +198,7 @@ def test_tiny_demo_trains_on_reward_model_scores(tmp_path):
     rows whose data_source has no rule: the training score is the reward model's (verl's naive
     reward manager), its metrics are logged every step, and validation on model-scored rows is
     skipped (verl validates with rules only)."""
-    from rlhf_hpc.tracking import read_metrics
+    from rlhf_hpc.observability.tracking import read_metrics
     from tests.conftest import run_launch
     run = tmp_path / "run"
     train = write_model_scored_rows(tmp_path / "train.parquet", 32)

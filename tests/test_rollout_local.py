@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rlhf_hpc.recipe import load_config
-from rlhf_hpc.reshard import _buckets, hf_name, stream_full_params
+from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.rollout.weight_sync import _buckets, hf_name, stream_full_params
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
 from rlhf_hpc.rollout.factory import make_engine
 
@@ -144,13 +144,13 @@ def test_generation_rng_is_per_dp_rank_and_leaves_the_training_rng_alone():
 
 
 def test_step_seed_depends_on_the_dp_rank_only():
-    from rlhf_hpc.trainer import step_seed
+    from rlhf_hpc.ppo.trainer import step_seed
     assert step_seed(1, 2, 0) == step_seed(1, 2, 0) != step_seed(1, 2, 1)
     assert step_seed(1, 2, 0) != step_seed(1, 3, 0)
 
 
 def test_h100_variants_have_their_own_peaks():
-    from rlhf_hpc.perf import peak_flops_of
+    from rlhf_hpc.observability.perf import peak_flops_of
     assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
     assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12  # SXM
     assert peak_flops_of("NVIDIA H100 NVL") == 835e12
@@ -158,7 +158,7 @@ def test_h100_variants_have_their_own_peaks():
 
 
 def test_host_shards_get_a_cpu_backend_beside_nccl():
-    from rlhf_hpc.dist import process_group_backend
+    from rlhf_hpc.distributed.process_group import process_group_backend
     cfg, _ = load_config("qwen7b_klppo", check_files=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert process_group_backend(cuda, cfg) == "cpu:gloo,cuda:nccl"  # the reference model is offloaded

@@ -102,7 +102,7 @@ def test_shared_memory_segments_are_removed(ranks):
 def test_tp2_training_run_keeps_engine_and_actor_in_agreement(tmp_path):
     """The issue's reproduction: tiny_klppo with TP=2 finished with logprob_diff_max 0.47-0.75."""
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
-    from rlhf_hpc.tracking import read_metrics
+    from rlhf_hpc.observability.tracking import read_metrics
     from tests.conftest import run_launch
     run = tmp_path / "run"
     out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "trainer.total_training_steps=3",

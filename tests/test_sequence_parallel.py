@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (rlhf_hpc.sequence_parallel): sp=2 and sp=4 against sp=1 on a
+"""Ulysses sequence parallelism (rlhf_hpc.distributed.sequence_parallel): sp=2 and sp=4 against sp=1 on a
 4-rank HSDP mesh (one torchrun, tests/dist_sp_checks.py), and the validation of the three
 ``ulysses_sequence_parallel_size`` keys.
 
@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from rlhf_hpc.config import Config
-from rlhf_hpc.recipe import ConfigError, load_config
-from rlhf_hpc.sequence_parallel import heads_problem
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.distributed.sequence_parallel import heads_problem
 from tests.conftest import REPO, run_launch
 
 SCRIPT = REPO / "tests" / "dist_sp_checks.py"
@@ -156,7 +156,7 @@ def test_heads_rule(heads, kv, sp, ok):
 
 
 def test_memory_plan_counts_one_slice_of_the_micro_batch_per_rank():
-    from rlhf_hpc.memory_plan import build_plan
+    from rlhf_hpc.planning.memory_plan import build_plan
 
     def update_activations(*extra: str) -> float:
         plan = build_plan(tiny("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -183,7 +183,7 @@ def test_heads_of_a_local_model_directory_are_checked_before_launch(tmp_path):
 
 def test_engine_refuses_heads_it_cannot_split_before_building_groups():
     from transformers import Qwen2Config
-    from rlhf_hpc.sequence_parallel import for_model
+    from rlhf_hpc.distributed.sequence_parallel import for_model
     with pytest.raises(ValueError, match="critic.ulysses_sequence_parallel_size=4: the model's 6 key/value heads"):
         for_model(4, Qwen2Config(num_attention_heads=12, num_key_value_heads=6), "critic.ulysses_sequence_parallel_size")
     assert for_model(1, Qwen2Config(num_attention_heads=12, num_key_value_heads=6), "k") is None

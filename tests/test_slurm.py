@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_hpc.tracking import read_metrics
+from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import REPO, require, run_launch
 
 TINY = ["recipe=tiny_klppo", "cluster=slurm", "launcher.cluster_profile=local", "trainer.test_freq=-1",

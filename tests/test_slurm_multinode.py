@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf_hpc.tracking import read_metrics
+from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import REPO, require, run_launch
 from tests.test_slurm import TINY, deterministic, job_ids, raw_steps, slurm_up, state, wait_done
 
@@ -244,7 +244,7 @@ def test_sweep_is_one_array_job_spread_over_the_nodes(tmp_path):
         assert wait_done(job) == "COMPLETED"
     for run in runs:
         assert raw_steps(run) == [1, 2]
-    from rlhf_hpc.recipe import load_resolved
+    from rlhf_hpc.recipe.load import load_resolved
     assert [load_resolved(r / "config.yaml").algorithm.kl_ctrl.kl_coef for r in runs] == [0.001, 0.01]
     # a whole node each (cpus_per_task=2 of 2): both elements ran at once, on different nodes
     (a_start, a_end, a_node), (b_start, b_end, b_node) = (sacct_fields(j, "Start,End,NodeList") for j in ids)

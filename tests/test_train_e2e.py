@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_hpc.tracking import read_metrics
+from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import require, run_launch, wandb_run_record
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_checkpoints_and_console(demo_run):
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "60"
     assert (run / "config.yaml").is_file()
     assert "step 60/60 | score" in stdout and "ETA" in stdout
-    # the tiny models are replicated (rlhf_hpc.layout), and the plan says why, once
+    # the tiny models are replicated (rlhf_hpc.planning.layout), and the plan says why, once
     assert stdout.count("FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false") == 1
     assert "# FSDP layout of actor, ref, critic" in stdout
 

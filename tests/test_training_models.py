@@ -6,12 +6,13 @@ import math
 import pytest
 import torch
 
-from rlhf_hpc.actor import Actor, per_token_logprobs
-from rlhf_hpc.batching import make_padded_batch, micro_batch_groups, pack, restore_order, token_budget_micro_batches
-from rlhf_hpc.config import ActorConfig, OptimConfig
-from rlhf_hpc.critic import per_token_values
-from rlhf_hpc.models import build_causal_lm, build_critic, model_config
-from rlhf_hpc.optim import build_optimizer, clip_grad_norm, lr_multiplier
+from rlhf_hpc.ppo.actor import Actor, per_token_logprobs
+from rlhf_hpc.ops.batching import (make_padded_batch, micro_batch_groups, pack, restore_order,
+                                   token_budget_micro_batches)
+from rlhf_hpc.config.schema import ActorConfig, OptimConfig
+from rlhf_hpc.ppo.critic import per_token_values
+from rlhf_hpc.models.hf import build_causal_lm, build_critic, model_config
+from rlhf_hpc.ppo.optim import build_optimizer, clip_grad_norm, lr_multiplier
 
 
 def skewed_batch(n=6, P=9, R=7, seed=0):
@@ -173,9 +174,9 @@ def world_of_one():
 def test_build_training_models_from_a_recipe(world_of_one):
     from torch.distributed.tensor import DTensor
 
-    from rlhf_hpc.dist import DistContext
-    from rlhf_hpc.training_models import build_training_models
-    from rlhf_hpc.recipe import load_config
+    from rlhf_hpc.distributed.process_group import DistContext
+    from rlhf_hpc.ppo.training_models import build_training_models
+    from rlhf_hpc.recipe.load import load_config
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     cfg, _ = load_config("tiny_klppo", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.use_kl_loss=true",
                                         "actor_rollout_ref.actor.optim.lr_warmup_steps=2"])
@@ -208,8 +209,8 @@ def test_host_replica_computes_as_fsdp2_mixed_precision(world_of_one, tied, chec
     fp32, so the two agree to bf16's rounding of that sum."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlhf_hpc.config import FSDPConfig
-    from rlhf_hpc.parallel import compute_in_dtype, parallelize
+    from rlhf_hpc.config.schema import FSDPConfig
+    from rlhf_hpc.distributed.fsdp import compute_in_dtype, parallelize
     path = "tiny://qwen2" + ("?tie_word_embeddings=true" if tied else "")
     fsdp2 = build_causal_lm(path, torch.float32, seed=0)
     plain = build_causal_lm(path, torch.float32, seed=0)

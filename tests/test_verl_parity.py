@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from rlhf_hpc.recipe import ConfigError, load_config
-from rlhf_hpc.tracking import read_metrics
+from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import run_launch
 
 # Command lines written the way verl's examples/ppo_trainer and examples/grpo_trainer scripts are
@@ -203,9 +203,9 @@ def test_data_check_takes_well_under_a_second_for_gsm8k_size(tmp_path):
 
 # ---------------------------------------------------------------------------------- chat template
 def test_custom_chat_template_and_template_kwargs_shape_the_prompts():
-    from rlhf_hpc.config import DataConfig
+    from rlhf_hpc.config.schema import DataConfig
     from rlhf_hpc.data.dataset import chat_token_ids
-    from rlhf_hpc.tokenizer import load_tokenizer
+    from rlhf_hpc.models.tokenizer import load_tokenizer
     msgs = [{"role": "user", "content": "abc"}]
     plain = load_tokenizer("tiny://chars")
     custom = load_tokenizer("tiny://chars", chat_template="q: {{ messages[0]['content'] }}{% if loud %}!{% endif %}.")
@@ -218,7 +218,7 @@ def test_custom_chat_template_and_template_kwargs_shape_the_prompts():
 def test_external_lib_is_imported_before_models_are_built(tmp_path, monkeypatch):
     (tmp_path / "my_models_lib.py").write_text("REGISTERED = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from rlhf_hpc.training_models import import_external_libs
+    from rlhf_hpc.models.hf import import_external_libs
     assert import_external_libs("my_models_lib", None, "my_models_lib") == ["my_models_lib"]
     import sys
     assert sys.modules["my_models_lib"].REGISTERED

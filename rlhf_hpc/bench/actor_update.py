@@ -18,13 +18,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.actor import Actor
-from rlhf_hpc.batching import make_padded_batch
-from rlhf_hpc.config import ActorConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh
-from rlhf_hpc.models import build_causal_lm
-from rlhf_hpc.optim import build_optimizer
-from rlhf_hpc.parallel import parallelize
+from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.distributed.fsdp import parallelize
 
 MODEL = ("tiny://qwen2?vocab_size=24000&hidden_size=256&intermediate_size=1024&num_hidden_layers=8"
          "&num_attention_heads=4&num_key_value_heads=2")

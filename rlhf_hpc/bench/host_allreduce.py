@@ -9,7 +9,7 @@ median of ``--reps`` timings after two warm-ups, rank 0's figure:
   gloo per tensor      one asynchronous all-reduce per gradient, then wait for all
                        (``ReplicaGradients`` without shared memory)
   gloo flat            one all-reduce of the whole gradient copied into one buffer
-  shared memory        ``rlhf_hpc.host_allreduce.SharedMemoryAllReduce.mean_``
+  shared memory        ``rlhf_hpc.distributed.host_allreduce.SharedMemoryAllReduce.mean_``
   ... beside compute   the same with a fixed amount of matrix products on the rank meanwhile (the
                        backward, on a machine with one core per rank): gloo's all-reduces started
                        before the products and waited for after; shared memory after the products
@@ -48,8 +48,8 @@ def timed(fn, reps: int) -> float:
 
 def worker(reps: int) -> None:
     from rlhf_hpc.bench.ppo_step import MODEL
-    from rlhf_hpc.host_allreduce import SharedMemoryAllReduce
-    from rlhf_hpc.models import build_causal_lm
+    from rlhf_hpc.distributed.host_allreduce import SharedMemoryAllReduce
+    from rlhf_hpc.models.hf import build_causal_lm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -19,8 +19,8 @@ import sys
 def run(variant: str, tokens: int, vocab: int) -> dict:
     import torch
 
-    from rlhf_hpc import algos
-    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
+    from rlhf_hpc.ops import algos
+    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, vocab, generator=g).to(torch.bfloat16).requires_grad_(True)

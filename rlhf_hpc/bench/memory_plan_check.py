@@ -39,16 +39,16 @@ def measure(name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from rlhf_hpc.actor import Actor
-    from rlhf_hpc.batching import make_padded_batch
-    from rlhf_hpc.config import ActorConfig, FSDPConfig, MixedPrecisionConfig
-    from rlhf_hpc.dist import all_reduce_max_int, all_reduce_sum, build_train_mesh
-    from rlhf_hpc.memory_plan import update_bytes
-    from rlhf_hpc.sizing import model_shape
-    from rlhf_hpc.models import build_causal_lm
-    from rlhf_hpc.optim import build_optimizer
-    from rlhf_hpc.parallel import parallelize
-    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
+    from rlhf_hpc.ppo.actor import Actor
+    from rlhf_hpc.ops.batching import make_padded_batch
+    from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
+    from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh
+    from rlhf_hpc.planning.memory_plan import update_bytes
+    from rlhf_hpc.planning.sizing import model_shape
+    from rlhf_hpc.models.hf import build_causal_lm
+    from rlhf_hpc.ppo.optim import build_optimizer
+    from rlhf_hpc.distributed.fsdp import parallelize
+    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
 
     _, path, rows, P, R, recompute = next(c for c in CASES if c[0] == name)
     dist.init_process_group("gloo")

@@ -91,16 +91,16 @@ def phase_times(rows: list[dict], skip: int = 2) -> dict[str, float]:
 
 def model_shape() -> dict:
     """The workload model's Qwen2 config fields (``MODEL``'s query over the tiny defaults)."""
-    from rlhf_hpc.models import tiny_fields
+    from rlhf_hpc.models.hf import tiny_fields
     return tiny_fields(MODEL)[1]
 
 
 def trl_workload(workdir: Path, steps: int, bf16: bool = False) -> None:
     """workload.json and the tokenizer for ``trl_ppo_step``: the same model shape, prompts (the
     project's own synthetic://copy prompts, chat-formatted: 26 tokens) and batch sizes."""
-    from rlhf_hpc.config import DataConfig
+    from rlhf_hpc.config.schema import DataConfig
     from rlhf_hpc.data.dataset import load_examples
-    from rlhf_hpc.tokenizer import load_tokenizer
+    from rlhf_hpc.models.tokenizer import load_tokenizer
     tokenizer = load_tokenizer("tiny://chars")
     tokenizer.save_pretrained(workdir / "tokenizer")
     shape = model_shape()

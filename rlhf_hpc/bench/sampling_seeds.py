@@ -19,7 +19,7 @@ import time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.bench.sampling_seeds", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="a Hugging Face model directory (default: python -m rlhf_hpc.real_model)")
+    ap.add_argument("--model", help="a Hugging Face model directory (default: python -m rlhf_hpc.models.real_model)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
 
     from rlhf_hpc.data.synthetic import addition_rows
-    from rlhf_hpc.real_model import prepare
+    from rlhf_hpc.models.real_model import prepare
     model = args.model or str(prepare())
     tok = AutoTokenizer.from_pretrained(model)
     rows = addition_rows(9, args.prompts, seed=0)

@@ -9,7 +9,7 @@ fp32, attn_implementation=varlen), runs a short warm-up row so the gradients exi
 measures the rise of its peak resident memory (VmHWM, reset just before) over the forward and
 backward of the log-probs of one packed row of ``--tokens`` tokens (a quarter prompt, the rest
 response): at sp=1 each rank computes its own row, at sp=2 the two ranks compute one row, half
-of its tokens each (``rlhf_hpc.sequence_parallel``). Both with and without activation
+of its tokens each (``rlhf_hpc.distributed.sequence_parallel``). Both with and without activation
 checkpointing. The log-prob sums show both compute the same thing; time is secondary on gloo.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ def worker(sp_size: int, checkpointing: bool, tokens: int, hidden: int, layers: 
     import torch
     import torch.distributed as dist
 
-    from rlhf_hpc.actor import per_token_logprobs
-    from rlhf_hpc.batching import make_padded_batch
-    from rlhf_hpc.models import build_causal_lm
-    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory
-    from rlhf_hpc.sequence_parallel import build_sequence_parallel
+    from rlhf_hpc.ppo.actor import per_token_logprobs
+    from rlhf_hpc.ops.batching import make_padded_batch
+    from rlhf_hpc.models.hf import build_causal_lm
+    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
+    from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     sp = build_sequence_parallel(sp_size)

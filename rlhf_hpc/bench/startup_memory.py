@@ -25,11 +25,13 @@ from pathlib import Path
 # what each rank runs: only APIs that both the current and the earlier tree have
 WORKER = r"""
 import json, os, sys, torch
-from rlhf_hpc.recipe import load_config
-from rlhf_hpc.dist import init_distributed
-try:
-    from rlhf_hpc.training_models import build_training_models
-except ImportError:  # a tree from before the rename
+try:  # the layered package
+    from rlhf_hpc.recipe.load import load_config
+    from rlhf_hpc.distributed.process_group import init_distributed
+    from rlhf_hpc.ppo.training_models import build_training_models
+except ImportError:  # a tree from before the layers
+    from rlhf_hpc.recipe import load_config
+    from rlhf_hpc.dist import init_distributed
     from rlhf_hpc.engine import build_engine as build_training_models
 cfg, _ = load_config("tiny_klppo", json.loads(sys.argv[1]), check_files=False)
 ctx = init_distributed(cfg)
@@ -100,7 +102,7 @@ def run(model: str, ranks: int, tree: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.bench.startup_memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a Hugging Face model directory (e.g. python -m rlhf_hpc.real_model)")
+    ap.add_argument("--model", required=True, help="a Hugging Face model directory (e.g. python -m rlhf_hpc.models.real_model)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--before", type=Path, help="an earlier checkout, measured the same way")
     ap.add_argument("--json", type=Path)

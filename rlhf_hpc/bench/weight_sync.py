@@ -9,7 +9,7 @@ consumer is the hf engine's in-place copy (its own weights allocated before meas
 
   full state dict   get_model_state_dict(full_state_dict=True) on every rank, then load it all
   per-parameter     p.full_tensor() one parameter at a time
-  bucketed S MiB    rlhf_hpc.reshard.stream_full_params (async all-gathers of the next bucket
+  bucketed S MiB    rlhf_hpc.rollout.weight_sync.stream_full_params (async all-gathers of the next bucket
                     in flight while this one is copied)
 """
 from __future__ import annotations
@@ -38,13 +38,13 @@ def worker(skip_generate: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from rlhf_hpc.config import FSDPConfig, MixedPrecisionConfig
-    from rlhf_hpc.dist import build_train_mesh
-    from rlhf_hpc.models import build_causal_lm
-    from rlhf_hpc.parallel import parallelize
-    from rlhf_hpc.recipe import load_config
-    from rlhf_hpc.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
-    from rlhf_hpc.reshard import stream_full_params
+    from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
+    from rlhf_hpc.distributed.process_group import build_train_mesh
+    from rlhf_hpc.models.hf import build_causal_lm
+    from rlhf_hpc.distributed.fsdp import parallelize
+    from rlhf_hpc.recipe.load import load_config
+    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
+    from rlhf_hpc.rollout.weight_sync import stream_full_params
     from rlhf_hpc.rollout.base import Sampling
     from rlhf_hpc.rollout.factory import make_engine
 

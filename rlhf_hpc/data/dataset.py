@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from rlhf_hpc.config import DataConfig
+from rlhf_hpc.config.schema import DataConfig
 from rlhf_hpc.data.synthetic import synthetic_rows
 
 

@@ -18,11 +18,9 @@ Rows come out in the reference data format, so they go through the same pipeline
 from __future__ import annotations
 
 import random
-import re
 from urllib.parse import parse_qsl, urlparse
 
-DATA_SOURCE = "synthetic/copy"
-ADD_SOURCE = "synthetic/add"
+from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE as DATA_SOURCE
 
 
 def synthetic_rows(url: str, split_seed: int) -> list[dict]:
@@ -48,12 +46,6 @@ def synthetic_rows(url: str, split_seed: int) -> list[dict]:
     return rows
 
 
-def copy_score(response: str, ground_truth: str) -> float:
-    """Share of the response's characters equal to the target (0 for an empty response)."""
-    text = response.strip()
-    return sum(c == ground_truth for c in text) / len(text) if text else 0.0
-
-
 def addition_rows(largest: int, size: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -65,9 +57,3 @@ def addition_rows(largest: int, size: int, seed: int) -> list[dict]:
                      "reward_model": {"style": "rule", "ground_truth": str(a + b)},
                      "extra_info": {"index": i}})
     return rows
-
-
-def addition_score(response: str, ground_truth: str) -> float:
-    """1.0 when the response's last integer is the sum, else 0."""
-    numbers = re.findall(r"-?\d+", response.replace(",", ""))
-    return float(bool(numbers) and int(numbers[-1]) == int(ground_truth))

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlhf_hpc.config import Config
-from rlhf_hpc.host_allocator import malloc_tunables
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.distributed.host_allocator import malloc_tunables
 
 
 # set for ranks whose console already shows the plan's layout lines: rank 0 does not repeat them
@@ -24,7 +24,7 @@ def torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
 def worker_env(cfg: Config) -> dict[str, str]:
     """Environment for the ranks. CPU ranks share the cores: without a cap on OpenMP threads each
     rank would start one thread per core and they would all fight over them. They also get glibc
-    malloc settings that keep freed tensor memory (``rlhf_hpc.host_allocator``) unless the user set
+    malloc settings that keep freed tensor memory (``rlhf_hpc.distributed.host_allocator``) unless the user set
     their own. GPU ranks get NCCL without cuMem (see below). A variable the user set is kept."""
     env = dict(os.environ)
     if cfg.trainer.device == "cpu":
@@ -33,7 +33,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
         tunables, _ = malloc_tunables(env)
         if tunables:
             env["GLIBC_TUNABLES"] = tunables
-        # torch's C++ warnings go straight to stderr (rlhf_hpc.library_logs cannot route them); on
+        # torch's C++ warnings go straight to stderr (rlhf_hpc.observability.library_logs cannot route them); on
         # CPU ranks they are vLLM's thread and NUMA binding notes
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     elif cfg.trainer.device == "cuda":

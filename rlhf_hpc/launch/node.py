@@ -124,7 +124,7 @@ class NodeRun:
 def main(argv: list[str]) -> int:
     """``python -m rlhf_hpc.launch.node RUN_DIR/config.yaml``: run this node's share (plain sbatch)."""
     from rlhf_hpc.launch.stop import clear, read_stopped, read_user_error
-    from rlhf_hpc.recipe import load_resolved
+    from rlhf_hpc.recipe.load import load_resolved
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's warning is for the workers, not for us
     cfg = load_resolved(argv[0])
     info = node_info()

@@ -22,7 +22,8 @@ from typing import Optional
 
 import submitit
 
-from rlhf_hpc.config import Config, ConfigError
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.config.errors import ConfigError
 
 JOBS_FILE = "slurm_jobs.json"
 
@@ -37,7 +38,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def __call__(self) -> str:
         from rlhf_hpc.launch import stop
         from rlhf_hpc.launch.node import NodeRun, node_info
-        from rlhf_hpc.recipe import load_resolved
+        from rlhf_hpc.recipe.load import load_resolved
         cfg = load_resolved(self.config_path)
         run_dir = Path(self.config_path).parent
         info = node_info()
@@ -65,7 +66,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Called by submitit's USR2 handler (node 0): stop the ranks, wait for the checkpoint,
         requeue unless ``launcher.max_requeues`` is used up."""
         from rlhf_hpc.launch import stop
-        from rlhf_hpc.recipe import load_resolved
+        from rlhf_hpc.recipe.load import load_resolved
         cfg = load_resolved(self.config_path, check_files=False)
         run_dir = Path(self.config_path).parent
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0))

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_hpc.data.synthetic import ADD_SOURCE, DATA_SOURCE as COPY_SOURCE, addition_score, copy_score
+from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE, addition_score, copy_score
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
 

@@ -4,7 +4,7 @@ like the reference model, one scalar score per response at its last valid token.
 The checkpoint is a sequence-classification model with one label (``AutoModelForSequenceClassification``,
 e.g. ``Qwen2ForSequenceClassification``). transformers' own forward pools the score at the last
 non-pad token of each padded row, which cannot see the sequences of a packed row; so the model runs
-as a per-token scorer (``rlhf_hpc.models.TokenScorer``: ``(B, L)`` tokens -> ``(B, L)`` scores) and
+as a per-token scorer (``rlhf_hpc.models.hf.TokenScorer``: ``(B, L)`` tokens -> ``(B, L)`` scores) and
 the score is read here at each sequence's last valid token, packed or padded. This is what verl's
 reward worker does with the same weights loaded as a token classifier.
 
@@ -21,10 +21,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc.batching import (Batch, dummy_rows, micro_batch_groups, position_ids_from_mask, restore_order,
-                               select_rows, to_device)
-from rlhf_hpc.config import RewardModelConfig
-from rlhf_hpc.models import build_token_scorer
+from rlhf_hpc.ops.batching import (Batch, dummy_rows, micro_batch_groups, position_ids_from_mask, restore_order,
+                                   select_rows, to_device)
+from rlhf_hpc.config.schema import RewardModelConfig
+from rlhf_hpc.models.hf import build_token_scorer
 
 
 def last_token_scores(model: nn.Module, batch: Batch, remove_padding: bool) -> torch.Tensor:
@@ -104,13 +104,13 @@ class RewardModel:
 
 def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
     """The reward model of ``cfg.reward_model`` sharded over the training mesh (collective; its
-    checkpoint is read by rank 0 only, rlhf_hpc.loading). ``input_tokenizer``: the actor's tokenizer
+    checkpoint is read by rank 0 only, rlhf_hpc.distributed.loading). ``input_tokenizer``: the actor's tokenizer
     (used only when ``reward_model.model.input_tokenizer`` is set)."""
-    from rlhf_hpc.dist import all_reduce_max_int
-    from rlhf_hpc.training_models import import_external_libs
-    from rlhf_hpc.loading import build_sharded
-    from rlhf_hpc.models import attn_implementation, is_tiny, torch_dtype
-    from rlhf_hpc.tokenizer import load_tokenizer
+    from rlhf_hpc.distributed.process_group import all_reduce_max_int
+    from rlhf_hpc.models.hf import import_external_libs
+    from rlhf_hpc.distributed.loading import build_sharded
+    from rlhf_hpc.models.hf import attn_implementation, is_tiny, torch_dtype
+    from rlhf_hpc.models.tokenizer import load_tokenizer
     rm = cfg.reward_model
     m = rm.model
     import_external_libs(m.external_lib)

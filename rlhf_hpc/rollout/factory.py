@@ -14,7 +14,7 @@ def make_engine(cfg, model_path: str, device: torch.device, tp_group=None) -> Ro
     """The engine ``actor_rollout_ref.rollout.name`` asks for."""
     rollout = cfg.actor_rollout_ref.rollout
     name = rollout.name
-    from rlhf_hpc.packages import cpu_only_builds
+    from rlhf_hpc.recipe.packages import cpu_only_builds
     cpu_vllm = cpu_only_builds().get("vllm") if device.type == "cuda" else None  # cannot serve a GPU rank
     if name == "auto":
         name = "vllm" if importlib.util.find_spec("vllm") is not None and not cpu_vllm else "hf"

@@ -11,8 +11,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.loading import materialize
-from rlhf_hpc.models import build_causal_lm, is_tiny, torch_dtype
+from rlhf_hpc.distributed.loading import materialize
+from rlhf_hpc.models.hf import build_causal_lm, is_tiny, torch_dtype
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 
 

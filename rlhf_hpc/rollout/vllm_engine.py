@@ -22,10 +22,10 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.dist import on_exit_process
-from rlhf_hpc.models import is_tiny, local_path, model_config
-from rlhf_hpc.packages import VLLM_BELOW, VLLM_MIN
-from rlhf_hpc.comm import collective
+from rlhf_hpc.distributed.process_group import on_exit_process
+from rlhf_hpc.models.hf import is_tiny, local_path, model_config
+from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
+from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
 
@@ -108,7 +108,7 @@ class ReloadVerdicts(logging.Handler):
 #   for it and puts back the cache it had (vllm/model_executor/model_loader/reload/layerwise.py).
 # - "Using None for EOS token id ...", "Chat template warmup failed" (with a traceback, at start):
 #   the engine runs without a tokenizer (skip_tokenizer_init); prompts arrive as token ids and
-#   every request carries its stop token ids (rlhf_hpc.trainer.sampling_for).
+#   every request carries its stop token ids (rlhf_hpc.ppo.trainer.sampling_for).
 HARMLESS_VLLM_WARNINGS = {
     "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
     "vllm.renderers.base": ("Using None for EOS token id because tokenizer is not initialized",
@@ -282,7 +282,7 @@ class VLLMEngine:
         except Exception as e:  # noqa: BLE001 - vLLM's allocator reports a CUDA error, not torch's OOM type
             if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()):
                 raise
-            from rlhf_hpc.guard import oom_message
+            from rlhf_hpc.planning.memory_plan import oom_message
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
             raise RuntimeError(f"{oom_message('gen', peak, str(self.device))} (vLLM could not wake its {tag}: "
                                f"{type(e).__name__}: {e})") from e

@@ -1,0 +1,423 @@
+"""The whole configuration as a tree of typed dataclasses.
+
+Key names and defaults follow the reference system (verl's ``ppo_trainer.yaml``) wherever the
+feature is the same, so a verl recipe reads the same here. Deliberate differences are marked
+``# differs from verl:`` with the reason.
+
+A recipe (YAML in ``recipes/``) only fills these dataclasses in; see ``rlhf_hpc.recipe`` for
+loading, inheritance, ``key=value`` overrides and validation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Optional, Union
+
+# values of override_config.attn_implementation (verl's key); varlen: rlhf_hpc/models/attention.py
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
+
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
+Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None
+    # a parquet file or a list of them; "synthetic://<task>" selects a task built in code
+    train_files: Union[str, list[str]] = "~/data/gsm8k/train.parquet"
+    val_files: Union[str, list[str], None] = "~/data/gsm8k/test.parquet"
+    prompt_key: str = "prompt"
+    reward_fn_key: str = "data_source"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024
+    val_batch_size: Optional[int] = None  # prompts per engine call in validation (null: all at once)
+    truncation: Literal["error", "left", "right"] = "error"
+    filter_overlong_prompts: bool = False
+    # extra keyword arguments of the tokenizer's apply_chat_template (e.g. enable_thinking: false)
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    shuffle: bool = True
+    seed: int = 1
+    # no loader processes here (prompts are tokenised once at start-up): only 0 is accepted
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    # warm-up (rlhf_hpc.ppo.optim.lr_multiplier, verl's schedules): lr_warmup_steps when > 0, else
+    # lr_warmup_steps_ratio x total steps; the LR rises as step / warmup from 0
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    warmup_style: Optional[Literal["constant", "cosine"]] = None  # verl's deprecated name: sets lr_scheduler_type
+    min_lr_ratio: float = 0.0  # cosine: the floor, as a fraction of lr
+    num_cycles: float = 0.5  # cosine: 0.5 = one half-wave from lr to the floor
+    # filled in by the trainer from the dataset size when left at -1
+    total_training_steps: int = -1
+
+
+@dataclass
+class MixedPrecisionConfig:
+    param_dtype: Dtype = "bfloat16"
+    reduce_dtype: Dtype = "float32"
+    buffer_dtype: Dtype = "float32"
+
+
+@dataclass
+class FSDPConfig:
+    # differs from verl: null (the default) is chosen from the model size and the memory per rank
+    # (rlhf_hpc.planning.layout): 1 (replicate: no all-gathers) when the whole training state fits easily,
+    # else "GPUs per node", i.e. HYBRID_SHARD (shard inside a node, replicate across nodes), which
+    # keeps the big all-gathers on NVLink; -1 = FULL_SHARD over the whole world (verl's default).
+    fsdp_size: Optional[int] = None
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    # null: chosen with fsdp_size (rlhf_hpc.planning.layout): free after forward when sharded; prefetch on GPUs
+    reshard_after_forward: Optional[bool] = None
+    forward_prefetch: Optional[bool] = None
+    # dtype the master weights are kept in (the optimizer's view)
+    model_dtype: Dtype = "float32"
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+
+
+@dataclass
+class ModelConfig:
+    # a Hugging Face directory or hub name (resolved from HF_HOME, never downloaded on compute
+    # nodes), or "tiny://qwen2" for a tiny random-weight Qwen2 built in code
+    path: str = "~/models/Qwen2.5-7B-Instruct"
+    tokenizer_path: Optional[str] = None
+    custom_chat_template: Optional[str] = None  # a Jinja chat template replacing the tokenizer's
+    override_config: dict[str, Any] = field(default_factory=dict)
+    # null: chosen from the memory a micro-batch's activations take (rlhf_hpc.planning.layout): off when
+    # they are small, else on (verl's default, true)
+    enable_gradient_checkpointing: Optional[bool] = None
+    use_remove_padding: bool = True
+    trust_remote_code: bool = False
+    external_lib: Optional[str] = None  # a module imported before models are built (registers custom ones)
+
+
+@dataclass
+class ActorConfig:
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
+    ppo_mini_batch_size: int = 256  # in prompts; x rollout.n responses
+    # differs from verl: null = the whole per-rank mini-batch in one micro-batch (verl requires it)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # null -> clip_ratio
+    clip_ratio_high: Optional[float] = None  # null -> clip_ratio
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KLKind = "low_var_kl"
+    # Ulysses: groups of this many ranks split each packed sequence (rlhf_hpc.distributed.sequence_parallel)
+    ulysses_sequence_parallel_size: int = 1
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["vllm", "hf", "auto"] = "vllm"  # auto: vllm where installed, else hf
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = True
+    ignore_eos: bool = False
+    dtype: Dtype = "bfloat16"
+    tensor_model_parallel_size: int = 2
+    gpu_memory_utilization: float = 0.5
+    free_cache_engine: bool = True
+    enforce_eager: bool = False
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    max_model_len: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    update_weights_bucket_mb: int = 512
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # null -> actor.use_dynamic_bsz (as verl)
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class RefConfig:
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # null -> actor.use_dynamic_bsz (as verl)
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
+    ulysses_sequence_parallel_size: Optional[int] = None  # null -> actor's (as verl)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True  # actor and rollout share the GPUs; the only layout here
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: Optional[str] = None  # null -> actor_rollout_ref.model.path (value head initialised fresh)
+    tokenizer_path: Optional[str] = None
+    override_config: dict[str, Any] = field(default_factory=dict)
+    enable_gradient_checkpointing: Optional[bool] = None  # null: chosen from its activations (rlhf_hpc.planning.layout)
+    use_remove_padding: bool = True
+    trust_remote_code: Optional[bool] = None  # null -> actor_rollout_ref.model's (as verl)
+    external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # null -> enabled exactly when algorithm.adv_estimator == gae
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    # "actor": null takes the actor's value, as verl interpolates it (${oc.select:actor_rollout_ref.actor...})
+    ppo_mini_batch_size: Optional[int] = None  # actor
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # null: the whole per-rank mini-batch (as the actor)
+    use_dynamic_bsz: Optional[bool] = None  # actor
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: Optional[int] = None  # null -> critic.ppo_max_token_len_per_gpu
+    ppo_epochs: Optional[int] = None  # actor
+    shuffle: Optional[bool] = None  # actor
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    loss_agg_mode: Optional[LossAggMode] = None  # actor
+    ulysses_sequence_parallel_size: int = 1  # as verl: not the actor's
+
+
+@dataclass
+class RewardModelSubConfig:
+    # a sequence-classification checkpoint (one label), e.g. a Qwen2ForSequenceClassification reward
+    # model, or "tiny://qwen2?..." for a tiny random-weight one built in code (tests, the CPU demo)
+    path: str = "~/models/reward-model"
+    # differs from verl (default: the actor's model path, i.e. always re-encode): null = the reward
+    # model reads the actor's tokens as they are. Set to the actor's tokenizer when the reward model's
+    # tokenizer/chat template differ: responses are decoded and re-encoded through its chat template.
+    input_tokenizer: Optional[str] = None
+    trust_remote_code: bool = False
+    external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)
+    override_config: dict[str, Any] = field(default_factory=dict)
+    # differs from verl (false): packed rows like the actor's (no compute on padding)
+    use_remove_padding: bool = True
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    """A reward model on the training mesh, inference only (rlhf_hpc/rewards/reward_model.py).
+    Its score replaces the rule/custom score of a response in training (verl's naive reward
+    manager); validation still scores with the rule/custom function."""
+    enable: bool = False
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
+    model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
+    # differs from verl (required there): null -> actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+    micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: Optional[bool] = None  # null -> critic.use_dynamic_bsz (as verl)
+    forward_max_token_len_per_gpu: Optional[int] = None  # null -> critic.forward_max_token_len_per_gpu (as verl)
+    # re-encoded sequences (model.input_tokenizer set) are cut on the right to this many tokens;
+    # null: data.max_prompt_length + data.max_response_length (as verl)
+    max_length: Optional[int] = None
+    reward_manager: Literal["naive"] = "naive"
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction``. ``bypass_mode``: the rollout engine's log-probs are
+    the PPO anchor (old_log_probs) and the actor's old-log-prob forward is skipped (verl's 2-policy
+    mode); the rollout/actor log-prob check is then measured on the update's first mini-batch.
+    Importance-sampling and rejection-sampling corrections (``rollout_is``, ``rollout_rs``) and the
+    REINFORCE loss (``loss_type: reinforce``) are not implemented: refused by name, verl's off
+    values accepted (rlhf_hpc.recipe.verl_compat)."""
+    bypass_mode: bool = False
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0
+    lam: float = 1.0
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus",
+                           "reinforce_plus_plus_baseline"] = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: KLKind = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class GuardConfig:
+    """Divergence checks after every step; a trip rolls back to the last good checkpoint."""
+    enable: bool = True
+    max_kl: Optional[float] = None  # KL(actor || reference) per token above which the step is rejected
+    kl_rise_threshold: Optional[float] = None  # ... or above this for kl_rise_steps steps in a row
+    kl_rise_steps: int = 3
+    vf_jump_factor: Optional[float] = 10.0  # value loss over this x the median of the last `window` steps
+    # scale-free collapse checks against the run's own recent level (the median of the last
+    # `window` steps): the rollouts' entropy falling below entropy_drop x it (a policy collapsed onto
+    # a few tokens), and KL(actor || reference) above kl_jump_factor x it and above kl_jump_floor (a
+    # KL that small is no collapse: the demo's triples 0.04 -> 0.13 in a healthy early step)
+    entropy_drop: Optional[float] = 0.2
+    kl_jump_factor: Optional[float] = 3.0
+    kl_jump_floor: float = 1.0
+    window: int = 5
+    # a checkpoint of the starting point (global_step_0) when a fresh run begins, so a step that
+    # diverges before the first save has something to roll back to (needs trainer.save_freq > 0)
+    initial_checkpoint: bool = True
+    lr_decay: float = 0.5  # actor LR multiplier applied at each rollback
+    kl_coef_mult: float = 1.0  # KL coefficient multiplier at each rollback (in reward and in loss)
+    max_rollbacks: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "rlhf-hpc"
+    experiment_name: str = "gsm8k-klppo"
+    recipe: Optional[str] = None  # set by launch.py: the recipe the run started from
+    wandb_group: Optional[str] = None  # null: the recipe (runs of one recipe and a sweep's elements share it)
+    # "auto": cuda when torch sees a GPU, else cpu (gloo)
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    nnodes: int = 1
+    # ranks per node: GPUs on a GPU node, processes on a CPU machine
+    n_gpus_per_node: int = 8
+    total_epochs: int = 30
+    total_training_steps: Optional[int] = None
+    # a bare string is taken as a one-item list (as verl does); mlflow: MLFLOW_TRACKING_URI, else a
+    # file store in <run dir>/mlruns (rlhf_hpc/observability/tracking.py)
+    logger: list[Literal["console", "wandb", "tensorboard", "mlflow"]] = field(
+        default_factory=lambda: ["console", "wandb"])
+    log_val_generations: int = 0  # not supported: only 0 is accepted
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    critic_warmup: int = 0  # the actor is not updated while critic_warmup > step (steps count from 1)
+    # assign a step's rows to ranks so each rank's token count is as even as possible
+    balance_batch: bool = True
+    resume_mode: str = "auto"  # auto | disable | <path to a global_step_N directory>
+    # the run directory: checkpoints, metrics.jsonl, the resolved config.yaml, logs
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    max_ckpt_to_keep: Optional[int] = None
+    seed: int = 42
+    # process-group timeout; long enough for the slowest rank's checkpoint write
+    dist_timeout_s: int = 1800
+    # peak dense bf16 TFLOP/s of one device for perf/mfu/actor; null: a table by GPU name
+    peak_tflops: Optional[float] = None
+    # memory of one GPU for the memory plan (rlhf_hpc/planning/memory_plan.py); null: 80 (H100/A100 80GB)
+    gpu_memory_gb: Optional[float] = None
+    # refuse to start with less free space than this where the run directory lives
+    min_free_disk_gb: float = 1.0
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    # testing: make a fault happen on purpose, "KIND@STEP[:RANK]" with KIND in nan_grad, lr_x1000,
+    # kill (this rank dies mid-step, first attempt only), kill_in_save, wrong_weights (that step's
+    # weight sync sends wrong weights; 0: the preflight's), slow (every step from STEP on 1 s
+    # longer): rlhf_hpc/ppo/faults.py
+    inject_fault: Optional[str] = None
+    # the job checks the allocation instead of training (rlhf_hpc/preflight.py); set by
+    # `launch.py preflight recipe=...`, which also puts the job in <run dir>/preflight
+    preflight: bool = False
+
+
+@dataclass
+class LauncherConfig:
+    # auto: Slurm when `sbatch` is on PATH, else this machine
+    cluster: Literal["auto", "local", "slurm"] = "auto"
+    # slurm/clusters/<name>.yaml: site specifics (partition, account, GPU syntax, modules, container)
+    cluster_profile: Optional[str] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    # how the site wants GPUs asked for: --gpus-per-node=N, --gres=gpu:N, or not at all (CPU nodes)
+    gpu_request: Literal["gpus-per-node", "gres", "none"] = "gpus-per-node"
+    time_min: int = 240
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+    exclusive: bool = False
+    additional_sbatch: list[str] = field(default_factory=list)  # extra "#SBATCH" lines, e.g. --mail-type=END
+    setup: list[str] = field(default_factory=list)  # shell lines before the job: module loads, venv
+    container: Optional[str] = None  # command prefix, e.g. "apptainer exec --nv /path/rlhf-hpc-gpu.sif"
+    # preemption / time limit: Slurm sends USR2 this long before the end (large models need minutes
+    # to save); independently, the loop saves and requeues when less than time_margin_s remain
+    signal_lead_s: int = 120
+    time_margin_s: int = 300
+    max_requeues: int = 3
+    max_restarts: int = 0  # torchrun restarts of crashed workers
+    array_parallelism: int = 16
+    # wrap each node's job (torchrun and its ranks) in `nsys profile`; the loop's phases show as
+    # NVTX ranges; one report per node in <run dir>/profile/ (rlhf_hpc/launch/slurm.py)
+    nsys: bool = False
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """verl's ``global_profiler`` (tool torch): torch.profiler traces of chosen steps
+    (on the command line ``trainer.profile_steps=[3,4]`` is a shorthand for ``global_profiler.steps``)."""
+    tool: str = "torch"  # verl's key; only torch here (Nsight Systems: launcher.nsys=true)
+    steps: Optional[list[int]] = None  # global steps to trace, e.g. [3, 4]; null: none
+    ranks: Optional[list[int]] = None  # ranks that trace them; null: every rank
+    save_path: Optional[str] = None  # null: <run dir>/profile
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(
+        default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    # not a key: the dotted keys the recipe file (with its bases) set, before overrides and
+    # defaults (rlhf_hpc.recipe.load.load_config; a run keeps them in RUN_DIR/recipe.yaml). Advice
+    # never asks to change what the recipe chose (rlhf_hpc.observability.profiling.CommHint).
+    recipe_keys: ClassVar[frozenset] = frozenset()
+    recipe_tree: ClassVar[Optional[dict]] = None  # that recipe mapping itself
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node

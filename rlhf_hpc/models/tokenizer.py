@@ -1,0 +1,79 @@
+"""Tokenizers: a Hugging Face tokenizer by path/name, or ``tiny://chars`` built in code.
+
+``tiny://chars`` is a character-level tokenizer (digits, lowercase letters, a little punctuation)
+with Qwen2's chat-format special tokens and a ChatML chat template: small enough for the tiny demo
+model (its vocabulary fits ``vocab_size=64``) and needing no files.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from rlhf_hpc.models.hf import local_path
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def build_tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"], padding_side="left")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: Optional[str] = None):
+    """``tiny://chars`` or anything ``AutoTokenizer.from_pretrained`` takes (offline: from HF_HOME).
+    ``chat_template`` (``actor_rollout_ref.model.custom_chat_template``, a Jinja template) replaces
+    the tokenizer's own, for prompts and for every later use of the template."""
+    if path.startswith("tiny://"):
+        if path != "tiny://chars":
+            raise ValueError(f"unknown built-in tokenizer '{path}'; the built-in one is tiny://chars")
+        tok = build_tiny_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(local_path(path), trust_remote_code=trust_remote_code)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def tokenizer_path(cfg) -> str:
+    """Which tokenizer a config uses: data.tokenizer, else the model's tokenizer_path, else the model
+    path (a tiny:// model uses tiny://chars)."""
+    m = cfg.actor_rollout_ref.model
+    path = cfg.data.tokenizer or m.tokenizer_path or m.path
+    return "tiny://chars" if path.startswith("tiny://") else path
+
+
+@functools.lru_cache(maxsize=None)
+def generation_eos_ids(model_path: str) -> tuple[int, ...]:
+    """The ``eos_token_id`` of the model's ``generation_config.json`` (one id, or a list: Qwen2.5's
+    instruct models end a turn with <|im_end|> or <|endoftext|>, Llama-3's with three ids); ()
+    where there is none (tiny models, a checkpoint without one)."""
+    if model_path.startswith("tiny://"):
+        return ()
+    from transformers import GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(local_path(model_path)).eos_token_id
+    except (OSError, ValueError):
+        return ()
+    return tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """What ends a response, as verl: the tokenizer's EOS and padding token and every EOS id of
+    the model's generation config. The stop token is kept as the response's last token."""
+    ids = {tokenizer.eos_token_id, getattr(tokenizer, "pad_token_id", None), *generation_eos_ids(model_path)}
+    return sorted(t for t in ids if t is not None)

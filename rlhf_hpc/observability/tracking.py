@@ -1,0 +1,307 @@
+"""Where metrics go: ``metrics.jsonl`` in the run directory (always), one console line per step, and
+optionally TensorBoard, Weights & Biases and MLflow (``trainer.logger``). Only rank 0 writes.
+
+MLflow: the tracking URI is ``MLFLOW_TRACKING_URI`` when set (a group's server), else a file store in
+``<run dir>/mlruns`` (no server needed on compute nodes; MLflow >= 3.7 keeps its file store behind
+``MLFLOW_ALLOW_FILE_STORE=true``, which is set for it). Experiment = ``trainer.project_name``, run
+name = ``trainer.experiment_name``; parameters = the flat resolved config (values as JSON, strings
+as they are); tags = W&B's (recipe, profile, git, config hash, group); the resolved ``config.yaml``
+as an artifact; metrics per step
+under W&B's names passed through ``mlflow_metric_name``. A resumed or requeued run continues the
+same MLflow run (its id is in the checkpoint and in ``<run dir>/mlflow_run_id``)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from rlhf_hpc.config.tree import flatten
+from rlhf_hpc.config.tree import to_dict
+
+WANDB_ID_FILE = "wandb_run_id"
+GLOBAL_STEP, LOG_STEP = "training/global_step", "training/log_step"
+MLFLOW_ID_FILE = "mlflow_run_id"
+MLFLOW_DIR = "mlruns"
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# keys that name or place a run rather than define the experiment (left out of the config hash)
+RUN_SPECIFIC = ("trainer.default_local_dir", "trainer.experiment_name", "trainer.resume_mode")
+
+
+def config_hash(cfg) -> str:
+    """Short hash of the resolved config, identical for runs that are the same experiment."""
+    import hashlib
+    flat = {k: v for k, v in flatten(to_dict(cfg)).items() if k not in RUN_SPECIFIC}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def wandb_tags(cfg) -> list[str]:
+    commit = git_commit()
+    tags = [f"recipe:{cfg.trainer.recipe}" if cfg.trainer.recipe else None,
+            f"profile:{cfg.launcher.cluster_profile}" if cfg.launcher.cluster_profile else None,
+            f"git:{commit}" if commit else None, f"config:{config_hash(cfg)}"]
+    return [t for t in tags if t]
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class Tracker:
+    def __init__(self, cfg, run_dir: str | Path, is_main: bool, total_steps: int,
+                 wandb_id: Optional[str] = None, mlflow_id: Optional[str] = None):
+        self.cfg, self.run_dir, self.is_main, self.total = cfg, Path(run_dir), is_main, total_steps
+        self.loggers = set(cfg.trainer.logger)
+        self._t_start, self._steps_timed = time.time(), 0
+        self.wandb_run = self.tb = self.mlflow = None
+        self.wandb_offline = False
+        self.wandb_id, self.mlflow_id = wandb_id, mlflow_id
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "metrics.jsonl"
+        # the loggers' x-axis step: one per logged row, across rollbacks (which repeat training
+        # steps), resumes and requeues; W&B drops a row whose step is not larger than the last
+        self.log_step = sum(1 for line in path.open() if line.strip()) if path.is_file() else 0
+        self._jsonl = open(path, "a", buffering=1)
+        if "tensorboard" in self.loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("trainer.logger has tensorboard but the tensorboard package is not installed "
+                                   "(pip install tensorboard, or drop it from trainer.logger)") from None
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in self.loggers:
+            self._init_wandb()
+        if "mlflow" in self.loggers:
+            self._init_mlflow()
+
+    def _init_wandb(self) -> None:
+        import wandb
+        id_file = self.run_dir / WANDB_ID_FILE
+        if self.wandb_id is None and id_file.is_file():
+            self.wandb_id = id_file.read_text().strip()
+        if self.wandb_id is None:
+            self.wandb_id = uuid.uuid4().hex[:12]
+        tr = self.cfg.trainer
+        mode, why = wandb_mode(os.environ)
+        if mode == "offline" and "WANDB_MODE" not in os.environ:
+            self.log_line(f"[rlhf-hpc] W&B offline: {why}; the run is kept in {self.run_dir / 'wandb'} "
+                          f"(upload it later: {wandb_sync_command(self.run_dir)})")
+        self.wandb_offline = mode == "offline"
+        self.wandb_run = wandb.init(
+            project=tr.project_name, name=tr.experiment_name, id=self.wandb_id, resume="allow",
+            group=tr.wandb_group or tr.recipe or tr.experiment_name, dir=str(self.run_dir),
+            config=flatten(to_dict(self.cfg)), tags=wandb_tags(self.cfg), mode=mode)
+        # charts are drawn against the training step; W&B's own step is the row counter
+        self.wandb_run.define_metric(GLOBAL_STEP)
+        self.wandb_run.define_metric("*", step_metric=GLOBAL_STEP)
+        self.log_step = max(self.log_step, int(getattr(self.wandb_run, "step", 0) or 0))
+        id_file.write_text(self.wandb_id)
+
+    def _init_mlflow(self) -> None:
+        try:
+            from mlflow import MlflowClient
+        except ImportError:
+            raise RuntimeError("trainer.logger has mlflow but the mlflow package is not installed "
+                               "(pip install mlflow-skinny, or drop it from trainer.logger)") from None
+        id_file = self.run_dir / MLFLOW_ID_FILE
+        if self.mlflow_id is None and id_file.is_file():
+            self.mlflow_id = id_file.read_text().strip()
+        uri = mlflow_tracking_uri(self.run_dir)
+        self.mlflow = MlflowClient(uri)
+        tr = self.cfg.trainer
+        if self.mlflow_id is not None:
+            # a resumed/requeued run continues the same MLflow run; its parameters stay those of the
+            # launch that created it (MLflow parameters cannot change), tags and config.yaml follow this one
+            from mlflow.exceptions import MlflowException
+            try:
+                self.mlflow.update_run(self.mlflow_id, status="RUNNING")
+            except MlflowException as e:
+                raise RuntimeError(f"MLflow run {self.mlflow_id} (this run's, from its checkpoint) is not in the "
+                                   f"tracking store {uri}: set MLFLOW_TRACKING_URI to the store the run started "
+                                   f"with ({str(e).splitlines()[0]})") from None
+            for key, value in mlflow_tags(self.cfg).items():
+                self.mlflow.set_tag(self.mlflow_id, key, value)
+        else:
+            exp = self.mlflow.get_experiment_by_name(tr.project_name)
+            exp_id = exp.experiment_id if exp is not None else self.mlflow.create_experiment(tr.project_name)
+            run = self.mlflow.create_run(exp_id, run_name=tr.experiment_name, tags=mlflow_tags(self.cfg))
+            self.mlflow_id = run.info.run_id
+            from mlflow.entities import Param
+            params = [Param(k, _param_value(v)) for k, v in flatten(to_dict(self.cfg)).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+                self.mlflow.log_batch(self.mlflow_id, params=params[i:i + 100])
+        id_file.write_text(self.mlflow_id)
+        if (self.run_dir / "config.yaml").is_file():
+            self.mlflow.log_artifact(self.mlflow_id, str(self.run_dir / "config.yaml"))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """One row: ``training/global_step`` is ``step`` (it repeats after a rollback), and every
+        logger's own step is ``training/log_step``, which only grows, so no row is dropped."""
+        if not self.is_main:
+            return
+        self.log_step += 1
+        record = {GLOBAL_STEP: step, LOG_STEP: self.log_step, **{k: _num(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in {GLOBAL_STEP: step, **metrics}.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, self.log_step)
+        if self.wandb_run is not None:
+            # one row per call: W&B's step is the row counter, the charts' x-axis training/global_step
+            # (defined as every metric's step metric at init)
+            self.wandb_run.log({**metrics, GLOBAL_STEP: step}, step=self.log_step)
+        if self.mlflow is not None:
+            from mlflow.entities import Metric
+            now = int(time.time() * 1000)
+            self.mlflow.log_batch(self.mlflow_id, metrics=[
+                Metric(mlflow_metric_name(k), float(v), now, step) for k, v in metrics.items()
+                if isinstance(v, (int, float))])
+        if "console" in self.loggers:
+            print(self.progress_line(metrics, step), flush=True)
+
+    def progress_line(self, m: dict, step: int) -> str:
+        dt = m.get("timing_s/step", 0.0)
+        eta = dt * max(0, self.total - step)
+        parts = [f"step {step}/{self.total}"]
+        for key, label in (("critic/score/mean", "score"), ("actor/reward_kl_penalty", "kl"), ("actor/kl_loss", "kl_loss"),
+                           ("response_length/mean", "resp_len"), ("actor/pg_loss", "pg_loss"),
+                           ("critic/vf_loss", "vf_loss"), ("rollout/logprob_diff_max", "lp_diff")):
+            if key in m:
+                parts.append(f"{label} {m[key]:.4g}")
+        # validation scores (val-core/<data_source>/reward/mean@n), by data source
+        parts += [f"val {k[len('val-core/'):].rsplit('/reward/', 1)[0]} {v:.4g}" for k, v in sorted(m.items())
+                  if k.startswith("val-core/") and isinstance(v, (int, float))]
+        if "timing_s/step" in m:  # (a validation before training is no step)
+            parts.append(f"{dt:.2f}s/step  ETA {_fmt_duration(eta)}")
+        return " | ".join(parts)
+
+    def log_line(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        self._jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            if self.wandb_offline:
+                print(f"[rlhf-hpc] W&B ran offline; upload the run with: {wandb_sync_command(self.run_dir)}",
+                      flush=True)
+        if self.mlflow is not None:
+            self.mlflow.set_terminated(self.mlflow_id, "FINISHED")
+
+
+WANDB_REACH_TIMEOUT_S = 3.0
+
+
+def wandb_mode(env) -> tuple[str, str]:
+    """(W&B's mode, why): ``WANDB_MODE`` where it is set; else "offline" when there are no
+    credentials (no ``WANDB_API_KEY``, no netrc entry for the W&B host) or the service does not
+    answer within ``WANDB_REACH_TIMEOUT_S`` (a compute node without internet: ``wandb.init`` would
+    fail or hang there); else "online"."""
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"], "WANDB_MODE is set"
+    import netrc
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    has_key = bool(env.get("WANDB_API_KEY"))
+    if not has_key:
+        try:
+            has_key = netrc.netrc(env.get("NETRC") or None).authenticators(host) is not None
+        except (OSError, netrc.NetrcParseError):
+            has_key = False
+    if not has_key:
+        return "offline", f"no W&B credentials here (WANDB_API_KEY, or a ~/.netrc entry for {host})"
+    try:
+        socket.create_connection((host, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=WANDB_REACH_TIMEOUT_S).close()
+    except OSError as e:
+        return "offline", f"{host} cannot be reached from here ({e.strerror or e})"
+    return "online", "credentials found and the service answers"
+
+
+def wandb_sync_command(run_dir: str | Path) -> str:
+    return f"wandb sync {Path(run_dir).resolve() / 'wandb'}/offline-run-*"
+
+
+def mlflow_tracking_uri(run_dir: str | Path) -> str:
+    """``MLFLOW_TRACKING_URI``, else the file store ``<run dir>/mlruns``."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (Path(run_dir).resolve() / MLFLOW_DIR).as_uri()
+
+
+def mlflow_metric_name(name: str) -> str:
+    """A metric name as MLflow stores it. MLflow accepts letters, digits, ``_ - . : /`` and space,
+    and names that are normalised paths (no empty, ``.`` or ``..`` parts; at most 250 characters).
+    Every other character becomes ``_`` and bad path parts are dropped (empty) or become ``_``:
+    ``val-core/openai/gsm8k/reward/mean@1`` -> ``val-core/openai/gsm8k/reward/mean_1``,
+    ``val-core/synthetic://copy/...`` -> ``val-core/synthetic:/copy/...``. Names made only of
+    accepted characters (all of the loop's own) are unchanged."""
+    name = re.sub(r"[^\w.\- :/]", "_", name)
+    parts = ["_" if p in (".", "..") else p for p in name.split("/") if p]
+    return "/".join(parts)[:250] or "_"
+
+
+def mlflow_tags(cfg) -> dict[str, str]:
+    """W&B's tags as MLflow tags (key: value), plus the W&B group."""
+    tags = dict(t.split(":", 1) for t in wandb_tags(cfg))
+    tr = cfg.trainer
+    tags["group"] = tr.wandb_group or tr.recipe or tr.experiment_name
+    return tags
+
+
+def _param_value(v) -> str:
+    """Parameter values are strings in MLflow (at most 6000 characters)."""
+    return (v if isinstance(v, str) else json.dumps(v, default=str))[:6000]
+
+
+def _num(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf: keep them visible as strings
+    return v
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """Records of ``metrics.jsonl``, one per step in step order; when a step was logged again (a
+    resumed run, or a rollback that repeated it), the later record wins: the step that was kept."""
+    by_step: dict[int, dict] = {}
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["training/global_step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+if os.environ.get("WANDB_SILENT") is None:
+    os.environ["WANDB_SILENT"] = "true"

@@ -1,0 +1,496 @@
+"""The per-GPU memory plan: what each phase of a step holds on one GPU, from the config alone.
+
+Printed at ``--dry-run`` and checked before anything is queued: a plan that cannot fit is refused
+with the keys that shrink the failing phase. No weights are loaded: the model's shape comes from
+its ``config.json`` (built on the meta device to count parameters), or, where the model directory
+is not on this machine, from the published config of a known model.
+
+Phases of one colocated step (one rank = one GPU):
+
+- ``gen``: vLLM holds ``gpu_memory_utilization`` x GPU memory (its weights, activations and KV cache);
+  what training keeps on the GPU between phases (shards that are not offloaded) must fit beside it;
+- ``old_log_prob`` / ``ref`` / ``values`` / ``reward_model``: forward passes, no graph (vLLM asleep);
+- ``update_actor`` / ``update_critic``: sharded parameters, gradients, optimizer state, the
+  unsharded group FSDP is computing, activations of one micro-batch, the logits.
+
+Estimates (bytes per token per decoder layer, logits) follow what the code keeps alive; they are
+checked on CPU against measured peaks (``python -m rlhf_hpc.bench.memory_plan_check``, BENCHMARKS.md)
+and on a GPU against ``torch.cuda.max_memory_allocated`` (``rlhf_hpc.bench.gpu_check``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rlhf_hpc.config.schema import Config, FSDPConfig
+from rlhf_hpc.planning.layout import choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs
+from rlhf_hpc.models.hf import is_tiny
+from rlhf_hpc.planning.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, ModelShape, activation_bytes,
+                                      logits_bytes, micro_tokens, model_shape)
+
+RUNTIME_GB = 1.0  # CUDA context, NCCL buffers, allocator slack: held in every phase
+# host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
+# (measured: 0.5 GiB resident on the CPU build); a GPU rank adds its CUDA context and NCCL's and
+# vLLM's host-side buffers (an estimate, 3 GiB in all: not measured here)
+HOST_RUNTIME_GB = {"cpu": 0.5, "cuda": 3.0}
+CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
+# vLLM's CPU build beside its weights and KV space: scheduler, sampler and attention buffers, the warm-up's
+# freed heap (SmolLM2-135M fp32: engine start takes 2.03 GiB above the import, weights + KV space are 1.5)
+VLLM_CPU_RUNTIME_GB = 0.5
+
+# ------------------------------------------------------------------------------------ estimates
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, float] = field(default_factory=dict)  # bytes
+    shrink: list[str] = field(default_factory=list)  # keys that make this phase smaller
+    note: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class HostPlan:
+    """Host memory of one node: every rank's steady share (``per_rank``: its runtime, what is
+    offloaded to the host; on a CPU run its whole per-rank plan) and the start-up peak of reading
+    a pretrained checkpoint (rank 0 alone holds a full copy, rlhf_hpc.distributed.loading)."""
+    ranks: int
+    per_rank: dict[str, float]
+    loading: float  # one full copy of the largest pretrained model, in its model_dtype
+    capacity: Optional[float]  # bytes per node: launcher.mem_gb, or this machine's memory when local
+    capacity_source: str = ""
+    shrink: list[str] = field(default_factory=list)
+    enforced: bool = False  # the capacity is the job's limit (launcher.mem_gb): above it is an error
+
+    @property
+    def total(self) -> float:
+        return self.ranks * sum(self.per_rank.values()) + self.loading
+
+    def _detail(self) -> str:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.per_rank.items() if v)
+        return (f"{self.ranks} ranks x {sum(self.per_rank.values()) / GiB:.2f} ({parts})"
+                + (f" + loading {self.loading / GiB:.2f} (rank 0 reads the checkpoint)" if self.loading else ""))
+
+    def render(self) -> str:
+        fits = self.capacity is None or self.total <= self.capacity
+        line = f"{'# OK  ' if fits else '# FAIL'} host/node     {self.total / GiB:6.1f} GiB  = {self._detail()}"
+        return line + (f" of {self.capacity / GiB:.0f} GiB ({self.capacity_source})" if self.capacity else
+                       " (no launcher.mem_gb to check against)")
+
+    def failure(self) -> Optional[str]:
+        if self.capacity is None or self.total <= self.capacity:
+            return None
+        return (f"memory plan: host memory per node needs {self.total / GiB:.1f} GiB but {self.capacity_source} "
+                f"gives {self.capacity / GiB:.0f} GiB ({self._detail()}); shrink it with {', '.join(self.shrink)}")
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    capacity: float  # bytes per GPU
+    phases: list[Phase]
+    shape: ModelShape
+    kv_cache_tokens: Optional[int] = None
+    max_model_len: int = 0
+    notes: list[str] = field(default_factory=list)
+    host: Optional[HostPlan] = None
+
+    def failures(self) -> list[str]:
+        """What cannot fit: a GPU phase above the GPU's memory, a KV cache smaller than one
+        sequence (GPU runs); the node's host memory above ``launcher.mem_gb`` (any run)."""
+        out = []
+        if self.device == "cuda":
+            for p in self.phases:
+                if p.total > self.capacity:
+                    out.append(f"memory plan: phase {p.name} needs {p.total / GiB:.1f} GiB per GPU but a GPU has "
+                               f"{self.capacity / GiB:.0f} GiB ({', '.join(f'{k} {v / GiB:.1f}' for k, v in p.parts.items() if v)}); "
+                               f"shrink it with {', '.join(p.shrink)}")
+            if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+                out.append(f"memory plan: phase gen leaves room for a KV cache of {max(self.kv_cache_tokens, 0)} tokens "
+                           f"per GPU, less than one sequence (max_model_len {self.max_model_len}); raise "
+                           f"actor_rollout_ref.rollout.gpu_memory_utilization or "
+                           f"actor_rollout_ref.rollout.tensor_model_parallel_size, or shorten "
+                           f"data.max_prompt_length / data.max_response_length")
+        problem = self.host.failure() if self.host is not None and self.host.enforced else None
+        return out + ([problem] if problem else [])
+
+    def warnings(self) -> list[str]:
+        """The node's host memory above this machine's (a local run: the estimate is no limit the
+        job is held to, so it warns)."""
+        if self.host is None or self.host.enforced:
+            return []
+        problem = self.host.failure()
+        return [problem] if problem else []
+
+    @property
+    def peak(self) -> float:
+        """The largest phase, bytes per GPU (per rank on the host for a CPU run)."""
+        return max(p.total for p in self.phases)
+
+    def against_measured(self, peaks: dict[str, float]) -> list[tuple[str, float, float]]:
+        """(phase, planned GiB, measured GiB) for each phase a run measured: ``peaks`` holds
+        ``memory_gb/<phase>`` (rlhf_hpc.observability.perf.Timer, the largest rank's). A GPU's measurement is
+        ``max_memory_allocated``, tensors only, so there the plan's runtime part (CUDA context,
+        NCCL buffers) is left out of the planned figure; on the CPU both count the whole process."""
+        out = []
+        for p in self.phases:
+            measured = peaks.get(f"memory_gb/{p.name}")
+            if measured is None:
+                continue
+            planned = p.total - (p.parts.get("runtime", 0.0) if self.device == "cuda" else 0.0)
+            out.append((p.name, planned / GiB, measured))
+        return out
+
+    def render_measured(self, peaks: dict[str, float]) -> Optional[str]:
+        """One line: each measured phase's peak against the plan, with the ratio."""
+        rows = self.against_measured(peaks)
+        if not rows:
+            return None
+        what = "max_memory_allocated vs plan less runtime" if self.device == "cuda" else "peak RSS vs plan"
+        return (f"memory per phase, measured on the largest rank ({what}), GiB: "
+                + ", ".join(f"{name} {m:.2f}/{p:.2f} ({m / p:.2f}x)" if p > 0 else f"{name} {m:.2f}/0"
+                            for name, p, m in rows))
+
+    def render(self) -> str:
+        gb = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
+        where = "GPU" if self.device == "cuda" else "rank (host memory)"
+        lines = [f"# memory plan per {where}: {self.capacity / GiB:.0f} GiB"
+                 + (" (trainer.gpu_memory_gb)" if self.device == "cuda" else ""),
+                 f"# model: {self.shape.params / 1e9:.3g}B parameters, {self.shape.source}"]
+        for p in self.phases:
+            flag = "# OK  " if p.total <= self.capacity else "# FAIL"
+            parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.parts.items() if v)
+            lines.append(f"{flag} {p.name:<14}{gb(p.total)} GiB  = {parts}" + (f"  [{p.note}]" if p.note else ""))
+        if self.kv_cache_tokens is not None:
+            lines.append(f"#       KV cache room: {max(self.kv_cache_tokens, 0):,} tokens per GPU "
+                         f"(one sequence: {self.max_model_len})")
+        if self.host is not None:
+            lines.append(self.host.render())
+        lines += [f"# {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _shards(world: int, fsdp: FSDPConfig) -> int:
+    from rlhf_hpc.distributed.process_group import mesh_shape
+    return mesh_shape(world, fsdp.fsdp_size)[1]
+
+
+def _train_state(params: int, fsdp: FSDPConfig, world: int, phase: str) -> dict[str, float]:
+    """Sharded parameters, gradients and Adam state on the GPU in ``phase`` (gen, forward, update).
+    With param_offload (FSDP2 CPUOffloadPolicy) all three live on the host; optimizer_offload alone
+    moves the Adam state to the host between updates (optim.optimizer_state_on)."""
+    shards = _shards(world, fsdp)
+    master = DTYPE_BYTES[fsdp.model_dtype]
+    host_params = fsdp.param_offload or fsdp.offload_policy
+    out = {"params": 0.0 if host_params else params * master / shards}
+    if phase == "update":
+        out["grads"] = 0.0 if host_params else params * master / shards
+    optim_on_gpu = not host_params and (phase == "update" or not fsdp.optimizer_offload)
+    out["optimizer"] = 2 * params * 4 / shards if optim_on_gpu else 0.0
+    return out
+
+
+def _working(s: ModelShape, fsdp: FSDPConfig, with_grad: bool) -> float:
+    """The group FSDP all-gathered for compute (and the next one when prefetching); in backward its
+    gradient in the compute dtype and the reduce-scatter buffer."""
+    b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+    # without reshard_after_forward every group stays unsharded from its forward to its backward
+    gathered = s.largest_group if fsdp.reshard_after_forward is not False else s.params
+    out = gathered * b + (s.layer_params * b if fsdp.forward_prefetch else 0)
+    if with_grad:
+        out += s.largest_group * (b + DTYPE_BYTES[fsdp.mixed_precision.reduce_dtype])
+    return float(out)
+
+
+def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, tokens: int, response_tokens: int,
+                 checkpointing: bool, head_vocab: int) -> dict[str, float]:
+    """One model's own share of an update phase: its training state, the unsharded group, the
+    activations of a micro-batch of ``tokens`` (``response_tokens`` of them scored by a head of
+    ``head_vocab`` logits; 0: a value head, one number per token)."""
+    b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+    return {**_train_state(params, fsdp, world, "update"), "unsharded group": _working(s, fsdp, with_grad=True),
+            "activations": activation_bytes(s, tokens, b, checkpointing, True),
+            "logits": float(logits_bytes(response_tokens, head_vocab, b, with_grad=True)) if head_vocab else tokens * 8.0}
+
+
+def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None,
+               rm_shape: Optional[ModelShape] = None) -> MemoryPlan:
+    """The plan of ``cfg``: its phases in step order (``PlanBuilder``), the host's line, notes."""
+    return PlanBuilder(cfg, shape, critic_shape, rm_shape).build()
+
+
+class PlanBuilder:
+    """What the phases of one plan share (the shapes, layouts, capacity, what stays resident), and
+    one method per kind of phase: generation, a forward pass, an update."""
+
+    def __init__(self, cfg: Config, shape: Optional[ModelShape], critic_shape: Optional[ModelShape],
+                 rm_shape: Optional[ModelShape]):
+        arr, tr = cfg.actor_rollout_ref, cfg.trainer
+        self.cfg, self.world = cfg, cfg.world_size
+        self.s = shape or model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
+        self.on_gpu = tr.device == "cuda"
+        if self.on_gpu:
+            self.capacity = (tr.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
+        else:  # informational: the host's memory shared by the ranks of a node
+            self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
+        self.runtime = RUNTIME_GB * GiB if self.on_gpu else host_runtime_bytes(tr.device)
+        self.P, self.R = cfg.data.max_prompt_length, cfg.data.max_response_length
+        self.per_rank_rows = cfg.data.train_batch_size * arr.rollout.n // self.world
+        self.use_critic = bool(cfg.critic.enable)
+        self.cs = critic_shape or self.s
+        self.critic_params = self.cs.params - self.cs.head_params + self.cs.hidden + 1 if self.use_critic else 0
+        self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.planning.layout)
+        self.recompute = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}
+        self.afs, self.rfs, self.cfs = layouts["actor"], layouts["ref"], layouts["critic"]
+        self.notes = describe_layouts(cfg)
+        rm = cfg.reward_model
+        self.rms = None
+        if rm.enable:
+            try:
+                self.rms = rm_shape or model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
+            except FileNotFoundError as e:
+                self.notes.append(f"reward model left out of the plan: {e}")
+        self.rm_params = self.rms.params - self.rms.head_params + self.rms.hidden if self.rms else 0  # + 1-label head
+        self.mfs = rm.model.fsdp_config
+        self.phases: list[Phase] = []
+        self.kv_tokens: Optional[int] = None
+
+    def build(self) -> MemoryPlan:
+        cfg, s = self.cfg, self.s
+        arr, tr, critic, rm = cfg.actor_rollout_ref, cfg.trainer, cfg.critic, cfg.reward_model
+        actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+        self.gen_phase()
+        self.forward_phase("old_log_prob", s, self.afs, rollout.log_prob_micro_batch_size_per_gpu,
+                           rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu, s.vocab,
+                           ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"], "actor",
+                           actor.ulysses_sequence_parallel_size)
+        if self.use_ref:
+            self.forward_phase("ref", s, self.rfs, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
+                               ref.log_prob_max_token_len_per_gpu, s.vocab,
+                               ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"], "ref",
+                               ref.ulysses_sequence_parallel_size or 1)
+        if self.use_critic:
+            self.forward_phase("values", self.cs, self.cfs, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
+                               critic.forward_max_token_len_per_gpu, 0,
+                               ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic",
+                               critic.ulysses_sequence_parallel_size)
+        if self.rms:
+            self.forward_phase("reward_model", self.rms, self.mfs, rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
+                               rm.forward_max_token_len_per_gpu, 0,
+                               ["reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu",
+                                *self.offload_keys("reward_model.model", self.mfs, optimizer=False)], "reward_model")
+        prefix = "actor_rollout_ref.actor"
+        self.update_phase("update_actor", s, s.params, self.afs, actor.ppo_micro_batch_size_per_gpu,
+                          actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, self.recompute["actor"], s.vocab,
+                          self.update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
+                                           self.recompute["actor"], self.afs), "actor", actor.ulysses_sequence_parallel_size)
+        if self.use_critic:
+            self.update_phase("update_critic", self.cs, self.critic_params, self.cfs, critic.ppo_micro_batch_size_per_gpu,
+                              critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, self.recompute["critic"],
+                              0, self.update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
+                                                  self.recompute["critic"], self.cfs), "critic",
+                              critic.ulysses_sequence_parallel_size)
+        notes = self.notes
+        if self.on_gpu and not tr.gpu_memory_gb:
+            notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
+        afs = self.afs
+        if afs.param_offload or afs.optimizer_offload:
+            host = 16 * s.params / _shards(self.world, afs) * (1 if afs.param_offload else 0.5)
+            notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
+                         + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
+        max_len = rollout.max_model_len or (self.P + self.R)
+        plan = MemoryPlan(tr.device, self.capacity, self.phases, s, self.kv_tokens, max_len, notes)
+        pretrained = [shp for shp, path in ((s, arr.model.path), (self.cs if self.use_critic else None, critic.model.path),
+                                            (self.rms, rm.model.path)) if shp is not None and not is_tiny(path)]
+        plan.host = host_plan(cfg, plan, max((x.params for x in pretrained), default=0), self.critic_params,
+                              self.rm_params,
+                              {"actor": afs, "ref": self.rfs if self.use_ref else None,
+                               "critic": self.cfs if self.use_critic else None,
+                               "reward_model": self.mfs if self.rms else None})
+        return plan
+
+    def resident(self, phase: str, skip: str = "") -> dict[str, float]:
+        """What the other models keep on the GPU during ``phase``."""
+        s, world, out = self.s, self.world, {}
+        if skip != "actor":
+            out["actor state"] = sum(_train_state(s.params, self.afs, world, phase).values())
+        if self.use_ref and skip != "ref":
+            rfs = self.rfs
+            out["ref params"] = 0.0 if rfs.param_offload or rfs.offload_policy else s.params * DTYPE_BYTES[rfs.model_dtype] / _shards(world, rfs)
+        if self.use_critic and skip != "critic":
+            out["critic state"] = sum(_train_state(self.critic_params, self.cfs, world, phase).values())
+        if self.rms and skip != "reward_model":
+            mfs = self.mfs
+            out["reward model params"] = (0.0 if mfs.param_offload or mfs.offload_policy
+                                          else self.rm_params * DTYPE_BYTES[mfs.model_dtype] / _shards(world, mfs))
+        return out
+
+    @staticmethod
+    def offload_keys(prefix: str, fsdp: FSDPConfig, optimizer: bool = True) -> list[str]:
+        """The offload switches of one model that are still off."""
+        keys = [] if fsdp.param_offload else [f"{prefix}.fsdp_config.param_offload"]
+        if optimizer and not (fsdp.param_offload or fsdp.optimizer_offload):
+            keys.append(f"{prefix}.fsdp_config.optimizer_offload")
+        return keys
+
+    def update_keys(self, prefix: str, section, recompute_key: str, recompute: bool, fsdp: FSDPConfig) -> list[str]:
+        keys = [f"{prefix}.ppo_max_token_len_per_gpu" if section.use_dynamic_bsz
+                else f"{prefix}.ppo_micro_batch_size_per_gpu (or {prefix}.use_dynamic_bsz with a token budget)"]
+        keys += [] if recompute else [recompute_key]
+        keys += self.offload_keys(prefix if prefix != "critic" else "critic.model", fsdp)
+        if _shards(self.world, fsdp) < self.world:
+            keys.append(f"{prefix if prefix != 'critic' else 'critic.model'}.fsdp_config.fsdp_size")
+        return keys
+
+    def gen_phase(self) -> None:
+        """Generation: vLLM takes its share of the GPU, training keeps its resident shards beside it;
+        sets ``awake``, what the engine keeps during the training phases (asleep or not)."""
+        s, rollout, on_gpu = self.s, self.cfg.actor_rollout_ref.rollout, self.on_gpu
+        tp = rollout.tensor_model_parallel_size
+        rb = DTYPE_BYTES[rollout.dtype]
+        max_len = rollout.max_model_len or (self.P + self.R)
+        vllm_share = rollout.gpu_memory_utilization * self.capacity
+        vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
+        if rollout.name != "hf" and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
+            vllm_share = (s.params * rb / tp + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
+                          + VLLM_CPU_RUNTIME_GB * GiB)
+            vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE + its runtime)": vllm_share}
+        elif rollout.name != "hf":
+            batched = max(rollout.max_num_batched_tokens, max_len)
+            weights = s.params * rb / tp
+            act = batched * (4 * s.hidden + (2 * s.intermediate + (s.heads + 2 * s.kv_heads) * s.head_dim) / tp) * rb
+            sampler = min(rollout.max_num_seqs, batched) * s.vocab * 4 * 2
+            graphs = 0 if rollout.enforce_eager else CUDA_GRAPHS_GB * GiB
+            kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb / min(tp, s.kv_heads)
+            self.kv_tokens = int((vllm_share - weights - act - sampler - graphs) // kv_per_token) if on_gpu else None
+        else:  # transformers generate: a full copy of the weights in the rollout dtype and its KV cache
+            vllm_gen = {"hf engine weights": s.params * rb}
+        self.phases.append(Phase("gen", {"runtime": self.runtime, **vllm_gen, **self.resident("gen")},
+                                 ["actor_rollout_ref.rollout.gpu_memory_utilization",
+                                  *self.offload_keys("actor_rollout_ref.actor", self.afs),
+                                  *(self.offload_keys("actor_rollout_ref.ref", self.rfs, optimizer=False)
+                                    if self.use_ref else []),
+                                  *(self.offload_keys("critic.model", self.cfs) if self.use_critic else []),
+                                  *(self.offload_keys("reward_model.model", self.mfs, optimizer=False)
+                                    if self.rms else [])]))
+        # vLLM during the training phases: asleep (sleep mode frees weights and KV cache) or not
+        self.awake = ({} if (rollout.free_cache_engine and on_gpu) or rollout.name == "hf"
+                      else {"vLLM (not freed)": vllm_share})
+        if rollout.name == "hf":
+            self.awake = {"hf engine weights": s.params * rb}
+
+    def forward_phase(self, name: str, shp: ModelShape, fsdp: FSDPConfig, rows, dyn, budget, head_vocab, keys, skip,
+                      sp: int = 1) -> None:
+        tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
+        b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+        parts = {"runtime": self.runtime, **self.awake, **self.resident("forward"),
+                 "unsharded group": _working(shp, fsdp, with_grad=False),
+                 "activations": activation_bytes(shp, tokens, b, False, False),
+                 "logits": logits_bytes(resp, head_vocab, b, with_grad=False) if head_vocab else tokens * 4.0}
+        self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
+
+    def update_phase(self, name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, recompute,
+                     head_vocab, keys, who, sp: int = 1) -> None:
+        tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
+        own = update_bytes(shp, params, fsdp, self.world, tokens, resp, recompute, head_vocab)
+        parts = {"runtime": self.runtime, **self.awake, **self.resident("forward", skip=who), **own}
+        self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
+                                 + (", gradient checkpointing" if recompute else "")))
+
+
+def host_runtime_bytes(device: str) -> float:
+    """A rank's host memory beside its tensors: the libraries (``HOST_RUNTIME_GB``) and, on CPU
+    ranks started with the launcher's malloc settings (rlhf_hpc.distributed.host_allocator), the freed heap
+    malloc keeps for reuse (up to its trim threshold)."""
+    from rlhf_hpc.distributed.host_allocator import TUNABLES, VALUE, malloc_tunables
+    # (the launcher decides from its own environment; a rank it started has the value set)
+    tuned = os.environ.get("GLIBC_TUNABLES") == VALUE or malloc_tunables(os.environ)[0] is not None
+    kept = TUNABLES["glibc.malloc.trim_threshold"] if device != "cuda" and tuned else 0
+    return HOST_RUNTIME_GB["cuda" if device == "cuda" else "cpu"] * GiB + kept
+
+
+def host_plan(cfg: Config, plan: MemoryPlan, largest_pretrained: int, critic_params: int, rm_params: int,
+              layouts: dict[str, Optional[FSDPConfig]]) -> HostPlan:
+    """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
+    to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
+    the moments between updates); CPU runs: the per-rank plan's largest phase, which is host memory
+    already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters)."""
+    tr, world = cfg.trainer, cfg.world_size
+    params = {"actor": plan.shape.params, "ref": plan.shape.params, "critic": critic_params, "reward_model": rm_params}
+    shrink = []
+    if tr.device == "cuda":
+        per_rank = {"runtime": host_runtime_bytes("cuda")}
+        for name, fsdp in layouts.items():
+            if fsdp is None:
+                continue
+            n = params[name] / _shards(world, fsdp)
+            trains = name in ("actor", "critic")
+            prefix = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic.model",
+                      "reward_model": "reward_model.model"}[name]
+            if fsdp.param_offload or fsdp.offload_policy:
+                per_rank[f"{name} offloaded"] = n * (DTYPE_BYTES[fsdp.model_dtype] * (2 if trains else 1)
+                                                     + (8 if trains else 0))
+                shrink.append(f"{prefix}.fsdp_config.param_offload=false")
+            elif trains and fsdp.optimizer_offload:
+                per_rank[f"{name} Adam moments"] = 8 * n
+                shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
+    else:
+        per_rank = {"largest phase": plan.peak}
+    loading = float(largest_pretrained * DTYPE_BYTES[cfg.actor_rollout_ref.actor.fsdp_config.model_dtype])
+    if loading:
+        shrink.append("actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads)")
+    shrink += ["trainer.n_gpus_per_node (fewer ranks per node, more nodes)"]
+    capacity, source = None, ""
+    if cfg.launcher.mem_gb:
+        capacity, source = cfg.launcher.mem_gb * GiB, "launcher.mem_gb"
+        shrink.insert(0, "launcher.mem_gb (ask Slurm for more)")
+    elif cfg.launcher.cluster == "local" or tr.device != "cuda":
+        capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink,
+                    enforced=bool(cfg.launcher.mem_gb))
+
+
+def check_plan(cfg: Config) -> tuple[Optional[MemoryPlan], list[str], list[str]]:
+    """(plan, errors, warnings) for ``cfg``: a GPU phase that cannot fit, or a node's host memory
+    above ``launcher.mem_gb``, is an error; host memory above this machine's (a local run) a
+    warning. No plan where the model's shape is unknown."""
+    try:
+        plan = build_plan(cfg)
+    except FileNotFoundError as e:
+        return None, [], [f"memory plan skipped: {e}"]
+    return plan, plan.failures(), plan.warnings()
+
+
+# Config keys that shrink the memory of each phase, in the order worth trying.
+MEMORY_KEYS = {
+    "update_weights": ["actor_rollout_ref.rollout.update_weights_bucket_mb"],
+    "gen": ["actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.max_num_seqs",
+            "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "actor_rollout_ref.rollout.free_cache_engine"],
+    "old_log_prob": ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (with log_prob_use_dynamic_bsz=true)"],
+    "ref": ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.fsdp_config.param_offload",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu (with log_prob_use_dynamic_bsz=true)"],
+    "values": ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu (with use_dynamic_bsz=true)"],
+    "update_critic": ["critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu (with use_dynamic_bsz=true)",
+                      "critic.model.enable_gradient_checkpointing", "critic.model.fsdp_config.param_offload",
+                      "critic.model.fsdp_config.optimizer_offload"],
+    "update_actor": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (with use_dynamic_bsz=true)",
+                     "actor_rollout_ref.model.enable_gradient_checkpointing",
+                     "actor_rollout_ref.actor.fsdp_config.param_offload",
+                     "actor_rollout_ref.actor.fsdp_config.optimizer_offload"],
+}
+
+
+def oom_message(phase: str, peak_gb: float, device: str) -> str:
+    """What to say instead of a bare out-of-memory traceback."""
+    keys = MEMORY_KEYS.get(phase, ["data.train_batch_size", "data.max_response_length"])
+    return (f"out of memory in phase '{phase}' on {device} (peak {peak_gb:.1f} GB allocated). Keys that reduce "
+            f"this phase's memory: " + "; ".join(keys))

@@ -1,0 +1,135 @@
+"""Sizes of a model and of what a step keeps alive, from its config alone: the parameter counts
+of the shape (built on the meta device), bytes per dtype, activations per token and layer, logits,
+the largest micro-batch. Shared by the layout chooser (rlhf_hpc.planning.layout) and the memory plan
+(rlhf_hpc.planning.memory_plan)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rlhf_hpc.models.hf import is_tiny
+
+GiB = 1024 ** 3
+DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+# published config.json fields of models the shipped recipes use, for dry runs away from the cluster
+KNOWN_MODELS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs of a decoder-only model. Parameter counts are exact (meta build)."""
+    params: int
+    layer_params: int  # one decoder layer
+    embed_params: int
+    head_params: int  # 0 when tied to the embedding
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    source: str = ""
+
+    @property
+    def largest_group(self) -> int:
+        """Parameters of the largest FSDP group (parallel.py: each layer, embedding, head, root)."""
+        return max(self.layer_params, self.embed_params, self.head_params)
+
+
+_shapes: dict[str, ModelShape] = {}
+
+
+def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
+    """Shape of ``path`` from its config alone (no weights); remembered per process."""
+    key = repr((path, sorted((override or {}).items()), trust_remote_code))
+    if key not in _shapes:
+        _shapes[key] = _model_shape(path, override, trust_remote_code)
+    return _shapes[key]
+
+
+def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlhf_hpc.models.hf import model_config
+    expanded = Path(path).expanduser()
+    if is_tiny(path) or (expanded / "config.json").is_file():
+        config, source = model_config(path, override, trust_remote_code), f"config of {path}"
+    else:
+        key = next((k for k in KNOWN_MODELS if k in Path(path).name.lower()), None)
+        if key is None:
+            raise FileNotFoundError(f"no config.json at {path} and no published shape for it: run the dry run "
+                                    f"where the model directory is")
+        config = Qwen2Config(**KNOWN_MODELS[key])
+        for k, v in (override or {}).items():
+            if k != "attn_implementation":
+                setattr(config, k, v)
+        source = f"published {key} config (no config.json at {path} here)"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    from rlhf_hpc.distributed.fsdp import decoder_layers, tied_embeddings
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    layers = decoder_layers(model)
+    tied = tied_embeddings(model)
+    heads = config.num_attention_heads
+    return ModelShape(
+        params=count(model), layer_params=max(count(layer) for layer in layers),
+        embed_params=model.get_input_embeddings().weight.numel(),
+        head_params=0 if tied or model.get_output_embeddings() is None else model.get_output_embeddings().weight.numel(),
+        hidden=config.hidden_size, layers=len(layers), intermediate=config.intermediate_size,
+        vocab=config.vocab_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", heads),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, source=source)
+
+
+def layer_activation_bytes(s: ModelShape, compute_bytes: int) -> int:
+    """Bytes a decoder layer keeps for backward per token (Qwen2/Llama block, flash-style attention):
+    RMSNorms keep their fp32 input and normalised value (2 x 2h fp32) and a cast output (2 x h);
+    q/k/v and their rotary copies (2 x (q + 2kv) - kv), the attention output (q), o_proj output (h);
+    gate, up, act(gate), act(gate) x up (4 x I); down_proj output (h)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return 4 * 4 * s.hidden + compute_bytes * (2 * s.hidden + 3 * q + 3 * kv + 2 * s.hidden + 4 * s.intermediate)
+
+
+LOGITS_CHUNK = 1024  # rows algos.token_logprobs_chunked takes at a time
+
+
+def logits_bytes(n_tokens: int, vocab: int, compute_bytes: int, with_grad: bool) -> int:
+    """The head's output for ``n_tokens`` response tokens (compute dtype; with gradients also its
+    gradient), and one chunk's fp32 temporaries (upcast, divided by the temperature, a logsumexp
+    or softmax temporary; in backward the recomputed chunk and its gradient)."""
+    full = n_tokens * vocab * compute_bytes * (2 if with_grad else 1)
+    return full + min(n_tokens, LOGITS_CHUNK) * vocab * 4 * (4 if with_grad else 3)
+
+
+def activation_bytes(s: ModelShape, tokens: int, b: int, checkpointing: bool, with_grad: bool) -> float:
+    """Activations of ``tokens`` tokens through the decoder: a forward keeps one layer's temporaries;
+    backward keeps every layer's (with checkpointing: each layer's input, one layer recomputed)."""
+    per_layer = layer_activation_bytes(s, b)
+    if not with_grad:  # a forward keeps one layer's temporaries at a time
+        return float(tokens * per_layer)
+    if checkpointing:  # each layer's input is kept, one layer is recomputed at a time
+        return float(tokens * (s.layers * s.hidden * b + per_layer))
+    return float(tokens * s.layers * per_layer)
+
+
+def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
+                 prompt_len: int, response_len: int, sp: int = 1) -> tuple[int, int]:
+    """(tokens, response tokens) of the largest micro-batch on one rank: a token budget caps both
+    (a budget filled by short prompts is almost all response); fixed rows hold at most rows x full
+    length. With sequence parallelism (``sp`` > 1) a micro-batch holds the rows of sp ranks, each
+    rank 1/sp of its tokens (the budget is per rank, as verl's)."""
+    if dynamic:
+        return max_token_len, max_token_len
+    rows = min(rows or per_rank_rows, per_rank_rows * sp)
+    return -(-rows * (prompt_len + response_len) // sp), -(-rows * response_len // sp)

@@ -1,0 +1,306 @@
+"""Sharded checkpoints (torch.distributed.checkpoint), published atomically, and HF export.
+
+Layout under the run directory (the reference system's)::
+
+    global_step_N/
+        actor/        DCP shards of {"model", "optimizer"}   (any world size can load them)
+        critic/       same, when there is a critic
+        extra.pt      trainer state: schedulers, KL controller, sampler, step (rank 0)
+        rng/rank_R.pt RNG states of each rank (restored only on the same world size)
+        COMPLETE      written last, before the directory gets its final name
+    latest_checkpointed_iteration.txt   N of the newest complete checkpoint
+
+A checkpoint is written under ``.tmp-global_step_N`` and renamed when every rank has finished;
+``latest_checkpointed_iteration.txt`` is replaced (not rewritten in place) after that. A crash at
+any moment leaves the previous checkpoint complete and ``latest`` pointing at it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+LATEST = "latest_checkpointed_iteration.txt"
+COMPLETE = "COMPLETE"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"global_step_{step}"
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states as tensors and plain Python values (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                       has_gauss, cached],
+             "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
+                    extra: dict[str, Any], max_to_keep: Optional[int] = None, good: bool = True,
+                    config_text: Optional[str] = None,
+                    after_component: Optional[Callable[[str], None]] = None) -> Path:
+    """Collective: every rank calls it. ``components``: name -> (model, optimizer or None).
+    ``extra``: trainer state, plain Python values and tensors only (loaded with weights_only).
+    ``good``: whether the stability guard vouches for it (rollbacks only go to good ones).
+    ``config_text``: the run's resolved config, kept with the checkpoint for compatibility checks.
+    ``after_component``: called with each component's name once it is written (fault injection)."""
+    root = Path(root)
+    final, tmp = step_dir(root, step), root / f".tmp-global_step_{step}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crash during an earlier attempt at this step
+            shutil.rmtree(tmp)
+    _barrier()
+    for name, (model, optimizer) in components.items():
+        model_sd, optim_sd = _state(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / name))
+        if after_component is not None:
+            after_component(name)
+    (tmp / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+    if _rank() == 0:
+        torch.save(extra, tmp / "extra.pt")
+        if config_text is not None:
+            (tmp / "config.yaml").write_text(config_text)
+    _barrier()
+    if _rank() == 0:
+        # the manifest (every file's size) lets a resume detect a damaged checkpoint before loading it
+        manifest = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        _write_atomic(tmp / COMPLETE, json.dumps({"step": step, "world_size": _world(), "good": good,
+                                                  "components": sorted(components), "files": manifest}))
+        if final.exists():  # an older save of the same step (e.g. re-run after a rollback)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / LATEST, str(step))
+        if max_to_keep:
+            for old in sorted(list_checkpoints(root))[:-max_to_keep]:
+                shutil.rmtree(step_dir(root, old), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return get_model_state_dict(model), {}
+    return get_state_dict(model, optimizer)
+
+
+def list_checkpoints(root: str | Path) -> list[int]:
+    """Steps of complete checkpoints under ``root`` (ascending)."""
+    root = Path(root)
+    steps = []
+    for p in root.glob("global_step_*") if root.is_dir() else []:
+        if (p / COMPLETE).is_file() and p.name.split("_")[-1].isdigit():
+            steps.append(int(p.name.split("_")[-1]))
+    return sorted(steps)
+
+
+def verify_checkpoint(path: str | Path) -> Optional[str]:
+    """None if every file the manifest lists is there with its size, else what is wrong."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError) as e:
+        return f"no readable {COMPLETE} marker ({e})"
+    for rel, size in meta.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def latest_checkpoint(root: str | Path) -> Optional[Path]:
+    """The checkpoint ``latest_checkpointed_iteration.txt`` names, if it is complete."""
+    root = Path(root)
+    try:
+        step = int((root / LATEST).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    path = step_dir(root, step)
+    return path if (path / COMPLETE).is_file() else None
+
+
+def load_checkpoint(path: str | Path, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
+                    restore_rng: bool = True) -> dict[str, Any]:
+    """Collective: load shards into the (already sharded) models and optimizers, resharding when
+    the world size or mesh differs from the one that saved. Returns the ``extra`` dict."""
+    path = Path(path)
+    for name, (model, optimizer) in components.items():
+        model_sd, optim_sd = _state(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd} if optimizer is not None else {"model": model_sd}
+        dcp.load(state, checkpoint_id=str(path / name))
+        if optimizer is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    meta = json.loads((path / COMPLETE).read_text())
+    rng_file = path / "rng" / f"rank_{_rank()}.pt"
+    if restore_rng and meta["world_size"] == _world() and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    return torch.load(path / "extra.pt", weights_only=True)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the unsharded model state on rank 0's CPU (other ranks get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ------------------------------------------------------------------------------------ HF export
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write the actor of a sharded checkpoint as a Hugging Face model directory (config.json,
+    safetensors in ``dtype``, the tokenizer when the model has one), loadable by
+    ``AutoModelForCausalLM.from_pretrained`` and vLLM. One process, no process group needed."""
+    from rlhf_hpc.distributed.loading import materialize
+    from rlhf_hpc.models.hf import build_causal_lm, local_path, torch_dtype
+    from rlhf_hpc.recipe.load import load_resolved
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    if not (ckpt_dir / COMPLETE).is_file():
+        raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker)")
+    cfg = load_resolved(ckpt_dir.parent / "config.yaml", check_files=False)
+    mcfg = cfg.actor_rollout_ref.model
+    # the structure, then the checkpoint's weights: the original checkpoint is not read again
+    model = materialize(build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
+                                        trust_remote_code=mcfg.trust_remote_code), torch.device("cpu"))
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt_dir / "actor"), no_dist=True)
+    model.load_state_dict(state["model"])
+    model.to(torch_dtype(dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok = mcfg.tokenizer_path or mcfg.path
+    if not tok.startswith("tiny://"):
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(local_path(tok), trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
+    return out_dir
+
+
+# ------------------------------------------------------------------------------ resume safety
+# Keys that must match for a checkpoint to continue the same run; anything else (world size, mesh,
+# micro-batches, learning rate, loggers, Slurm resources, total steps) may change between restarts.
+RESUME_KEYS = (
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.override_config", "actor_rollout_ref.model.tokenizer_path",
+    "data.tokenizer", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
+    "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
+    "critic.enable", "critic.model.path", "critic.model.override_config", "algorithm.adv_estimator",
+    "algorithm.kl_ctrl.type", "reward_model.enable", "reward_model.model.path",
+)
+
+
+def incompatible_keys(saved_config_text: str, cfg) -> list[str]:
+    """``key: saved -> now`` for every RESUME_KEYS entry that differs."""
+    from rlhf_hpc.config.tree import flatten
+    from rlhf_hpc.config.tree import parse_yaml, to_dict
+    saved = flatten(parse_yaml(saved_config_text) or {})
+    now = flatten(to_dict(cfg))
+    out = []
+    for key in RESUME_KEYS:
+        old = {k: v for k, v in saved.items() if k == key or k.startswith(key + ".")}
+        new = {k: v for k, v in now.items() if k == key or k.startswith(key + ".")}
+        if old != new:
+            out.append(f"{key}: {old.get(key, old) or '{}'} -> {new.get(key, new) or '{}'}")
+    return out
+
+
+def choose_resume(root: str | Path, log=print, at_most: Optional[int] = None) -> Optional[Path]:
+    """The newest complete, undamaged checkpoint under ``root``: ``latest`` first; a damaged one
+    (a file missing or truncated against the manifest) is skipped, and the log says so.
+    ``at_most``: only checkpoints of that step or earlier (a rollback past a suspect one)."""
+    root = Path(root)
+    latest = latest_checkpoint(root)
+    order = ([latest] if latest else []) + [step_dir(root, s) for s in reversed(list_checkpoints(root))
+                                            if latest is None or step_dir(root, s) != latest]
+    if at_most is not None:
+        order = [p for p in order if int(p.name.split("_")[-1]) <= at_most]
+    for path in order:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log(f"[rlhf-hpc] checkpoint {path} is damaged ({problem}); falling back to the previous one")
+    return None
+
+
+def mark_latest(root: str | Path, path: Path) -> None:
+    """Point ``latest_checkpointed_iteration.txt`` at ``path`` (rank 0): after a rollback a restart
+    continues from where training went back to, not from the rejected steps' checkpoints."""
+    if _rank() == 0:
+        _write_atomic(Path(root) / LATEST, path.name.split("_")[-1])
+    _barrier()
+
+
+def check_resume_compatible(path: Path, cfg) -> None:
+    saved = path / "config.yaml"
+    if not saved.is_file():
+        return
+    diff = incompatible_keys(saved.read_text(), cfg)
+    if diff:
+        from rlhf_hpc.config.errors import ConfigError
+        raise ConfigError([f"cannot resume from {path}: the run's config changed in keys that define it"] + diff +
+                          ["use a new trainer.default_local_dir, or trainer.resume_mode=disable to start over"])
+
+
+def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
+    """Before anything starts: the run directory can be created and written, with enough free space."""
+    from rlhf_hpc.config.errors import ConfigError
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"trainer.default_local_dir: cannot write to '{run_dir}' ({e.strerror or e}); choose a "
+                          f"directory you can write, on a filesystem every node sees") from None
+    free_gb = shutil.disk_usage(run_dir).free / 2**30
+    if free_gb < min_free_gb:
+        raise ConfigError(f"trainer.default_local_dir: only {free_gb:.2f} GB free at '{run_dir}', less than "
+                          f"trainer.min_free_disk_gb={min_free_gb}; checkpoints would not fit")

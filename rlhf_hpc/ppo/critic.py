@@ -1,0 +1,94 @@
+"""Critic: per-token values of the states before each response token, and its clipped-value update.
+
+Reads ``values`` (the old values) and ``returns`` from the batch during the update; shapes (B, R).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from rlhf_hpc.ops import algos
+from rlhf_hpc.distributed import sequence_parallel
+from rlhf_hpc.ops.batching import (Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows,
+                                   to_device, unpack_per_token)
+from rlhf_hpc.config.schema import CriticConfig
+from rlhf_hpc.ppo.optim import optimizer_state_on
+from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
+from rlhf_hpc.ppo.update import ppo_update
+
+
+def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True,
+                     sp: Optional[SequenceParallel] = None) -> torch.Tensor:
+    """V(s_t) for the state before each response token: (B, R), zero where masked. ``sp``: the
+    packed sequence is split over this sequence-parallel group."""
+    if sp is not None:
+        return sequence_parallel.per_token_values(model, batch, sp)
+    R = batch["responses"].shape[1]
+    mask = batch["response_mask"]
+    if remove_padding:
+        packed = pack(batch)
+        values = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+                       **packed.attention_kwargs())
+        return unpack_per_token(values, packed)
+    values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"])
+    return values[:, -R - 1:-1] * mask.to(values.dtype)
+
+
+class Critic:
+    """The value model on its training mesh (see ``Actor`` for ``dp_size``/``all_reduce``)."""
+
+    def __init__(self, model: nn.Module, cfg: CriticConfig, remove_padding: bool = True,
+                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
+                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
+                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu"),
+                 sp: Optional[SequenceParallel] = None):
+        self.model, self.cfg, self.remove_padding, self.device, self.sp = model, cfg, remove_padding, device, sp
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.dp_size, self.all_reduce, self.sync_max, self.norm_const = dp_size, all_reduce, sync_max, norm_const
+        self.optimizer_offload = optimizer_offload
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+        """(B, R) values for every row, in the batch's row order."""
+        self.model.eval()
+        own, max_token_len = slice(None), self.cfg.forward_max_token_len_per_gpu
+        if self.sp is not None:  # the group's rows, each micro-batch's tokens split over its ranks
+            batch, own = sequence_parallel.gather_rows(batch, self.sp)
+            max_token_len *= self.sp.size
+        groups = micro_batch_groups(batch, micro_batch_size, self.cfg.use_dynamic_bsz, max_token_len, self.sync_max)
+        outs, kept = [], []
+        for g in groups:
+            micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
+            v = per_token_values(self.model, micro, self.remove_padding, self.sp)
+            if g:
+                outs.append(v.cpu())
+                kept.append(g)
+        return restore_order(outs, kept)[own]
+
+    def update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+        """Clipped value regression onto ``returns``; loop structure as ``Actor.update_policy``."""
+        with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.optimizer_offload):
+            return self._update_critic(batch, mini_batch_rows, seed)
+
+    def _update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+        cfg = self.cfg
+
+        def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
+            v = per_token_values(self.model, micro, self.remove_padding, self.sp)
+            mask = micro["response_mask"]
+            loss, clipfrac = algos.value_loss(v, micro["returns"], micro["values"], mask, cfg.cliprange_value,
+                                              cfg.loss_agg_mode, **kw)
+            # tensors: read back once per update (metrics.UpdateMetrics), not per micro-batch
+            n_tokens = weight * mask.sum()
+            metrics.share("critic/vf_loss", weight * loss)
+            metrics.token_mean("critic/vf_clipfrac", clipfrac, n_tokens)
+            metrics.token_mean("critic/vpred_mean", algos.masked_mean(v.detach(), mask), n_tokens)
+            return loss
+
+        return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
+                          "critic", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device,
+                          self.sp)

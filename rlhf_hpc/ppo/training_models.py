@@ -1,0 +1,100 @@
+"""The models trained (actor, critic) and the reference, built from the config on their FSDP2 meshes
+(the generation engine is rlhf_hpc.rollout)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.ppo.critic import Critic
+from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max_int, all_reduce_sum
+from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
+from rlhf_hpc.models.hf import import_external_libs, attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
+from rlhf_hpc.ppo.optim import build_lr_scheduler, build_optimizer
+from rlhf_hpc.distributed.loading import build_sharded
+from rlhf_hpc.distributed.sequence_parallel import KEYS as SP_KEYS, for_model as sequence_parallel_for
+
+
+@dataclass
+class TrainingModels:
+    actor: Actor
+    ref: Optional[Actor]  # None when no KL is used anywhere
+    critic: Optional[Critic]  # None for critic-free estimators (grpo, rloo, ...)
+
+    def free_gradients(self) -> None:
+        """Drop the last update's gradients before generation (they would sit beside vLLM)."""
+        for part in (self.actor, self.critic):
+            if part is not None and part.optimizer is not None:
+                part.optimizer.zero_grad(set_to_none=True)
+
+    def checkpoint_components(self) -> dict:
+        comps = {"actor": (self.actor.model, self.actor.optimizer)}
+        if self.critic is not None:
+            comps["critic"] = (self.critic.model, self.critic.optimizer)
+        return comps
+
+
+def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> TrainingModels:
+    """Build and shard the models on every rank (collective). ``total_steps`` sizes the LR schedules.
+
+    A pretrained checkpoint is read once, by rank 0, and sent to the others' shards
+    (rlhf_hpc.distributed.loading); a tiny random model is built from the same seed on every rank.
+    """
+    arr, actor_cfg = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor
+    mcfg, seed = arr.model, cfg.trainer.seed
+    import_external_libs(mcfg.external_lib, cfg.critic.model.external_lib if cfg.critic.enable else None)
+    attn = attn_implementation(ctx.device, mcfg.override_config)
+    if actor_cfg.ulysses_sequence_parallel_size > 1 or arr.ref.ulysses_sequence_parallel_size > 1:
+        attn = "varlen"  # the implementation that exchanges heads (rlhf_hpc.distributed.sequence_parallel)
+    sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
+    fsdp = resolved_fsdp_configs(cfg)  # the layouts left at null, chosen from the model size
+    recompute = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}  # likewise checkpointing
+    common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
+                  norm_const=float(cfg.data.max_response_length), device=ctx.device)
+
+    pretrained = not is_tiny(mcfg.path)
+
+    def policy(dtype_name: str):
+        return lambda device: build_causal_lm(mcfg.path, torch_dtype(dtype_name), device, mcfg.override_config, seed,
+                                              mcfg.trust_remote_code, attn)
+    model = build_sharded(policy(actor_cfg.fsdp_config.model_dtype), fsdp["actor"], ctx, recompute["actor"], pretrained)
+    actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
+    opt = build_optimizer(model, actor_cfg.optim)
+    on_gpu = ctx.device.type == "cuda"
+    actor = Actor(model, actor_cfg, temperature=arr.rollout.temperature, remove_padding=mcfg.use_remove_padding,
+                  optimizer=opt, scheduler=build_lr_scheduler(opt, actor_cfg.optim, total_steps),
+                  optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, sp=actor_sp, **common)
+
+    ref = None
+    if actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref_model = build_sharded(policy(arr.ref.fsdp_config.model_dtype), fsdp["ref"], ctx, False, pretrained,
+                                   frozen=True)
+        ref = Actor(ref_model, actor_cfg, temperature=arr.rollout.temperature,
+                    remove_padding=mcfg.use_remove_padding,
+                    sp=sequence_parallel_for(arr.ref.ulysses_sequence_parallel_size, ref_model.config, SP_KEYS[1]),
+                    **common)
+
+    critic = None
+    if cfg.critic.enable:
+        ccfg = cfg.critic
+        # a random tiny actor has no checkpoint to share: copy its backbone so both start equal
+        init_from = build_causal_lm(mcfg.path, torch.float32, "cpu", mcfg.override_config, seed,
+                                    mcfg.trust_remote_code, attn) if is_tiny(ccfg.model.path) else None
+        critic_attn = ("varlen" if ccfg.ulysses_sequence_parallel_size > 1
+                       else attn_implementation(ctx.device, ccfg.model.override_config))
+        cmodel = build_sharded(
+            lambda device: build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), device,
+                                        ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
+                                        critic_attn, init_from=init_from),
+            fsdp["critic"], ctx, recompute["critic"], not is_tiny(ccfg.model.path))
+        del init_from
+        copt = build_optimizer(cmodel, ccfg.optim)
+        critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
+                        scheduler=build_lr_scheduler(copt, ccfg.optim, total_steps),
+                        optimizer_offload=on_gpu and ccfg.model.fsdp_config.optimizer_offload,
+                        sp=sequence_parallel_for(ccfg.ulysses_sequence_parallel_size, cmodel.config, SP_KEYS[2]),
+                        **common)
+    return TrainingModels(actor=actor, ref=ref, critic=critic)

@@ -1,0 +1,458 @@
+"""Cross-field checks of a resolved config, by topic: every problem with its key and, where
+possible, the fix (``validate`` collects them)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Optional
+
+from rlhf_hpc.config.errors import ConfigError, did_you_mean
+from rlhf_hpc.config.schema import ATTN_IMPLEMENTATIONS, Config
+from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.ops.batching import per_rank_mini_batch
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    return (re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None
+            and not path.startswith((".", "~", "/")))
+
+
+def profiler_problems(cfg: Config) -> list[str]:
+    gp, problems = cfg.global_profiler, []
+    if gp.tool != "torch":
+        problems.append(f"global_profiler.tool={gp.tool!r}: rlhf-hpc traces steps with torch.profiler (tool torch); "
+                        f"for Nsight Systems set launcher.nsys=true (the whole job, phases as NVTX ranges)")
+    bad_steps = [s for s in gp.steps or [] if s < 1]
+    if bad_steps:
+        problems.append(f"global_profiler.steps: {bad_steps} are not global steps (they count from 1)")
+    bad_ranks = [r for r in gp.ranks or [] if not 0 <= r < cfg.world_size]
+    if bad_ranks:
+        problems.append(f"global_profiler.ranks: {bad_ranks} are not ranks of this job (0..{cfg.world_size - 1})")
+    if cfg.launcher.nsys and cfg.launcher.cluster == "local":
+        problems.append("launcher.nsys=true wraps the nodes of a Slurm job (cluster=slurm); for a local run start "
+                        "it under Nsight Systems yourself: nsys profile -t cuda,nvtx python launch.py ...")
+    return problems
+
+
+def missing_files(cfg: Config) -> list[str]:
+    """Files/directories the config names that do not exist on this machine."""
+    problems = []
+
+    def check(key: str, path: Optional[str], hub_ok: bool = False) -> None:
+        if not path or path.startswith(("tiny://", "synthetic://")):
+            return
+        if os.path.exists(os.path.expanduser(path)):
+            return
+        if hub_ok and _looks_like_hub_id(path):
+            return  # a hub name: resolved from HF_HOME's cache where the job runs
+        problems.append(f"{key}: '{path}' does not exist")
+
+    def check_files(key: str, value: Any) -> None:
+        for i, p in enumerate([value] if isinstance(value, str) else (value or [])):
+            check(key if isinstance(value, str) else f"{key}[{i}]", p)
+
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    check_files("data.train_files", d.train_files)
+    check_files("data.val_files", d.val_files)
+    check("data.tokenizer", d.tokenizer, hub_ok=True)
+    check("actor_rollout_ref.model.path", arr.model.path, hub_ok=True)
+    check("actor_rollout_ref.model.tokenizer_path", arr.model.tokenizer_path, hub_ok=True)
+    if cfg.critic.enable and cfg.critic.model.path != arr.model.path:
+        check("critic.model.path", cfg.critic.model.path, hub_ok=True)
+    if cfg.reward_model.enable:
+        check("reward_model.model.path", cfg.reward_model.model.path, hub_ok=True)
+    check("custom_reward_function.path", cfg.custom_reward_function.path)
+    return problems
+
+
+def validate(cfg: Config, check_files: bool = True) -> list[str]:
+    """Cross-field checks on a resolved config, by topic. Raises ConfigError listing every problem;
+    returns warnings (notes that do not stop a run). With ``check_files`` False (a dry run prepared
+    away from the cluster) missing files are warnings too."""
+    from rlhf_hpc.recipe.packages import config_package_problems
+    errors: list[str] = bypass_problems(cfg)
+    warnings: list[str] = []
+    size_errors, sizes_ok = size_problems(cfg)
+    errors += size_errors
+    if sizes_ok:  # the batch arithmetic needs positive sizes
+        batch_errors, batch_warnings = batch_size_problems(cfg)
+        errors += batch_errors
+        warnings += batch_warnings
+    errors += mesh_problems(cfg)
+    errors += algorithm_problems(cfg)
+    errors += profiler_problems(cfg)
+    for topic in (sequence_parallel_problems, model_architecture_problems, config_package_problems):
+        topic_errors, topic_warnings = topic(cfg)
+        errors += topic_errors
+        warnings += topic_warnings
+    if cfg.launcher.cluster == "local" and cfg.trainer.nnodes > 1:
+        errors.append(f"trainer.nnodes={cfg.trainer.nnodes} needs several machines: use cluster=slurm "
+                      f"(launcher.cluster), or trainer.nnodes=1 to run here")
+    errors += unsupported_values(cfg)
+    errors += reward_model_problems(cfg)
+    warnings += strategy_warnings(cfg)
+    files = missing_files(cfg)
+    if check_files:
+        errors += files
+    else:
+        warnings += [f"{f} on this machine (it must exist where the job runs)" for f in files]
+    if errors:
+        raise ConfigError(errors)
+    return warnings
+
+
+def bypass_problems(cfg: Config) -> list[str]:
+    rollout = cfg.actor_rollout_ref.rollout
+    if cfg.algorithm.rollout_correction.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
+        return [f"algorithm.rollout_correction.bypass_mode=true takes the engine's log-probs as the PPO anchor, "
+                f"but with actor_rollout_ref.rollout.top_p={rollout.top_p} / top_k={rollout.top_k} they are "
+                f"log-probs of the truncated sampling distribution, not of the policy the actor trains; set "
+                f"top_p=1.0 and top_k=-1, or bypass_mode=false"]
+    return []
+
+
+def size_problems(cfg: Config) -> tuple[list[str], bool]:
+    """(errors, whether the sizes the batch arithmetic divides by are positive): counts, lengths,
+    learning rates that must be > 0, and the attention implementations named."""
+    errors: list[str] = []
+    d, arr, tr = cfg.data, cfg.actor_rollout_ref, cfg.trainer
+    actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+
+    def positive(key: str, value: Optional[float], allow_zero: bool = False) -> bool:
+        if value is None or value > 0 or (allow_zero and value == 0):
+            return True
+        errors.append(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+        return False
+
+    ok = all([positive("trainer.nnodes", tr.nnodes), positive("trainer.n_gpus_per_node", tr.n_gpus_per_node),
+              positive("data.train_batch_size", d.train_batch_size),
+              positive("actor_rollout_ref.rollout.n", rollout.n),
+              positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+              positive("critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)])
+    for key, override in (("actor_rollout_ref.model", arr.model.override_config), ("critic.model", critic.model.override_config),
+                          ("reward_model.model", cfg.reward_model.model.override_config)):
+        attn = override.get("attn_implementation")
+        if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
+            errors.append(f"{key}.override_config.attn_implementation={attn!r} is not one of "
+                          f"{', '.join(ATTN_IMPLEMENTATIONS)}{did_you_mean(str(attn), ATTN_IMPLEMENTATIONS)}")
+    for key in ("data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.actor.ppo_epochs",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                "critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.update_weights_bucket_mb",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size", "trainer.total_epochs",
+                "trainer.total_training_steps", "actor_rollout_ref.actor.optim.lr", "critic.optim.lr"):
+        ok &= positive(key, get_key(cfg, key))
+    return errors, ok
+
+
+def batch_size_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the batch sizes, as verl accepts them: prompts x n responses are
+    spread evenly over the ranks (rlhf_hpc.distributed.rows), each rank's share is cut into mini-batches
+    of ppo_mini_batch_size x n / ranks rows (rounded down; the last one may be smaller), those into
+    micro-batches. Sizes are positive here (size_problems)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    d, arr, world = cfg.data, cfg.actor_rollout_ref, cfg.world_size
+    actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+    if d.train_batch_size * rollout.n % world:
+        errors.append(f"data.train_batch_size ({d.train_batch_size}) x actor_rollout_ref.rollout.n "
+                      f"({rollout.n}) = {d.train_batch_size * rollout.n} responses must be divisible by "
+                      f"the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = {world}, so every "
+                      f"rank trains on the same number of responses")
+    for who, mbs, micro, dyn in (
+            ("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+             actor.use_dynamic_bsz),
+            ("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz)):
+        if who == "critic" and not critic.enable:
+            continue
+        per_rank = per_rank_mini_batch(mbs, rollout.n, world)
+        if mbs > d.train_batch_size:
+            errors.append(f"{who}.ppo_mini_batch_size ({mbs}) is larger than data.train_batch_size "
+                          f"({d.train_batch_size}): a step holds at most one mini-batch")
+        elif per_rank == 0:
+            errors.append(f"{who}.ppo_mini_batch_size ({mbs}) x actor_rollout_ref.rollout.n ({rollout.n}) "
+                          f"must be at least the number of ranks ({world}): each rank needs a row per "
+                          f"mini-batch")
+        else:
+            if d.train_batch_size % mbs:
+                warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) does not divide data.train_batch_size "
+                                f"({d.train_batch_size}): the last mini-batch of each epoch is smaller")
+            if mbs * rollout.n % world:
+                warnings.append(f"{who}.ppo_mini_batch_size ({mbs}) x rollout.n ({rollout.n}) is not divisible "
+                                f"by the {world} ranks: mini-batches hold {per_rank} rows per rank, "
+                                f"{per_rank * world} in all")
+            if not dyn and micro > per_rank:
+                warnings.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) is larger than the per-rank "
+                                f"mini-batch ({per_rank}): each mini-batch runs as one micro-batch")
+            elif not dyn and per_rank % micro:
+                errors.append(f"{who}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank "
+                              f"mini-batch, {who}.ppo_mini_batch_size x rollout.n / ranks = {per_rank}")
+    seq_len = d.max_prompt_length + d.max_response_length
+    for key in ("actor_rollout_ref.actor", "critic"):
+        section = get_key(cfg, key)
+        if section.use_dynamic_bsz and section.ppo_max_token_len_per_gpu < seq_len:
+            errors.append(f"{key}.ppo_max_token_len_per_gpu ({section.ppo_max_token_len_per_gpu}) is smaller "
+                          f"than one full sequence, data.max_prompt_length + data.max_response_length = {seq_len}")
+    for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.ref"):
+        section = get_key(cfg, key)
+        if section.log_prob_use_dynamic_bsz and section.log_prob_max_token_len_per_gpu < seq_len:
+            errors.append(f"{key}.log_prob_max_token_len_per_gpu ({section.log_prob_max_token_len_per_gpu}) "
+                          f"is smaller than one full sequence ({seq_len} tokens)")
+    return errors, warnings
+
+
+def mesh_problems(cfg: Config) -> list[str]:
+    """Meshes: (replicate, shard) must multiply to the world size; a tensor-parallel group of the
+    rollout stays inside one node."""
+    errors: list[str] = []
+    world, tr, rollout = cfg.world_size, cfg.trainer, cfg.actor_rollout_ref.rollout
+    if world > 0:
+        for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
+                    "critic.model.fsdp_config", "reward_model.model.fsdp_config"):
+            size = get_key(cfg, key).fsdp_size
+            if size == -1 or (size is None and not key.startswith("reward_model")):  # null: rlhf_hpc.planning.layout
+                continue
+            if size is None or size <= 0 or world % size:
+                errors.append(f"{key}.fsdp_size ({size}) must divide the world size, trainer.nnodes x "
+                              f"trainer.n_gpus_per_node = {world}, giving a (replicate, shard) mesh; "
+                              f"use -1 to shard over all ranks")
+        tp = rollout.tensor_model_parallel_size
+        if tp and tp > 0 and (tp > tr.n_gpus_per_node or tr.n_gpus_per_node % tp):
+            errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp}) must divide "
+                          f"trainer.n_gpus_per_node ({tr.n_gpus_per_node}): a tensor-parallel group stays "
+                          f"inside one node")
+    return errors
+
+
+def algorithm_problems(cfg: Config) -> list[str]:
+    """The algorithm's and the sampler's values: clip ratios, estimators against n and the critic,
+    gamma and lambda, greedy decoding with n > 1; the engine's memory share; resume_mode."""
+    errors: list[str] = []
+    arr, tr, critic = cfg.actor_rollout_ref, cfg.trainer, cfg.critic
+    actor, rollout = arr.actor, arr.rollout
+    if actor.clip_ratio_c <= 1.0:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_c ({actor.clip_ratio_c}) must be > 1.0 "
+                      f"(the dual-clip lower bound on the loss of negative advantages)")
+    if not 0 <= actor.clip_ratio_low < 1:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_low ({actor.clip_ratio_low}) must be in [0, 1)")
+    if actor.clip_ratio_high < 0:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_high ({actor.clip_ratio_high}) must be >= 0")
+    est = cfg.algorithm.adv_estimator
+    if est in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n < 2:
+        errors.append(f"algorithm.adv_estimator={est} compares responses to the same prompt: set "
+                      f"actor_rollout_ref.rollout.n >= 2 (it is {rollout.n})")
+    if est == "gae" and critic.enable is False:
+        errors.append("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
+                      "(or pick grpo/rloo/reinforce_plus_plus)")
+    if not 0 <= cfg.algorithm.gamma <= 1 or not 0 <= cfg.algorithm.lam <= 1:
+        errors.append(f"algorithm.gamma ({cfg.algorithm.gamma}) and algorithm.lam ({cfg.algorithm.lam}) "
+                      f"must be in [0, 1]")
+    # greedy decoding gives n identical responses (vLLM refuses it: "n must be 1 when using greedy sampling")
+    for key, section in (("actor_rollout_ref.rollout", rollout), ("actor_rollout_ref.rollout.val_kwargs", rollout.val_kwargs)):
+        greedy = not section.do_sample or section.temperature == 0
+        if greedy and section.n > 1:
+            why = f"{key}.do_sample=false" if not section.do_sample else f"{key}.temperature=0"
+            errors.append(f"{why} (greedy decoding) with {key}.n={section.n}: greedy responses to one prompt are "
+                          f"identical; set {key}.n=1, or {key}.do_sample=true with {key}.temperature > 0")
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        errors.append(f"actor_rollout_ref.rollout.gpu_memory_utilization ({rollout.gpu_memory_utilization}) "
+                      f"must be in (0, 1]")
+    if tr.resume_mode not in ("auto", "disable") and not os.path.isdir(os.path.expanduser(tr.resume_mode)):
+        errors.append(f"trainer.resume_mode: '{tr.resume_mode}' is neither auto, disable nor an existing "
+                      f"checkpoint directory")
+    return errors
+
+
+def strategy_warnings(cfg: Config) -> list[str]:
+    fsdp1 = [key for key in ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
+             if get_key(cfg, key) == "fsdp"]
+    fsdp1 += ["reward_model.strategy"] if cfg.reward_model.enable and cfg.reward_model.strategy == "fsdp" else []
+    if not fsdp1:
+        return []
+    return [f"{', '.join(k + '=fsdp' for k in fsdp1)}: the engine here is FSDP2 (fully_shard) whatever "
+            f"the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs"]
+
+
+def sequence_parallel_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the three ``ulysses_sequence_parallel_size`` keys: the size must divide
+    the ranks, the rows must be packed, attention must be ``varlen`` (the implementation that
+    exchanges heads), and the model's heads must split over the group."""
+    arr, tr, critic = cfg.actor_rollout_ref, cfg.trainer, cfg.critic
+    errors, warnings = [], []
+    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    for key, size, model, used in (
+            ("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, arr.model, True),
+            ("actor_rollout_ref.ref", arr.ref.ulysses_sequence_parallel_size, arr.model, uses_ref),
+            ("critic", critic.ulysses_sequence_parallel_size, critic.model, critic.enable)):
+        name = f"{key}.ulysses_sequence_parallel_size"
+        if size is None or size < 1:
+            errors.append(f"{name}={size} must be >= 1 (1: no sequence parallelism)")
+            continue
+        if size == 1 or not used:
+            continue
+        model_key = "actor_rollout_ref.model" if model is arr.model else "critic.model"
+        if cfg.world_size > 0 and cfg.world_size % size:
+            errors.append(f"{name}={size} must divide the ranks, trainer.nnodes x trainer.n_gpus_per_node = "
+                          f"{cfg.world_size} (a sequence-parallel group is {size} consecutive ranks)")
+        elif tr.n_gpus_per_node % size:
+            warnings.append(f"{name}={size} does not divide trainer.n_gpus_per_node ({tr.n_gpus_per_node}): "
+                            f"sequence-parallel groups span nodes and every layer's all-to-all crosses the network")
+        if not model.use_remove_padding:
+            errors.append(f"{name}={size} splits packed rows: set {model_key}.use_remove_padding=true")
+        attn = model.override_config.get("attn_implementation")
+        if attn not in (None, "varlen"):
+            errors.append(f"{name}={size} runs attention through attn_implementation=varlen (it exchanges heads "
+                          f"for the whole sequence); remove {model_key}.override_config.attn_implementation="
+                          f"{attn} or set it to varlen")
+        problem = _heads_problem(model.path, model.override_config, size, name)
+        if problem:
+            errors.append(problem)
+    return errors, warnings
+
+
+def _heads_problem(path: Optional[str], override: dict, size: int, key: str) -> Optional[str]:
+    """The model's heads against the sp size, where its config can be read here (a tiny model, or a
+    local directory); elsewhere the engine checks it when it builds the model."""
+    from rlhf_hpc.distributed.sequence_parallel import heads_problem
+    config = _readable_model_config(path, override)
+    if config is None:
+        return None
+    heads = config.num_attention_heads
+    return heads_problem(heads, getattr(config, "num_key_value_heads", None) or heads, size, key)
+
+
+def _readable_model_config(path: Optional[str], override: dict):
+    """The transformers config of a tiny model or a local model directory; None elsewhere (a hub
+    name resolved on the cluster, an unreadable directory: reported by the file checks / at build)."""
+    from rlhf_hpc.models.hf import is_tiny, model_config
+    if not path:
+        return None
+    local = os.path.expanduser(path)
+    if not is_tiny(path) and not os.path.isfile(os.path.join(local, "config.json")):
+        return None
+    try:
+        return model_config(path if is_tiny(path) else local, override)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
+def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the policy's and the critic's architectures (rlhf_hpc.models.architectures),
+    where their configs can be read here."""
+    from rlhf_hpc.models.architectures import architecture_problems
+    errors, warnings = [], []
+    models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    if cfg.critic.enable and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        models.append(("critic.model", cfg.critic.model))
+    for key, model in models:
+        config = _readable_model_config(model.path, model.override_config)
+        if config is not None:
+            e, w = architecture_problems(config, key, model.override_config.get("attn_implementation"))
+            errors += e
+            warnings += w
+    return errors, warnings
+
+
+def unsupported_values(cfg: Config) -> list[str]:
+    """Keys the config has (verl's names) for features this project does not have: their default
+    is accepted, any other value refused here, so no key is taken and then ignored."""
+    errors = []
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    # inference-only models: no gradients to reduce, no optimizer to offload
+    for key in ("actor_rollout_ref.ref.fsdp_config", "reward_model.model.fsdp_config"):
+        fsdp = get_key(cfg, key)
+        if fsdp.mixed_precision.reduce_dtype not in ("float32", "fp32"):
+            errors.append(f"{key}.mixed_precision.reduce_dtype={fsdp.mixed_precision.reduce_dtype}: this model only "
+                          f"runs forward passes, so no gradient is ever reduced; remove the key")
+    if arr.ref.fsdp_config.optimizer_offload:
+        errors.append("actor_rollout_ref.ref.fsdp_config.optimizer_offload=true: the reference model has no optimizer; "
+                      "use actor_rollout_ref.ref.fsdp_config.param_offload to move its weights to the host")
+    if d.dataloader_num_workers != 0:
+        errors.append(f"data.dataloader_num_workers={d.dataloader_num_workers}: there is no data loader pool here "
+                      f"(prompts are tokenised once at start-up); remove the key or set it to 0")
+    if d.reward_fn_key != "data_source":
+        errors.append(f"data.reward_fn_key={d.reward_fn_key!r}: rewards are chosen by the data_source column only; "
+                      f"remove the key")
+    if not arr.hybrid_engine:
+        errors.append("actor_rollout_ref.hybrid_engine=false: only the hybrid engine exists here (actor and rollout "
+                      "share the GPUs); remove the key")
+    if cfg.trainer.log_val_generations:
+        errors.append(f"trainer.log_val_generations={cfg.trainer.log_val_generations}: logging validation "
+                      f"generations is not supported; remove the key or set it to 0")
+    for key in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
+                "critic.model.fsdp_config", "reward_model.model.fsdp_config"):
+        if get_key(cfg, key).mixed_precision.buffer_dtype not in ("float32", "fp32"):
+            errors.append(f"{key}.mixed_precision.buffer_dtype: FSDP2 keeps buffers in the model's dtype; only "
+                          f"float32 is accepted")
+    template = arr.model.custom_chat_template
+    if template is not None:
+        import jinja2
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            errors.append(f"actor_rollout_ref.model.custom_chat_template: not a valid Jinja template ({e})")
+    for key in ("actor_rollout_ref.model.external_lib", "critic.model.external_lib", "reward_model.model.external_lib"):
+        lib = get_key(cfg, key)
+        if lib and _module_missing(lib):
+            errors.append(f"{key}={lib!r}: no such Python module here (it must be importable by the workers)")
+    return errors
+
+
+def reward_model_problems(cfg: Config) -> list[str]:
+    """The reward model's keys: consistent when it is enabled, at their defaults when it is not
+    (a key of a disabled reward model would be accepted and ignored)."""
+    from rlhf_hpc.config.schema import RewardModelConfig
+    from rlhf_hpc.models.tokenizer import tokenizer_path
+    rm, off, errors = cfg.reward_model, RewardModelConfig(), []
+    if not rm.enable:
+        fsdp = rm.model.fsdp_config
+        fsdp_default = dataclasses.replace(off.model.fsdp_config, fsdp_size=fsdp.fsdp_size) == fsdp and \
+            fsdp.fsdp_size in (None, cfg.trainer.n_gpus_per_node)
+        set_keys = [key for key in ("strategy", "model.path", "model.input_tokenizer", "model.trust_remote_code",
+                                    "model.external_lib", "model.override_config", "model.use_remove_padding",
+                                    "micro_batch_size_per_gpu", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
+                                    "max_length", "reward_manager")
+                    if get_key(rm, key) != get_key(off, key)]
+        set_keys += [] if fsdp_default else ["model.fsdp_config"]
+        if set_keys:
+            errors.append(f"reward_model.{set_keys[0]} is set but reward_model.enable=false, so it would have no "
+                          f"effect; set reward_model.enable=true to score with a reward model, or remove the key")
+        return errors
+    p = "reward_model"
+    if rm.micro_batch_size_per_gpu is not None and rm.micro_batch_size_per_gpu <= 0:
+        errors.append(f"{p}.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be > 0")
+    if rm.max_length is not None and rm.model.input_tokenizer is None:
+        errors.append(f"{p}.max_length={rm.max_length} cuts re-encoded sequences only, and with "
+                      f"{p}.model.input_tokenizer=null the reward model reads the actor's sequences as they are "
+                      f"(at most data.max_prompt_length + data.max_response_length tokens); remove the key, or set "
+                      f"{p}.model.input_tokenizer to the actor's tokenizer to re-encode")
+    elif rm.max_length is not None and rm.max_length <= 0:
+        errors.append(f"{p}.max_length={rm.max_length} must be > 0")
+    seq_len = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu is not None and rm.forward_max_token_len_per_gpu < seq_len:
+        errors.append(f"{p}.forward_max_token_len_per_gpu ({rm.forward_max_token_len_per_gpu}) is smaller than one "
+                      f"full sequence ({seq_len} tokens)")
+    if rm.model.input_tokenizer is not None:
+        arr = cfg.actor_rollout_ref
+        actor_side = {os.path.expanduser(x) for x in (tokenizer_path(cfg), arr.model.path, arr.model.tokenizer_path,
+                                                      cfg.data.tokenizer) if x}
+        if os.path.expanduser(rm.model.input_tokenizer) not in actor_side:
+            errors.append(f"{p}.model.input_tokenizer={rm.model.input_tokenizer!r} must be the tokenizer the responses "
+                          f"were generated with, the actor's ({tokenizer_path(cfg)}): responses are decoded with it "
+                          f"and re-encoded with the reward model's; set it to {tokenizer_path(cfg)}, or null when the "
+                          f"reward model reads the actor's tokens as they are")
+    if rm.model.fsdp_config.optimizer_offload:
+        errors.append(f"{p}.model.fsdp_config.optimizer_offload=true: the reward model has no optimizer (inference "
+                      f"only); use {p}.model.fsdp_config.param_offload to keep its parameters on the host")
+    return errors
+
+
+def _module_missing(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+# ---------------------------------------------------------------------------------- entry points

@@ -1,0 +1,19 @@
+"""Scores of the built-in tasks (rlhf_hpc.data.synthetic builds their rows)."""
+from __future__ import annotations
+
+import re
+
+COPY_SOURCE = "synthetic/copy"
+ADD_SOURCE = "synthetic/add"
+
+
+def copy_score(response: str, ground_truth: str) -> float:
+    """Share of the response's characters equal to the target (0 for an empty response)."""
+    text = response.strip()
+    return sum(c == ground_truth for c in text) / len(text) if text else 0.0
+
+
+def addition_score(response: str, ground_truth: str) -> float:
+    """1.0 when the response's last integer is the sum, else 0."""
+    numbers = re.findall(r"-?\d+", response.replace(",", ""))
+    return float(bool(numbers) and int(numbers[-1]) == int(ground_truth))
