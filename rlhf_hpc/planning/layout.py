@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rlhf_hpc.config.schema import Config, FSDPConfig
+from rlhf_hpc.config.tree import get_key
 from rlhf_hpc.planning.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, activation_bytes, logits_bytes,
                                       micro_tokens, model_shape)
 
@@ -104,7 +105,7 @@ def choose_layouts(cfg: Config) -> dict[str, Layout]:
                    f"{REPLICATE_SHARE:.0%} of {where}: sharded inside a node (fsdp_size={per_node})")
     out = {}
     for name, key in SECTIONS.items():
-        fsdp = _get(cfg, key)
+        fsdp = get_key(cfg, key)
         size = fsdp.fsdp_size if fsdp.fsdp_size is not None else (1 if replicate else per_node)
         shard = world if size == -1 else size
         auto = [k for k in ("fsdp_size", "reshard_after_forward", "forward_prefetch") if getattr(fsdp, k) is None]
@@ -121,7 +122,7 @@ def choose_layouts(cfg: Config) -> dict[str, Layout]:
 
 def resolved_fsdp_configs(cfg: Config) -> dict[str, FSDPConfig]:
     """The fsdp_config of ``actor``, ``ref`` and ``critic`` with the layout filled in."""
-    return {name: dataclasses.replace(_get(cfg, SECTIONS[name]), fsdp_size=layout.fsdp_size,
+    return {name: dataclasses.replace(get_key(cfg, SECTIONS[name]), fsdp_size=layout.fsdp_size,
                                       reshard_after_forward=layout.reshard_after_forward,
                                       forward_prefetch=layout.forward_prefetch)
             for name, layout in choose_layouts(cfg).items()}
@@ -188,10 +189,3 @@ def _used(cfg: Config, name: str) -> bool:
     if name == "ref":
         return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     return True
-
-
-def _get(cfg: Config, key: str) -> FSDPConfig:
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
