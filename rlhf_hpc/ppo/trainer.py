@@ -121,6 +121,7 @@ class PPOTrainer:
             (self.run_dir / STOPPED).unlink(missing_ok=True)
         config = self.run_dir / "config.yaml"
         self.config_text = config.read_text() if config.is_file() else None
+        self.model_cfg = model_config(arr.model.path, arr.model.override_config)  # for the FLOP count
 
     def say_layout(self) -> None:
         """The layout lines (unless the local launch printed them with the memory plan) and how each
@@ -199,7 +200,6 @@ class PPOTrainer:
             self.save(0)  # the starting point: what a divergence in the first steps rolls back to
         if tr.val_before_train and self.val_set and self.step == 0:
             self.tracker.log(self.validate(), self.step)
-        self.model_cfg = model_config(cfg.actor_rollout_ref.model.path, cfg.actor_rollout_ref.model.override_config)
         plan = check_plan(cfg)[0] if self.ctx.is_main else None  # its phases against this run's peaks (once)
         first_step = self.step
         while self.step < self.total_steps:
