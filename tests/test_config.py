@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.recipe.load import (ConfigError, apply_overrides, build, flatten, load_config, load_recipe_tree,
-                                  load_resolved, parse_override, resolve, write_resolved)
+from rlhf_hpc.recipe.build import build
+from rlhf_hpc.recipe.defaults import resolve
+from rlhf_hpc.recipe.load import (ConfigError, apply_overrides, flatten, load_config, load_recipe_tree, load_resolved,
+                                  parse_override, write_resolved)
 from rlhf_hpc.config.tree import to_dict
 from rlhf_hpc.recipe.checks import validate
 

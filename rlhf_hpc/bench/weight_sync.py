@@ -34,6 +34,8 @@ def relaunch(args) -> None:
     sys.exit(subprocess.call(cmd, env=env))
 
 
+# One function on purpose (96 lines): the four sync methods and the two engines run in sequence on
+# the same model and engine, and reading it top to bottom is reading the benchmark's protocol.
 def worker(skip_generate: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

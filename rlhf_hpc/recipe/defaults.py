@@ -1,0 +1,117 @@
+"""Defaults that depend on other keys: ``${a.b}`` interpolation, then the keys verl fills in from
+others when left unset (critic batch sizes, clip ratios, log-prob micro-batches ...), so the written
+config is explicit. The layout keys left at null are chosen later, from the model
+(``rlhf_hpc.planning.layout``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+from typing import Any
+
+from rlhf_hpc.config.errors import ConfigError, did_you_mean
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.ops.batching import per_rank_mini_batch
+from rlhf_hpc.recipe.build import all_keys
+
+
+_INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+def _interpolate(cfg: Config, errors: list[str]) -> None:
+    def resolve_str(s: str, where: str, depth: int = 0) -> str:
+        def sub(m: re.Match) -> str:
+            ref = m.group(1)
+            try:
+                val = get_key(cfg, ref)
+            except AttributeError:
+                if depth == 0:  # reported once, at the key that holds the bad reference
+                    errors.append(f"{where}: '${{{ref}}}' refers to an unknown key"
+                                  f"{did_you_mean(ref, all_keys())}")
+                return m.group(0)
+            if isinstance(val, str) and depth < 10:
+                return resolve_str(val, where, depth + 1)
+            return str(val)
+        return _INTERP.sub(sub, s)
+
+    def walk(node: Any, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            val = getattr(node, f.name)
+            if dataclasses.is_dataclass(val):
+                walk(val, key)
+            elif isinstance(val, str) and "${" in val:
+                setattr(node, f.name, resolve_str(val, key))
+            elif isinstance(val, list) and any(isinstance(v, str) and "${" in v for v in val):
+                setattr(node, f.name, [resolve_str(v, key) if isinstance(v, str) else v for v in val])
+    walk(cfg, "")
+
+
+def resolve(cfg: Config) -> Config:
+    """Interpolate ``${...}`` and fill keys that default to other keys (in place; returns cfg)."""
+    errors: list[str] = []
+    _interpolate(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    if cfg.launcher.cluster == "auto":
+        # decided where the launch command runs (the login node), then fixed in the written config
+        cfg.launcher.cluster = "slurm" if shutil.which("sbatch") else "local"
+    arr, actor, critic = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    if critic.enable is None:
+        critic.enable = cfg.algorithm.adv_estimator == "gae"
+    if critic.model.path is None:
+        critic.model.path = arr.model.path
+    if critic.model.tokenizer_path is None:
+        critic.model.tokenizer_path = arr.model.tokenizer_path
+    # keys verl interpolates from the actor's (or another key) when they are left unset
+    for section, key, source in (
+            (critic, "ppo_mini_batch_size", actor), (critic, "ppo_epochs", actor), (critic, "use_dynamic_bsz", actor),
+            (critic, "shuffle", actor), (critic, "loss_agg_mode", actor),
+            (critic.model, "trust_remote_code", arr.model), (critic.model, "external_lib", arr.model)):
+        if getattr(section, key) is None:
+            setattr(section, key, getattr(source, key))
+    if critic.forward_max_token_len_per_gpu is None:
+        critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
+    if arr.ref.ulysses_sequence_parallel_size is None:
+        arr.ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
+    # the reward model's keys are filled only when it runs: while disabled, a key set is a key ignored
+    # (refused by reward_model_problems)
+    rm = cfg.reward_model
+    if rm.enable:
+        for section, key, value in ((rm, "use_dynamic_bsz", critic.use_dynamic_bsz),
+                                    (rm, "forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu),
+                                    (rm.model, "external_lib", arr.model.external_lib)):
+            if getattr(section, key) is None:
+                setattr(section, key, value)
+    for section in (arr.rollout, arr.ref):
+        if section.log_prob_use_dynamic_bsz is None:
+            section.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if section.log_prob_max_token_len_per_gpu is None:
+            section.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+    for optim in (actor.optim, critic.optim):
+        if optim.warmup_style is not None:  # verl's deprecated name wins, as in verl
+            optim.lr_scheduler_type, optim.warmup_style = optim.warmup_style, None
+    # the actor's, reference's and critic's layout left at null is chosen where models are built
+    # (rlhf_hpc.planning.layout: from the model size); the reward model shards inside a node
+    if cfg.reward_model.model.fsdp_config.fsdp_size is None:
+        cfg.reward_model.model.fsdp_config.fsdp_size = cfg.trainer.n_gpus_per_node
+    n, world = arr.rollout.n, cfg.world_size
+    if world > 0:
+        if actor.ppo_micro_batch_size_per_gpu is None:
+            actor.ppo_micro_batch_size_per_gpu = max(1, per_rank_mini_batch(actor.ppo_mini_batch_size, n, world))
+        if critic.ppo_micro_batch_size_per_gpu is None:
+            critic.ppo_micro_batch_size_per_gpu = max(1, per_rank_mini_batch(critic.ppo_mini_batch_size, n, world))
+        # forward-only passes default to the training micro-batch: same activation budget, no grads
+        if arr.rollout.log_prob_micro_batch_size_per_gpu is None:
+            arr.rollout.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        if arr.ref.log_prob_micro_batch_size_per_gpu is None:
+            arr.ref.log_prob_micro_batch_size_per_gpu = arr.rollout.log_prob_micro_batch_size_per_gpu
+        if rm.enable and rm.micro_batch_size_per_gpu is None:
+            rm.micro_batch_size_per_gpu = arr.ref.log_prob_micro_batch_size_per_gpu
+    return cfg
