@@ -75,6 +75,8 @@ def test_yaml_scientific_notation_is_a_float():
     assert parse_override("actor_rollout_ref.actor.optim.lr=1e-6") == ("actor_rollout_ref.actor.optim.lr", 1e-6)
     assert parse_override("x=2E3")[1] == 2000.0
     assert parse_override("x=1_000")[1] == 1000  # still an int
+    # YAML 1.1 reads these as 0.52 and 90; a lower_upper threshold (rollout_rs_threshold) must stay text
+    assert parse_override("x=0.5_2")[1] == "0.5_2" and parse_override("x=1:30")[1] == "1:30"
 
 
 # ------------------------------------------------------------------------------- inheritance

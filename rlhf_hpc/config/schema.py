@@ -265,13 +265,26 @@ class KLControlConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """verl's ``algorithm.rollout_correction``. ``bypass_mode``: the rollout engine's log-probs are
-    the PPO anchor (old_log_probs) and the actor's old-log-prob forward is skipped (verl's 2-policy
-    mode); the rollout/actor log-prob check is then measured on the update's first mini-batch.
-    Importance-sampling and rejection-sampling corrections (``rollout_is``, ``rollout_rs``) and the
-    REINFORCE loss (``loss_type: reinforce``) are not implemented: refused by name, verl's off
-    values accepted (rlhf_hpc.recipe.verl_compat)."""
+    """verl's ``algorithm.rollout_correction``: the engine samples from its own distribution
+    (pi_rollout: its kernels, its precision), the actor trains another (rlhf_hpc.ops.rollout_correction).
+
+    ``rollout_is``: truncated importance sampling, ``token`` or ``sequence`` weights
+    pi_old / pi_rollout capped at ``rollout_is_threshold``, multiplying the PPO loss per token;
+    ``rollout_is_batch_normalize`` divides them by their batch mean. ``rollout_rs``: rejection
+    sampling, a comma-separated list of ``token_k1..k3``, ``seq_sum_k1..k3``, ``seq_mean_k1..k3``,
+    ``seq_max_k2/k3`` with ``rollout_rs_threshold`` (``"lower_upper"`` or one value for k1, an
+    upper bound for k2/k3; one entry, or one per option): rejected tokens/rows leave the response
+    mask before advantages. ``bypass_mode``: the engine's log-probs are the PPO anchor
+    (old_log_probs) and the actor's old-log-prob forward is skipped (verl's 2-policy mode); the
+    correction then compares the current policy with the engine's per micro-batch, and
+    ``loss_type: reinforce`` trains -A log pi w instead of the clipped ratio. verl's defaults."""
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[Union[float, str]] = None
     bypass_mode: bool = False
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
 
 
 @dataclass

@@ -10,14 +10,23 @@ import yaml
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-6`` as a float (YAML 1.1 needs a dot: ``1.0e-6``)."""
+    """SafeLoader with YAML 1.2's floats: ``1e-6`` is a float (YAML 1.1 needs a dot: ``1.0e-6``) and
+    ``0.5_2`` a string (YAML 1.1 reads 0.52: a ``lower_upper`` threshold such as
+    rollout_rs_threshold=0.5_2 would silently become one number). Integers keep ``1_000`` = 1000;
+    sexagesimal ``1:30`` (YAML 1.1: 90) is a string."""
 
 
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+    list("-+0123456789"))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+)$"""),
-    list("-+0123456789"),
-)
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
 
 
 def parse_yaml(text: str) -> Any:

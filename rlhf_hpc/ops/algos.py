@@ -256,12 +256,14 @@ def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str,
 def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                **agg_kwargs) -> tuple[torch.Tensor, dict]:
+                is_weights: Optional[torch.Tensor] = None, **agg_kwargs) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate with dual clip. All inputs (B, T).
 
     ratio = exp(clamp(lp - old, -20, 20)); L = max(-A ratio, -A clip(ratio, 1 - low, 1 + high));
     for A < 0 additionally min(L, -A clip_ratio_c) (dual clip: bounds the loss of a token whose
-    ratio exploded while its advantage is negative). ``agg_kwargs`` go to ``agg_loss``.
+    ratio exploded while its advantage is negative). ``is_weights`` (B, T), detached: the rollout
+    correction's importance weights, multiplying each token's loss after the clip.
+    ``agg_kwargs`` go to ``agg_loss``.
     Returns (loss, metrics): ``pg_clipfrac`` (share of tokens where the clip was active),
     ``pg_clipfrac_lower`` (share where the dual clip was active), ``ppo_kl`` (mean old - lp).
     """
@@ -277,6 +279,8 @@ def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: to
     loss3 = -advantages * clip_ratio_c
     dual = torch.minimum(clipped, loss3)
     pg_losses = torch.where(advantages < 0, dual, clipped)
+    if is_weights is not None:  # rollout correction (truncated IS), after the clip as verl
+        pg_losses = pg_losses * is_weights
     loss = agg_loss(pg_losses, mask, loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {
@@ -284,6 +288,19 @@ def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: to
             "pg_clipfrac_lower": masked_mean((torch.gt(clipped, loss3) & (advantages < 0)).to(mask.dtype), mask),
             "ppo_kl": masked_mean(-neg_approx_kl, mask),
         }
+    return loss, metrics
+
+
+def reinforce_loss(rollout_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                   response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+                   is_weights: Optional[torch.Tensor] = None, **agg_kwargs) -> tuple[torch.Tensor, dict]:
+    """verl's bypass-mode REINFORCE loss (``rollout_correction.loss_type: reinforce``): per token
+    -A * log pi * w, no ratio and no clip; ``w`` the detached IS weights, or 1. All inputs (B, T).
+    Returns (loss, metrics): ``ppo_kl`` (mean rollout - current log-prob, as verl reports it)."""
+    weighted = logprob if is_weights is None else logprob * is_weights
+    loss = agg_loss(-advantages * weighted, response_mask.to(logprob.dtype), loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"ppo_kl": masked_mean(rollout_logprob - logprob, response_mask.to(logprob.dtype))}
     return loss, metrics
 
 
@@ -417,7 +434,7 @@ def grpo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, in
     Groups spanning ranks: ``all_reduce`` and ``num_groups`` as in ``group_stats``. Returns (advantages, returns), both (B, T), equal, zero where masked.
     """
     mask = response_mask.to(token_rewards.dtype)
-    scores = (token_rewards * mask).sum(-1)
+    scores = token_rewards.sum(-1)  # as verl: a row rejected by rollout_rs still counts in its group
     mean, std, _ = group_stats(scores, index, all_reduce, num_groups)
     adv = scores - mean
     if norm_by_std:
@@ -434,7 +451,7 @@ def rloo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, in
     Shapes as ``grpo_advantages``; a group of one keeps its score.
     """
     mask = response_mask.to(token_rewards.dtype)
-    scores = (token_rewards * mask).sum(-1)
+    scores = token_rewards.sum(-1)  # as verl: a row rejected by rollout_rs still counts in its group
     mean, _, n = group_stats(scores, index, all_reduce, num_groups)
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp_min(1), scores)
     out = adv.unsqueeze(-1) * mask
@@ -462,7 +479,7 @@ def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, response_mask:
     """REINFORCE++ with a baseline: (score - group mean) broadcast over the response, then
     whitened over the batch. Shapes as ``grpo_advantages``."""
     mask = response_mask.to(token_rewards.dtype)
-    scores = (token_rewards * mask).sum(-1)
+    scores = token_rewards.sum(-1)  # as verl: a row rejected by rollout_rs still counts in its group
     mean, _, _ = group_stats(scores, index, all_reduce if num_groups is not None else None, num_groups)
     centred = (scores - mean).unsqueeze(-1) * mask
     adv = masked_whiten(centred, mask, all_reduce=all_reduce) * mask

@@ -13,7 +13,8 @@ from torch import nn
 from rlhf_hpc.ops import algos
 from rlhf_hpc.distributed import sequence_parallel
 from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
-from rlhf_hpc.config.schema import ActorConfig
+from rlhf_hpc.config.schema import ActorConfig, RolloutCorrectionConfig
+from rlhf_hpc.ops.rollout_correction import rollout_correction
 from rlhf_hpc.ppo.optim import optimizer_state_on
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
 from rlhf_hpc.ppo.update import ppo_update
@@ -67,7 +68,8 @@ class Actor:
                  all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
                  optimizer_offload: bool = False, device: torch.device = torch.device("cpu"),
-                 sp: Optional[SequenceParallel] = None):
+                 sp: Optional[SequenceParallel] = None, all_reduce_max: Optional[Callable] = None,
+                 bypass_correction: Optional[RolloutCorrectionConfig] = None):
         self.model, self.cfg, self.device, self.sp = model, cfg, device, sp
         self.temperature, self.remove_padding = temperature, remove_padding
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -75,6 +77,9 @@ class Actor:
         self.norm_const = norm_const
         self.optimizer_offload = optimizer_offload
         self.kl_loss_coef = cfg.kl_loss_coef  # the trainer scales it on a guard rollback (cfg stays as set)
+        # verl's bypass mode: old_log_probs are the engine's, and each micro-batch's rollout correction
+        # compares the current policy with them (rlhf_hpc.ops.rollout_correction)
+        self.all_reduce_max, self.bypass_correction = all_reduce_max, bypass_correction
 
     # ------------------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -119,7 +124,8 @@ class Actor:
 
     def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0,
                        pre_update_sample: Optional[list] = None) -> dict[str, float]:
-        cfg = self.cfg
+        cfg, bypass = self.cfg, self.bypass_correction
+        corr_sample: list = []  # bypass mode: (current, engine log-probs, mask) of every micro-batch
 
         def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
             # the entropy only where the loss uses it (else actor/entropy comes from the old-log-prob
@@ -133,9 +139,7 @@ class Actor:
                 pre_update_sample.append((micro["engine_log_probs"].cpu(), lp.detach().cpu(), mask.cpu()))
                 if cfg.entropy_coeff == 0:
                     metrics.token_mean("actor/entropy", algos.masked_mean(ent, mask), mask.sum())
-            pg_loss, pgm = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask,
-                                             cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                                             cfg.loss_agg_mode, **kw)
+            pg_loss, pgm = self.policy_loss(micro, lp, mask, weight, kw, corr_sample)
             loss = pg_loss
             if cfg.entropy_coeff != 0:
                 ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
@@ -151,6 +155,33 @@ class Actor:
                 metrics.token_mean(f"actor/{k}", v, weight * mask.sum())
             return loss
 
-        return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
-                          "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device,
-                          self.sp)
+        out = ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
+                         "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device,
+                         self.sp)
+        if bypass is not None:  # verl reports the correction of the micro-batches it trained on
+            cur, eng, mask = (torch.cat(t) for t in zip(*corr_sample)) if corr_sample else \
+                (torch.zeros(0, 1),) * 3
+            out.update(rollout_correction(cur, eng, mask, bypass, self.all_reduce, self.all_reduce_max)[2])
+        return out
+
+    def policy_loss(self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float, kw: dict,
+                    corr_sample: list) -> tuple[torch.Tensor, dict]:
+        """The micro-batch's policy-gradient loss: PPO's clipped ratio against ``old_log_probs``, times
+        the rollout correction's IS weights where there are any (decoupled mode: ``rollout_is_weights``
+        of the batch). In bypass mode the correction is computed here, current policy against the
+        engine's log-probs: rejected tokens leave this loss (its normalisation stays the mini-batch's
+        sampled tokens), and ``loss_type: reinforce`` trains -A log pi w instead (verl's)."""
+        cfg, bypass = self.cfg, self.bypass_correction
+        is_weights = micro.get("rollout_is_weights")
+        if bypass is not None:
+            is_weights, mask = rollout_correction(lp, micro["old_log_probs"], mask * bool(weight), bypass,
+                                                  self.all_reduce, self.all_reduce_max, with_metrics=False)[:2]
+            if weight:
+                corr_sample.append((lp.detach().cpu(), micro["old_log_probs"].cpu(), micro["response_mask"].cpu()))
+            if bypass.loss_type == "reinforce":
+                return algos.reinforce_loss(micro["old_log_probs"], lp, micro["advantages"], mask, cfg.loss_agg_mode,
+                                            is_weights=is_weights, **kw)
+            is_weights = None  # PPO's ratio is already current / engine: the weights are reported only
+        return algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask, cfg.clip_ratio_low,
+                                 cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, is_weights=is_weights,
+                                 **kw)

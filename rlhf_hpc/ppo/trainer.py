@@ -1,8 +1,8 @@
 """The KL-PPO training loop, SPMD on every rank.
 
-``fit`` is the algorithm written down: sync weights -> generate -> old/ref log-probs and values ->
-rewards -> KL -> advantages -> critic update -> actor update -> metrics -> validation ->
-checkpoint. Each rank generates for an even share of a step's prompts (``rollout.n`` responses
+``PPOTrainer.train_step`` is the algorithm written down: sync weights -> generate -> old/ref
+log-probs and values -> rewards -> KL -> rollout correction and advantages -> critic update ->
+actor update -> metrics; ``train`` adds validation, the guard and checkpoints. Each rank generates for an even share of a step's prompts (``rollout.n`` responses
 each); the responses are then redistributed so every rank trains on ``train_batch_size * n / ranks``
 rows, balanced by token count (``rlhf_hpc.distributed.rows``). Everything global (normalisation,
 whitening, group statistics, KL controller, metrics) goes through all-reduces, so every rank takes
@@ -17,6 +17,8 @@ The step batch (one dict of tensors, rows = this rank's responses):
     old_log_probs, ref_log_prob, values       (B, R)  actor / reference / critic before the update
     token_scores, token_rewards               (B, R)  score on the last valid token; minus KL if in reward
     advantages, returns                       (B, R)
+    rollout_is_weights                        (B, R)  rollout correction's IS weights (rollout_is set)
+    sampled_response_mask                     (B, R)  the mask as sampled, when rollout_rs rejected tokens
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ import torch.distributed as dist
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ops.batching import make_padded_batch, per_rank_mini_batch
+from rlhf_hpc.ops.rollout_correction import rollout_correction
+from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.data.dataset import Example, StatefulSampler, load_examples
 from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_min, all_reduce_sum,
@@ -277,8 +281,10 @@ class PPOTrainer:
                 metrics.update(kl_metrics)
             else:
                 batch["token_rewards"] = batch["token_scores"]
-            # 6. advantages (a prompt's responses may sit on several ranks: group statistics are global)
+            # 6. advantages (a prompt's responses may sit on several ranks: group statistics are global),
+            # after the rollout correction's weights and rejections (verl's decoupled mode)
             with timer("adv"):
+                self.correct_rollout(batch, metrics)
                 batch["advantages"], batch["returns"] = compute_advantages(cfg, batch, num_groups=len(prompts))
             # 7. critic, then 8. actor
             self.update(batch, step, timer, metrics)
@@ -344,6 +350,27 @@ class PPOTrainer:
         warning = self.logprob_check(metrics, step)
         if warning and self.ctx.is_main:
             self.tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
+
+    def correct_rollout(self, batch: dict, metrics: dict) -> None:
+        """verl's rollout correction in decoupled mode, over the whole step (global over ranks): IS
+        weights pi_old / pi_rollout (``rollout_is_weights``, (B, R), into the actor's loss), the response
+        mask after rejection sampling, and the ``rollout_corr/`` metrics. In bypass mode the update
+        corrects each micro-batch against the current policy instead (``Actor.update_policy``)."""
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.bypass_mode:
+            return
+        weights, mask, corr = rollout_correction(batch["old_log_probs"], batch["engine_log_probs"],
+                                                 batch["response_mask"], rc, all_reduce_sum, all_reduce_max)
+        if rc.rollout_rs is not None:  # lengths stay those sampled (data_metrics); training sees the rest
+            if all_reduce_sum(mask.sum().double().reshape(1)).item() == 0:  # (global: every rank stops here)
+                raise ConfigError(
+                    f"algorithm.rollout_correction.rollout_rs={rc.rollout_rs} rejected every response token of the "
+                    f"step (rollout_corr/k3_kl {corr['rollout_corr/k3_kl']:.3g}, kl {corr['rollout_corr/kl']:.3g} between "
+                    f"the actor and the engine): loosen rollout_rs_threshold={rc.rollout_rs_threshold}")
+            batch["sampled_response_mask"], batch["response_mask"] = batch["response_mask"], mask
+        if weights is not None:
+            batch["rollout_is_weights"] = weights
+        metrics.update(corr)
 
     def score(self, batch: dict, rows: list[RolloutRow], timer: Timer, metrics: dict) -> torch.Tensor:
         """(B,) a score per response: the reward model's where there is one (it replaces the rule or
@@ -500,9 +527,10 @@ def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def data_metrics(batch: dict, entropy: Optional[torch.Tensor], use_critic: bool) -> dict[str, float]:
-    """The reference's per-step data metrics, global over ranks."""
+    """The reference's per-step data metrics, global over ranks. Lengths are of the responses as
+    sampled; advantages, returns and values over the tokens trained (after rejection sampling)."""
     mask = batch["response_mask"].bool()
-    resp_len = mask.sum(-1).float()
+    resp_len = batch.get("sampled_response_mask", batch["response_mask"]).sum(-1).float()
     prompt_len = batch["attention_mask"].sum(-1).float() - resp_len
     R, P = mask.shape[1], batch["attention_mask"].shape[1] - mask.shape[1]
     values = {"critic/score": batch["token_scores"].sum(-1), "critic/rewards": batch["token_rewards"].sum(-1),

@@ -10,7 +10,7 @@ import torch
 from rlhf_hpc.ppo.actor import Actor
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.ppo.critic import Critic
-from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max_int, all_reduce_sum
+from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum
 from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
 from rlhf_hpc.models.hf import import_external_libs, attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
 from rlhf_hpc.ppo.optim import build_lr_scheduler, build_optimizer
@@ -64,9 +64,11 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> Tr
     actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
     opt = build_optimizer(model, actor_cfg.optim)
     on_gpu = ctx.device.type == "cuda"
+    rc = cfg.algorithm.rollout_correction
     actor = Actor(model, actor_cfg, temperature=arr.rollout.temperature, remove_padding=mcfg.use_remove_padding,
                   optimizer=opt, scheduler=build_lr_scheduler(opt, actor_cfg.optim, total_steps),
-                  optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, sp=actor_sp, **common)
+                  optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, sp=actor_sp,
+                  all_reduce_max=all_reduce_max, bypass_correction=rc if rc.bypass_mode else None, **common)
 
     ref = None
     if actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:

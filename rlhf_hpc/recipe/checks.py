@@ -71,8 +71,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     returns warnings (notes that do not stop a run). With ``check_files`` False (a dry run prepared
     away from the cluster) missing files are warnings too."""
     from rlhf_hpc.recipe.packages import config_package_problems
-    errors: list[str] = bypass_problems(cfg)
-    warnings: list[str] = []
+    errors, warnings = rollout_correction_problems(cfg)
     size_errors, sizes_ok = size_problems(cfg)
     errors += size_errors
     if sizes_ok:  # the batch arithmetic needs positive sizes
@@ -102,14 +101,41 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     return warnings
 
 
-def bypass_problems(cfg: Config) -> list[str]:
-    rollout = cfg.actor_rollout_ref.rollout
-    if cfg.algorithm.rollout_correction.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
-        return [f"algorithm.rollout_correction.bypass_mode=true takes the engine's log-probs as the PPO anchor, "
-                f"but with actor_rollout_ref.rollout.top_p={rollout.top_p} / top_k={rollout.top_k} they are "
-                f"log-probs of the truncated sampling distribution, not of the policy the actor trains; set "
-                f"top_p=1.0 and top_k=-1, or bypass_mode=false"]
-    return []
+def rollout_correction_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """``algorithm.rollout_correction``: values verl would refuse at run time are refused here, and a
+    key that would change nothing in this config is refused rather than ignored."""
+    from rlhf_hpc.ops.rollout_correction import parse_rejection
+    rc, rollout, key = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.rollout, "algorithm.rollout_correction"
+    errors, warnings = [], []
+    if rc.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
+        errors.append(f"{key}.bypass_mode=true takes the engine's log-probs as the PPO anchor, "
+                      f"but with actor_rollout_ref.rollout.top_p={rollout.top_p} / top_k={rollout.top_k} they are "
+                      f"log-probs of the truncated sampling distribution, not of the policy the actor trains; set "
+                      f"top_p=1.0 and top_k=-1, or bypass_mode=false")
+    if rc.rollout_is_threshold <= 0:
+        errors.append(f"{key}.rollout_is_threshold={rc.rollout_is_threshold}: the cap on the IS weights must be > 0 "
+                      f"(verl's default 2.0; 2-5 is usual)")
+    if rc.rollout_is is None:
+        for name, value, default in (("rollout_is_threshold", rc.rollout_is_threshold, 2.0),
+                                     ("rollout_is_batch_normalize", rc.rollout_is_batch_normalize, False)):
+            if value != default:
+                errors.append(f"{key}.{name}={value} has no effect without {key}.rollout_is (token or sequence): "
+                              f"set rollout_is, or leave {name} at {default}")
+    try:
+        parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
+    except ValueError as e:
+        errors.append(f"{key}.{e}")
+    if rc.rollout_rs is None and rc.rollout_rs_threshold is not None:
+        errors.append(f"{key}.rollout_rs_threshold={rc.rollout_rs_threshold} has no effect without {key}.rollout_rs "
+                      f"(e.g. seq_mean_k3): set rollout_rs, or leave the threshold at null")
+    if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
+        errors.append(f"{key}.loss_type={rc.loss_type} applies in bypass mode only (verl ignores it otherwise): set "
+                      f"{key}.bypass_mode=true, or leave loss_type at ppo_clip")
+    if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
+        warnings.append(f"{key}.rollout_is={rc.rollout_is} with bypass_mode and loss_type=ppo_clip: the PPO ratio is "
+                        f"already current / engine policy, so the IS weights are reported (rollout_corr/rollout_is_*) "
+                        f"but not applied, as in verl; loss_type=reinforce applies them")
+    return errors, warnings
 
 
 def size_problems(cfg: Config) -> tuple[list[str], bool]:
