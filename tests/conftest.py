@@ -6,6 +6,7 @@ test, so CI never passes by skipping.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -24,6 +25,11 @@ def require(component: str, available: bool, why: str = "") -> None:
     if os.environ.get("RLHF_HPC_REQUIRE_ALL") == "1":
         pytest.fail(f"{msg} (required: RLHF_HPC_REQUIRE_ALL=1)")
     pytest.skip(msg)
+
+
+def engine_available(name: str) -> None:
+    if name == "vllm":
+        require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
 
 
 @pytest.fixture

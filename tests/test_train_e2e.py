@@ -3,7 +3,6 @@ every metric, checkpoints, and a stopped-and-resumed run continues exactly like 
 one (same sampler position, RNG-seeded rollouts, optimizer, KL controller, W&B run)."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_hpc.observability.tracking import read_metrics
-from tests.conftest import require, run_launch, wandb_run_record
+from tests.conftest import engine_available, run_launch, wandb_run_record
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +29,6 @@ STEP_METRICS = [
 # what may differ between two runs of the same steps: wall-clock and memory figures, and the
 # loggers' row counter (a restarted run repeats steps)
 NONDETERMINISTIC = ("timing_s/", "perf/", "memory_gb/", "training/log_step")
-
-
-def engine_available(name: str) -> None:
-    if name == "vllm":
-        require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
 
 
 @pytest.fixture(scope="module", params=["vllm", "hf"])

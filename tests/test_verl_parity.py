@@ -82,7 +82,7 @@ def test_verl_example_command_lines_dry_run_unchanged(script, tmp_path):
     ("actor_rollout_ref.rollout.multi_turn.enable=True", "multi-turn rollout with tools"),
     ("data.return_raw_chat=True", "raw chat prompts"),
     ("reward_model.use_reward_loop=True", "the reward loop"),
-    ("actor_rollout_ref.model.lora_rank=64", "LoRA training"),
+    ("actor_rollout_ref.rollout.layered_summon=True", "LoRA training (layered summon)"),
     ("actor_rollout_ref.model.use_fused_kernels=True", "fused log-prob kernels"),
     ("algorithm.use_pf_ppo=True", "PF-PPO"),
     ("trainer.use_legacy_worker_impl=disable", "worker implementations"),

@@ -101,6 +101,13 @@ class ModelConfig:
     use_remove_padding: bool = True
     trust_remote_code: bool = False
     external_lib: Optional[str] = None  # a module imported before models are built (registers custom ones)
+    # LoRA (verl's keys; PEFT adapters, rlhf_hpc.models.lora): on when lora_rank > 0 or an adapter is
+    # loaded; the reference is then the actor with its adapter off (no second model)
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Union[str, list[str]] = "all-linear"
+    exclude_modules: Optional[Union[str, list[str]]] = None
+    lora_adapter_path: Optional[str] = None  # a PEFT adapter directory to continue training
 
 
 @dataclass
@@ -192,6 +199,10 @@ class CriticModelConfig:
     trust_remote_code: Optional[bool] = None  # null -> actor_rollout_ref.model's (as verl)
     external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    # LoRA on the critic's backbone (verl's keys); its value head trains in full
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Union[str, list[str]] = "all-linear"
 
 
 @dataclass

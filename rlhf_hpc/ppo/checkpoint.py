@@ -196,12 +196,18 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------ HF export
+LORA_ADAPTER_DIR = "lora_adapter"  # beside an export's merged weights
+
+
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write the actor of a sharded checkpoint as a Hugging Face model directory (config.json,
     safetensors in ``dtype``, the tokenizer when the model has one), loadable by
-    ``AutoModelForCausalLM.from_pretrained`` and vLLM. One process, no process group needed."""
+    ``AutoModelForCausalLM.from_pretrained`` and vLLM. With LoRA the model is merged (W + s B A) and
+    the adapter alone is written beside it, in PEFT's format, to ``OUT/lora_adapter`` (what
+    ``lora_adapter_path`` and vLLM's LoRA requests read). One process, no process group needed."""
     from rlhf_hpc.distributed.loading import materialize
     from rlhf_hpc.models.hf import build_causal_lm, local_path, torch_dtype
+    from rlhf_hpc.models.lora import apply_lora, lora_enabled
     from rlhf_hpc.recipe.load import load_resolved
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / COMPLETE).is_file():
@@ -209,13 +215,19 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     cfg = load_resolved(ckpt_dir.parent / "config.yaml", check_files=False)
     mcfg = cfg.actor_rollout_ref.model
     # the structure, then the checkpoint's weights: the original checkpoint is not read again
-    model = materialize(build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
-                                        trust_remote_code=mcfg.trust_remote_code), torch.device("cpu"))
+    model = build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
+                            trust_remote_code=mcfg.trust_remote_code)
+    if lora_enabled(mcfg):
+        model = apply_lora(model, mcfg, seed=0)
+    model = materialize(model, torch.device("cpu"))
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt_dir / "actor"), no_dist=True)
     model.load_state_dict(state["model"])
     model.to(torch_dtype(dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if lora_enabled(mcfg):  # the adapter alone (PEFT's format, as verl's lora_adapter/), then merged
+        model.save_pretrained(out_dir / LORA_ADAPTER_DIR, safe_serialization=True)
+        model = model.merge_and_unload()
     model.save_pretrained(out_dir, safe_serialization=True)
     tok = mcfg.tokenizer_path or mcfg.path
     if not tok.startswith("tiny://"):

@@ -13,6 +13,7 @@ from rlhf_hpc.ppo.critic import Critic
 from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum
 from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
 from rlhf_hpc.models.hf import import_external_libs, attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
+from rlhf_hpc.models.lora import AdapterDisabled, apply_lora, lora_enabled
 from rlhf_hpc.ppo.optim import build_lr_scheduler, build_optimizer
 from rlhf_hpc.distributed.loading import build_sharded
 from rlhf_hpc.distributed.sequence_parallel import KEYS as SP_KEYS, for_model as sequence_parallel_for
@@ -57,10 +58,15 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> Tr
 
     pretrained = not is_tiny(mcfg.path)
 
-    def policy(dtype_name: str):
-        return lambda device: build_causal_lm(mcfg.path, torch_dtype(dtype_name), device, mcfg.override_config, seed,
-                                              mcfg.trust_remote_code, attn)
-    model = build_sharded(policy(actor_cfg.fsdp_config.model_dtype), fsdp["actor"], ctx, recompute["actor"], pretrained)
+    def policy(dtype_name: str, lora: bool = False):
+        def build(device):
+            model = build_causal_lm(mcfg.path, torch_dtype(dtype_name), device, mcfg.override_config, seed,
+                                    mcfg.trust_remote_code, attn)
+            return apply_lora(model, mcfg, seed) if lora else model
+        return build
+    actor_lora = lora_enabled(mcfg)
+    model = build_sharded(policy(actor_cfg.fsdp_config.model_dtype, actor_lora), fsdp["actor"], ctx,
+                          recompute["actor"], pretrained)
     actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
     opt = build_optimizer(model, actor_cfg.optim)
     on_gpu = ctx.device.type == "cuda"
@@ -71,7 +77,11 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> Tr
                   all_reduce_max=all_reduce_max, bypass_correction=rc if rc.bypass_mode else None, **common)
 
     ref = None
-    if actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and actor_lora:
+        # the base model is the reference: the actor's own weights with the adapter off (verl's ref_in_actor)
+        ref = Actor(AdapterDisabled(model), actor_cfg, temperature=arr.rollout.temperature,
+                    remove_padding=mcfg.use_remove_padding, sp=actor_sp, **common)
+    elif actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model = build_sharded(policy(arr.ref.fsdp_config.model_dtype), fsdp["ref"], ctx, False, pretrained,
                                    frozen=True)
         ref = Actor(ref_model, actor_cfg, temperature=arr.rollout.temperature,
@@ -87,11 +97,14 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> Tr
                                     mcfg.trust_remote_code, attn) if is_tiny(ccfg.model.path) else None
         critic_attn = ("varlen" if ccfg.ulysses_sequence_parallel_size > 1
                        else attn_implementation(ctx.device, ccfg.model.override_config))
-        cmodel = build_sharded(
-            lambda device: build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), device,
+        def value_model(device):
+            critic_model = build_critic(ccfg.model.path, torch_dtype(ccfg.model.fsdp_config.model_dtype), device,
                                         ccfg.model.override_config, seed + 1, ccfg.model.trust_remote_code,
-                                        critic_attn, init_from=init_from),
-            fsdp["critic"], ctx, recompute["critic"], not is_tiny(ccfg.model.path))
+                                        critic_attn, init_from=init_from)
+            if lora_enabled(ccfg.model):  # the backbone gets the adapter; the value head trains in full
+                critic_model.model = apply_lora(critic_model.model, ccfg.model, seed + 1, task_type=None)
+            return critic_model
+        cmodel = build_sharded(value_model, fsdp["critic"], ctx, recompute["critic"], not is_tiny(ccfg.model.path))
         del init_from
         copt = build_optimizer(cmodel, ccfg.optim)
         critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,

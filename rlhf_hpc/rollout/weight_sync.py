@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from rlhf_hpc.distributed.comm import collective
+from rlhf_hpc.models.lora import lora_scaling, merged_weights
 
 # wrappers that change parameter names but not the model (activation checkpointing, compile)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -139,6 +140,8 @@ def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket
     ``transform``: the fault seam's (rlhf_hpc.ppo.faults, ``wrong_weights``) wrapper of the stream."""
     t0 = time.perf_counter()
     stream = stream_full_params(model, dtype, bucket_mb, name_map)
+    if hasattr(model, "peft_config"):  # LoRA: the engine gets W + (alpha / r) B A under the base names
+        stream = merged_weights(stream, lora_scaling(model))
     engine.update_weights(transform(stream) if transform is not None else stream)
     if dist.is_initialized():
         with collective():

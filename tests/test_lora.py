@@ -1,0 +1,206 @@
+"""LoRA (verl's ``lora_rank``, ``lora_alpha``, ``target_modules``, ...; PEFT adapters) on the actor
+and the critic.
+
+- One process: an adapter at its start is the identity; with it switched off the model is the base
+  model; the merged weights the engines receive compute what the adapted model computes (tied and
+  untied heads); only the adapter trains; the critic's value head trains in full.
+- Two gloo ranks (tests/dist_lora_checks.py): sharded and replicated actors with LoRA against one
+  process, the reference (adapter off) against a separate base model, the merged stream.
+- End to end on the demo: KL-PPO with LoRA actor and critic through vLLM and hf (the engine agrees
+  with the actor through the merged sync), a stopped-and-resumed run equal to an uninterrupted one,
+  GRPO with LoRA, and the HF export (merged model + adapter) loaded back by transformers and PEFT.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf_hpc.config.schema import CriticModelConfig, ModelConfig, OptimConfig
+from rlhf_hpc.models.hf import build_causal_lm, build_critic
+from rlhf_hpc.models.lora import AdapterDisabled, apply_lora, lora_enabled, merged_state_dict
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.observability.tracking import read_metrics
+from rlhf_hpc.ppo.actor import per_token_logprobs
+from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.recipe.load import load_config
+from tests.conftest import REPO, engine_available, run_launch
+
+LORA = ModelConfig(path="tiny://qwen2", lora_rank=4, lora_alpha=8)
+NONDETERMINISTIC = ("timing_s/", "perf/", "memory_gb/", "_runtime", "_timestamp")
+
+
+def rows(seed: int = 0, n: int = 6, vocab: int = 200):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in torch.randint(2, 7, (n,), generator=g)]
+    resps = [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 6, (n,), generator=g)]
+    return make_padded_batch(prompts, resps, 0, 6, 5)
+
+
+def logprobs(model, batch):
+    with torch.no_grad():
+        return per_token_logprobs(model, batch)[0]
+
+
+@pytest.mark.parametrize("path", ["tiny://qwen2", "tiny://qwen2?tie_word_embeddings=true", "tiny://llama"])
+def test_adapter_starts_as_identity_and_off_is_the_base_model(path):
+    batch = rows()
+    base = build_causal_lm(path, torch.float32, seed=0)
+    peft = apply_lora(build_causal_lm(path, torch.float32, seed=0), dataclasses.replace(LORA, path=path), seed=3)
+    assert torch.equal(logprobs(peft, batch), logprobs(base, batch))  # B = 0 at the start
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    adapted = logprobs(peft, batch)
+    assert (adapted - logprobs(base, batch)).abs().max() > 1e-3
+    assert torch.equal(logprobs(AdapterDisabled(peft), batch), logprobs(base, batch))
+    assert torch.equal(logprobs(peft, batch), adapted)  # the adapter is on again after the reference's pass
+    # the merged weights, as the engines get them, compute the adapted model
+    plain = build_causal_lm(path, torch.float32, seed=0)
+    merged = merged_state_dict(peft)
+    missing, unexpected = plain.load_state_dict(merged, strict=False)
+    assert unexpected == [] and missing == [], (missing, unexpected)
+    torch.testing.assert_close(logprobs(plain, batch), adapted, rtol=0, atol=2e-5)
+
+
+def test_only_the_adapter_trains_and_the_value_head_in_full():
+    peft = apply_lora(build_causal_lm("tiny://qwen2", torch.float32, seed=0), LORA, seed=3)
+    trainable = [n for n, p in peft.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # all-linear
+    opt = build_optimizer(peft, OptimConfig())
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
+    # target_modules / exclude_modules as verl passes them
+    only_q = apply_lora(build_causal_lm("tiny://qwen2", torch.float32, seed=0),
+                        dataclasses.replace(LORA, target_modules=["q_proj", "v_proj"], exclude_modules=r".*\.layers\.0\..*"),
+                        seed=3)
+    names = [n for n, p in only_q.named_parameters() if p.requires_grad]
+    assert names and all(("q_proj" in n or "v_proj" in n) and ".layers.0." not in n for n in names)
+    critic = build_critic("tiny://qwen2", torch.float32, seed=1)
+    critic.model = apply_lora(critic.model, CriticModelConfig(lora_rank=4), seed=2, task_type=None)
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert {"value_head.weight", "value_head.bias"} <= trainable
+    assert all(n.startswith("value_head.") or ".lora_" in n for n in trainable)
+
+
+def test_keys_are_verls_and_rank_zero_is_no_lora():
+    cfg, _ = load_config("tiny_klppo", [])
+    assert not lora_enabled(cfg.actor_rollout_ref.model) and not lora_enabled(cfg.critic.model)
+    m = cfg.actor_rollout_ref.model
+    assert (m.lora_rank, m.lora_alpha, m.target_modules, m.exclude_modules, m.lora_adapter_path) == \
+        (0, 16, "all-linear", None, None)
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.lora_rank=16",
+                                        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+                                        "critic.model.lora_rank=8"])
+    assert lora_enabled(cfg.actor_rollout_ref.model) and cfg.actor_rollout_ref.model.target_modules == ["q_proj", "v_proj"]
+    assert lora_enabled(cfg.critic.model)
+
+
+# ------------------------------------------------------------------------------------ 2 ranks
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests" / "dist_lora_checks.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "lora.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sharded_untied", "replicated_tied", "sharded_tied_llama"])
+def test_two_ranks_with_lora_match_one_process(two_ranks, name):
+    r = two_ranks[name]
+    assert r["trainable"] == ["lora_A", "lora_B"] and r["optimizer_tensors"] == r["adapter_tensors"] == 28
+    assert r["logprob_max_diff"] < 1e-5
+    assert r["metric_rel_diff"][0] < 1e-5  # the first update: the same weights, float32 reduction order only
+    assert max(r["metric_rel_diff"]) < 2e-2
+    assert r["adapter_moved"] > 0.1 and r["adapter_max_diff"] < 0.1 * r["lr"]
+    assert r["base_moved"] == 0.0
+    # the reference (adapter off, no second model) is the base model, not the trained actor
+    assert r["reference_vs_base_model"] < 1e-5 and r["reference_vs_trained_actor"] > 0.1
+    assert r["merged_names_are_base_names"] and r["merged_vs_single"] < 0.1 * r["lr"]
+
+
+# --------------------------------------------------------------------------------- end to end
+LORA_KEYS = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+             "actor_rollout_ref.actor.optim.lr=1e-2", "critic.model.lora_rank=4")
+
+
+def _run(run, steps, *extra, engine="vllm"):
+    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", f"trainer.total_training_steps={steps}",
+                     "trainer.save_freq=3", "trainer.test_freq=-1", f"actor_rollout_ref.rollout.name={engine}",
+                     *LORA_KEYS, *extra, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    engine_available("vllm")
+    base = tmp_path_factory.mktemp("lora-runs")
+    _run(base / "whole", 5)
+    _run(base / "parts", 3)
+    resumed = _run(base / "parts", 5)
+    _run(base / "hf", 3, engine="hf")
+    _run(base / "grpo", 3, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+         "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false")
+    return base, resumed
+
+
+@pytest.mark.slow
+def test_lora_klppo_runs_and_the_engines_agree_with_the_actor(runs):
+    base, _ = runs
+    for name in ("whole", "hf", "grpo"):
+        metrics = read_metrics(base / name)
+        for r in metrics:
+            # the engine holds W + s B A: its log-probs of its own samples are the actor's (fp32)
+            assert r["rollout/logprob_diff_max"] < 1e-4 and abs(r["rollout/engine_actor_kl"]) < 1e-5, (name, r)
+        assert metrics[-1]["actor/ppo_kl"] != 0 and metrics[-1]["actor/grad_norm"] > 0
+    # the reference is the base model: KL to it grows from 0 as the adapter learns
+    whole = read_metrics(base / "whole")
+    assert whole[0]["actor/reward_kl_penalty"] == 0 and whole[-1]["actor/reward_kl_penalty"] > 0
+    grpo = read_metrics(base / "grpo")
+    assert "timing_s/values" not in grpo[-1] and grpo[-1]["actor/kl_loss"] > 0
+
+
+@pytest.mark.slow
+def test_a_resumed_lora_run_matches_an_uninterrupted_one(runs):
+    base, resumed = runs
+    assert f"resumed from {base / 'parts'}/global_step_3 (step 3)" in resumed.stdout
+    a = {r["training/global_step"]: r for r in read_metrics(base / "whole")}
+    b = {r["training/global_step"]: r for r in read_metrics(base / "parts")}
+    for step in (4, 5):
+        det = {k: v for k, v in a[step].items() if not k.startswith(NONDETERMINISTIC)}
+        got = {k: v for k, v in b[step].items() if not k.startswith(NONDETERMINISTIC)}
+        assert got == det, {k: (det[k], got.get(k)) for k in det if det[k] != got.get(k)}
+
+
+@pytest.mark.slow
+def test_export_writes_the_merged_model_and_the_adapter(runs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base, _ = runs
+    out = tmp_path / "export"
+    proc = run_launch("export", str(base / "whole" / "global_step_3"), "--out", str(out), "--dtype", "float32",
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "lora_adapter" / "adapter_config.json").is_file()
+    assert (out / "lora_adapter" / "adapter_model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    cfg, _ = load_config("tiny_klppo", [])
+    plain = build_causal_lm(cfg.actor_rollout_ref.model.path, torch.float32, seed=cfg.trainer.seed)
+    adapted = PeftModel.from_pretrained(plain, out / "lora_adapter")
+    batch = rows(vocab=plain.config.vocab_size)
+    torch.testing.assert_close(logprobs(merged, batch), logprobs(adapted, batch), rtol=0, atol=2e-5)
+    assert (logprobs(merged, batch) - logprobs(build_causal_lm(cfg.actor_rollout_ref.model.path, torch.float32,
+                                                               seed=cfg.trainer.seed), batch)).abs().max() > 1e-4
