@@ -165,8 +165,14 @@ def test_lora_klppo_runs_and_the_engines_agree_with_the_actor(runs):
             # the engine holds W + s B A: its log-probs of its own samples are the actor's (fp32)
             assert r["rollout/logprob_diff_max"] < 1e-4 and abs(r["rollout/engine_actor_kl"]) < 1e-5, (name, r)
         assert metrics[-1]["actor/ppo_kl"] != 0 and metrics[-1]["actor/grad_norm"] > 0
+    # vLLM serves the adapter: the base weights go in once, then the adapter alone; hf gets merged weights
+    whole, hf = read_metrics(base / "whole"), read_metrics(base / "hf")
+    full = hf[0]["rollout/weight_sync_mib"]
+    assert [r["rollout/weight_sync_mib"] for r in hf] == [full] * len(hf)
+    adapter = whole[1]["rollout/weight_sync_mib"]
+    assert 0 < adapter < 0.2 * full and all(r["rollout/weight_sync_mib"] == adapter for r in whole[1:])
+    assert whole[0]["rollout/weight_sync_mib"] == pytest.approx(full + adapter)  # step 1: the base, then the adapter
     # the reference is the base model: KL to it grows from 0 as the adapter learns
-    whole = read_metrics(base / "whole")
     assert whole[0]["actor/reward_kl_penalty"] == 0 and whole[-1]["actor/reward_kl_penalty"] > 0
     grpo = read_metrics(base / "grpo")
     assert "timing_s/values" not in grpo[-1] and grpo[-1]["actor/kl_loss"] > 0
@@ -178,9 +184,11 @@ def test_a_resumed_lora_run_matches_an_uninterrupted_one(runs):
     assert f"resumed from {base / 'parts'}/global_step_3 (step 3)" in resumed.stdout
     a = {r["training/global_step"]: r for r in read_metrics(base / "whole")}
     b = {r["training/global_step"]: r for r in read_metrics(base / "parts")}
+    # (the resumed run's new engine takes the base weights again at its first sync: more bytes, same weights)
+    assert b[4]["rollout/weight_sync_mib"] > a[4]["rollout/weight_sync_mib"] == b[5]["rollout/weight_sync_mib"]
     for step in (4, 5):
-        det = {k: v for k, v in a[step].items() if not k.startswith(NONDETERMINISTIC)}
-        got = {k: v for k, v in b[step].items() if not k.startswith(NONDETERMINISTIC)}
+        det = {k: v for k, v in a[step].items() if not k.startswith(NONDETERMINISTIC + ("rollout/weight_sync_mib",))}
+        got = {k: v for k, v in b[step].items() if not k.startswith(NONDETERMINISTIC + ("rollout/weight_sync_mib",))}
         assert got == det, {k: (det[k], got.get(k)) for k in det if det[k] != got.get(k)}
 
 

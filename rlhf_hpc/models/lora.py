@@ -26,6 +26,27 @@ def lora_enabled(model_cfg) -> bool:
     return model_cfg.lora_rank > 0 or getattr(model_cfg, "lora_adapter_path", None) is not None
 
 
+def adapter_rank(model_cfg) -> int:
+    """The adapter's rank: ``lora_rank``, or the rank stored with ``lora_adapter_path``."""
+    path = getattr(model_cfg, "lora_adapter_path", None)
+    if path is not None:
+        from peft import LoraConfig
+        return LoraConfig.from_pretrained(path).r
+    return model_cfg.lora_rank
+
+
+# the ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds ``rank`` (as verl rounds up)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"lora_rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+
+
 def apply_lora(model: nn.Module, model_cfg, seed: int, task_type: Optional[str] = "CAUSAL_LM") -> nn.Module:
     """``model`` with LoRA adapters (a PEFT model; the base frozen, the adapter trainable).
 
@@ -64,6 +85,23 @@ def base_name(name: str) -> str:
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX):]
     return name.replace(_BASE_LAYER + ".", ".")
+
+
+def is_adapter(name: str) -> bool:
+    """A PEFT model's parameter that belongs to the adapter (``lora_A``/``lora_B``)."""
+    return f".lora_A.{_ADAPTER}." in name or f".lora_B.{_ADAPTER}." in name
+
+
+def adapter_file_name(name: str) -> str:
+    """A PEFT model's adapter parameter name -> its key in ``adapter_model.safetensors`` (PEFT's
+    saved format drops the adapter's name: what PEFT and vLLM read)."""
+    return name.replace(f".{_ADAPTER}.", ".")
+
+
+def adapter_config(model: nn.Module) -> dict:
+    """The adapter's ``adapter_config.json`` content (PEFT's ``LoraConfig``, JSON-ready)."""
+    config = model.peft_config[_ADAPTER].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
 
 
 def merged_weights(stream: Iterator[tuple[str, torch.Tensor]], scaling: float

@@ -263,8 +263,10 @@ class PPOTrainer:
             with timer("update_weights"):
                 models.free_gradients()  # then the engine empties PyTorch's cache before waking
                 self.rollout.resume()
-                sync_weights_to_rollout(models.actor.model, self.rollout, torch_dtype(arr.rollout.dtype),
-                                        arr.rollout.update_weights_bucket_mb, transform=self.faults.weights_transform(step))
+                synced = sync_weights_to_rollout(models.actor.model, self.rollout, torch_dtype(arr.rollout.dtype),
+                                                 arr.rollout.update_weights_bucket_mb,
+                                                 transform=self.faults.weights_transform(step))
+                metrics["rollout/weight_sync_mib"] = synced["rollout/weight_sync_mib"]
             # 2. rollout: an even share of the step's prompts on each rank, n responses each
             batch, rows, prompts = self.generate(step, timer, metrics)
             # 3. old log-probs (the PPO anchor), reference log-probs, values

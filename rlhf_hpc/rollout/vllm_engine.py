@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import logging
 import os
 import tempfile
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from rlhf_hpc.distributed.process_group import on_exit_process
 from rlhf_hpc.models.hf import is_tiny, local_path, model_config
+from rlhf_hpc.models.lora import adapter_file_name, adapter_rank, lora_enabled, vllm_lora_rank
 from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
 from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.rollout.base import Response, Sampling, covered
@@ -227,6 +229,13 @@ class VLLMEngine:
             # with tensor parallelism + sleep mode under the external launcher; NCCL's all-reduce
             # is used instead (verl sets the same for this engine mode). A no-op on CPU
             kwargs["disable_custom_all_reduce"] = True
+        # a LoRA actor: vLLM serves the adapter itself (its LoRA kernels), so a weight sync moves the
+        # adapter alone once the base weights are in (rlhf_hpc.rollout.weight_sync)
+        self.adapter_rank = vllm_lora_rank(adapter_rank(mcfg)) if lora_enabled(mcfg) else None
+        if self.adapter_rank:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapter_rank)
+        # _base_loaded: the weights in are a LoRA actor's base (not merged); the adapter applies on top
+        self._base_loaded, self._adapter_dir, self._adapter_active, self._adapter_fresh = False, None, False, False
         if on_gpu:
             kwargs["enable_sleep_mode"] = self.sleep_enabled
         else:
@@ -261,9 +270,12 @@ class VLLMEngine:
         weights instead of copying them to host memory and back (level 1, ~15 GB of traffic per step
         for a 7B model): the next ``update_weights`` overwrites every one of them anyway."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=2)
+            # with an adapter the base weights must survive (level 1: to host memory and back), or
+            # every step would send them again
+            level = 1 if self.adapter_rank else 2
+            self.llm.sleep(level=level)
             self._asleep = {"weights", "kv_cache"}
-            self._weights_valid = False
+            self._weights_valid = level == 1
         free_device_cache(self.device)
 
     def resume(self) -> None:
@@ -324,7 +336,45 @@ class VLLMEngine:
         # cached KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
         self._weights_valid = True
+        self._base_loaded = self._adapter_active = False  # (complete weights: no adapter on top)
         self._fail_together(verdicts.problems)
+
+    def update_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A LoRA actor's base weights (unmerged), for its adapter to apply on (``update_adapter``)."""
+        self.update_weights(named_tensors)
+        self._base_loaded = True
+
+    def needs_base_weights(self) -> bool:
+        """A LoRA actor's sync sends the base weights only where the engine has none (the first
+        sync; after a sleep that discarded them)."""
+        return not (self._base_loaded and self._weights_valid)
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict) -> None:
+        """The actor's LoRA adapter (full tensors, PEFT names) written as a PEFT adapter directory
+        on this rank (megabytes: ``adapter_model.safetensors`` + ``adapter_config.json``), which
+        vLLM loads in place at the next ``generate``."""
+        from safetensors.torch import save_file
+        tensors = {adapter_file_name(n): t.detach().to("cpu", copy=True).contiguous() for n, t in named_tensors}
+        if not tensors:
+            raise RuntimeError("weight sync: the LoRA actor sent no adapter tensors")
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="rlhf-hpc-adapter-")
+        save_file(tensors, os.path.join(self._adapter_dir.name, "adapter_model.safetensors"))
+        with open(os.path.join(self._adapter_dir.name, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
+        self._adapter_active = self._adapter_fresh = True
+
+    def _lora_request(self):
+        """The adapter for this ``generate`` (None without LoRA); reloaded once after each sync."""
+        if not self._adapter_active:
+            return None
+        if not self._base_loaded:
+            raise RuntimeError("vllm engine: an adapter on weights that are not its base model's")
+        from vllm.lora.request import LoRARequest
+        request = LoRARequest("actor", 1, self._adapter_dir.name, load_inplace=self._adapter_fresh)
+        self._adapter_fresh = False
+        return request
 
     def _fail_together(self, problems: list[str]) -> None:
         """Raise on every rank when any rank's engine reported a problem (one would otherwise wait
@@ -367,7 +417,8 @@ class VLLMEngine:
         with self.rng.active():
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                     lora_request=self._lora_request())
         results = []
         for out in outs[mine]:
             group = []

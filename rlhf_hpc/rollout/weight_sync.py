@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from rlhf_hpc.distributed.comm import collective
-from rlhf_hpc.models.lora import lora_scaling, merged_weights
+from rlhf_hpc.models.lora import adapter_config, base_name, is_adapter, lora_scaling, merged_weights
 
 # wrappers that change parameter names but not the model (activation checkpointing, compile)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -107,15 +107,16 @@ def _launch(bucket, dtype: torch.dtype, piece_bytes: int, into_tensor: Optional[
 
 
 def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
-                       name_map: Callable[[str], str] = hf_name, into_tensor: Optional[bool] = None
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
+                       name_map: Callable[[str], str] = hf_name, into_tensor: Optional[bool] = None,
+                       include: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator (every rank iterates it fully, in step): ``(name, full tensor)`` for
     each parameter of ``model``, cast to ``dtype``, gathered ``bucket_mb`` MiB at a time with the
     next bucket's all-gathers in flight while this one is consumed. ``into_tensor``: the
     all_gather_into_tensor path (None: on CUDA tensors, i.e. NCCL). Every rank of a tensor-parallel
     rollout group receives full tensors and vLLM slices its part: simple, at the price of
-    gathering what it then drops (BENCHMARKS.md)."""
-    params = list(model.named_parameters())
+    gathering what it then drops (BENCHMARKS.md). ``include``: only the parameters whose name it
+    accepts (the same on every rank)."""
+    params = [(n, p) for n, p in model.named_parameters() if include is None or include(n)]
     bucket_bytes = int(bucket_mb * 2**20)
     buckets = list(_buckets(params, dtype, bucket_bytes))
     if not buckets:
@@ -134,16 +135,35 @@ def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
 
 
 def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket_mb: float,
-                            name_map: Callable[[str], str] = hf_name, transform: Optional[Callable] = None
-                            ) -> dict[str, float]:
-    """Stream the actor's weights into ``engine`` in place. Returns ``timing_s/update_weights``.
-    ``transform``: the fault seam's (rlhf_hpc.ppo.faults, ``wrong_weights``) wrapper of the stream."""
+                            name_map: Callable[[str], str] = hf_name, transform: Optional[Callable] = None,
+                            adapter_only: bool = True) -> dict[str, float]:
+    """Stream the actor's weights into ``engine`` in place. Returns ``timing_s/update_weights`` and
+    ``rollout/weight_sync_mib`` (what the engine received). ``transform``: the fault seam's
+    (rlhf_hpc.ppo.faults, ``wrong_weights``) wrapper of the stream.
+
+    A LoRA actor (a PEFT model): an engine that serves adapters (``engine.adapter_rank``, vLLM's
+    LoRA) gets the base weights once (again only where it discarded them) and then the adapter
+    alone, megabytes per step; any other engine, or ``adapter_only=False``, gets the merged
+    W + (alpha / r) B A under the base names, every tensor every step."""
     t0 = time.perf_counter()
-    stream = stream_full_params(model, dtype, bucket_mb, name_map)
-    if hasattr(model, "peft_config"):  # LoRA: the engine gets W + (alpha / r) B A under the base names
-        stream = merged_weights(stream, lora_scaling(model))
-    engine.update_weights(transform(stream) if transform is not None else stream)
+    lora, sent = hasattr(model, "peft_config"), [0]
+
+    def feed(stream):
+        for name, tensor in (transform(stream) if transform is not None else stream):
+            sent[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+    if lora and adapter_only and getattr(engine, "adapter_rank", None):
+        if engine.needs_base_weights():
+            engine.update_base_weights(feed((base_name(n), t) for n, t in stream_full_params(
+                model, dtype, bucket_mb, name_map, include=lambda n: not is_adapter(n))))
+        engine.update_adapter(feed(stream_full_params(model, dtype, bucket_mb, name_map, include=is_adapter)),
+                              adapter_config(model))
+    else:
+        stream = stream_full_params(model, dtype, bucket_mb, name_map)
+        if lora:  # the engine gets W + (alpha / r) B A under the base names
+            stream = merged_weights(stream, lora_scaling(model))
+        engine.update_weights(feed(stream))
     if dist.is_initialized():
         with collective():
             dist.barrier()
-    return {"timing_s/update_weights": time.perf_counter() - t0}
+    return {"timing_s/update_weights": time.perf_counter() - t0, "rollout/weight_sync_mib": sent[0] / 2**20}
