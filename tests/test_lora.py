@@ -212,3 +212,50 @@ def test_export_writes_the_merged_model_and_the_adapter(runs, tmp_path):
     torch.testing.assert_close(logprobs(merged, batch), logprobs(adapted, batch), rtol=0, atol=2e-5)
     assert (logprobs(merged, batch) - logprobs(build_causal_lm(cfg.actor_rollout_ref.model.path, torch.float32,
                                                                seed=cfg.trainer.seed), batch)).abs().max() > 1e-4
+
+
+# --------------------------------------------------------------------------- plan and checks
+def plan_of(recipe: str, *overrides: str):
+    from rlhf_hpc.planning.memory_plan import build_plan
+    cfg, _ = load_config(recipe, list(overrides), check_files=False)
+    plan = build_plan(cfg)
+    return {p.name: p for p in plan.phases}, plan
+
+
+def test_the_memory_plan_counts_the_adapters_state_and_no_reference_copy():
+    from rlhf_hpc.planning.sizing import GiB, adapter_params
+    full, _ = plan_of("qwen7b_klppo")
+    lora, _ = plan_of("qwen7b_klppo", "actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_alpha=32",
+                      "actor_rollout_ref.ref.fsdp_config.param_offload=false")
+    n = adapter_params("Qwen/Qwen2.5-7B-Instruct", ModelConfig(lora_rank=64))
+    assert 1.5e8 < n < 1.7e8  # r (in + out) over q, k, v, o, gate, up, down of 28 layers: 161.5M
+    upd = lora["update_actor"].parts
+    assert upd["grads"] == pytest.approx(n * 4 / 8) and upd["optimizer"] == pytest.approx(n * 8 / 8)
+    assert upd["params"] == full["update_actor"].parts["params"]  # the frozen base is still held (sharded)
+    assert "ref params" in full["old_log_prob"].parts and "ref params" not in lora["old_log_prob"].parts
+    assert lora["update_actor"].total < full["update_actor"].total - 10 * GiB
+
+
+def test_the_lora_recipe_fits_four_40gb_gpus_where_full_training_does_not():
+    from rlhf_hpc.planning.memory_plan import check_plan
+    for recipe, overrides, fits in (("qwen7b_lora_klppo", [], True), ("qwen7b_lora_klppo", ["trainer.gpu_memory_gb=80"], True),
+                                    ("qwen7b_klppo", ["trainer.n_gpus_per_node=4", "trainer.gpu_memory_gb=40"], False)):
+        cfg, _ = load_config(recipe, overrides + ["launcher.cluster=slurm", "launcher.mem_gb=480"], check_files=False)
+        _, errors, _ = check_plan(cfg)
+        assert (not errors) == fits, (recipe, overrides, errors)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor_rollout_ref.model.lora_rank=-1"], "the rank must be >= 0"),
+    (["actor_rollout_ref.model.lora_rank=1024"], "vLLM serves adapters up to rank 512"),
+    (["actor_rollout_ref.model.lora_adapter_path=/no/such/adapter"], "no adapter_config.json there"),
+    (["critic.model.lora_rank=8", "algorithm.adv_estimator=grpo"], "critic.model.lora_rank=8 has no effect"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.param_offload=true"],
+     "ref.fsdp_config.param_offload=True has no effect with LoRA"),
+    (["actor_rollout_ref.rollout.layered_summon=true"], "LoRA training (layered summon)"),
+])
+def test_lora_keys_that_cannot_work_are_refused(overrides, message):
+    from rlhf_hpc.config.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny_klppo", overrides + ["actor_rollout_ref.rollout.name=vllm"])
+    assert any(message in line for line in e.value.errors), e.value.errors

@@ -29,8 +29,9 @@ from typing import Optional
 
 from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.config.tree import get_key
-from rlhf_hpc.planning.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, activation_bytes, logits_bytes,
-                                      micro_tokens, model_shape)
+from rlhf_hpc.models.lora import lora_enabled
+from rlhf_hpc.planning.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, activation_bytes, adapter_params,
+                                      logits_bytes, micro_tokens, model_shape)
 
 # share of a rank's memory the models' whole training state may take before sharding is chosen
 REPLICATE_SHARE = 0.2
@@ -58,17 +59,21 @@ def rank_memory_bytes(cfg: Config) -> float:
 
 def training_state_bytes(cfg: Config, params: int, critic_params: Optional[int] = None) -> float:
     """Unsharded bytes of everything the models keep between steps: the actor's (and critic's)
-    master weights, gradients and Adam moments, the reference's weights."""
+    master weights, gradients and Adam moments (a LoRA model's: of its adapter only), the
+    reference's weights (none with a LoRA actor: the reference is the actor, adapter off)."""
     arr = cfg.actor_rollout_ref
 
-    def trained(n: int, fsdp: FSDPConfig) -> float:
-        return n * (2 * DTYPE_BYTES[fsdp.model_dtype] + 8)
+    def trained(n: int, fsdp: FSDPConfig, model_cfg, path: str) -> float:
+        trainable = adapter_params(path, model_cfg, model_cfg.override_config, bool(model_cfg.trust_remote_code)) \
+            if lora_enabled(model_cfg) else n
+        return n * DTYPE_BYTES[fsdp.model_dtype] + trainable * (DTYPE_BYTES[fsdp.model_dtype] + 8)
 
-    total = trained(params, arr.actor.fsdp_config)
-    if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    total = trained(params, arr.actor.fsdp_config, arr.model, arr.model.path)
+    if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora_enabled(arr.model):
         total += params * DTYPE_BYTES[arr.ref.fsdp_config.model_dtype]
     if cfg.critic.enable:
-        total += trained(critic_params if critic_params is not None else params, cfg.critic.model.fsdp_config)
+        total += trained(critic_params if critic_params is not None else params, cfg.critic.model.fsdp_config,
+                         cfg.critic.model, cfg.critic.model.path or arr.model.path)
     return total
 
 

@@ -26,8 +26,9 @@ from typing import Optional
 from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.planning.layout import choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs
 from rlhf_hpc.models.hf import is_tiny
+from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.planning.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, ModelShape, activation_bytes,
-                                      logits_bytes, micro_tokens, model_shape)
+                                      adapter_params, logits_bytes, micro_tokens, model_shape)
 
 RUNTIME_GB = 1.0  # CUDA context, NCCL buffers, allocator slack: held in every phase
 # host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
@@ -178,24 +179,28 @@ def _shards(world: int, fsdp: FSDPConfig) -> int:
     return mesh_shape(world, fsdp.fsdp_size)[1]
 
 
-def _train_state(params: int, fsdp: FSDPConfig, world: int, phase: str) -> dict[str, float]:
+def _train_state(params: int, fsdp: FSDPConfig, world: int, phase: str, trainable: Optional[int] = None
+                 ) -> dict[str, float]:
     """Sharded parameters, gradients and Adam state on the GPU in ``phase`` (gen, forward, update).
     With param_offload (FSDP2 CPUOffloadPolicy) all three live on the host; optimizer_offload alone
-    moves the Adam state to the host between updates (optim.optimizer_state_on)."""
+    moves the Adam state to the host between updates (optim.optimizer_state_on). ``trainable``: the
+    parameters with gradients and Adam state (a LoRA adapter's); default all."""
     shards = _shards(world, fsdp)
+    trainable = params if trainable is None else trainable
     master = DTYPE_BYTES[fsdp.model_dtype]
     host_params = fsdp.param_offload or fsdp.offload_policy
     out = {"params": 0.0 if host_params else params * master / shards}
     if phase == "update":
-        out["grads"] = 0.0 if host_params else params * master / shards
+        out["grads"] = 0.0 if host_params else trainable * master / shards
     optim_on_gpu = not host_params and (phase == "update" or not fsdp.optimizer_offload)
-    out["optimizer"] = 2 * params * 4 / shards if optim_on_gpu else 0.0
+    out["optimizer"] = 2 * trainable * 4 / shards if optim_on_gpu else 0.0
     return out
 
 
 def _working(s: ModelShape, fsdp: FSDPConfig, with_grad: bool) -> float:
     """The group FSDP all-gathered for compute (and the next one when prefetching); in backward its
-    gradient in the compute dtype and the reduce-scatter buffer."""
+    gradient in the compute dtype and the reduce-scatter buffer (``with_grad`` False for a LoRA
+    model too: its frozen base has none, its adapter's are counted in ``grads``)."""
     b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
     # without reshard_after_forward every group stays unsharded from its forward to its backward
     gathered = s.largest_group if fsdp.reshard_after_forward is not False else s.params
@@ -206,12 +211,14 @@ def _working(s: ModelShape, fsdp: FSDPConfig, with_grad: bool) -> float:
 
 
 def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, tokens: int, response_tokens: int,
-                 checkpointing: bool, head_vocab: int) -> dict[str, float]:
+                 checkpointing: bool, head_vocab: int, trainable: Optional[int] = None) -> dict[str, float]:
     """One model's own share of an update phase: its training state, the unsharded group, the
     activations of a micro-batch of ``tokens`` (``response_tokens`` of them scored by a head of
-    ``head_vocab`` logits; 0: a value head, one number per token)."""
+    ``head_vocab`` logits; 0: a value head, one number per token). ``trainable``: a LoRA model's
+    adapter parameters (the rest frozen)."""
     b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
-    return {**_train_state(params, fsdp, world, "update"), "unsharded group": _working(s, fsdp, with_grad=True),
+    return {**_train_state(params, fsdp, world, "update", trainable),
+            "unsharded group": _working(s, fsdp, with_grad=trainable is None),
             "activations": activation_bytes(s, tokens, b, checkpointing, True),
             "logits": float(logits_bytes(response_tokens, head_vocab, b, with_grad=True)) if head_vocab else tokens * 8.0}
 
@@ -243,9 +250,18 @@ class PlanBuilder:
         self.cs = critic_shape or self.s
         self.critic_params = self.cs.params - self.cs.head_params + self.cs.hidden + 1 if self.use_critic else 0
         self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        # LoRA: gradients and Adam state of the adapters only; the reference is the actor, adapter off
+        self.actor_trainable = (adapter_params(arr.model.path, arr.model, arr.model.override_config,
+                                               arr.model.trust_remote_code) if lora_enabled(arr.model) else None)
+        self.critic_trainable = (adapter_params(cfg.critic.model.path or arr.model.path, cfg.critic.model,
+                                                cfg.critic.model.override_config, bool(cfg.critic.model.trust_remote_code))
+                                 + self.cs.hidden + 1 if self.use_critic and lora_enabled(cfg.critic.model) else None)
+        self.ref_in_actor = self.use_ref and lora_enabled(arr.model)
         layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.planning.layout)
         self.recompute = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}
         self.afs, self.rfs, self.cfs = layouts["actor"], layouts["ref"], layouts["critic"]
+        if self.ref_in_actor:
+            self.rfs = self.afs  # the reference's forward is the actor's, on its mesh
         self.notes = describe_layouts(cfg)
         rm = cfg.reward_model
         self.rms = None
@@ -289,19 +305,21 @@ class PlanBuilder:
         self.update_phase("update_actor", s, s.params, self.afs, actor.ppo_micro_batch_size_per_gpu,
                           actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, self.recompute["actor"], s.vocab,
                           self.update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
-                                           self.recompute["actor"], self.afs), "actor", actor.ulysses_sequence_parallel_size)
+                                           self.recompute["actor"], self.afs), "actor", actor.ulysses_sequence_parallel_size,
+                          self.actor_trainable)
         if self.use_critic:
             self.update_phase("update_critic", self.cs, self.critic_params, self.cfs, critic.ppo_micro_batch_size_per_gpu,
                               critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, self.recompute["critic"],
                               0, self.update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
                                                   self.recompute["critic"], self.cfs), "critic",
-                              critic.ulysses_sequence_parallel_size)
+                              critic.ulysses_sequence_parallel_size, self.critic_trainable)
         notes = self.notes
         if self.on_gpu and not tr.gpu_memory_gb:
             notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
         afs = self.afs
         if afs.param_offload or afs.optimizer_offload:
-            host = 16 * s.params / _shards(self.world, afs) * (1 if afs.param_offload else 0.5)
+            trained = s.params if self.actor_trainable is None else self.actor_trainable
+            host = (4 * s.params + 12 * trained if afs.param_offload else 8 * trained) / _shards(self.world, afs)
             notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
                          + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
         max_len = rollout.max_model_len or (self.P + self.R)
@@ -310,21 +328,23 @@ class PlanBuilder:
                                             (self.rms, rm.model.path)) if shp is not None and not is_tiny(path)]
         plan.host = host_plan(cfg, plan, max((x.params for x in pretrained), default=0), self.critic_params,
                               self.rm_params,
-                              {"actor": afs, "ref": self.rfs if self.use_ref else None,
+                              {"actor": afs, "ref": self.rfs if self.use_ref and not self.ref_in_actor else None,
                                "critic": self.cfs if self.use_critic else None,
-                               "reward_model": self.mfs if self.rms else None})
+                               "reward_model": self.mfs if self.rms else None},
+                              {"actor": self.actor_trainable, "critic": self.critic_trainable})
         return plan
 
     def resident(self, phase: str, skip: str = "") -> dict[str, float]:
         """What the other models keep on the GPU during ``phase``."""
         s, world, out = self.s, self.world, {}
         if skip != "actor":
-            out["actor state"] = sum(_train_state(s.params, self.afs, world, phase).values())
-        if self.use_ref and skip != "ref":
+            out["actor state"] = sum(_train_state(s.params, self.afs, world, phase, self.actor_trainable).values())
+        if self.use_ref and not self.ref_in_actor and skip != "ref":
             rfs = self.rfs
             out["ref params"] = 0.0 if rfs.param_offload or rfs.offload_policy else s.params * DTYPE_BYTES[rfs.model_dtype] / _shards(world, rfs)
         if self.use_critic and skip != "critic":
-            out["critic state"] = sum(_train_state(self.critic_params, self.cfs, world, phase).values())
+            out["critic state"] = sum(_train_state(self.critic_params, self.cfs, world, phase,
+                                                   self.critic_trainable).values())
         if self.rms and skip != "reward_model":
             mfs = self.mfs
             out["reward model params"] = (0.0 if mfs.param_offload or mfs.offload_policy
@@ -375,7 +395,7 @@ class PlanBuilder:
                                  ["actor_rollout_ref.rollout.gpu_memory_utilization",
                                   *self.offload_keys("actor_rollout_ref.actor", self.afs),
                                   *(self.offload_keys("actor_rollout_ref.ref", self.rfs, optimizer=False)
-                                    if self.use_ref else []),
+                                    if self.use_ref and not self.ref_in_actor else []),
                                   *(self.offload_keys("critic.model", self.cfs) if self.use_critic else []),
                                   *(self.offload_keys("reward_model.model", self.mfs, optimizer=False)
                                     if self.rms else [])]))
@@ -396,9 +416,9 @@ class PlanBuilder:
         self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
 
     def update_phase(self, name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, recompute,
-                     head_vocab, keys, who, sp: int = 1) -> None:
+                     head_vocab, keys, who, sp: int = 1, trainable: Optional[int] = None) -> None:
         tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
-        own = update_bytes(shp, params, fsdp, self.world, tokens, resp, recompute, head_vocab)
+        own = update_bytes(shp, params, fsdp, self.world, tokens, resp, recompute, head_vocab, trainable)
         parts = {"runtime": self.runtime, **self.awake, **self.resident("forward", skip=who), **own}
         self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
                                  + (", gradient checkpointing" if recompute else "")))
@@ -416,11 +436,12 @@ def host_runtime_bytes(device: str) -> float:
 
 
 def host_plan(cfg: Config, plan: MemoryPlan, largest_pretrained: int, critic_params: int, rm_params: int,
-              layouts: dict[str, Optional[FSDPConfig]]) -> HostPlan:
+              layouts: dict[str, Optional[FSDPConfig]], trainable: Optional[dict] = None) -> HostPlan:
     """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
     to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
     the moments between updates); CPU runs: the per-rank plan's largest phase, which is host memory
-    already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters)."""
+    already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters). ``trainable``:
+    a LoRA model's adapter parameters by model name (gradients and moments are of those only)."""
     tr, world = cfg.trainer, cfg.world_size
     params = {"actor": plan.shape.params, "ref": plan.shape.params, "critic": critic_params, "reward_model": rm_params}
     shrink = []
@@ -431,14 +452,15 @@ def host_plan(cfg: Config, plan: MemoryPlan, largest_pretrained: int, critic_par
                 continue
             n = params[name] / _shards(world, fsdp)
             trains = name in ("actor", "critic")
+            t = ((trainable or {}).get(name) or params[name]) / _shards(world, fsdp)
             prefix = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic.model",
                       "reward_model": "reward_model.model"}[name]
             if fsdp.param_offload or fsdp.offload_policy:
-                per_rank[f"{name} offloaded"] = n * (DTYPE_BYTES[fsdp.model_dtype] * (2 if trains else 1)
-                                                     + (8 if trains else 0))
+                per_rank[f"{name} offloaded"] = n * DTYPE_BYTES[fsdp.model_dtype] + (
+                    t * (DTYPE_BYTES[fsdp.model_dtype] + 8) if trains else 0)
                 shrink.append(f"{prefix}.fsdp_config.param_offload=false")
             elif trains and fsdp.optimizer_offload:
-                per_rank[f"{name} Adam moments"] = 8 * n
+                per_rank[f"{name} Adam moments"] = 8 * t
                 shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
     else:
         per_rank = {"largest phase": plan.peak}

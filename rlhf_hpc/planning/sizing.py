@@ -58,7 +58,8 @@ def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: b
     return _shapes[key]
 
 
-def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
+def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
+    """(the model built on the meta device, its config, where the config came from)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -78,6 +79,11 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
         source = f"published {key} config (no config.json at {path} here)"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return model, config, source
+
+
+def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
+    model, config, source = _meta_model(path, override, trust_remote_code)
     from rlhf_hpc.distributed.fsdp import decoder_layers, tied_embeddings
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     layers = decoder_layers(model)
@@ -90,6 +96,23 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
         hidden=config.hidden_size, layers=len(layers), intermediate=config.intermediate_size,
         vocab=config.vocab_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", heads),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, source=source)
+
+
+_adapters: dict[str, int] = {}
+
+
+def adapter_params(path: str, lora_cfg, override: Optional[dict] = None, trust_remote_code: bool = False) -> int:
+    """Parameters of the LoRA adapter ``lora_cfg`` (a model config with verl's LoRA keys) would add
+    to the model at ``path``: exact, PEFT applied to a meta build (where the config is readable;
+    else the published shapes ``model_shape`` knows, as a Qwen2)."""
+    key = repr((path, sorted((override or {}).items()), trust_remote_code, lora_cfg.lora_rank, lora_cfg.lora_alpha,
+                lora_cfg.target_modules, getattr(lora_cfg, "exclude_modules", None),
+                getattr(lora_cfg, "lora_adapter_path", None)))
+    if key not in _adapters:
+        from rlhf_hpc.models.lora import apply_lora, is_adapter
+        model = apply_lora(_meta_model(path, override, trust_remote_code)[0], lora_cfg, seed=0)
+        _adapters[key] = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+    return _adapters[key]
 
 
 def layer_activation_bytes(s: ModelShape, compute_bytes: int) -> int:

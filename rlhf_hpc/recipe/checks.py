@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
-from rlhf_hpc.config.schema import ATTN_IMPLEMENTATIONS, Config
-from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.config.schema import ATTN_IMPLEMENTATIONS, Config, FSDPConfig
+from rlhf_hpc.config.tree import flatten, get_key, to_dict
 from rlhf_hpc.ops.batching import per_rank_mini_batch
 
 
@@ -90,6 +91,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
                       f"(launcher.cluster), or trainer.nnodes=1 to run here")
     errors += unsupported_values(cfg)
     errors += reward_model_problems(cfg)
+    errors += lora_problems(cfg)
     warnings += strategy_warnings(cfg)
     files = missing_files(cfg)
     if check_files:
@@ -136,6 +138,36 @@ def rollout_correction_problems(cfg: Config) -> tuple[list[str], list[str]]:
                         f"already current / engine policy, so the IS weights are reported (rollout_corr/rollout_is_*) "
                         f"but not applied, as in verl; loss_type=reinforce applies them")
     return errors, warnings
+
+
+def lora_problems(cfg: Config) -> list[str]:
+    """LoRA keys (verl's) that cannot work, or would change nothing in this config."""
+    from rlhf_hpc.models.lora import VLLM_LORA_RANKS, lora_enabled
+    arr, errors = cfg.actor_rollout_ref, []
+    for key, m in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
+        if m.lora_rank < 0 or m.lora_alpha <= 0:
+            errors.append(f"{key}.lora_rank={m.lora_rank} / lora_alpha={m.lora_alpha}: the rank must be >= 0 "
+                          f"(0: no LoRA) and alpha > 0")
+    path = arr.model.lora_adapter_path
+    if path is not None and not (Path(path).expanduser() / "adapter_config.json").is_file():
+        errors.append(f"actor_rollout_ref.model.lora_adapter_path={path}: no adapter_config.json there (a PEFT "
+                      f"adapter directory, e.g. an export's lora_adapter/)")
+    if arr.rollout.name == "vllm" and arr.model.lora_rank > VLLM_LORA_RANKS[-1]:
+        errors.append(f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: vLLM serves adapters up to rank "
+                      f"{VLLM_LORA_RANKS[-1]}")
+    if lora_enabled(cfg.critic.model) and not cfg.critic.enable:
+        errors.append(f"critic.model.lora_rank={cfg.critic.model.lora_rank} has no effect: there is no critic "
+                      f"(critic.enable={cfg.critic.enable}, algorithm.adv_estimator={cfg.algorithm.adv_estimator})")
+    if lora_enabled(arr.model) and (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        # the reference runs as the actor does: a ref layout or precision of its own would be ignored
+        ref, actor, default = (flatten(to_dict(f)) for f in (arr.ref.fsdp_config, arr.actor.fsdp_config, FSDPConfig()))
+        changed = [f"actor_rollout_ref.ref.fsdp_config.{k}={v}" for k, v in ref.items()
+                   if v != default.get(k) and v != actor.get(k)]
+        if changed:
+            errors.append(f"{', '.join(changed)} has no effect with LoRA: the reference is the actor with its adapter "
+                          f"off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config); leave it "
+                          f"at its default or the actor's value")
+    return errors
 
 
 def size_problems(cfg: Config) -> tuple[list[str], bool]:
