@@ -259,3 +259,24 @@ def test_lora_keys_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config("tiny_klppo", overrides + ["actor_rollout_ref.rollout.name=vllm"])
     assert any(message in line for line in e.value.errors), e.value.errors
+
+
+def test_bf16_compute_on_host_replicas_reaches_the_adapter():
+    """A model replicated on the host computes in bf16 by casting each module's parameters when it
+    is called (distributed.fsdp.compute_in_dtype); PEFT casts x to lora_A's fp32 dtype before that
+    call, so the module casts its inputs too (as FSDP2 does). Gradients reach the fp32 adapter."""
+    from rlhf_hpc.distributed.fsdp import compute_in_dtype
+    batch = rows()
+    model = apply_lora(build_causal_lm("tiny://qwen2", torch.float32, seed=0), LORA, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    fp32 = logprobs(model, batch)
+    compute_in_dtype(model, torch.bfloat16)
+    lp, _ = per_token_logprobs(model, batch)
+    mask = batch["response_mask"].bool()
+    assert (lp - fp32)[mask].abs().max() < 0.1 and (lp - fp32)[mask].abs().max() > 0  # bf16, not fp32
+    lp[mask].sum().backward()
+    grads = [p.grad for n, p in model.named_parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)

@@ -88,7 +88,8 @@ def compute_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
     returns. The cast is part of the graph, so the backward computes in ``dtype`` and the gradients
     arrive cast back into the parameters' own dtype (fp32), accumulated there across micro-batches,
     as FSDP2's reduce-dtype copy does. The parameters, their names and the state dict stay as they
-    are. Re-entrant: activation checkpointing's recompute calls the module again and casts again."""
+    are. Floating positional inputs are cast to ``dtype`` too (FSDP2 casts forward inputs). Re-entrant:
+    activation checkpointing's recompute calls the module again and casts again."""
     if dtype is None:
         return
     for module in model.modules():
@@ -102,6 +103,12 @@ def compute_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
             kept.append({n: module._parameters[n] for n in names})
             for n in names:
                 module._parameters[n] = kept[-1][n].to(dtype)
+            # floating inputs too, as FSDP2's cast_forward_inputs: a caller may have matched them to the
+            # parameters' own dtype before the call (PEFT casts x to lora_A.weight.dtype, fp32 here)
+            if any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype for a in args):
+                return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                             for a in args)
+            return None
 
         def restore(module, args, output, kept=kept):
             module._parameters.update(kept.pop())
