@@ -124,11 +124,18 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
     return final
 
 
+def _options(model: nn.Module) -> StateDictOptions:
+    """A LoRA model's frozen base is not written: it is the pretrained checkpoint the run starts
+    from, read again at every start (megabytes of adapter per save instead of the whole model)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        return get_model_state_dict(model), {}
-    return get_state_dict(model, optimizer)
+        return get_model_state_dict(model, options=_options(model)), {}
+    return get_state_dict(model, optimizer, options=_options(model))
 
 
 def list_checkpoints(root: str | Path) -> list[int]:
@@ -179,9 +186,10 @@ def load_checkpoint(path: str | Path, components: dict[str, tuple[nn.Module, Opt
         dcp.load(state, checkpoint_id=str(path / name))
         if optimizer is None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=_options(model))
         else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=_options(model))
     meta = json.loads((path / COMPLETE).read_text())
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if restore_rng and meta["world_size"] == _world() and rng_file.is_file():
@@ -202,27 +210,29 @@ LORA_ADAPTER_DIR = "lora_adapter"  # beside an export's merged weights
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write the actor of a sharded checkpoint as a Hugging Face model directory (config.json,
     safetensors in ``dtype``, the tokenizer when the model has one), loadable by
-    ``AutoModelForCausalLM.from_pretrained`` and vLLM. With LoRA the model is merged (W + s B A) and
+    ``AutoModelForCausalLM.from_pretrained`` and vLLM. With LoRA (whose checkpoints hold the adapter,
+    the base being the run's pretrained model, read again here) the model is merged (W + s B A) and
     the adapter alone is written beside it, in PEFT's format, to ``OUT/lora_adapter`` (what
     ``lora_adapter_path`` and vLLM's LoRA requests read). One process, no process group needed."""
     from rlhf_hpc.distributed.loading import materialize
     from rlhf_hpc.models.hf import build_causal_lm, local_path, torch_dtype
-    from rlhf_hpc.models.lora import apply_lora, lora_enabled
+    from rlhf_hpc.models.lora import apply_lora, is_adapter, lora_enabled
     from rlhf_hpc.recipe.load import load_resolved
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / COMPLETE).is_file():
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker)")
     cfg = load_resolved(ckpt_dir.parent / "config.yaml", check_files=False)
     mcfg = cfg.actor_rollout_ref.model
-    # the structure, then the checkpoint's weights: the original checkpoint is not read again
-    model = build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
-                            trust_remote_code=mcfg.trust_remote_code)
-    if lora_enabled(mcfg):
-        model = apply_lora(model, mcfg, seed=0)
-    model = materialize(model, torch.device("cpu"))
-    state = {"model": model.state_dict()}
+    if lora_enabled(mcfg):  # the checkpoint holds the adapter: the base is the run's pretrained model
+        model = apply_lora(build_causal_lm(mcfg.path, torch.float32, "cpu", mcfg.override_config, cfg.trainer.seed,
+                                           trust_remote_code=mcfg.trust_remote_code), mcfg, seed=0)
+        state = {"model": {k: v for k, v in model.state_dict().items() if is_adapter(k)}}
+    else:  # the structure, then the checkpoint's weights: the original checkpoint is not read again
+        model = materialize(build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
+                                            trust_remote_code=mcfg.trust_remote_code), torch.device("cpu"))
+        state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt_dir / "actor"), no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not lora_enabled(mcfg))
     model.to(torch_dtype(dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
     if lora_enabled(mcfg):  # the adapter alone (PEFT's format, as verl's lora_adapter/), then merged
