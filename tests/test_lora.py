@@ -284,3 +284,18 @@ def test_bf16_compute_on_host_replicas_reaches_the_adapter():
     lp[mask].sum().backward()
     grads = [p.grad for n, p in model.named_parameters() if p.requires_grad]
     assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
+
+
+def test_a_checkpoint_from_before_the_lora_keys_still_resumes():
+    """Its config.yaml has no lora_* keys: absent and at the default now is the same run; a LoRA run
+    cannot continue it."""
+    from rlhf_hpc.config.tree import dump_yaml, to_dict
+    from rlhf_hpc.ppo.checkpoint import incompatible_keys
+    cfg, _ = load_config("tiny_klppo", [], check_files=False)
+    saved = to_dict(cfg)
+    for section in (saved["actor_rollout_ref"]["model"], saved["critic"]["model"]):
+        for k in [k for k in section if k.startswith("lora_") or k.endswith("_modules")]:
+            del section[k]
+    assert incompatible_keys(dump_yaml(saved), cfg) == []
+    lora, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.lora_rank=8"], check_files=False)
+    assert incompatible_keys(dump_yaml(saved), lora) == ["actor_rollout_ref.model.lora_rank: {} -> 8"]

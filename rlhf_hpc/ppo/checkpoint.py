@@ -255,6 +255,9 @@ RESUME_KEYS = (
     "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
     "critic.enable", "critic.model.path", "critic.model.override_config", "algorithm.adv_estimator",
     "algorithm.kl_ctrl.type", "reward_model.enable", "reward_model.model.path",
+    # a LoRA run's checkpoint holds its adapter: another adapter shape cannot load it
+    "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.exclude_modules", "critic.model.lora_rank", "critic.model.target_modules",
 )
 
 
@@ -264,10 +267,13 @@ def incompatible_keys(saved_config_text: str, cfg) -> list[str]:
     from rlhf_hpc.config.tree import parse_yaml, to_dict
     saved = flatten(parse_yaml(saved_config_text) or {})
     now = flatten(to_dict(cfg))
+    default = flatten(to_dict(type(cfg)()))
     out = []
     for key in RESUME_KEYS:
         old = {k: v for k, v in saved.items() if k == key or k.startswith(key + ".")}
         new = {k: v for k, v in now.items() if k == key or k.startswith(key + ".")}
+        if not old and all(default.get(k) == v for k, v in new.items()):
+            continue  # a key newer than the checkpoint, at its default: the run it wrote had that value
         if old != new:
             out.append(f"{key}: {old.get(key, old) or '{}'} -> {new.get(key, new) or '{}'}")
     return out
