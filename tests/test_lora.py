@@ -151,15 +151,17 @@ def runs(tmp_path_factory):
     _run(base / "parts", 3)
     resumed = _run(base / "parts", 5)
     _run(base / "hf", 3, engine="hf")
-    _run(base / "grpo", 3, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
-         "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false", "critic.model.lora_rank=0")
+    grpo = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=true",
+            "algorithm.use_kl_in_reward=false", "critic.model.lora_rank=0")
+    _run(base / "grpo", 3, *grpo)
+    _run(base / "grpo_hf", 3, *grpo, engine="hf")
     return base, resumed
 
 
 @pytest.mark.slow
 def test_lora_klppo_runs_and_the_engines_agree_with_the_actor(runs):
     base, _ = runs
-    for name in ("whole", "hf", "grpo"):
+    for name in ("whole", "hf", "grpo", "grpo_hf"):
         metrics = read_metrics(base / name)
         for r in metrics:
             # the engine holds W + s B A: its log-probs of its own samples are the actor's (fp32)
@@ -174,8 +176,9 @@ def test_lora_klppo_runs_and_the_engines_agree_with_the_actor(runs):
     assert whole[0]["rollout/weight_sync_mib"] == pytest.approx(full + adapter)  # step 1: the base, then the adapter
     # the reference is the base model: KL to it grows from 0 as the adapter learns
     assert whole[0]["actor/reward_kl_penalty"] == 0 and whole[-1]["actor/reward_kl_penalty"] > 0
-    grpo = read_metrics(base / "grpo")
-    assert "timing_s/values" not in grpo[-1] and grpo[-1]["actor/kl_loss"] > 0
+    for name in ("grpo", "grpo_hf"):
+        grpo = read_metrics(base / name)
+        assert "timing_s/values" not in grpo[-1] and grpo[-1]["actor/kl_loss"] > 0
 
 
 @pytest.mark.slow
