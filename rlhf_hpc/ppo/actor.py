@@ -174,10 +174,11 @@ class Actor:
         cfg, bypass = self.cfg, self.bypass_correction
         is_weights = micro.get("rollout_is_weights")
         if bypass is not None:
-            is_weights, mask = rollout_correction(lp, micro["old_log_probs"], mask * bool(weight), bypass,
-                                                  self.all_reduce, self.all_reduce_max, with_metrics=False)[:2]
             if weight:
                 corr_sample.append((lp.detach().cpu(), micro["old_log_probs"].cpu(), micro["response_mask"].cpu()))
+            if bypass.rollout_is is not None or bypass.rollout_rs is not None:  # (else weights 1, mask as is)
+                is_weights, mask = rollout_correction(lp, micro["old_log_probs"], mask * bool(weight), bypass,
+                                                      self.all_reduce, self.all_reduce_max, with_metrics=False)[:2]
             if bypass.loss_type == "reinforce":
                 return algos.reinforce_loss(micro["old_log_probs"], lp, micro["advantages"], mask, cfg.loss_agg_mode,
                                             is_weights=is_weights, **kw)
