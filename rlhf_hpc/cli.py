@@ -16,6 +16,7 @@ from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, writ
 USAGE = """\
 usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
        python launch.py preflight [recipe=NAME] [key.path=value ...] [--dry-run]
+       python launch.py plan [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v2] ...]
        python launch.py status|logs|cancel RUN_DIR
        python launch.py compare RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out DIR]
        python launch.py export RUN_DIR/global_step_N --out DIR [--dtype bfloat16|float32]
@@ -33,6 +34,10 @@ usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v
                    the same job, checking the allocation instead of training: process group,
                    bandwidth per mesh dimension, engine start + weight sync + generation, sleep/wake,
                    one actor micro-batch against the memory plan (<run dir>/preflight/preflight.txt)
+  plan recipe=NAME [sweep.key=[a,b] ...]
+                   the time plan of each layout of the sweep's grid: the ones whose memory plan
+                   fits, fastest first, with predicted step time, tokens/s per GPU, the slowest
+                   phase and its bound; then the ones that do not fit, with why
 """
 
 # The keys most runs touch, shown by --help with their defaults.
@@ -137,6 +142,8 @@ def run(argv: list[str]) -> int:
         return compare_main(argv[1:])
     if argv and argv[0] == "preflight":
         return run(preflight_args(argv[1:]))
+    if argv and argv[0] == "plan":
+        return plan_layouts(argv[1:])
     recipe, overrides, sweeps, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())
@@ -214,6 +221,47 @@ def check_memory_plan(cfg, show: bool) -> None:
         print(plan.render(), flush=True)
     if errors:
         raise ConfigError(errors)
+    if show and plan is not None:
+        from rlhf_hpc.planning.time_plan import build_time_plan
+        from rlhf_hpc.recipe.checks import validate
+        print(build_time_plan(cfg, advise=lambda c: validate(c, check_files=False)).render(), flush=True)
+
+
+def plan_layouts(argv: list[str]) -> int:
+    """``launch.py plan``: one table of the sweep's layouts, those that fit fastest first."""
+    from rlhf_hpc.planning.memory_plan import check_plan
+    from rlhf_hpc.planning.time_plan import build_time_plan
+    recipe, overrides, sweeps, flags = parse_args(argv)
+    if flags["help"]:
+        print(help_text())
+        return 0
+    fits, refused = [], []
+    for element_overrides, suffix in sweep_elements(overrides, sweeps):
+        label = suffix or "as written"
+        try:
+            cfg, _ = load_config(recipe, element_overrides, check_files=False)
+            memory, errors, _ = check_plan(cfg)
+        except ConfigError as e:
+            refused.append((label, "; ".join(e.errors)))
+            continue
+        if errors:
+            refused.append((label, errors[0]))
+            continue
+        plan = build_time_plan(cfg)
+        slowest = max((p for p in plan.phases if p.name != "save_checkpoint"), key=lambda p: p.seconds)
+        fits.append((plan.step_s, label, memory.peak / 2**30 if memory else float("nan"), plan, slowest))
+    first = (fits[0][3] if fits else None)
+    if first is not None:
+        print(f"# {first.world} x {first.hardware.name}; {first.workload.rows} responses of {first.workload.prompt:.0f} + "
+              f"{first.workload.response:.0f} tokens ({first.workload.source})")
+    print("| layout | step (s) | tokens/s per GPU | slowest phase (bound) | communication | peak memory (GiB) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for step_s, label, peak, plan, slowest in sorted(fits, key=lambda f: f[0]):
+        print(f"| {label} | {step_s:.3g} | {plan.tokens_per_s_per_gpu:,.0f} | {slowest.name} {slowest.seconds:.3g} s "
+              f"({slowest.bound}) | {plan.comm_share:.0%} | {peak:.1f} |")
+    for label, why in refused:
+        print(f"| {label} | does not fit: {why} | | | | |")
+    return 0 if fits else 1
 
 
 def check_before_start(cfg, run_dir: Path) -> None:

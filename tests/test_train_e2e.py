@@ -78,6 +78,22 @@ def test_checkpoints_and_console(demo_run):
     assert "# FSDP layout of actor, ref, critic" in stdout
 
 
+def test_each_step_is_planned_beside_what_it_took(demo_run):
+    from rlhf_hpc.planning.time_plan import TimeModel
+    from rlhf_hpc.recipe.load import load_resolved
+    _, run, stdout, _ = demo_run
+    model = TimeModel(load_resolved(run / "config.yaml", check_files=False))
+    records = read_metrics(run)
+    for r in records:
+        for phase in ("update_weights", "gen", "old_log_prob", "ref", "values", "update_critic", "update_actor"):
+            assert r[f"plan/{phase}_s"] > 0 and f"timing_s/{phase}" in r, phase
+        # planned with that step's own lengths, on this machine's figures
+        assert r["plan/gen_s"] == pytest.approx(model.plan_step(r, padded=40).phase("gen").seconds)
+    assert len({r["plan/gen_s"] for r in records}) > 1  # the responses' lengths change, so does the plan
+    (line,) = [x for x in stdout.splitlines() if "time per phase, measured / planned (s):" in x]
+    assert "gen " in line and "update_actor " in line and "step " in line
+
+
 # the demo's console: the memory plan and layout ("# "), the project's own lines, the steps
 CONSOLE_LINE = re.compile(r"# |\[rlhf-hpc\] |step \d+/60 \| |\s*$")
 

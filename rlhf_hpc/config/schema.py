@@ -425,6 +425,35 @@ class GlobalProfilerConfig:
 
 
 @dataclass
+class HardwareConfig:
+    """What a node's hardware can do, for the time plan (rlhf_hpc/planning/hardware.py); a cluster
+    profile may set it (``hardware: h100_sxm``). Figures are per GPU and one direction, except
+    ``inter_node_gb_s`` (the whole node's network) and ``disk_gb_s`` (per node)."""
+    # h100_sxm, h100_pcie, h200, a100_80gb_sxm, a100_80gb_pcie, l40s, cpu (this machine's calibration);
+    # null: h100_sxm for GPU runs, cpu otherwise
+    preset: Optional[str] = None
+    bf16_tflops: Optional[float] = None
+    fp32_tflops: Optional[float] = None
+    hbm_gb_s: Optional[float] = None
+    hbm_gb: Optional[float] = None  # also the memory plan's GPU size where trainer.gpu_memory_gb is null
+    intra_node_gb_s: Optional[float] = None
+    inter_node_gb_s: Optional[float] = None
+    host_link_gb_s: Optional[float] = None
+    disk_gb_s: Optional[float] = None
+    # the CPU calibration file (python -m rlhf_hpc.bench.calibrate); null: ~/.cache/rlhf-hpc/calibration/cpu.json
+    calibration: Optional[str] = None
+
+
+@dataclass
+class PlanConfig:
+    """What the time plan assumes of the data (rlhf_hpc/planning/time_plan.py): mean tokens of a
+    prompt and of a response; null: the maxima (data.max_prompt_length, data.max_response_length),
+    an upper bound. A run's own steps are planned with their measured lengths (``plan/<phase>_s``)."""
+    prompt_length: Optional[int] = None
+    response_length: Optional[int] = None
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -436,6 +465,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # not a key: the dotted keys the recipe file (with its bases) set, before overrides and
     # defaults (rlhf_hpc.recipe.load.load_config; a run keeps them in RUN_DIR/recipe.yaml). Advice
     # never asks to change what the recipe chose (rlhf_hpc.observability.profiling.CommHint).

@@ -30,7 +30,7 @@ from typing import Optional
 from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.config.tree import get_key
 from rlhf_hpc.models.lora import lora_enabled
-from rlhf_hpc.planning.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, activation_bytes, adapter_params,
+from rlhf_hpc.planning.sizing import (DTYPE_BYTES, GiB, activation_bytes, adapter_params,
                                       logits_bytes, micro_tokens, model_shape)
 
 # share of a rank's memory the models' whole training state may take before sharding is chosen
@@ -53,7 +53,8 @@ class Layout:
 def rank_memory_bytes(cfg: Config) -> float:
     """Memory of one rank: the GPU's (``trainer.gpu_memory_gb``), or the host's share per rank."""
     if cfg.trainer.device == "cuda":
-        return (cfg.trainer.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
+        from rlhf_hpc.planning.hardware import gpu_memory_gb
+        return gpu_memory_gb(cfg)[0] * GiB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(cfg.trainer.n_gpus_per_node, 1)
 
 

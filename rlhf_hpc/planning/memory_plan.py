@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rlhf_hpc.config.schema import Config, FSDPConfig
+from rlhf_hpc.planning.hardware import gpu_memory_gb
 from rlhf_hpc.planning.layout import choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs
 from rlhf_hpc.models.hf import is_tiny
 from rlhf_hpc.models.lora import lora_enabled
@@ -239,8 +240,10 @@ class PlanBuilder:
         self.cfg, self.world = cfg, cfg.world_size
         self.s = shape or model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
         self.on_gpu = tr.device == "cuda"
+        self.capacity_source = ""
         if self.on_gpu:
-            self.capacity = (tr.gpu_memory_gb or DEFAULT_GPU_MEMORY_GB) * GiB
+            gb, self.capacity_source = gpu_memory_gb(cfg)
+            self.capacity = gb * GiB
         else:  # informational: the host's memory shared by the ranks of a node
             self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
         self.runtime = RUNTIME_GB * GiB if self.on_gpu else host_runtime_bytes(tr.device)
@@ -314,7 +317,7 @@ class PlanBuilder:
                                                   self.recompute["critic"], self.cfs), "critic",
                               critic.ulysses_sequence_parallel_size, self.critic_trainable)
         notes = self.notes
-        if self.on_gpu and not tr.gpu_memory_gb:
+        if self.on_gpu and not self.capacity_source:
             notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
         afs = self.afs
         if afs.param_offload or afs.optimizer_offload:

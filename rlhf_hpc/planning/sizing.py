@@ -22,6 +22,9 @@ KNOWN_MODELS = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # NeMo-RL's published GRPO run (rlhf_hpc.bench.published_runs)
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }
 
 
@@ -61,7 +64,7 @@ def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: b
 def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
     """(the model built on the meta device, its config, where the config came from)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from rlhf_hpc.models.hf import model_config
     expanded = Path(path).expanduser()
@@ -72,7 +75,8 @@ def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: b
         if key is None:
             raise FileNotFoundError(f"no config.json at {path} and no published shape for it: run the dry run "
                                     f"where the model directory is")
-        config = Qwen2Config(**KNOWN_MODELS[key])
+        fields = dict(KNOWN_MODELS[key])
+        config = (LlamaConfig if fields.pop("model_type", "qwen2") == "llama" else Qwen2Config)(**fields)
         for k, v in (override or {}).items():
             if k != "attn_implementation":
                 setattr(config, k, v)

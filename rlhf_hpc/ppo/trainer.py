@@ -49,6 +49,7 @@ from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.planning.layout import describe as describe_layouts
 from rlhf_hpc.planning.memory_plan import check_plan
+from rlhf_hpc.planning.time_plan import TimeModel
 from rlhf_hpc.ppo.guard import StabilityGuard
 from rlhf_hpc.models.hf import model_config, torch_dtype
 from rlhf_hpc.distributed.fsdp import describe_gradient_reduction
@@ -113,6 +114,7 @@ class PPOTrainer:
             torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
         self.tracker = Tracker(cfg, self.run_dir, ctx.is_main, self.total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
         self.profiler = StepProfiler(cfg, ctx.rank, ctx.device, self.run_dir)
+        self.time_model, self.step_plan = time_model(cfg, ctx) if ctx.is_main else None, None
         self.say_layout()
         if self.reward_model is not None and self.val_set and self.val_set[0].reward_style == "model":
             self.val_set = []  # as verl: validation scores with rules only, and these rows have none
@@ -206,6 +208,7 @@ class PPOTrainer:
             self.tracker.log(self.validate(), self.step)
         plan = check_plan(cfg)[0] if self.ctx.is_main else None  # its phases against this run's peaks (once)
         first_step = self.step
+        timed = False  # the time plan's line: once, at the run's second step (its first warms up)
         while self.step < self.total_steps:
             self.step += 1
             step = self.step
@@ -218,6 +221,12 @@ class PPOTrainer:
                 line, plan = plan.render_measured(metrics), None  # once
                 if line:
                     self.tracker.log_line(f"[rlhf-hpc] {line}")
+            if self.step_plan is not None and not timed and step >= min(first_step + 2, self.total_steps):
+                timed = True
+                line = self.step_plan.render_measured(metrics)
+                if line:
+                    self.tracker.log_line(f"[rlhf-hpc] {line} (plan on {self.step_plan.hardware.name}; "
+                                          f"every step logs plan/<phase>_s beside timing_s/<phase>)")
             # 10. validation
             if self.val_set and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == self.total_steps):
                 t0 = time.perf_counter()
@@ -298,6 +307,9 @@ class PPOTrainer:
         metrics.update(timer.times)
         metrics.update(self.profiler.metrics(timer.times, self.tracker.log_line))
         metrics.update(perf_metrics(cfg, self.ctx, batch, timer, self.model_cfg))
+        if self.time_model is not None:  # the time plan of this step's own lengths, beside what it took
+            self.step_plan = self.time_model.plan_step(metrics, batch["attention_mask"].shape[1])
+            metrics.update(self.step_plan.metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
 
@@ -564,6 +576,15 @@ def data_metrics(batch: dict, entropy: Optional[torch.Tensor], use_critic: bool)
         out["actor/ref_kl_mean"] = s[0].item() / n
         out["actor/ref_kl_var"] = s[1].item() / n - (s[0].item() / n) ** 2
     return out
+
+
+def time_model(cfg: Config, ctx: DistContext) -> Optional[TimeModel]:
+    """The time plan's model of this run on its own GPU (or this CPU's calibration); None where the
+    model's shape cannot be read."""
+    try:
+        return TimeModel(cfg, device_name=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None)
+    except (FileNotFoundError, OSError, ValueError):
+        return None
 
 
 def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, timer: Timer, model_cfg) -> dict[str, float]:

@@ -71,6 +71,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     """Cross-field checks on a resolved config, by topic. Raises ConfigError listing every problem;
     returns warnings (notes that do not stop a run). With ``check_files`` False (a dry run prepared
     away from the cluster) missing files are warnings too."""
+    from rlhf_hpc.planning.hardware import hardware_problems
     from rlhf_hpc.recipe.packages import config_package_problems
     errors, warnings = rollout_correction_problems(cfg)
     size_errors, sizes_ok = size_problems(cfg)
@@ -92,6 +93,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors += unsupported_values(cfg)
     errors += reward_model_problems(cfg)
     errors += lora_problems(cfg)
+    errors += hardware_problems(cfg)
     warnings += strategy_warnings(cfg)
     files = missing_files(cfg)
     if check_files:

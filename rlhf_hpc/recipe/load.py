@@ -157,7 +157,13 @@ def apply_cluster_profile(tree: dict) -> dict:
     profile = parse_yaml(path.read_text()) or {}
     if not isinstance(profile, dict):
         raise ConfigError(f"{path}: expected a mapping of launcher keys")
-    return deep_merge({"launcher": profile}, tree)
+    # the nodes' hardware, for the time plan: a preset's name or a mapping of hardware keys
+    hardware = profile.pop("hardware", None)
+    if isinstance(hardware, str):
+        hardware = {"preset": hardware}
+    if hardware is not None and not isinstance(hardware, dict):
+        raise ConfigError(f"{path}: hardware: expected a preset name (e.g. h100_sxm) or a mapping of hardware keys")
+    return deep_merge({"launcher": profile, **({"hardware": hardware} if hardware else {})}, tree)
 
 
 def load_config(recipe: Optional[str], overrides: Iterable[str] = (), check_files: bool = True

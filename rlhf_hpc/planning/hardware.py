@@ -1,0 +1,194 @@
+"""What a node's hardware can do, for the time plan (rlhf_hpc.planning.time_plan): the figures of
+common GPUs from their public datasheets, and the CPU's as this project's calibration bench
+measured them on the machine it runs on (``python -m rlhf_hpc.bench.calibrate``).
+
+A run names its hardware with ``hardware.preset`` (a cluster profile may set it: ``hardware: h100_sxm``
+in slurm/clusters/<site>.yaml); any figure can be given instead or on top (``hardware.hbm_gb_s=...``).
+Null: ``h100_sxm`` for GPU runs, ``cpu`` for CPU runs.
+
+Figures are per GPU (per rank on a CPU) and per direction: dense bf16 (no sparsity), HBM bandwidth
+and size, the intra-node link (NVLink, or PCIe where the GPUs have no NVLink), the inter-node
+network per node (all its NICs), the host link (PCIe). The runtime constants (``layer_overhead_s``:
+kernel launches per decoder layer and pass; ``decode_step_overhead_s``: the engine's scheduler and
+sampler per decode step) are estimates on GPUs and measured on the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rlhf_hpc.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    bf16_tflops: float  # dense matmul peak, one GPU (one rank's cores on a CPU)
+    fp32_tflops: float  # without tensor cores (fp32 matmuls as torch runs them by default)
+    hbm_gb_s: float  # device memory bandwidth (host memory per rank on a CPU)
+    hbm_gb: float  # device memory (the memory plan's default GPU size)
+    intra_node_gb_s: float  # one GPU's link to the others of its node, one direction
+    inter_node_gb_s: float  # the whole node's network, one direction
+    host_link_gb_s: float  # host <-> device, one GPU (offloading)
+    disk_gb_s: float = 2.0  # checkpoint writes, per node (a parallel file system's share)
+    host_adam_params_s: float = 2e8  # AdamW parameters per second on the host cores of one rank
+    layer_overhead_s: float = 2e-4  # per decoder layer and forward pass beside its FLOPs (kernel launches)
+    pass_overhead_s: float = 2e-3  # per forward pass (embedding, head, Python, the loop's bookkeeping)
+    decode_step_overhead_s: float = 3e-3  # per decode step of the engine (scheduler, sampler, CUDA graph launch)
+    request_overhead_s: float = 2e-4  # per request the engine takes (tokens in, a response out)
+    generate_overhead_s: float = 5e-3  # per generate call
+    sync_overhead_s: float = 0.5  # per weight sync beside its bytes (waking the engine's weights, bookkeeping)
+    sync_layer_overhead_s: float = 1e-3  # per decoder layer a weight sync sends (its tensors' bookkeeping)
+    collective_latency_s: float = 2e-5  # per collective call (NCCL launch; gloo's round trips on a CPU)
+    engine_load_gb_s: float = 100.0  # bytes per second the engine's load_weights takes in
+    cast_gb_s: float = 1000.0  # fp32 -> bf16 copies of the weight sync, source bytes per second
+    # FLOP/s the engine's own kernels reach in prefill and decode (measured on the CPU); None: the
+    # matmul peak x the time plan's PREFILL_EFFICIENCY
+    prefill_fp32_tflops: Optional[float] = None
+    prefill_bf16_tflops: Optional[float] = None
+    decode_fp32_tflops: Optional[float] = None
+    decode_bf16_tflops: Optional[float] = None
+    # the share of the matmul peak a training pass reaches (on a CPU the calibration measures whole
+    # decoder passes, so 1), and a backward's time over its forward's (2: twice the FLOPs)
+    train_efficiency: float = 0.5
+    backward_ratio: float = 2.0
+    backward_ratio_fp32: float = 2.0
+    overlap_comm: bool = True  # collectives run beside the compute (GPU copy engines; not gloo on the CPU cores)
+    source: str = ""
+
+    def engine_flops(self, stage: str, dtype: str) -> Optional[float]:
+        """The engine's measured FLOP/s in ``stage`` (prefill, decode) and ``dtype``; None where not measured."""
+        own = getattr(self, f"{stage}_{'fp32' if dtype in ('float32', 'fp32') else 'bf16'}_tflops")
+        return own * 1e12 if own else None
+
+    def backward(self, dtype: str) -> float:
+        """A backward pass's time over its forward's in ``dtype``."""
+        return self.backward_ratio_fp32 if dtype in ("float32", "fp32") else self.backward_ratio
+
+    def matmul_flops(self, dtype: str) -> float:
+        """Peak FLOP/s of one rank's matmuls in ``dtype`` (bf16 and fp16 use the tensor cores)."""
+        return (self.bf16_tflops if dtype in ("bfloat16", "bf16", "float16", "fp16") else self.fp32_tflops) * 1e12
+
+
+_NVIDIA = "NVIDIA datasheets: "
+PRESETS: dict[str, Hardware] = {
+    # NVLink 4: 900 GB/s both directions per GPU; DGX H100: 8 x 400 Gb/s ConnectX-7 per node; PCIe Gen5 x16
+    "h100_sxm": Hardware("H100 SXM 80GB", 989, 67, 3350, 80, 450, 400, 64,
+                         source=_NVIDIA + "H100 Tensor Core GPU datasheet (SXM5), DGX H100 user guide"),
+    # no NVLink across the node (bridges join pairs only): PCIe Gen5; 2 x 200 Gb/s NICs is a common build
+    "h100_pcie": Hardware("H100 PCIe 80GB", 756, 51, 2000, 80, 64, 50, 64,
+                          source=_NVIDIA + "H100 Tensor Core GPU datasheet (PCIe); PCIe Gen5 x16 between GPUs"),
+    "h200": Hardware("H200 SXM 141GB", 989, 67, 4800, 141, 450, 400, 64,
+                     source=_NVIDIA + "H200 Tensor Core GPU datasheet (SXM), DGX H200 user guide"),
+    # NVLink 3: 600 GB/s both directions; DGX A100: 8 x 200 Gb/s HDR per node; PCIe Gen4 x16
+    "a100_80gb_sxm": Hardware("A100 SXM 80GB", 312, 19.5, 2039, 80, 300, 200, 32,
+                              source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 user guide"),
+    "a100_80gb_pcie": Hardware("A100 PCIe 80GB", 312, 19.5, 1935, 80, 32, 25, 32,
+                               source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB PCIe); PCIe Gen4 x16 between GPUs"),
+    # 362 dense (733 with sparsity), GDDR6 864 GB/s, no NVLink; 200 Gb/s per node is common
+    "l40s": Hardware("L40S 48GB", 362, 91.6, 864, 48, 32, 25, 32,
+                     source=_NVIDIA + "L40S GPU datasheet; PCIe Gen4 x16 between GPUs"),
+}
+
+# a CPU without a calibration file: the order of magnitude of one modern core (a decoder pass at
+# ~50 GFLOP/s in fp32, no native bf16), to be replaced by what `python -m rlhf_hpc.bench.calibrate` measures
+UNCALIBRATED_CPU = Hardware("CPU (uncalibrated)", 0.01, 0.05, 10, 0, 5, 1, 10, disk_gb_s=0.5, train_efficiency=1.0,
+                            host_adam_params_s=5e7, layer_overhead_s=3e-4, pass_overhead_s=3e-3,
+                            decode_step_overhead_s=1e-2, request_overhead_s=1e-3, generate_overhead_s=1e-2,
+                            sync_overhead_s=1e-2, collective_latency_s=1e-4, engine_load_gb_s=1.0,
+                            overlap_comm=False, source="nominal figures: no calibration file (run "
+                                                       "python -m rlhf_hpc.bench.calibrate)")
+
+FIGURES = ("bf16_tflops", "fp32_tflops", "hbm_gb_s", "hbm_gb", "intra_node_gb_s", "inter_node_gb_s",
+           "host_link_gb_s", "disk_gb_s")
+
+
+def calibration_path() -> Path:
+    """Where the calibration bench writes this machine's CPU figures (``RLHF_HPC_CACHE`` or
+    ~/.cache/rlhf-hpc)."""
+    return Path(os.environ.get("RLHF_HPC_CACHE", "~/.cache/rlhf-hpc")).expanduser() / "calibration" / "cpu.json"
+
+
+def read_calibration(path: Optional[str] = None) -> Hardware:
+    """The CPU figures of a calibration file (``path``; default ``calibration_path()``), per rank of
+    one thread; the uncalibrated ones where no file is."""
+    p = Path(path).expanduser() if path else calibration_path()
+    if not p.is_file():
+        if path:
+            raise ConfigError(f"hardware.calibration: no file {p}; write it with python -m rlhf_hpc.bench.calibrate "
+                              f"--out {p}")
+        return UNCALIBRATED_CPU
+    figures = json.loads(p.read_text())
+    known = {f.name for f in dataclasses.fields(Hardware)}
+    return dataclasses.replace(UNCALIBRATED_CPU, **{k: v for k, v in figures.items() if k in known},
+                               name=f"CPU rank ({figures.get('measured', {}).get('date', 'calibrated')} calibration)",
+                               source=f"measured by rlhf_hpc.bench.calibrate: {p}")
+
+
+def cpu_threads_per_rank(ranks_per_node: int) -> int:
+    """OMP threads a local CPU rank gets (rlhf_hpc.launch.local)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(ranks_per_node, 1)))
+
+
+def preset_for_device(device_name: str) -> Optional[str]:
+    """The preset of a GPU as ``torch.cuda.get_device_name`` names it (None: not one of them)."""
+    for key, preset in (("H200", "h200"), ("H100 PCIe", "h100_pcie"), ("H100", "h100_sxm"),
+                        ("A100 80GB PCIe", "a100_80gb_pcie"), ("A100", "a100_80gb_sxm"), ("L40S", "l40s")):
+        if key in device_name:
+            return preset
+    return None
+
+
+def hardware_of(cfg, device_name: Optional[str] = None) -> Hardware:
+    """The hardware ``cfg`` runs on: ``hardware.preset``, else the GPU's own (``device_name``, at
+    run time), else h100_sxm for GPU runs and this CPU's calibration otherwise; with every figure
+    ``hardware.<figure>`` sets on top."""
+    hw_cfg = cfg.hardware
+    cuda = cfg.trainer.device == "cuda"
+    name = hw_cfg.preset or ((device_name and preset_for_device(device_name)) or "h100_sxm" if cuda else "cpu")
+    if name == "cpu":
+        hw = read_calibration(hw_cfg.calibration)
+        threads = cpu_threads_per_rank(cfg.trainer.n_gpus_per_node)
+        if threads > 1:  # the calibration is of one thread; matmuls scale with the cores a rank has
+            hw = dataclasses.replace(hw, bf16_tflops=hw.bf16_tflops * threads, fp32_tflops=hw.fp32_tflops * threads)
+    else:
+        hw = PRESETS[name]
+    given = {k: getattr(hw_cfg, k) for k in FIGURES if getattr(hw_cfg, k) is not None}
+    if given:
+        hw = dataclasses.replace(hw, **given, source=hw.source + "; set: " + ", ".join(f"{k}={v}" for k, v in given.items()))
+    return hw
+
+
+def gpu_memory_gb(cfg) -> tuple[float, str]:
+    """(GiB of one GPU for the memory plan, where the figure comes from): ``trainer.gpu_memory_gb``,
+    else the hardware's (``hardware.hbm_gb`` or a named preset), else 80 (H100 / A100 80GB)."""
+    from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
+    if cfg.trainer.gpu_memory_gb:
+        return cfg.trainer.gpu_memory_gb, "trainer.gpu_memory_gb"
+    if cfg.hardware.hbm_gb:
+        return cfg.hardware.hbm_gb, "hardware.hbm_gb"
+    if cfg.hardware.preset in PRESETS:
+        return PRESETS[cfg.hardware.preset].hbm_gb, f"hardware.preset={cfg.hardware.preset}"
+    return DEFAULT_GPU_MEMORY_GB, ""
+
+
+def hardware_problems(cfg) -> list[str]:
+    """A preset that is not known, a figure that is not positive, a calibration on a GPU run."""
+    hw = cfg.hardware
+    out = []
+    if hw.preset is not None and hw.preset not in PRESETS and hw.preset != "cpu":
+        from rlhf_hpc.config.errors import did_you_mean
+        out.append(f"hardware.preset: unknown '{hw.preset}'{did_you_mean(hw.preset, [*PRESETS, 'cpu'])}; known: "
+                   f"{', '.join([*PRESETS, 'cpu'])} (or leave it null and give the figures: "
+                   f"{', '.join('hardware.' + f for f in FIGURES)})")
+    for k in FIGURES:
+        v = getattr(hw, k)
+        if v is not None and v <= 0:
+            out.append(f"hardware.{k}={v}: must be positive")
+    if hw.calibration and (hw.preset or ("cpu" if cfg.trainer.device != "cuda" else "")) != "cpu":
+        out.append("hardware.calibration is the CPU's calibration file: it needs hardware.preset=cpu (a CPU run)")
+    return out

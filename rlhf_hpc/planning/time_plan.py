@@ -1,0 +1,533 @@
+"""The time plan: predicted seconds per phase of one step, what bounds each, the step's tokens/s
+per GPU and its communication share, from the config, the model's shape and the hardware
+(rlhf_hpc.planning.hardware) alone. Printed at ``--dry-run`` under the memory plan, compared over
+layouts by ``launch.py plan``, and logged by every run beside what it measured (``plan/<phase>_s``
+next to ``timing_s/<phase>``, each step planned with its own measured lengths).
+
+One rank = one GPU; all ranks do the same work, so a phase takes what one rank's share takes:
+
+- ``update_weights``: the actor's weights in the rollout dtype, all-gathered over the shard group
+  (bytes x (s-1)/s over its link) overlapped with the engine's load (bytes over ``engine_load_gb_s``,
+  plus a per-layer overhead); a LoRA actor sends its adapter only.
+- ``gen``: per engine (``tensor_model_parallel_size`` GPUs): prefill is compute-bound (2 x params
+  FLOPs per prompt token over ``PREFILL_EFFICIENCY`` of the TP group's peak); decode runs
+  ``rows x mean response / batch`` steps (at least the longest response), the batch being what the
+  engine holds (``max_num_seqs``, the KV cache room of the memory plan, the rows it has); each step
+  reads the weights and the batch's KV cache (over ``DECODE_BANDWIDTH_EFFICIENCY`` of HBM), or is
+  compute-bound at large batch, plus the TP all-reduces (2 per layer) and the engine's step overhead.
+  The hf engine runs each decode step as a full forward pass.
+- ``old_log_prob`` / ``ref`` / ``values`` / ``reward_model``: forward FLOPs of the real shape (2 x
+  layer params per token, causal attention 2 x layers x q_dim x L per token, the head on response
+  tokens) over ``train_efficiency`` of the peak (on a CPU the calibrated figure is already what a
+  whole decoder pass reaches), a per-layer and per-pass overhead per micro-batch; FSDP's
+  all-gathers (params x (s-1)/s per micro-batch, once with ``reshard_after_forward=false``) over the
+  shard group's link, beside the compute on a GPU (``overlap_comm``), after it on gloo; offloaded
+  parameters over the host link.
+- ``update_critic`` / ``update_actor``: the forward and its backward (``backward_ratio`` x the
+  forward: 2 on a GPU, measured on the CPU), a second forward with activation checkpointing, per epoch;
+  per micro-batch the all-gathers (twice when parameters are freed after the forward) and the
+  gradients' reduce-scatter, and across replicas (HSDP, or a replicated model) their all-reduce over
+  the network when the replicas are on different nodes; the optimizer step per mini-batch (memory-bound
+  on the GPU; on the host at ``host_adam_params_s`` with ``param_offload``), the Adam moments over the
+  host link with ``optimizer_offload``.
+- ``save_checkpoint``: each node's ranks' shards over ``disk_gb_s`` (every ``trainer.save_freq`` steps;
+  not part of the step).
+
+What the model cannot know: the engine's real efficiency at a given batch (prefix caching,
+speculative decoding, preemption when the KV cache fills), stragglers (one slow rank holds every
+collective), the spread of response lengths within a wave, Python overhead beyond the per-pass
+constants, a shared file system's load. BENCHMARKS.md holds its error against measured runs.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.schema import Config, FSDPConfig
+from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.models.lora import lora_enabled
+from rlhf_hpc.planning.hardware import Hardware, hardware_of
+from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, model_shape
+
+# Shares of the datasheet peaks that real kernels reach on a GPU (on the CPU the calibration's
+# figures are already what real passes reach: 1.0). Training (``Hardware.train_efficiency``, 0.5):
+# dense matmuls of packed sequences with flash attention (Megatron-LM and torchtitan report 40-55%
+# of the bf16 peak on H100 for 7-8B models); prefill alike; decode reads weights and KV cache at
+# ~70% of HBM bandwidth (vLLM's kernels); NCCL's bus bandwidth reaches ~80% of the link's.
+PREFILL_EFFICIENCY = 0.5
+DECODE_BANDWIDTH_EFFICIENCY = 0.7
+LINK_EFFICIENCY = 0.8
+# the optimizer step reads parameters, gradients, two moments and writes three: bytes per parameter
+ADAM_BYTES = 28
+# the reference design's rule: communication above this share of a step calls for another layout
+COMM_RULE = 0.2
+
+
+@dataclass
+class Workload:
+    """What one step processes: ``rows`` responses (train_batch_size x n) of ``prompt`` + ``response``
+    tokens on average; the longest response bounds the decode's last wave; ``padded`` is a row's
+    length where padding is not removed."""
+    rows: int
+    prompt: float
+    response: float
+    longest_response: int
+    padded: int
+    source: str = ""
+
+    @property
+    def tokens(self) -> float:
+        return self.rows * (self.prompt + self.response)
+
+
+def workload_of(cfg: Config) -> Workload:
+    """The dry run's workload: ``plan.prompt_length`` / ``plan.response_length``, or the maxima."""
+    d, p = cfg.data, cfg.plan
+    rows = d.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    prompt, response = p.prompt_length or d.max_prompt_length, p.response_length or d.max_response_length
+    given = [k for k in ("prompt_length", "response_length") if getattr(p, k)]
+    source = (f"means from plan.{' and plan.'.join(given)}" if given else
+              "the maxima (set plan.prompt_length / plan.response_length to the data's means)")
+    return Workload(rows, float(prompt), float(response), d.max_response_length,
+                    d.max_prompt_length + d.max_response_length, source)
+
+
+@dataclass
+class PhaseTime:
+    name: str
+    parts: dict[str, float]  # seconds each resource would take alone
+    seconds: float  # with overlap where the hardware overlaps
+    comm: float  # seconds of collectives not hidden behind compute
+    note: str = ""
+
+    @property
+    def bound(self) -> str:
+        return max(self.parts, key=self.parts.get) if self.parts else "-"
+
+
+@dataclass
+class TimePlan:
+    hardware: Hardware
+    world: int
+    workload: Workload
+    phases: list[PhaseTime]
+    save_freq: int = 0
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return sum(p.seconds for p in self.phases if p.name != "save_checkpoint")
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.workload.tokens / max(self.step_s, 1e-12) / self.world
+
+    @property
+    def comm_share(self) -> float:
+        return sum(p.comm for p in self.phases if p.name != "save_checkpoint") / max(self.step_s, 1e-12)
+
+    def phase(self, name: str) -> Optional[PhaseTime]:
+        return next((p for p in self.phases if p.name == name), None)
+
+    def metrics(self) -> dict[str, float]:
+        """``plan/<phase>_s`` for every phase, ``plan/step_s``, ``plan/tokens_per_s_per_gpu``, ``plan/comm_fraction``."""
+        out = {f"plan/{p.name}_s": p.seconds for p in self.phases}
+        out.update({"plan/step_s": self.step_s, "plan/tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                    "plan/comm_fraction": self.comm_share})
+        return out
+
+    def render(self) -> str:
+        w, hw = self.workload, self.hardware
+        lines = [f"# time plan per step on {self.world} x {hw.name} ({hw.source})",
+                 f"# workload: {w.rows} responses of {w.prompt:.0f} + {w.response:.0f} tokens ({w.source})"]
+        for p in self.phases:
+            parts = ", ".join(f"{k} {v:.3g}" for k, v in p.parts.items() if v > 0)
+            every = f"once per {self.save_freq} steps, not in the step; " if p.name == "save_checkpoint" else ""
+            lines.append(f"#   {p.name:<15}{p.seconds:9.3g} s  bound: {p.bound:<18} [{every}alone, s: {parts}"
+                         + (f"; {p.note}" if p.note else "") + "]")
+        lines.append(f"# step {self.step_s:.3g} s: {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+                     f"({self.tokens_per_s_per_gpu * self.world:,.0f} on {self.world}), communication "
+                     f"{self.comm_share:.0%} of the step")
+        lines += [f"# advice: {a}" for a in self.advice]
+        return "\n".join(lines)
+
+    def render_measured(self, measured: dict[str, float]) -> Optional[str]:
+        """One line: each phase a run timed (``timing_s/<phase>``) against this plan, with the ratio."""
+        rows = [(p.name, p.seconds, measured[f"timing_s/{p.name}"]) for p in self.phases
+                if f"timing_s/{p.name}" in measured]
+        if "timing_s/step" in measured:
+            rows.append(("step", self.step_s, measured["timing_s/step"]))
+        if not rows:
+            return None
+        return ("time per phase, measured / planned (s): "
+                + ", ".join(f"{n} {m:.3g}/{p:.3g} ({m / p:.2f}x)" if p > 0 else f"{n} {m:.3g}/0" for n, p, m in rows))
+
+
+# ------------------------------------------------------------------------------------ the model
+def forward_flops(s: ModelShape, tokens: float, seq_len: float, head_tokens: float, head_width: int) -> float:
+    """FLOPs of a forward pass over ``tokens`` tokens in sequences of ``seq_len`` (rlhf_hpc.observability.perf.model_flops
+    on a shape): the layers' matmuls, causal attention, the head (``head_width`` outputs) on ``head_tokens``."""
+    q = s.heads * s.head_dim
+    return (2 * s.layers * s.layer_params * tokens + 2 * s.layers * q * seq_len * tokens
+            + 2 * s.hidden * head_width * head_tokens)
+
+
+class TimeModel:
+    """The phases of one step on ``hw`` for ``cfg`` (one method per kind of phase)."""
+
+    def __init__(self, cfg: Config, hw: Optional[Hardware] = None, device_name: Optional[str] = None):
+        from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
+        from rlhf_hpc.planning.memory_plan import build_plan
+        arr = cfg.actor_rollout_ref
+        self.cfg, self.hw = cfg, hw or hardware_of(cfg, device_name)
+        self.world, self.per_node = cfg.world_size, cfg.trainer.n_gpus_per_node
+        self.s = model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
+        self.cs = (model_shape(cfg.critic.model.path, cfg.critic.model.override_config,
+                               bool(cfg.critic.model.trust_remote_code))
+                   if cfg.critic.enable and cfg.critic.model.path and cfg.critic.model.path != arr.model.path else self.s)
+        self.layouts = resolved_fsdp_configs(cfg)
+        self.recompute = {n: on for n, (on, _) in choose_checkpointing(cfg).items()}
+        self.memory = build_plan(cfg)
+        self.lora = lora_enabled(arr.model)
+        self.adapter = adapter_params(arr.model.path, arr.model, arr.model.override_config,
+                                      arr.model.trust_remote_code) if self.lora else 0
+
+    # ----------------------------------------------------------------------------- resources
+    def link(self, group: int) -> tuple[float, str]:
+        """(bytes/s, name) of the slowest link inside a group of ``group`` consecutive ranks."""
+        if group <= self.per_node:
+            return self.hw.intra_node_gb_s * 1e9 * LINK_EFFICIENCY, "intra-node link"
+        return self.hw.inter_node_gb_s * 1e9 * LINK_EFFICIENCY / self.per_node, "inter-node network"
+
+    def shards(self, fsdp: FSDPConfig) -> int:
+        from rlhf_hpc.distributed.process_group import mesh_shape
+        return mesh_shape(self.world, fsdp.fsdp_size)[1]
+
+    def efficiency(self) -> float:
+        return self.hw.train_efficiency
+
+    # ------------------------------------------------------------------------------- phases
+    def phases(self, w: Workload) -> list[PhaseTime]:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        actor, rollout, ref, critic, rm = arr.actor, arr.rollout, arr.ref, cfg.critic, cfg.reward_model
+        rows = w.rows / self.world
+        out = [self.weight_sync(), self.generation(w)]
+        if not cfg.algorithm.rollout_correction.bypass_mode:
+            out.append(self.forward("old_log_prob", self.s, self.layouts["actor"], w, rows,
+                                    rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
+                                    rollout.log_prob_max_token_len_per_gpu, self.s.vocab,
+                                    actor.ulysses_sequence_parallel_size, arr.model.use_remove_padding))
+        if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            out.append(self.forward("ref", self.s, self.layouts["actor" if self.lora else "ref"], w, rows,
+                                    ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
+                                    ref.log_prob_max_token_len_per_gpu, self.s.vocab,
+                                    ref.ulysses_sequence_parallel_size or 1, arr.model.use_remove_padding))
+        if critic.enable:
+            out.append(self.forward("values", self.cs, self.layouts["critic"], w, rows, critic.ppo_micro_batch_size_per_gpu,
+                                    critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu, 1,
+                                    critic.ulysses_sequence_parallel_size, critic.model.use_remove_padding))
+        if rm.enable and self.memory.phases and any(p.name == "reward_model" for p in self.memory.phases):
+            rms = model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
+            out.append(self.forward("reward_model", rms, rm.model.fsdp_config, w, rows, rm.micro_batch_size_per_gpu,
+                                    rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu, 1, 1,
+                                    rm.model.use_remove_padding))
+        if critic.enable:
+            out.append(self.update("update_critic", self.cs, self.layouts["critic"], w, rows, critic, self.recompute["critic"],
+                                   1, critic.model.use_remove_padding,
+                                   lora_enabled(critic.model) and adapter_params(
+                                       critic.model.path or arr.model.path, critic.model, critic.model.override_config,
+                                       bool(critic.model.trust_remote_code))))
+        out.append(self.update("update_actor", self.s, self.layouts["actor"], w, rows, actor, self.recompute["actor"],
+                               self.s.vocab, arr.model.use_remove_padding, self.adapter))
+        if cfg.trainer.save_freq > 0:
+            out.append(self.checkpoint())
+        return out
+
+    def weight_sync(self) -> PhaseTime:
+        hw, s, rollout = self.hw, self.s, self.cfg.actor_rollout_ref.rollout
+        fsdp = self.layouts["actor"]
+        shards = self.shards(fsdp)
+        nbytes = (self.adapter if self.lora else s.params) * DTYPE_BYTES[rollout.dtype]
+        bw, where = self.link(shards)
+        gather = nbytes * (shards - 1) / shards / bw if shards > 1 else 0.0
+        load = nbytes / rollout.tensor_model_parallel_size / (hw.engine_load_gb_s * 1e9)
+        if DTYPE_BYTES[fsdp.model_dtype] != DTYPE_BYTES[rollout.dtype]:  # each gathered tensor cast on its way
+            load += (self.adapter if self.lora else s.params) * DTYPE_BYTES[fsdp.model_dtype] / (hw.cast_gb_s * 1e9)
+        overhead = hw.sync_overhead_s + s.layers * hw.sync_layer_overhead_s
+        parts = {"engine load": load, where: gather, "overhead": overhead}
+        # the reshard overlaps the two
+        seconds = (max(gather, load) if hw.overlap_comm else gather + load) + overhead
+        return PhaseTime("update_weights", parts, seconds, seconds - load - overhead,
+                         f"{nbytes / 2**20:,.0f} MiB" + (" (the LoRA adapter)" if self.lora else ""))
+
+    def generation(self, w: Workload) -> PhaseTime:
+        hw, s, rollout = self.hw, self.s, self.cfg.actor_rollout_ref.rollout
+        tp = rollout.tensor_model_parallel_size
+        engines = max(self.world // tp, 1)
+        rows = w.rows / engines
+        rb = DTYPE_BYTES[rollout.dtype]
+        peak = hw.matmul_flops(rollout.dtype) * PREFILL_EFFICIENCY
+        prefill_rate = (hw.engine_flops("prefill", rollout.dtype) or peak) * tp
+        rate = (hw.engine_flops("decode", rollout.dtype) or peak) * tp
+        # each prompt once for its n responses (they share its KV cache)
+        prompts = rows / rollout.n
+        prefill = forward_flops(s, prompts * w.prompt, w.prompt, prompts, s.vocab) / prefill_rate
+        kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb
+        room = self.memory.kv_cache_tokens
+        if room is None and rollout.name != "hf":  # vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE GiB
+            import os
+            room = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30 // kv_per_token)
+        length = w.prompt + w.response
+        batch = max(1, int(min(rollout.max_num_seqs, rows, (room / length) if room else rows)))
+        # full batches until the mean response is done, then the tail: the longest response's last
+        # tokens with few sequences left (the weights are read all the same)
+        full = math.ceil(rows * w.response / batch)
+        tail = max(0, w.longest_response - full)
+        bw, where = self.link(tp)
+        eff = DECODE_BANDWIDTH_EFFICIENCY if self.cfg.trainer.device == "cuda" else 1.0
+
+        def step(b: float, context: float) -> tuple[float, float, float]:
+            """(weights + KV read, compute, TP all-reduces) seconds of one decode step of ``b`` sequences."""
+            read = (s.params * rb / tp + b * context * kv_per_token / tp) / (hw.hbm_gb_s * 1e9 * eff)
+            comm = (2 * s.layers * (2 * (tp - 1) / tp * b * s.hidden * rb / bw + hw.collective_latency_s)
+                    if tp > 1 else 0.0)
+            return read, forward_flops(s, b, context, b, s.vocab) / rate, comm
+        f_read, f_compute, f_comm = step(batch, w.prompt + w.response / 2)
+        t_read, t_compute, t_comm = step(1, w.prompt + (w.response + w.longest_response) / 2)
+        overhead = hw.decode_step_overhead_s
+        if rollout.name == "hf":  # transformers' generate: a whole forward pass per new token
+            overhead = hw.pass_overhead_s + s.layers * hw.layer_overhead_s
+        calls = hw.generate_overhead_s + rows / rollout.n * hw.request_overhead_s * (1 if rollout.name == "hf" else rollout.n)
+        steps = full + tail
+        comm = full * f_comm + tail * t_comm
+        parts = {"compute": prefill + full * f_compute + tail * t_compute, "memory bandwidth": full * f_read + tail * t_read,
+                 "overhead": steps * overhead + calls, where: comm}
+        seconds = (prefill + full * max(f_read, f_compute) + tail * max(t_read, t_compute) + steps * overhead + comm
+                   + calls)
+        return PhaseTime("gen", parts, seconds, comm,
+                         f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {batch}: {full} decode steps "
+                         f"at full batch, {tail} for the longest response's tail")
+
+    def micro_batches(self, rows: float, tokens: float, micro_rows, dynamic, budget, sp: int) -> int:
+        if dynamic:
+            return max(1, math.ceil(tokens / budget))
+        return max(1, math.ceil(rows * sp / (micro_rows or rows * sp)))
+
+    def pass_costs(self, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, micro: int, head: int,
+                   remove_padding: bool, backward: float, sp: int) -> dict[str, float]:
+        """Seconds of ``rows`` rows through ``s`` in ``micro`` micro-batches, forward (x ``backward``
+        for the passes of an update: 1 + backward_ratio, one more with recompute): compute, overhead."""
+        hw = self.hw
+        length = (w.prompt + w.response) if remove_padding else w.padded
+        tokens = rows * length
+        dtype = fsdp.mixed_precision.param_dtype
+        flops = forward_flops(s, tokens, length, rows * w.response if head > 1 else tokens, head) * backward
+        out = {"compute": flops / (hw.matmul_flops(dtype) * self.efficiency()), "memory bandwidth": 0.0,
+               "overhead": micro * backward * (hw.pass_overhead_s + s.layers * hw.layer_overhead_s)}
+        if sp > 1:  # Ulysses: 2 all-to-alls per layer and pass (q/k/v in, the output back)
+            bw, where = self.link(sp)
+            q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+            out[where] = out.get(where, 0.0) + backward * 2 * s.layers * tokens * (2 * q + 2 * kv) / 2 * DTYPE_BYTES[dtype] * (sp - 1) / sp / bw
+        return out
+
+    def combine(self, name: str, compute: dict[str, float], comm: dict[str, float], serial: dict[str, float],
+                note: str) -> PhaseTime:
+        """Compute-side seconds add up; collectives overlap them on a GPU (not on gloo); host transfers add."""
+        busy, talk = sum(compute.values()), sum(comm.values())
+        shared = max(busy, talk) if self.hw.overlap_comm else busy + talk
+        parts = dict(compute)
+        for k, v in {**comm, **serial}.items():
+            parts[k] = parts.get(k, 0.0) + v
+        return PhaseTime(name, parts, shared + sum(serial.values()), shared - busy, note)
+
+    def forward(self, name, s, fsdp, w, rows, micro_rows, dynamic, budget, head, sp, remove_padding) -> PhaseTime:
+        tokens = rows * ((w.prompt + w.response) if remove_padding else w.padded)
+        micro = self.micro_batches(rows, tokens, micro_rows, dynamic, budget, sp)
+        compute = self.pass_costs(s, fsdp, w, rows, micro, head, remove_padding, 1.0, sp)
+        comm = {k: compute.pop(k) for k in list(compute) if k.endswith(("link", "network"))}
+        shards = self.shards(fsdp)
+        b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
+        gathers = micro if fsdp.reshard_after_forward is not False else 1
+        if shards > 1:
+            bw, where = self.link(shards)
+            comm[where] = comm.get(where, 0.0) + gathers * (s.params * b * (shards - 1) / shards / bw
+                                                            + (s.layers + 2) * self.hw.collective_latency_s)
+        serial = {}
+        if fsdp.param_offload or fsdp.offload_policy:
+            serial["host link"] = gathers * s.params * DTYPE_BYTES[fsdp.model_dtype] / shards / (self.hw.host_link_gb_s * 1e9)
+        return self.combine(name, compute, comm, serial, f"{micro} micro-batch(es)")
+
+    def update(self, name, s, fsdp, w, rows, section, recompute, head, remove_padding, trainable) -> PhaseTime:
+        hw, world, n = self.hw, self.world, self.cfg.actor_rollout_ref.rollout.n
+        epochs = section.ppo_epochs
+        sp = section.ulysses_sequence_parallel_size
+        mini_rows = max(section.ppo_mini_batch_size * n / world, 1)
+        minis = max(1, math.ceil(rows / mini_rows))
+        length = (w.prompt + w.response) if remove_padding else w.padded
+        micro = minis * self.micro_batches(mini_rows, mini_rows * length, section.ppo_micro_batch_size_per_gpu,
+                                           section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu, sp)
+        factor = (1 + hw.backward(fsdp.mixed_precision.param_dtype) + (1 if recompute else 0)) * epochs
+        # (the per-pass overhead: forward and backward of a micro-batch cost ~3 forward passes' launches)
+        compute = self.pass_costs(s, fsdp, w, rows, micro, head, remove_padding, factor, sp)
+        comm = {k: compute.pop(k) for k in list(compute) if k.endswith(("link", "network"))}
+        shards = self.shards(fsdp)
+        replicas = world // shards
+        b, rb = DTYPE_BYTES[fsdp.mixed_precision.param_dtype], DTYPE_BYTES[fsdp.mixed_precision.reduce_dtype]
+        master = DTYPE_BYTES[fsdp.model_dtype]
+        trained = trainable or s.params
+        passes = micro * epochs
+        if shards > 1:
+            bw, where = self.link(shards)
+            gathers = 2 if fsdp.reshard_after_forward is not False else 1
+            per_micro = (gathers * s.params * b + trained * rb) * (shards - 1) / shards / bw
+            comm[where] = comm.get(where, 0.0) + passes * (per_micro + 3 * (s.layers + 2) * hw.collective_latency_s)
+        if replicas > 1:  # the gradients' all-reduce across replicas, every micro-batch's backward
+            bw, where = self.link(world)
+            comm[where] = comm.get(where, 0.0) + passes * (2 * (replicas - 1) / replicas * trained * rb / shards / bw
+                                                           + (s.layers + 2) * hw.collective_latency_s)
+        steps = minis * epochs
+        serial = {}
+        host_params = fsdp.param_offload or fsdp.offload_policy
+        if host_params:  # parameters and gradients cross the host link; the step runs on the host
+            serial["host link"] = passes * (2 * s.params * master + trained * master) / shards / (hw.host_link_gb_s * 1e9)
+            serial["host optimizer"] = steps * trained / shards / hw.host_adam_params_s
+        else:
+            compute["memory bandwidth"] += steps * trained * ADAM_BYTES / shards / (hw.hbm_gb_s * 1e9)
+            if fsdp.optimizer_offload:  # the moments come to the GPU for the update and go back
+                serial["host link"] = 2 * 8 * trained / shards / (hw.host_link_gb_s * 1e9)
+        return self.combine(name, compute, comm, serial,
+                            f"{passes} micro-batch passes, {steps} optimizer steps" + (", recompute" if recompute else ""))
+
+    def checkpoint(self) -> PhaseTime:
+        cfg, s = self.cfg, self.s
+        afs = self.layouts["actor"]
+        per_rank = ((self.adapter * 12 if self.lora else s.params * (DTYPE_BYTES[afs.model_dtype] + 8))
+                    / self.shards(afs))
+        if cfg.critic.enable:
+            cfs = self.layouts["critic"]
+            per_rank += self.cs.params * (DTYPE_BYTES[cfs.model_dtype] + 8) / self.shards(cfs)
+        seconds = per_rank * self.per_node / (self.hw.disk_gb_s * 1e9)
+        return PhaseTime("save_checkpoint", {"disk": seconds}, seconds, 0.0,
+                         f"{per_rank * self.per_node / 2**30:.2f} GiB per node")
+
+
+    def plan(self, w: Workload) -> TimePlan:
+        return TimePlan(self.hw, self.world, w, self.phases(w), self.cfg.trainer.save_freq)
+
+    def plan_step(self, metrics: dict[str, float], padded: int) -> TimePlan:
+        """The plan of a step a run just took, with its own lengths (``prompt_length/mean``,
+        ``response_length/mean`` and ``/max`` of its metrics; ``padded``: its rows' padded length)."""
+        d = self.cfg.data
+        return self.plan(Workload(d.train_batch_size * self.cfg.actor_rollout_ref.rollout.n,
+                                  metrics.get("prompt_length/mean", d.max_prompt_length),
+                                  metrics.get("response_length/mean", d.max_response_length),
+                                  int(metrics.get("response_length/max", d.max_response_length)), padded,
+                                  "this step's lengths"))
+
+
+def build_time_plan(cfg: Config, workload: Optional[Workload] = None,
+                    advise: Optional[Callable[[Config], object]] = None) -> TimePlan:
+    """The time plan of ``cfg`` for ``workload`` (default: the dry run's, ``workload_of``), with
+    advice (``advice_for``) when ``advise`` is given: the config check a candidate must pass
+    (rlhf_hpc.recipe.checks.validate, which raises ConfigError)."""
+    plan = TimeModel(cfg).plan(workload or workload_of(cfg))
+    if advise is not None:
+        plan.advice = advice_for(cfg, plan, advise)
+    return plan
+
+
+# ------------------------------------------------------------------------------------ advice
+def with_value(cfg: Config, key: str, value) -> Config:
+    """A copy of ``cfg`` with ``key`` set (the planning caches key on values, so a copy is safe)."""
+    out = copy.deepcopy(cfg)
+    parent, _, leaf = key.rpartition(".")
+    setattr(get_key(out, parent), leaf, value)
+    return out
+
+
+def candidate_changes(cfg: Config, plan: TimePlan) -> list[tuple[list[tuple[str, object]], str]]:
+    """Layout changes worth planning: ([(key, value), ...], why)."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    out = []
+    for prefix, section in (("actor_rollout_ref.actor", arr.actor), ("critic", critic)):
+        if prefix == "critic" and not critic.enable:
+            continue
+        if section.use_dynamic_bsz:
+            out.append(([(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu * 2)],
+                        "fewer, larger micro-batches"))
+        elif section.ppo_micro_batch_size_per_gpu:
+            out.append(([(f"{prefix}.ppo_micro_batch_size_per_gpu", section.ppo_micro_batch_size_per_gpu * 2)],
+                        "fewer, larger micro-batches"))
+        if plan.comm_share > COMM_RULE and section.ulysses_sequence_parallel_size == 1:
+            out.append(([(f"{prefix}.ulysses_sequence_parallel_size", 2)],
+                        f"communication is {plan.comm_share:.0%} of the step (the {COMM_RULE:.0%} rule)"))
+    rollout = arr.rollout
+    if rollout.log_prob_use_dynamic_bsz:
+        out.append(([("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                      rollout.log_prob_max_token_len_per_gpu * 2)], "fewer log-prob micro-batches"))
+    tp, kv = rollout.tensor_model_parallel_size, max(1, model_shape(arr.model.path, arr.model.override_config,
+                                                                    arr.model.trust_remote_code).kv_heads)
+    for t in (tp // 2, tp * 2):
+        if 1 <= t <= cfg.trainer.n_gpus_per_node and t != tp and cfg.world_size % t == 0 and (kv % t == 0 or t % kv == 0):
+            out.append(([("actor_rollout_ref.rollout.tensor_model_parallel_size", t)], "another rollout TP"))
+    sizes = {1, cfg.trainer.n_gpus_per_node, cfg.world_size} - {None}
+    layouts = plan_layouts(cfg)
+    for size in sorted(sizes):
+        if size != layouts["actor"] and cfg.world_size % size == 0:
+            out.append(([(f"{p}.fsdp_config.fsdp_size", size) for p in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
+                                                                         "critic.model")], "another FSDP layout"))
+    for key, on in (("actor_rollout_ref.model.enable_gradient_checkpointing", True),
+                    ("critic.model.enable_gradient_checkpointing", True),
+                    ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", True),
+                    ("actor_rollout_ref.actor.fsdp_config.param_offload", True),
+                    ("critic.model.fsdp_config.optimizer_offload", True)):
+        if get_key(cfg, key) is on and (critic.enable or not key.startswith("critic")):
+            out.append(([(key, False)], "less work"))
+    return out
+
+
+def plan_layouts(cfg: Config) -> dict[str, int]:
+    from rlhf_hpc.planning.layout import choose_layouts
+    return {n: lay.fsdp_size for n, lay in choose_layouts(cfg).items()}
+
+
+def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object], keep: int = 4,
+               min_gain: float = 0.03) -> list[str]:
+    """The changes (``candidate_changes``) that ``validate`` accepts, whose memory plan still fits
+    and whose step is at least ``min_gain`` faster, best first, each naming its keys; the 20%
+    rule's line when communication passes it."""
+    from rlhf_hpc.planning.memory_plan import check_plan
+    found = []
+    for changes, why in candidate_changes(cfg, plan):
+        other = cfg
+        for key, value in changes:
+            other = with_value(other, key, value)
+        try:
+            validate(other)
+            memory, errors, _ = check_plan(other)
+            if errors or memory is None:
+                continue
+            faster = build_time_plan(other, plan.workload)
+        except (ConfigError, ValueError):  # a change the config refuses is no advice
+            continue
+        gain = 1 - faster.step_s / plan.step_s
+        if gain >= min_gain:
+            keys = " ".join(f"{k}={_text(v)}" for k, v in changes[:1]) + (" (and the ref's and critic's)"
+                                                                          if len(changes) > 1 else "")
+            found.append((gain, f"{keys}: step {plan.step_s:.3g} -> {faster.step_s:.3g} s (-{gain:.0%}; {why}; "
+                                f"the memory plan fits, peak {memory.peak / 2**30:.1f} GiB)"))
+    found.sort(key=lambda g: -g[0])
+    lines = [text for _, text in found[:keep]]
+    if plan.comm_share > COMM_RULE:
+        lines.insert(0, f"communication is {plan.comm_share:.0%} of the step, above the reference design's "
+                        f"{COMM_RULE:.0%}: change the layout (Ulysses sequence parallelism, "
+                        f"actor_rollout_ref.actor.ulysses_sequence_parallel_size, where it fits; the lines below "
+                        f"are what the plan measures)")
+    return lines
+
+
+def _text(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)

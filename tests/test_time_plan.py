@@ -1,0 +1,197 @@
+"""The time plan: hardware presets and the CPU calibration file, the phases' formulas and bounds,
+the advice it computes, the dry run and ``launch.py plan`` printing it, and the calibration bench
+writing what the plan reads. (The plan against measured CPU runs and published GPU runs:
+python -m rlhf_hpc.bench.time_plan_check / rlhf_hpc.bench.published_runs, BENCHMARKS.md.)"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.planning.hardware import PRESETS, UNCALIBRATED_CPU, hardware_of, read_calibration
+from rlhf_hpc.planning.memory_plan import build_plan
+from rlhf_hpc.planning.sizing import model_shape
+from rlhf_hpc.planning.time_plan import TimeModel, Workload, build_time_plan, forward_flops
+from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.load import load_config
+from tests.conftest import REPO, run_launch
+
+
+def plan_of(recipe: str, *overrides: str, advise: bool = False):
+    cfg, _ = load_config(recipe, overrides, check_files=False)
+    return cfg, build_time_plan(cfg, advise=(lambda c: validate(c, check_files=False)) if advise else None)
+
+
+def test_presets_carry_their_public_figures_and_a_source():
+    assert {"h100_sxm", "h100_pcie", "h200", "a100_80gb_sxm", "a100_80gb_pcie", "l40s"} <= set(PRESETS)
+    for name, hw in PRESETS.items():
+        assert hw.source and hw.bf16_tflops > hw.fp32_tflops > 0 and hw.hbm_gb_s > 0, name
+    assert PRESETS["h100_sxm"].bf16_tflops == 989 and PRESETS["h100_sxm"].hbm_gb_s == 3350
+    assert PRESETS["h200"].hbm_gb == 141 and PRESETS["l40s"].hbm_gb == 48
+    assert PRESETS["h100_pcie"].intra_node_gb_s < PRESETS["h100_sxm"].intra_node_gb_s  # PCIe, no NVLink
+
+
+def test_hardware_comes_from_the_preset_the_figures_or_the_gpu_the_run_sees():
+    cfg, _ = load_config("qwen7b_klppo", [], check_files=False)
+    assert hardware_of(cfg).name == PRESETS["h100_sxm"].name  # a GPU run's default
+    assert hardware_of(cfg, device_name="NVIDIA A100-SXM4-80GB").name == PRESETS["a100_80gb_sxm"].name
+    assert hardware_of(cfg, device_name="NVIDIA H100 PCIe").name == PRESETS["h100_pcie"].name
+    cfg, _ = load_config("qwen7b_klppo", ["hardware.preset=l40s", "hardware.hbm_gb_s=1000"], check_files=False)
+    hw = hardware_of(cfg)
+    assert hw.name == PRESETS["l40s"].name and hw.hbm_gb_s == 1000 and "hbm_gb_s=1000" in hw.source
+    # the preset's memory is the memory plan's GPU unless trainer.gpu_memory_gb says otherwise
+    assert build_plan(cfg).capacity == 48 * 2**30
+    cfg, _ = load_config("qwen7b_klppo", ["hardware.preset=l40s", "trainer.gpu_memory_gb=40"], check_files=False)
+    assert build_plan(cfg).capacity == 40 * 2**30
+
+
+def test_bad_hardware_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"hardware.preset: unknown 'h100sxm' \(did you mean 'h100_sxm'\?\)"):
+        load_config("qwen7b_klppo", ["hardware.preset=h100sxm"], check_files=False)
+    with pytest.raises(ConfigError, match=r"hardware.hbm_gb_s=-1.0: must be positive"):
+        load_config("qwen7b_klppo", ["hardware.hbm_gb_s=-1"], check_files=False)
+    with pytest.raises(ConfigError, match="hardware.calibration .* needs hardware.preset=cpu"):
+        load_config("qwen7b_klppo", ["hardware.calibration=/tmp/x.json"], check_files=False)
+
+
+def test_a_cluster_profile_names_its_hardware(tmp_path, monkeypatch):
+    (tmp_path / "site.yaml").write_text("partition: gpu\nhardware: h200\n")
+    (tmp_path / "custom.yaml").write_text("partition: gpu\nhardware:\n  preset: a100_80gb_sxm\n  inter_node_gb_s: 25\n")
+    monkeypatch.setenv("RLHF_HPC_CLUSTERS", str(tmp_path))
+    cfg, _ = load_config("qwen7b_klppo", ["launcher.cluster_profile=site"], check_files=False)
+    assert cfg.hardware.preset == "h200" and cfg.launcher.partition == "gpu"
+    assert build_plan(cfg).capacity == 141 * 2**30
+    cfg, _ = load_config("qwen7b_klppo", ["launcher.cluster_profile=custom"], check_files=False)
+    assert hardware_of(cfg).inter_node_gb_s == 25 and hardware_of(cfg).name == PRESETS["a100_80gb_sxm"].name
+    # the command line wins over the profile
+    cfg, _ = load_config("qwen7b_klppo", ["launcher.cluster_profile=site", "hardware.preset=l40s"], check_files=False)
+    assert cfg.hardware.preset == "l40s"
+
+
+def test_the_cpu_figures_come_from_the_calibration_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_HPC_CACHE", str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg, _ = load_config("tiny_klppo", [], check_files=False)
+    assert hardware_of(cfg) == UNCALIBRATED_CPU  # no file yet: nominal, and it says so
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "cpu.json").write_text(json.dumps({"fp32_tflops": 0.07, "hbm_gb_s": 20.0,
+                                                                    "measured": {"date": "2026-12-01"}}))
+    hw = hardware_of(cfg)
+    assert hw.fp32_tflops == 0.07 and hw.hbm_gb_s == 20.0 and "calibrate" in hw.source
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the figures are one thread's: a rank of 4 computes 4x
+    assert hardware_of(cfg).fp32_tflops == pytest.approx(0.28)
+    with pytest.raises(ConfigError, match="hardware.calibration: no file"):
+        read_calibration(str(tmp_path / "missing.json"))
+
+
+def test_training_phases_are_their_flops_over_the_efficient_peak():
+    cfg, plan = plan_of("qwen7b_klppo", "plan.prompt_length=100", "plan.response_length=300")
+    s, hw = model_shape("Qwen/Qwen2.5-7B-Instruct"), plan.hardware
+    rows = 1024 / 8  # per GPU
+    # by hand: 2 x 28 layers x their parameters per token, attention 2 x 28 x q_dim x L per token,
+    # the head on the response tokens
+    by_hand = (2 * 28 * s.layer_params * rows * 400 + 2 * 28 * 3584 * 400 * rows * 400 + 2 * 3584 * 152064 * rows * 300)
+    assert forward_flops(s, rows * 400, 400, rows * 300, s.vocab) == pytest.approx(by_hand)
+    old = plan.phase("old_log_prob")
+    assert old.parts["compute"] == pytest.approx(by_hand / (989e12 * hw.train_efficiency))
+    assert old.bound == "compute"
+    # the update: forward + backward (2x) + the recompute of activation checkpointing, one epoch
+    update = plan.phase("update_actor")
+    assert update.parts["compute"] == pytest.approx(4 * by_hand / (989e12 * hw.train_efficiency))
+
+
+def test_each_resource_bounds_what_it_should():
+    # decode of a few long responses reads the weights every step: memory-bound; faster HBM, faster gen
+    small = ("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16")
+    _, few = plan_of("qwen7b_klppo", *small)
+    assert few.phase("gen").bound == "memory bandwidth"
+    _, quick = plan_of("qwen7b_klppo", *small, "hardware.hbm_gb_s=6700")
+    assert quick.phase("gen").parts["memory bandwidth"] == pytest.approx(few.phase("gen").parts["memory bandwidth"] / 2)
+    assert quick.phase("gen").seconds < few.phase("gen").seconds
+    # twice the rows: twice the update's compute
+    _, base = plan_of("qwen7b_klppo")
+    _, double = plan_of("qwen7b_klppo", "data.train_batch_size=2048")
+    assert double.phase("update_actor").parts["compute"] == pytest.approx(2 * base.phase("update_actor").parts["compute"])
+    # a slow link: the FSDP all-gathers bound the passes and the step's communication share grows
+    _, slow = plan_of("qwen7b_klppo", "hardware.intra_node_gb_s=2")
+    assert slow.phase("update_actor").bound == "intra-node link"
+    assert slow.comm_share > 0.2 > base.comm_share
+    # checkpoints: the node's shards over the disk, outside the step
+    ckpt = base.phase("save_checkpoint")
+    assert ckpt.bound == "disk" and base.step_s == pytest.approx(sum(p.seconds for p in base.phases) - ckpt.seconds)
+    _, fast_disk = plan_of("qwen7b_klppo", "hardware.disk_gb_s=4")
+    assert fast_disk.phase("save_checkpoint").seconds == pytest.approx(ckpt.seconds / 2)
+    # param_offload: the parameters cross the host link every micro-batch
+    _, offload = plan_of("qwen7b_klppo", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+                         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
+    assert offload.phase("update_actor").parts["host link"] > base.phase("update_actor").parts["host link"]
+    assert offload.phase("update_actor").parts["host optimizer"] > 0
+
+
+def test_the_assumed_lengths_and_a_runs_own_lengths_set_the_workload():
+    cfg, full = plan_of("qwen7b_klppo")
+    _, short = plan_of("qwen7b_klppo", "plan.response_length=128")
+    assert full.workload.response == 512 and short.workload.response == 128 and "plan.response_length" in short.workload.source
+    assert short.phase("gen").seconds < full.phase("gen").seconds
+    assert short.tokens_per_s_per_gpu * short.step_s == pytest.approx(1024 * (512 + 128) / 8)
+    # a run plans each step with what it measured (rlhf_hpc.ppo.trainer)
+    model = TimeModel(cfg)
+    step = model.plan_step({"prompt_length/mean": 100.0, "response_length/mean": 200.0, "response_length/max": 512.0},
+                           padded=612)
+    assert step.workload == Workload(1024, 100.0, 200.0, 512, 612, "this step's lengths")
+    assert set(step.metrics()) >= {"plan/gen_s", "plan/update_actor_s", "plan/step_s", "plan/tokens_per_s_per_gpu"}
+    line = step.render_measured({"timing_s/gen": 2 * step.phase("gen").seconds, "timing_s/step": step.step_s})
+    assert "gen" in line and "(2.00x)" in line and "step" in line
+
+
+def test_advice_names_keys_whose_plan_fits_and_is_faster():
+    cfg, slow = plan_of("qwen7b_klppo", "hardware.intra_node_gb_s=2", advise=True)
+    assert slow.advice[0].startswith(f"communication is {slow.comm_share:.0%} of the step")
+    assert "ulysses_sequence_parallel_size" in slow.advice[0]
+    measured = [a for a in slow.advice[1:]]
+    assert measured, slow.advice
+    for line in measured:
+        key, value = line.split(":")[0].split(" ")[0].split("=")
+        other, _ = load_config("qwen7b_klppo", ["hardware.intra_node_gb_s=2", f"{key}={value}"], check_files=False)
+        assert build_time_plan(other).step_s < slow.step_s  # each advised change is faster, as it says
+        assert "memory plan fits" in line
+
+
+def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path):
+    out = run_launch("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/a")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# time plan per step on 8 x H100 SXM"))
+    phases = [line.split()[1] for line in lines[start + 2:] if line.startswith("#   ")]
+    assert phases == ["update_weights", "gen", "old_log_prob", "ref", "values", "update_critic", "update_actor",
+                      "save_checkpoint"]
+    assert all("bound:" in line for line in lines[start + 2:start + 10])
+    assert any(line.startswith("# step ") and "tokens/s per GPU" in line for line in lines)
+    table = run_launch("plan", "recipe=qwen7b_klppo", "plan.response_length=300",
+                       "sweep.actor_rollout_ref.rollout.tensor_model_parallel_size=[1,2,4]",
+                       "sweep.trainer.gpu_memory_gb=[80,24]")
+    assert table.returncode == 0, table.stderr
+    rows = [line for line in table.stdout.splitlines() if line.startswith("| tensor_model")]
+    fits = [r for r in rows if "does not fit" not in r]
+    assert len(fits) == 3 and len(rows) == 6  # 24 GB GPUs cannot hold the 7B plan
+    steps = [float(r.split("|")[2]) for r in fits]
+    assert steps == sorted(steps)  # fastest first
+    assert all("gpu_memory_gb=24 | does not fit: memory plan: phase" in r for r in rows[3:])
+
+
+def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run([sys.executable, "-m", "rlhf_hpc.bench.calibrate", "--skip-vllm", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    for key in ("fp32_tflops", "bf16_tflops", "backward_ratio", "hbm_gb_s", "layer_overhead_s", "pass_overhead_s",
+                "host_adam_params_s", "collective_latency_s", "intra_node_gb_s", "disk_gb_s"):
+        assert figures[key] > 0, key
+    hw = read_calibration(str(out))
+    assert hw.fp32_tflops == figures["fp32_tflops"] and str(out) in hw.source
+    assert dataclasses.replace(hw, source="") != dataclasses.replace(UNCALIBRATED_CPU, source="")
