@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.errors import ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,6 @@ def hardware_problems(cfg) -> list[str]:
     hw = cfg.hardware
     out = []
     if hw.preset is not None and hw.preset not in PRESETS and hw.preset != "cpu":
-        from rlhf_hpc.config.errors import did_you_mean
         out.append(f"hardware.preset: unknown '{hw.preset}'{did_you_mean(hw.preset, [*PRESETS, 'cpu'])}; known: "
                    f"{', '.join([*PRESETS, 'cpu'])} (or leave it null and give the figures: "
                    f"{', '.join('hardware.' + f for f in FIGURES)})")

@@ -99,6 +99,7 @@ class MemoryPlan:
     max_model_len: int = 0
     notes: list[str] = field(default_factory=list)
     host: Optional[HostPlan] = None
+    capacity_source: str = ""  # where the GPU's size comes from (rlhf_hpc.planning.hardware.gpu_memory_gb)
 
     def failures(self) -> list[str]:
         """What cannot fit: a GPU phase above the GPU's memory, a KV cache smaller than one
@@ -160,7 +161,7 @@ class MemoryPlan:
         gb = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
         where = "GPU" if self.device == "cuda" else "rank (host memory)"
         lines = [f"# memory plan per {where}: {self.capacity / GiB:.0f} GiB"
-                 + (" (trainer.gpu_memory_gb)" if self.device == "cuda" else ""),
+                 + (f" ({self.capacity_source or 'assumed'})" if self.device == "cuda" else ""),
                  f"# model: {self.shape.params / 1e9:.3g}B parameters, {self.shape.source}"]
         for p in self.phases:
             flag = "# OK  " if p.total <= self.capacity else "# FAIL"
@@ -318,7 +319,8 @@ class PlanBuilder:
                               critic.ulysses_sequence_parallel_size, self.critic_trainable)
         notes = self.notes
         if self.on_gpu and not self.capacity_source:
-            notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb for other GPUs")
+            notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb or "
+                         f"hardware.preset for other GPUs")
         afs = self.afs
         if afs.param_offload or afs.optimizer_offload:
             trained = s.params if self.actor_trainable is None else self.actor_trainable
@@ -326,7 +328,8 @@ class PlanBuilder:
             notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
                          + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
         max_len = rollout.max_model_len or (self.P + self.R)
-        plan = MemoryPlan(tr.device, self.capacity, self.phases, s, self.kv_tokens, max_len, notes)
+        plan = MemoryPlan(tr.device, self.capacity, self.phases, s, self.kv_tokens, max_len, notes,
+                          capacity_source=self.capacity_source)
         pretrained = [shp for shp, path in ((s, arr.model.path), (self.cs if self.use_critic else None, critic.model.path),
                                             (self.rms, rm.model.path)) if shp is not None and not is_tiny(path)]
         plan.host = host_plan(cfg, plan, max((x.params for x in pretrained), default=0), self.critic_params,

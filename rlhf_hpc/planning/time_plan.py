@@ -229,7 +229,7 @@ class TimeModel:
             out.append(self.forward("values", self.cs, self.layouts["critic"], w, rows, critic.ppo_micro_batch_size_per_gpu,
                                     critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu, 1,
                                     critic.ulysses_sequence_parallel_size, critic.model.use_remove_padding))
-        if rm.enable and self.memory.phases and any(p.name == "reward_model" for p in self.memory.phases):
+        if any(p.name == "reward_model" for p in self.memory.phases):  # (the plan found its shape)
             rms = model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
             out.append(self.forward("reward_model", rms, rm.model.fsdp_config, w, rows, rm.micro_batch_size_per_gpu,
                                     rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu, 1, 1,
