@@ -12,6 +12,16 @@ from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
 from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
+from rlhf_hpc.data.dataset import DataError, check_data_files
+from rlhf_hpc.launch.local import run_local, standalone_torchrun_command
+from rlhf_hpc.observability.compare import main as compare_main
+from rlhf_hpc.observability.tracking import wandb_sync_command
+from rlhf_hpc.planning.memory_plan import check_plan
+from rlhf_hpc.planning.time_plan import build_time_plan
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.recipe.checks import validate
+
+__all__ = ["main"]
 
 USAGE = """\
 usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v2] ...] [--dry-run]
@@ -121,9 +131,8 @@ def export(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     args = parser.parse_args(argv)
-    from rlhf_hpc.ppo.checkpoint import export_hf
     try:
-        out = export_hf(args.checkpoint, args.out, dtype=args.dtype)
+        out = ckpt.export_hf(args.checkpoint, args.out, dtype=args.dtype)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     print(f"[rlhf-hpc] exported {args.checkpoint} -> {out}")
@@ -138,12 +147,11 @@ def run(argv: list[str]) -> int:
     if argv and argv[0] == "prepare":
         return prepare_run(argv[1:])
     if argv and argv[0] == "compare":
-        from rlhf_hpc.observability.compare import main as compare_main
         return compare_main(argv[1:])
     if argv and argv[0] == "preflight":
         return run(preflight_args(argv[1:]))
     if argv and argv[0] == "plan":
-        return plan_layouts(argv[1:])
+        return print_layout_table(argv[1:])
     recipe, overrides, sweeps, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())
@@ -178,10 +186,9 @@ def run(argv: list[str]) -> int:
     if len(elements) > 1:
         raise ConfigError("sweeps need cluster=slurm (one array job); locally, run the elements one by one")
 
-    from rlhf_hpc.launch.local import run_local, torchrun_command
     run_dir = run_dirs[0]
     config_path = run_dir / "config.yaml"
-    cmd = torchrun_command(cfg, config_path)
+    cmd = standalone_torchrun_command(cfg, config_path)
     if dry:
         print("# resolved config (written to {} at launch)".format(config_path))
         print(dump_yaml(to_dict(cfg)))
@@ -203,7 +210,6 @@ class BadData(ConfigError):
 def check_data(cfg) -> None:
     """Bad rows are found here, on the launching machine in about a second, not after the queue
     and the workers' start-up; one line names the file, the row and the column."""
-    from rlhf_hpc.data.dataset import DataError, check_data_files
     try:
         check_data_files(cfg.data)
     except DataError as e:
@@ -213,7 +219,6 @@ def check_data(cfg) -> None:
 def check_memory_plan(cfg, show: bool) -> None:
     """Print the per-GPU memory plan (comment lines: the dry run's output stays YAML-readable);
     refuse (ConfigError naming the keys) a plan that cannot fit."""
-    from rlhf_hpc.planning.memory_plan import check_plan
     plan, errors, warnings = check_plan(cfg)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -222,15 +227,11 @@ def check_memory_plan(cfg, show: bool) -> None:
     if errors:
         raise ConfigError(errors)
     if show and plan is not None:
-        from rlhf_hpc.planning.time_plan import build_time_plan
-        from rlhf_hpc.recipe.checks import validate
         print(build_time_plan(cfg, advise=lambda c: validate(c, check_files=False)).render(), flush=True)
 
 
-def plan_layouts(argv: list[str]) -> int:
+def print_layout_table(argv: list[str]) -> int:
     """``launch.py plan``: one table of the sweep's layouts, those that fit fastest first."""
-    from rlhf_hpc.planning.memory_plan import check_plan
-    from rlhf_hpc.planning.time_plan import build_time_plan
     recipe, overrides, sweeps, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())
@@ -267,7 +268,6 @@ def plan_layouts(argv: list[str]) -> int:
 def check_before_start(cfg, run_dir: Path) -> None:
     """The run directory is writable with room to spare, and a checkpoint it would resume from
     belongs to the same run (model, tokenizer, data, ...)."""
-    from rlhf_hpc.ppo import checkpoint as ckpt
     ckpt.check_run_dir(run_dir, cfg.trainer.min_free_disk_gb)
     if cfg.trainer.resume_mode == "auto":
         latest = ckpt.choose_resume(run_dir, log=lambda *_: None)
@@ -308,7 +308,7 @@ def prepare_run(argv: list[str]) -> int:
 
 
 def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
-    from rlhf_hpc.launch import slurm
+    from rlhf_hpc.launch import slurm  # (imports submitit: only for cluster=slurm)
     cfg = elements[0]
     if dry:
         for c, d in zip(elements, run_dirs):
@@ -332,7 +332,7 @@ def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
 
 
 def jobs_command(what: str, argv: list[str]) -> int:
-    from rlhf_hpc.launch import slurm
+    from rlhf_hpc.launch import slurm  # (imports submitit: only for Slurm jobs)
     if len(argv) != 1:
         raise ConfigError(f"usage: python launch.py {what} RUN_DIR")
     records = slurm.run_jobs(Path(argv[0]))
@@ -350,7 +350,6 @@ def jobs_command(what: str, argv: list[str]) -> int:
     if what == "logs" and library_logs:
         print(f"[rlhf-hpc] vLLM's and torch's warnings, by rank: {', '.join(map(str, library_logs))}")
     if what == "logs" and any((Path(argv[0]) / "wandb").glob("offline-run-*")):
-        from rlhf_hpc.observability.tracking import wandb_sync_command
         print(f"[rlhf-hpc] this run's W&B records are offline; upload them with: {wandb_sync_command(argv[0])}")
     return 0
 

@@ -30,10 +30,32 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.config.engines import ENGINES
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_min, build_rollout_tp_group,
-                                                build_train_mesh, mesh_shape)
+from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_min, all_reduce_sum,
+                                                build_rollout_tp_group, build_train_mesh, mesh_shape)
 from rlhf_hpc.planning.sizing import GiB
+from rlhf_hpc.data.dataset import load_examples
+from rlhf_hpc.distributed import sequence_parallel
+from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
+from rlhf_hpc.distributed.rows import RolloutRow
+from rlhf_hpc.models.hf import torch_dtype
+from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
+from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
+from rlhf_hpc.ops.batching import make_padded_batch, to_device
+from rlhf_hpc.ops.step_shape import micro_tokens
+from rlhf_hpc.planning.layout import resolved_fsdp_configs
+from rlhf_hpc.planning.memory_plan import check_plan
+from rlhf_hpc.ppo.actor import per_token_logprobs
+from rlhf_hpc.ppo.faults import FaultInjector
+from rlhf_hpc.ppo.step_batch import make_step_batch, sampling_for
+from rlhf_hpc.ppo.training_models import build_training_models
+from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch
+from rlhf_hpc.rollout.factory import make_engine
+from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
+
+__all__ = ["BUSBW_FLOOR_GBPS", "Check", "PreflightFailed", "interconnect", "run_preflight", "write_report"]
+
 REPORT = "preflight.txt"
 # bus bandwidth (GB/s, nccl-tests' definition) below which an interconnect is taken to be broken or
 # misconfigured: about a quarter of what the slowest common generation gives for large messages
@@ -67,11 +89,6 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
     """All checks, collectively on every rank, appended to ``checks`` as they finish; ``log`` gets
     each line as it is known (rank 0 prints). Raises ``PreflightFailed`` (on every rank alike) at
     the first failed check."""
-    from rlhf_hpc.ppo.training_models import build_training_models
-    from rlhf_hpc.ppo.faults import FaultInjector
-    from rlhf_hpc.planning.memory_plan import check_plan
-    from rlhf_hpc.rollout.factory import make_engine
-    from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
     arr, tr = cfg.actor_rollout_ref, cfg.trainer
 
     def add(check: Check) -> Check:
@@ -129,7 +146,6 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
 
 # ---------------------------------------------------------------------------------------- 1
 def process_group_check(cfg: Config, ctx: DistContext, hosts: list[str]) -> Check:
-    from rlhf_hpc.planning.layout import resolved_fsdp_configs
     fsdp = resolved_fsdp_configs(cfg)["actor"]
     replicate, shard = mesh_shape(ctx.world_size, fsdp.fsdp_size)
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
@@ -198,7 +214,6 @@ def bus_bandwidth(group, size: int, device: torch.device, op: str, iters: int = 
 
 def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Check]:
     """One check per mesh dimension with more than one rank (the groups every rank is in)."""
-    from rlhf_hpc.planning.layout import resolved_fsdp_configs
     fsdp = resolved_fsdp_configs(cfg)["actor"]
     replicate, shard = mesh_shape(ctx.world_size, fsdp.fsdp_size)
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
@@ -239,8 +254,6 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
 
 # ---------------------------------------------------------------------------------------- 3
 def sync_check(cfg: Config, models, rollout, faults) -> Check:
-    from rlhf_hpc.models.hf import torch_dtype
-    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     rollout.resume()
     arr = cfg.actor_rollout_ref
     timing = sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype),
@@ -252,11 +265,6 @@ def sync_check(cfg: Config, models, rollout, faults) -> Check:
 def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) -> Check:
     """A few of the recipe's own prompts, GEN_TOKENS tokens each; the actor scores the engine's
     tokens and the mean difference must stay within the stop rule's limit for these dtypes."""
-    from rlhf_hpc.data.dataset import load_examples
-    from rlhf_hpc.distributed.rows import RolloutRow
-    from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
-    from rlhf_hpc.rollout.base import LogprobCheck, logprob_mismatch
-    from rlhf_hpc.ppo.trainer import make_step_batch, sampling_for
     arr = cfg.actor_rollout_ref
     examples = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed)
     dp = getattr(rollout, "dp_rank", ctx.rank)
@@ -292,9 +300,10 @@ def sleep_check(cfg: Config, ctx: DistContext, rollout, plan, state: dict) -> Ch
     phases, about its share of the plan (``state["freed"]``: bytes, for ``wake_check``)."""
     arr = cfg.actor_rollout_ref
     if not getattr(rollout, "sleep_enabled", False):
+        paged = ENGINES[rollout.name].paged
         why = ("vLLM's CPU build has no sleep mode: its weights and KV space stay, and the plan counts them in "
-               "every phase" if ctx.device.type != "cuda" and rollout.name == "vllm" else
-               "the hf engine keeps its weights (the plan counts them)" if rollout.name == "hf" else
+               "every phase" if ctx.device.type != "cuda" and paged else
+               f"the {rollout.name} engine keeps its weights (the plan counts them)" if not paged else
                "actor_rollout_ref.rollout.free_cache_engine=false: the engine keeps its memory")
         return Check("sleep/wake", None, why)
     share = arr.rollout.gpu_memory_utilization * plan.capacity if plan else None
@@ -311,8 +320,6 @@ def sleep_check(cfg: Config, ctx: DistContext, rollout, plan, state: dict) -> Ch
 def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> Check:
     """After the training phase: the engine takes its memory back (new weights, then the KV cache
     on the next generation), no more than it freed."""
-    from rlhf_hpc.models.hf import torch_dtype
-    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     arr = cfg.actor_rollout_ref
     freed_then = state.get("freed", 0)
     torch.cuda.empty_cache()  # what the micro-batch left in PyTorch's cache is not the engine's
@@ -320,7 +327,6 @@ def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> C
     rollout.resume()
     sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype),
                             arr.rollout.update_weights_bucket_mb)
-    from rlhf_hpc.rollout.base import Sampling
     rollout.generate([[1, 2, 3]], Sampling(n=1, max_tokens=4, do_sample=False))  # wakes the KV cache
     taken = before - torch.cuda.mem_get_info(ctx.device)[0]
     ok = taken <= 1.1 * freed_then + GiB
@@ -330,16 +336,10 @@ def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> C
 
 # ---------------------------------------------------------------------------------------- 5
 def micro_batch_check(cfg: Config, ctx: DistContext, models, tokenizer, plan) -> Check:
-    """The largest micro-batch the actor update will see (rlhf_hpc.planning.sizing.micro_tokens):
+    """The largest micro-batch the actor update will see (rlhf_hpc.ops.step_shape.micro_tokens):
     rows of full-length prompt + response, forward and backward with the gradient reduction, no
     optimizer step (the weights stay as they are); its peak against the plan's update phase less
     the optimizer state, which the first optimizer step allocates (exact arithmetic in the plan)."""
-    from rlhf_hpc.distributed import sequence_parallel
-    from rlhf_hpc.ppo.actor import per_token_logprobs
-    from rlhf_hpc.ops.batching import make_padded_batch, to_device
-    from rlhf_hpc.planning.sizing import micro_tokens
-    from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
-    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
     arr, d = cfg.actor_rollout_ref, cfg.data
     actor = models.actor
     P, R = d.max_prompt_length, d.max_response_length

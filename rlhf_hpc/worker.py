@@ -10,18 +10,22 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.distributed.process_group import exit_process, init_distributed
-from rlhf_hpc.distributed.host_allocator import describe as host_memory_line
+from rlhf_hpc.distributed.host_allocator import describe_malloc_settings
 from rlhf_hpc.observability.library_logs import library_log_path, route_library_logs
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.recipe.load import load_resolved
+from rlhf_hpc.data.dataset import DataError
+from rlhf_hpc.launch.stop import install_signal_handler, record_user_error
+from rlhf_hpc.ppo.trainer import fit
+from rlhf_hpc.preflight import PreflightFailed, run_preflight, write_report
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m rlhf_hpc.worker RUN_DIR/config.yaml", file=sys.stderr)
         return 2
-    from rlhf_hpc.data.dataset import DataError
-    from rlhf_hpc.launch.stop import install_signal_handler, record_user_error
     run_dir = Path(argv[0]).parent
     try:
         cfg = load_resolved(argv[0])
@@ -44,9 +48,8 @@ def main(argv: list[str]) -> int:
         print(f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
               f"device {ctx.device.type}, hosts by rank: {','.join(hosts)}", flush=True)
         if ctx.device.type == "cpu":
-            print(f"[rlhf-hpc] host memory: {host_memory_line()}", flush=True)
+            print(f"[rlhf-hpc] host memory: {describe_malloc_settings()}", flush=True)
         print(f"[rlhf-hpc] vLLM's and torch's warnings: {library_log_path(run_dir, '*')}", flush=True)
-    from rlhf_hpc.ppo.trainer import fit
     try:
         if cfg.trainer.preflight:
             preflight(cfg, ctx, run_dir)
@@ -64,8 +67,6 @@ def main(argv: list[str]) -> int:
 def preflight(cfg, ctx, run_dir: Path) -> None:
     """The allocation check in place of training (rlhf_hpc.preflight): a failed check becomes the
     job's one-line error (exit code 2 from the launcher, no requeue)."""
-    from rlhf_hpc.launch.stop import record_user_error
-    from rlhf_hpc.preflight import PreflightFailed, run_preflight, write_report
     def log(line: str) -> None:  # rank 0 reports (other ranks' prints would interleave with its lines)
         if ctx.is_main:
             print(f"[rlhf-hpc] preflight: {line}", flush=True)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ops.batching import make_padded_batch, select_rows
 from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum,
@@ -43,6 +43,7 @@ from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all
 from rlhf_hpc.distributed.loading import build_sharded
 from rlhf_hpc.models.hf import build_causal_lm, build_critic
 from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.distributed.fsdp import parallelize
 from rlhf_hpc.recipe.load import load_config, write_resolved
 from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
@@ -82,9 +83,10 @@ def sharded_actor(path: str, world: int, sp_size: int = 1) -> Actor:
     parallelize(model, build_train_mesh(CPU, world, -1), FSDPConfig(fsdp_size=-1, mixed_precision=FP32), CPU,
                 gradient_checkpointing=True)
     cfg = actor_cfg()
-    return Actor(model, cfg, temperature=0.8, optimizer=build_optimizer(model, cfg.optim), dp_size=world,
-                 all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU), norm_const=R,
-                 sp=build_sequence_parallel(sp_size))
+    return Actor(model, cfg, ActorSpec(temperature=0.8, optimizer=build_optimizer(model, cfg.optim), norm_const=R,
+                                       placement=Placement(dp_size=world, all_reduce=all_reduce_sum,
+                                                           sync_max=lambda k: all_reduce_max_int(k, CPU),
+                                                           sp=build_sequence_parallel(sp_size))))
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -116,8 +118,9 @@ def check_training(path: str, rank: int, world: int, res: dict) -> Actor:
     if rank == 0:
         plain = build_causal_lm(path, torch.float32, seed=0, attn="eager")
         before = {k: v.clone() for k, v in plain.state_dict().items()}
-        ref = Actor(plain, dataclasses.replace(actor_cfg(), ppo_micro_batch_size_per_gpu=ROWS), temperature=0.8,
-                    remove_padding=False, optimizer=build_optimizer(plain, actor_cfg().optim), norm_const=R)
+        ref = Actor(plain, dataclasses.replace(actor_cfg(), ppo_micro_batch_size_per_gpu=ROWS),
+                    ActorSpec(temperature=0.8, remove_padding=False, optimizer=build_optimizer(plain, actor_cfg().optim),
+                              norm_const=R))
         # reference mini-batch k = the union of every rank's mini-batch k
         order = [r * per + k * PER_RANK_MINI + i for k in range(per // PER_RANK_MINI) for r in range(world)
                  for i in range(PER_RANK_MINI)]
@@ -267,7 +270,7 @@ def phase_rollout(out: Path) -> None:
     results = {}
     for name, path in ARCHS.items():
         model = build_causal_lm(path, torch.float32, seed=0, attn="varlen")
-        actor = Actor(model, actor_cfg(), temperature=0.8)
+        actor = Actor(model, actor_cfg(), ActorSpec(temperature=0.8))
         check_rollout(path, actor, results.setdefault(name, {}), close=True)
         print(f"[architectures] {name}: {json.dumps(results[name])}", flush=True)
     (out / "rollout.json").write_text(json.dumps(results, indent=1))

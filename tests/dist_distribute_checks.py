@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.ops import algos
+from rlhf_hpc.ops import estimators
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.distributed.process_group import all_reduce_sum, exit_process
 from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows
@@ -83,9 +83,9 @@ def main(out: Path) -> None:
     rewards, mask = token_rewards(mine)
     uid = torch.tensor([r.prompt_pos for r in mine])
     dist_adv = {
-        "grpo": algos.grpo_advantages(rewards, mask, uid, all_reduce=all_reduce_sum, num_groups=PROMPTS)[0],
-        "rloo": algos.rloo_advantages(rewards, mask, uid, all_reduce=all_reduce_sum, num_groups=PROMPTS)[0],
-        "rpp_baseline": algos.reinforce_pp_baseline_advantages(rewards, mask, uid, all_reduce=all_reduce_sum,
+        "grpo": estimators.grpo_advantages(rewards, mask, uid, all_reduce=all_reduce_sum, num_groups=PROMPTS)[0],
+        "rloo": estimators.rloo_advantages(rewards, mask, uid, all_reduce=all_reduce_sum, num_groups=PROMPTS)[0],
+        "rpp_baseline": estimators.reinforce_pp_baseline_advantages(rewards, mask, uid, all_reduce=all_reduce_sum,
                                                                num_groups=PROMPTS)[0],
     }
     gathered = gather({k: (uid.tolist(), [r.token_ids for r in mine], v.tolist()) for k, v in dist_adv.items()})
@@ -93,9 +93,9 @@ def main(out: Path) -> None:
     all_rows = [r for part in gather(local) for r in part]
     rewards_all, mask_all = token_rewards(all_rows)
     uid_all = torch.tensor([r.prompt_pos for r in all_rows])
-    ref = {"grpo": algos.grpo_advantages(rewards_all, mask_all, uid_all)[0],
-           "rloo": algos.rloo_advantages(rewards_all, mask_all, uid_all)[0],
-           "rpp_baseline": algos.reinforce_pp_baseline_advantages(rewards_all, mask_all, uid_all)[0]}
+    ref = {"grpo": estimators.grpo_advantages(rewards_all, mask_all, uid_all)[0],
+           "rloo": estimators.rloo_advantages(rewards_all, mask_all, uid_all)[0],
+           "rpp_baseline": estimators.reinforce_pp_baseline_advantages(rewards_all, mask_all, uid_all)[0]}
     key_of = {(r.prompt_pos, tuple(r.token_ids)): i for i, r in enumerate(all_rows)}
     res["adv_max_diff"] = {}
     for k in ref:

@@ -18,14 +18,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ops.batching import make_padded_batch, select_rows
 from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.ppo.critic import Critic
+from rlhf_hpc.ppo.critic import Critic, CriticSpec
 from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
 from rlhf_hpc.distributed.host_allreduce import MIN_CAPACITY, SHM_DIR, SharedMemoryAllReduce
 from rlhf_hpc.models.hf import build_causal_lm, build_critic
 from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.distributed.fsdp import gradient_reduction, host_replicas, parallelize
 from rlhf_hpc.recipe.load import load_config, write_resolved
 
@@ -85,9 +86,10 @@ def sharded_actor(cfg: ActorConfig, fsdp_size: int, world: int, remove_padding: 
     mesh = build_train_mesh(CPU, world, fsdp_size)
     parallelize(model, mesh, FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32), CPU,
                 gradient_checkpointing=True, shared_memory=shared_memory)
-    return Actor(model, cfg, temperature=0.8, remove_padding=remove_padding, optimizer=build_optimizer(model, cfg.optim),
-                 dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU),
-                 norm_const=R)
+    return Actor(model, cfg, ActorSpec(temperature=0.8, remove_padding=remove_padding,
+                                       optimizer=build_optimizer(model, cfg.optim), norm_const=R,
+                                       placement=Placement(dp_size=world, all_reduce=all_reduce_sum,
+                                                           sync_max=lambda k: all_reduce_max_int(k, CPU))))
 
 
 def run_actor_equivalence(name: str, fsdp_size: int, results: dict, rank: int, world: int,
@@ -107,8 +109,8 @@ def run_actor_equivalence(name: str, fsdp_size: int, results: dict, rank: int, w
     if rank == 0:
         ref_cfg = dataclasses.replace(cfg, use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=4)
         ref_model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
-        ref = Actor(ref_model, ref_cfg, temperature=0.8, remove_padding=False,
-                    optimizer=build_optimizer(ref_model, ref_cfg.optim), norm_const=R)
+        ref = Actor(ref_model, ref_cfg, ActorSpec(temperature=0.8, remove_padding=False,
+                                                  optimizer=build_optimizer(ref_model, ref_cfg.optim), norm_const=R))
         order = reference_order(world)
         ref_batch = select_rows(batch, order)
         ref_lp, _ = ref.compute_log_prob(ref_batch, micro_batch_size=16)
@@ -138,8 +140,9 @@ def run_critic_equivalence(results: dict, rank: int, world: int) -> Critic:
     actor_init = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
     model = build_critic("tiny://qwen2", torch.float32, seed=1, init_from=actor_init)
     parallelize(model, build_train_mesh(CPU, world, 2), FSDPConfig(fsdp_size=2, mixed_precision=FP32), CPU)
-    critic = Critic(model, cfg, remove_padding=True, optimizer=build_optimizer(model, cfg.optim), dp_size=world,
-                    all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU))
+    critic = Critic(model, cfg, CriticSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim),
+                                           placement=Placement(dp_size=world, all_reduce=all_reduce_sum,
+                                                               sync_max=lambda k: all_reduce_max_int(k, CPU))))
     local = select_rows(batch, rank_rows(rank, world))
     values = critic.compute_values(local, micro_batch_size=3)
     metrics = [critic.update_critic(local, PER_RANK_MINI) for _ in range(3)]
@@ -148,8 +151,8 @@ def run_critic_equivalence(results: dict, rank: int, world: int) -> Critic:
     dist.all_gather(v_all, values)
     if rank == 0:
         ref_model = build_critic("tiny://qwen2", torch.float32, seed=1, init_from=actor_init)
-        ref = Critic(ref_model, dataclasses.replace(cfg, ppo_micro_batch_size_per_gpu=8), remove_padding=False,
-                     optimizer=build_optimizer(ref_model, cfg.optim))
+        ref = Critic(ref_model, dataclasses.replace(cfg, ppo_micro_batch_size_per_gpu=8),
+                     CriticSpec(remove_padding=False, optimizer=build_optimizer(ref_model, cfg.optim)))
         order = reference_order(world)
         ref_batch = select_rows(batch, order)
         ref_values = ref.compute_values(ref_batch, micro_batch_size=16)

@@ -25,8 +25,9 @@ from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.models.lora import AdapterDisabled, apply_lora, lora_scaling, merged_state_dict, merged_weights
 from rlhf_hpc.ops.batching import select_rows
 from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.rollout.weight_sync import stream_full_params
 from tests.dist_engine_checks import FP32, PER_RANK_MINI, R, actor_cfg, global_batch, max_diff, rank_rows, \
     reference_order
@@ -45,10 +46,10 @@ def check(name: str, path: str, fsdp_size: int, rank: int, world: int, results: 
     model = lora_model(path)
     parallelize(model, build_train_mesh(CPU, world, fsdp_size), FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32),
                 CPU, gradient_checkpointing=True)
-    common = dict(temperature=0.8, dp_size=world, all_reduce=all_reduce_sum,
-                  sync_max=lambda k: all_reduce_max_int(k, CPU), norm_const=R)
-    actor = Actor(model, cfg, optimizer=build_optimizer(model, cfg.optim), **common)
-    reference = Actor(AdapterDisabled(model), cfg, **common)
+    common = ActorSpec(temperature=0.8, norm_const=R, placement=Placement(
+        dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU)))
+    actor = Actor(model, cfg, dataclasses.replace(common, optimizer=build_optimizer(model, cfg.optim)))
+    reference = Actor(AdapterDisabled(model), cfg, common)
     local = select_rows(batch, rank_rows(rank, world))
     old_lp, _ = actor.compute_log_prob(local, micro_batch_size=3)
     local["old_log_probs"] = old_lp + 0.05 * local["response_mask"]
@@ -64,14 +65,15 @@ def check(name: str, path: str, fsdp_size: int, rank: int, world: int, results: 
     if rank == 0:
         order = reference_order(world)
         single = lora_model(path)
-        one = Actor(single, dataclasses.replace(cfg, ppo_micro_batch_size_per_gpu=4), temperature=0.8,
-                    remove_padding=False, optimizer=build_optimizer(single, cfg.optim), norm_const=R)
+        one = Actor(single, dataclasses.replace(cfg, ppo_micro_batch_size_per_gpu=4),
+                    ActorSpec(temperature=0.8, remove_padding=False, optimizer=build_optimizer(single, cfg.optim),
+                              norm_const=R))
         whole = select_rows(batch, order)
         lp, _ = one.compute_log_prob(whole, micro_batch_size=16)
         whole["old_log_probs"] = lp + 0.05 * whole["response_mask"]
         one_metrics = [one.update_policy(whole, PER_RANK_MINI * world) for _ in range(3)]
         base = build_causal_lm(path, torch.float32, seed=0)
-        base_lp, _ = Actor(base, cfg, temperature=0.8).compute_log_prob(whole, micro_batch_size=16)
+        base_lp, _ = Actor(base, cfg, ActorSpec(temperature=0.8)).compute_log_prob(whole, micro_batch_size=16)
         start = dict(lora_model(path).state_dict())
         adapter = [k for k in params if ".lora_" in k]
         frozen = [k for k in params if ".lora_" not in k]

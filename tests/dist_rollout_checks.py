@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.ppo.actor import Actor, per_token_logprobs
+from rlhf_hpc.ppo.actor import Actor, ActorSpec, per_token_logprobs
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.ppo.checkpoint import full_model_state
 from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
 from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
@@ -61,8 +62,9 @@ def sharded_fp32_actor(cfg, world: int, temperature: float, path: str = "tiny://
     fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
     parallelize(model, build_train_mesh(CPU, world, -1), fsdp, CPU)
     acfg = cfg.actor_rollout_ref.actor
-    return Actor(model, acfg, temperature=temperature, optimizer=build_optimizer(model, acfg.optim), dp_size=world,
-                 all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU))
+    return Actor(model, acfg, ActorSpec(temperature=temperature, optimizer=build_optimizer(model, acfg.optim),
+                                        placement=Placement(dp_size=world, all_reduce=all_reduce_sum,
+                                                            sync_max=lambda k: all_reduce_max_int(k, CPU))))
 
 
 def main(engine_name: str, out: Path) -> None:

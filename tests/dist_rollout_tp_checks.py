@@ -21,7 +21,7 @@ from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 from rlhf_hpc.rollout.base import Sampling
 from rlhf_hpc.rollout.factory import make_engine
-from rlhf_hpc.ppo.trainer import step_seed
+from rlhf_hpc.ppo.step_batch import step_seed
 from tests.dist_rollout_checks import engine_vs_actor, hf_greedy, sharded_fp32_actor
 
 CPU = torch.device("cpu")

@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ops.batching import make_padded_batch, select_rows
 from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.ppo.critic import Critic
+from rlhf_hpc.ppo.critic import Critic, CriticSpec
 from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
 from rlhf_hpc.models.hf import build_causal_lm, build_critic
 from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.distributed.fsdp import parallelize
 from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
 
@@ -57,9 +58,9 @@ def shard(model, world: int):
     return model
 
 
-def common(world: int, sp_size: int) -> dict:
-    return dict(dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU),
-                norm_const=R, sp=build_sequence_parallel(sp_size))
+def placement(world: int, sp_size: int) -> Placement:
+    return Placement(dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU),
+                     sp=build_sequence_parallel(sp_size))
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,8 @@ def run(sp_size: int, rank: int, world: int) -> dict:
                       kl_loss_coef=0.1, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")
     cfg.optim.lr, cfg.optim.weight_decay = 1e-3, 0.01
     model = shard(build_causal_lm("tiny://qwen2", torch.float32, seed=0, attn="varlen"), world)
-    actor = Actor(model, cfg, temperature=0.8, optimizer=build_optimizer(model, cfg.optim), **common(world, sp_size))
+    actor = Actor(model, cfg, ActorSpec(temperature=0.8, optimizer=build_optimizer(model, cfg.optim), norm_const=R,
+                                        placement=placement(world, sp_size)))
     lp, ent = actor.compute_log_prob(local, micro_batch_size=4, use_dynamic_bsz=True, max_token_len=P + R,
                                      with_entropy=True)
     out["log_probs"], out["entropy"] = gathered(lp), gathered(ent)
@@ -96,7 +98,8 @@ def run(sp_size: int, rank: int, world: int) -> dict:
     ccfg.optim.lr = 1e-3
     init = build_causal_lm("tiny://qwen2", torch.float32, seed=0, attn="varlen")
     cmodel = shard(build_critic("tiny://qwen2", torch.float32, seed=1, attn="varlen", init_from=init), world)
-    critic = Critic(cmodel, ccfg, optimizer=build_optimizer(cmodel, ccfg.optim), **common(world, sp_size))
+    critic = Critic(cmodel, ccfg, CriticSpec(optimizer=build_optimizer(cmodel, ccfg.optim), norm_const=R,
+                                             placement=placement(world, sp_size)))
     values = critic.compute_values(local, micro_batch_size=2)
     out["values"] = gathered(values)
     local["values"] = values

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.algos import (AdaptiveKLController, FixedKLController, agg_loss, apply_kl_to_rewards,
-                                entropy_from_logits, entropy_from_logits_chunked, gae_advantages,
-                                global_batch_counts, grpo_advantages, kl_penalty, logprobs_from_logits, masked_mean,
-                                masked_var, masked_whiten, policy_loss, reinforce_pp_advantages,
-                                reinforce_pp_baseline_advantages, rloo_advantages, value_loss)
+                                entropy_from_logits, entropy_from_logits_chunked, global_batch_counts, kl_penalty,
+                                logprobs_from_logits, masked_mean, masked_var, masked_whiten, value_loss)
+from rlhf_hpc.ops.estimators import (gae_advantages, grpo_advantages, reinforce_pp_advantages,
+                                     reinforce_pp_baseline_advantages, rloo_advantages)
+from rlhf_hpc.ops.policy_losses import ppo_clip_loss as policy_loss
 
 T = torch.tensor
 settings.register_profile("rlhf", max_examples=60, deadline=None)

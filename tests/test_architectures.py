@@ -27,7 +27,8 @@ import torch
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.models.hf import TINY_MODELS, build_causal_lm, build_critic
-from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config
 from tests.conftest import REPO, require
 from tests.dist_architecture_checks import ARCHS
 

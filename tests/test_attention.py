@@ -14,7 +14,8 @@ from rlhf_hpc.models import attention
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ops.batching import make_padded_batch, pack
 from rlhf_hpc.models.hf import attn_implementation, build_causal_lm, build_critic
-from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config
 
 URL = "tiny://qwen2?vocab_size=200&num_hidden_layers=2&num_attention_heads=4&num_key_value_heads=2"
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import run_launch
 

@@ -9,9 +9,10 @@ import pytest
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.recipe.build import build
 from rlhf_hpc.recipe.defaults import resolve
-from rlhf_hpc.recipe.load import (ConfigError, apply_overrides, flatten, load_config, load_recipe_tree, load_resolved,
-                                  parse_override, write_resolved)
-from rlhf_hpc.config.tree import to_dict
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import (apply_overrides, load_config, load_recipe_tree, load_resolved, parse_override,
+                                  write_resolved)
+from rlhf_hpc.config.tree import flatten, to_dict
 from rlhf_hpc.recipe.checks import validate
 
 

@@ -159,13 +159,13 @@ def test_dispatch_and_custom_function(tmp_path):
     fn.write_text("def score(data_source, response, ground_truth, extra_info):\n"
                   "    return float(len(response) == int(ground_truth))\n")
     cfg, _ = load_config("tiny_klppo", [f"custom_reward_function.path={fn}", "custom_reward_function.name=score"])
-    reward = RewardFunction(cfg)
+    reward = RewardFunction(cfg.custom_reward_function)
     assert reward("my/data", "abc", "3", {}) == 1.0
     with pytest.raises(RuntimeError, match=r"failed on prompt row 17 \(data_source 'my/data'\): ValueError"):
         reward("my/data", "abc", "three", {}, row=17)
     cfg.custom_reward_function.name = "nope"
     with pytest.raises(ValueError, match="has no function 'nope'"):
-        RewardFunction(cfg)
+        RewardFunction(cfg.custom_reward_function)
 
 
 # ------------------------------------------------------------------------------- real GSM8K

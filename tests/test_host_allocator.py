@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rlhf_hpc.distributed.host_allocator import VALUE, describe, malloc_tunables
+from rlhf_hpc.distributed.host_allocator import VALUE, describe_malloc_settings, malloc_tunables
 from rlhf_hpc.launch.local import worker_env
 from rlhf_hpc.recipe.load import load_config
 
@@ -47,8 +47,8 @@ def test_cpu_ranks_get_the_settings_unless_the_user_chose(monkeypatch):
     cfg.trainer.device = "cuda"  # GPU ranks keep the C library's defaults
     assert "GLIBC_TUNABLES" not in worker_env(cfg)
     # what a rank logs
-    assert describe({"GLIBC_TUNABLES": VALUE}).startswith("malloc keeps freed host memory")
-    assert describe({}) == "the C library's defaults (this rank was not started by the launcher)"
+    assert describe_malloc_settings({"GLIBC_TUNABLES": VALUE}).startswith("malloc keeps freed host memory")
+    assert describe_malloc_settings({}) == "the C library's defaults (this rank was not started by the launcher)"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc: Linux only")

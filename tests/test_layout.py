@@ -5,9 +5,9 @@ builds the chosen mesh and trains like one process on it: tests/test_engine_dist
 (``actor_4x1``) and the demo's log (tests/test_train_e2e.py)."""
 from __future__ import annotations
 
-from rlhf_hpc.planning.layout import GiB, choose_layouts, describe, resolved_fsdp_configs, training_state_bytes
+from rlhf_hpc.planning.layout import choose_layouts, describe, resolved_fsdp_configs, training_state_bytes
 from rlhf_hpc.planning.memory_plan import build_plan
-from rlhf_hpc.planning.sizing import model_shape
+from rlhf_hpc.planning.sizing import GiB, model_shape
 from rlhf_hpc.recipe.load import load_config
 
 
@@ -50,8 +50,8 @@ def test_a_7b_model_is_sharded_inside_the_node_and_explicit_keys_win():
 
 
 def test_the_choice_follows_the_memory_a_rank_has():
-    small_gpu = ["trainer.device=cuda", "trainer.gpu_memory_gb=1"]
-    big = load_config("tiny_klppo", ["trainer.device=cuda", "trainer.gpu_memory_gb=80"])[0]
+    small_gpu = ["trainer.device=cuda", "hardware.hbm_gb=1"]
+    big = load_config("tiny_klppo", ["trainer.device=cuda", "hardware.hbm_gb=80"])[0]
     assert choose_layouts(big)["actor"].fsdp_size == 1
     model = "actor_rollout_ref.model.path=tiny://qwen2?vocab_size=64&hidden_size=1024&num_hidden_layers=8"
     cfg = load_config("tiny_klppo", [*small_gpu, model])[0]
@@ -70,7 +70,7 @@ def test_activation_checkpointing_is_chosen_from_the_micro_batch_activations():
     update = next(p for p in build_plan(tiny).phases if p.name == "update_critic")
     assert "gradient checkpointing" not in update.note
     # a token budget whose activations would not fit a small GPU turns it on
-    big = load_config("tiny_klppo", ["trainer.device=cuda", "trainer.gpu_memory_gb=1", "critic.use_dynamic_bsz=true",
+    big = load_config("tiny_klppo", ["trainer.device=cuda", "hardware.hbm_gb=1", "critic.use_dynamic_bsz=true",
                                      "critic.ppo_max_token_len_per_gpu=65536"])[0]
     on, why = choose_checkpointing(big)["critic"]
     assert on and "exceed 10% of 1 GiB per rank: on" in why

@@ -243,9 +243,9 @@ def test_the_lora_recipe_fits_two_40gb_gpus_or_one_80gb_gpu_where_full_training_
     from rlhf_hpc.planning.memory_plan import check_plan
     one_gpu = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3"]
     for recipe, overrides, fits in (("qwen7b_lora_klppo", [], True),
-                                    ("qwen7b_lora_klppo", one_gpu + ["trainer.gpu_memory_gb=80"], True),
-                                    ("qwen7b_lora_klppo", one_gpu + ["trainer.gpu_memory_gb=40"], False),
-                                    ("qwen7b_klppo", ["trainer.n_gpus_per_node=2", "trainer.gpu_memory_gb=40",
+                                    ("qwen7b_lora_klppo", one_gpu + ["hardware.hbm_gb=80"], True),
+                                    ("qwen7b_lora_klppo", one_gpu + ["hardware.hbm_gb=40"], False),
+                                    ("qwen7b_klppo", ["trainer.n_gpus_per_node=2", "hardware.hbm_gb=40",
                                                       "actor_rollout_ref.rollout.tensor_model_parallel_size=1"], False)):
         cfg, _ = load_config(recipe, overrides + ["launcher.cluster=slurm", "launcher.mem_gb=480"], check_files=False)
         _, errors, _ = check_plan(cfg)
@@ -254,7 +254,7 @@ def test_the_lora_recipe_fits_two_40gb_gpus_or_one_80gb_gpu_where_full_training_
 
 @pytest.mark.parametrize("overrides,message", [
     (["actor_rollout_ref.model.lora_rank=-1"], "the rank must be >= 0"),
-    (["actor_rollout_ref.model.lora_rank=1024"], "vLLM serves adapters up to rank 512"),
+    (["actor_rollout_ref.model.lora_rank=1024"], "the vllm engine serves adapters up to rank 512"),
     (["actor_rollout_ref.model.lora_adapter_path=/no/such/adapter"], "no adapter_config.json there"),
     (["critic.model.lora_rank=8", "algorithm.adv_estimator=grpo"], "critic.model.lora_rank=8 has no effect"),
     (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.param_offload=true"],

@@ -94,8 +94,8 @@ def test_kv_cache_too_small_for_one_sequence_is_refused():
                             "sequence (max_model_len 1024)") for e in errors), errors
 
 
-def test_smaller_gpus_are_planned_with_trainer_gpu_memory_gb():
-    _, errors, _ = check_plan(load_config("qwen7b_klppo", ["trainer.gpu_memory_gb=40"], check_files=False)[0])
+def test_smaller_gpus_are_planned_with_hardware_hbm_gb():
+    _, errors, _ = check_plan(load_config("qwen7b_klppo", ["hardware.hbm_gb=40"], check_files=False)[0])
     assert any("but a GPU has 40 GiB" in e for e in errors)
 
 
@@ -118,7 +118,7 @@ def test_dry_run_prints_the_plan_and_refuses_an_impossible_one(tmp_path):
 
 def test_a_launch_is_refused_before_anything_starts(tmp_path):
     run = tmp_path / "run"
-    out = run_launch("recipe=tiny_klppo", "trainer.device=cuda", "trainer.gpu_memory_gb=0.001",
+    out = run_launch("recipe=tiny_klppo", "trainer.device=cuda", "hardware.hbm_gb=0.001",
                      f"trainer.default_local_dir={run}")
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "memory plan: phase gen needs" in out.stderr

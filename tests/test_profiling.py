@@ -25,7 +25,8 @@ from rlhf_hpc.observability.compare import compare, load_run, series
 from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.distributed.comm import GROUPS, collective
 from rlhf_hpc.observability.profiling import HINT_STEPS, CommHint, StepProfiler
-from rlhf_hpc.recipe.load import ConfigError, load_config, load_resolved
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config, load_resolved
 from rlhf_hpc.observability.tracking import (Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri,
                                              read_metrics)
 from tests.conftest import REPO, run_launch
@@ -94,10 +95,10 @@ def profiler_comm(trace: dict) -> tuple[int, float]:
 
 def test_chosen_step_is_traced_on_every_rank_with_the_loop_phases(run):
     run_dir, _, _ = run
-    profile = run_dir / "profile"
-    assert sorted(p.name for p in profile.iterdir()) == [f"step{TRACED_STEP}"]  # that step only
+    traces = run_dir / "profile"
+    assert sorted(p.name for p in traces.iterdir()) == [f"step{TRACED_STEP}"]  # that step only
     for rank in (0, 1):
-        trace = json.loads((profile / f"step{TRACED_STEP}" / f"rank{rank}.pt.trace.json").read_text())
+        trace = json.loads((traces / f"step{TRACED_STEP}" / f"rank{rank}.pt.trace.json").read_text())
         names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
         assert {"phase/update_weights", "phase/gen", "phase/old_log_prob", "phase/update_critic",
                 "phase/update_actor"} <= names

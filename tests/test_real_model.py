@@ -92,19 +92,20 @@ def test_vllm_stops_at_the_eos_and_the_eos_is_scored(smollm):
     valid response token (in the mask, under the score), as verl's response mask does, and the
     engine's log-prob of it matches the actor's."""
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
-    from rlhf_hpc.ppo.actor import Actor
+    from rlhf_hpc.ppo.actor import Actor, ActorSpec
     from rlhf_hpc.distributed.rows import RolloutRow
     from rlhf_hpc.models.hf import build_causal_lm
     from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     from rlhf_hpc.rollout.base import logprob_mismatch
     from rlhf_hpc.rollout.factory import make_engine
     from rlhf_hpc.models.tokenizer import load_tokenizer
-    from rlhf_hpc.ppo.trainer import make_step_batch, sampling_for, scores_on_last_token
+    from rlhf_hpc.ppo.step_batch import make_step_batch, sampling_for, scores_on_last_token
     cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={smollm}", "actor_rollout_ref.rollout.name=vllm",
                                         "data.max_prompt_length=96", "data.max_response_length=48",
                                         "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=4"])
     tok = load_tokenizer(smollm)
-    actor = Actor(build_causal_lm(smollm, torch.float32, attn="varlen"), cfg.actor_rollout_ref.actor, temperature=0.7)
+    actor = Actor(build_causal_lm(smollm, torch.float32, attn="varlen"), cfg.actor_rollout_ref.actor,
+                  ActorSpec(temperature=0.7))
     engine = make_engine(cfg, smollm, torch.device("cpu"))
     assert engine.tied_aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
     sync_weights_to_rollout(actor.model, engine, torch.float32, 64)

@@ -15,7 +15,8 @@ from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.config.schema import GuardConfig
 from rlhf_hpc.ppo.guard import StabilityGuard
 from rlhf_hpc.ppo.checkpoint import RESUME_KEYS, check_resume_compatible
-from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
 from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import run_launch, wandb_history

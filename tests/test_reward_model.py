@@ -16,7 +16,8 @@ import torch
 
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.config.schema import RewardModelConfig
-from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.models.hf import build_token_scorer
 from rlhf_hpc.rewards.reward_model import RewardModel
 from tests.conftest import REPO, SHARED, require

@@ -21,9 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf_hpc.config.schema import RolloutCorrectionConfig
-from rlhf_hpc.ops import algos
+from rlhf_hpc.ops import algos, estimators, policy_losses
 from rlhf_hpc.ops.rollout_correction import RS_OPTIONS, parse_rejection, rollout_correction
-from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import run_launch
 
@@ -310,14 +311,14 @@ def test_is_weights_multiply_the_clipped_loss_per_token():
     lp = (old + 0.2 * torch.randn(old.shape, generator=g)) * mask
     adv = torch.randn(old.shape, generator=g) * mask
     w = torch.rand(old.shape, generator=g) * 2
-    loss, _ = algos.policy_loss(old, lp, adv, mask, is_weights=w)
+    loss, _ = policy_losses.ppo_clip_loss(old, lp, adv, mask, is_weights=w)
     # verl: pg_losses = max(-A r, -A clip(r)), dual clip for A < 0, then * w, then the token mean
     ratio = torch.exp(torch.clamp(lp - old, -20, 20))
     clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
     pg = torch.where(adv < 0, torch.minimum(clipped, -adv * 3.0), clipped) * w
     assert loss.item() == pytest.approx(((pg * mask).sum() / mask.sum()).item(), rel=1e-6)
-    assert algos.policy_loss(old, lp, adv, mask, is_weights=torch.ones_like(w))[0].item() == \
-        pytest.approx(algos.policy_loss(old, lp, adv, mask)[0].item(), rel=1e-7)
+    assert policy_losses.ppo_clip_loss(old, lp, adv, mask, is_weights=torch.ones_like(w))[0].item() == \
+        pytest.approx(policy_losses.ppo_clip_loss(old, lp, adv, mask)[0].item(), rel=1e-7)
 
 
 def test_reinforce_loss_is_verls():
@@ -328,12 +329,12 @@ def test_reinforce_loss_is_verls():
     adv = torch.randn(old.shape, generator=g) * mask
     w = torch.rand(old.shape, generator=g)
     for mode in ("token-mean", "seq-mean-token-sum"):
-        loss, m = algos.reinforce_loss(rollout, lp, adv, mask, mode, is_weights=w)
+        loss, m = policy_losses.reinforce_loss(rollout, lp, adv, mask, mode, is_weights=w)
         ref = algos.agg_loss(-adv * lp * w, mask, mode)
         assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
         assert m["ppo_kl"].item() == pytest.approx(v_masked_mean(rollout - lp.detach(), mask).item(), rel=1e-6)
     # the gradient is -A w / N per token: the weights are constants
-    loss, _ = algos.reinforce_loss(rollout, lp, adv, mask, "token-mean", is_weights=w)
+    loss, _ = policy_losses.reinforce_loss(rollout, lp, adv, mask, "token-mean", is_weights=w)
     (grad,) = torch.autograd.grad(loss, lp)
     torch.testing.assert_close(grad, -adv * w * mask / mask.sum())
 
@@ -346,8 +347,8 @@ def test_group_scores_keep_rejected_rows_as_verl():
     trained = sampled.clone()
     trained[0] = 0  # row 0 rejected
     index = [0, 0, 0]
-    adv_all, _ = algos.grpo_advantages(rewards, sampled, index)
-    adv_rej, _ = algos.grpo_advantages(rewards, trained, index)
+    adv_all, _ = estimators.grpo_advantages(rewards, sampled, index)
+    adv_rej, _ = estimators.grpo_advantages(rewards, trained, index)
     assert (adv_rej[0] == 0).all()
     torch.testing.assert_close(adv_rej[1:], adv_all[1:])
 

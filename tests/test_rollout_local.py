@@ -69,8 +69,9 @@ def test_asking_for_vllm_without_it_names_the_key_and_the_alternative(monkeypatc
     cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    with pytest.raises(RuntimeError, match=r"actor_rollout_ref.rollout.name=vllm but vLLM is not installed here: "
-                                           r"install it \(env/setup.sh\) or set actor_rollout_ref.rollout.name=hf"):
+    with pytest.raises(RuntimeError, match=r"actor_rollout_ref.rollout.name=vllm but its package \(vllm\) is not "
+                                           r"installed here: bash env/setup.sh .*, or set "
+                                           r"actor_rollout_ref.rollout.name to one of hf"):
         make_engine(cfg, "tiny://qwen2", torch.device("cpu"))
     cfg.actor_rollout_ref.rollout.name = "auto"  # the demo recipe's choice: falls back to hf, and says so
     assert make_engine(cfg, "tiny://qwen2", torch.device("cpu")).name == "hf"
@@ -144,7 +145,7 @@ def test_generation_rng_is_per_dp_rank_and_leaves_the_training_rng_alone():
 
 
 def test_step_seed_depends_on_the_dp_rank_only():
-    from rlhf_hpc.ppo.trainer import step_seed
+    from rlhf_hpc.ppo.step_batch import step_seed
     assert step_seed(1, 2, 0) == step_seed(1, 2, 0) != step_seed(1, 2, 1)
     assert step_seed(1, 2, 0) != step_seed(1, 3, 0)
 

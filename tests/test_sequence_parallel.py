@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.recipe.load import ConfigError, load_config
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.distributed.sequence_parallel import heads_problem
 from tests.conftest import REPO, run_launch
 

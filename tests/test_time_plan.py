@@ -14,8 +14,8 @@ import pytest
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.planning.hardware import PRESETS, UNCALIBRATED_CPU, hardware_of, read_calibration
 from rlhf_hpc.planning.memory_plan import build_plan
-from rlhf_hpc.planning.sizing import model_shape
-from rlhf_hpc.planning.time_plan import TimeModel, Workload, build_time_plan, forward_flops
+from rlhf_hpc.planning.sizing import forward_flops, model_shape
+from rlhf_hpc.planning.time_plan import TimeModel, Workload, build_time_plan
 from rlhf_hpc.recipe.checks import validate
 from rlhf_hpc.recipe.load import load_config
 from tests.conftest import REPO, run_launch
@@ -43,9 +43,9 @@ def test_hardware_comes_from_the_preset_the_figures_or_the_gpu_the_run_sees():
     cfg, _ = load_config("qwen7b_klppo", ["hardware.preset=l40s", "hardware.hbm_gb_s=1000"], check_files=False)
     hw = hardware_of(cfg)
     assert hw.name == PRESETS["l40s"].name and hw.hbm_gb_s == 1000 and "hbm_gb_s=1000" in hw.source
-    # the preset's memory is the memory plan's GPU unless trainer.gpu_memory_gb says otherwise
+    # the preset's memory is the memory plan's GPU unless hardware.hbm_gb says otherwise
     assert build_plan(cfg).capacity == 48 * 2**30
-    cfg, _ = load_config("qwen7b_klppo", ["hardware.preset=l40s", "trainer.gpu_memory_gb=40"], check_files=False)
+    cfg, _ = load_config("qwen7b_klppo", ["hardware.preset=l40s", "hardware.hbm_gb=40"], check_files=False)
     assert build_plan(cfg).capacity == 40 * 2**30
 
 
@@ -173,14 +173,14 @@ def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path)
     assert any(line.startswith("# step ") and "tokens/s per GPU" in line for line in lines)
     table = run_launch("plan", "recipe=qwen7b_klppo", "plan.response_length=300",
                        "sweep.actor_rollout_ref.rollout.tensor_model_parallel_size=[1,2,4]",
-                       "sweep.trainer.gpu_memory_gb=[80,24]")
+                       "sweep.hardware.hbm_gb=[80,24]")
     assert table.returncode == 0, table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("| tensor_model")]
     fits = [r for r in rows if "does not fit" not in r]
     assert len(fits) == 3 and len(rows) == 6  # 24 GB GPUs cannot hold the 7B plan
     steps = [float(r.split("|")[2]) for r in fits]
     assert steps == sorted(steps)  # fastest first
-    assert all("gpu_memory_gb=24 | does not fit: memory plan: phase" in r for r in rows[3:])
+    assert all("hbm_gb=24 | does not fit: memory plan: phase" in r for r in rows[3:])
 
 
 def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):

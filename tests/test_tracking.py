@@ -65,11 +65,12 @@ def test_tracker_goes_offline_by_itself_and_logs_each_row_once(tmp_path, monkeyp
 def test_the_console_line_shows_validation_scores_and_no_step_time_for_a_validation_row(tmp_path):
     cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={tmp_path}"])
     tracker = Tracker(cfg, tmp_path, True, 60)
+    console = next(b for b in tracker.backends if b.name == "console")
     try:
-        step = tracker.progress_line({"critic/score/mean": 0.1, "timing_s/step": 0.3,
+        step = console.progress_line({"critic/score/mean": 0.1, "timing_s/step": 0.3,
                                       "val-core/synthetic/copy/reward/mean@1": 0.25}, 20)
         assert step == "step 20/60 | score 0.1 | val synthetic/copy 0.25 | 0.30s/step  ETA 0m12s"
         # val_before_train: a row of validation scores only
-        assert tracker.progress_line({"val-core/openai/gsm8k/reward/mean@1": 0.5}, 0) == "step 0/60 | val openai/gsm8k 0.5"
+        assert console.progress_line({"val-core/openai/gsm8k/reward/mean@1": 0.5}, 0) == "step 0/60 | val openai/gsm8k 0.5"
     finally:
         tracker.close()

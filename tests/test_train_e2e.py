@@ -3,6 +3,7 @@ every metric, checkpoints, and a stopped-and-resumed run continues exactly like 
 one (same sampler position, RNG-seeded rollouts, optimizer, KL controller, W&B run)."""
 from __future__ import annotations
 
+import ast
 import math
 import re
 from pathlib import Path
@@ -53,6 +54,25 @@ def test_every_metric_is_present_and_finite_every_step(demo_run):
         assert r["rollout/logprob_diff_max"] < 1e-4  # the weight sync is right at every step
         assert r["guard/rollbacks"] == 0  # the demo never trips its own stability guard
         assert r["training/prompts_trained"] == 16 and r["training/responses_trained"] == 32
+
+
+def metric_names_read_by(path: Path) -> set[str]:
+    """The metric names a module's code reads (string constants shaped like ``actor/pg_loss``)."""
+    tree = ast.parse(path.read_text())
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and re.fullmatch(r"[a-z_]+(/[a-z_0-9]+)+", n.value)}
+
+
+def test_every_metric_the_guard_and_the_console_read_is_logged(demo_run):
+    """The guard and the console line read metrics by name: a renamed metric would silently turn a
+    check off. Every name they read is in the demo's rows (but the KL loss: the demo's KL is in the
+    reward)."""
+    _, run, _, _ = demo_run
+    logged = set().union(*map(set, read_metrics(run)))
+    pkg = Path(__file__).resolve().parents[1] / "rlhf_hpc"
+    read = metric_names_read_by(pkg / "ppo/guard.py") | {
+        n for n in metric_names_read_by(pkg / "observability/tracking.py") if n.startswith(("actor/", "critic/"))}
+    assert len(read) >= 10 and read - logged == {"actor/kl_loss"}
 
 
 def test_the_demo_learns(demo_run):

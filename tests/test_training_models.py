@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rlhf_hpc.ppo.actor import Actor, per_token_logprobs
+from rlhf_hpc.ppo.actor import Actor, ActorSpec, per_token_logprobs
 from rlhf_hpc.ops.batching import (make_padded_batch, micro_batch_groups, pack, restore_order,
                                    token_budget_micro_batches)
 from rlhf_hpc.config.schema import ActorConfig, OptimConfig
@@ -89,7 +89,7 @@ def test_dynamic_micro_batches_give_the_same_update_as_fixed_ones():
         model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
         cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=dyn, ppo_max_token_len_per_gpu=24,
                           clip_ratio_low=0.2, clip_ratio_high=0.2)
-        actor = Actor(model, cfg, remove_padding=True, optimizer=build_optimizer(model, cfg.optim))
+        actor = Actor(model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim)))
         lp, _ = actor.compute_log_prob(b, 2, dyn, 24)
         batch = dict(b, old_log_probs=lp - 0.1 * b["response_mask"])
         metrics = actor.update_policy(batch, mini_batch_rows=8)

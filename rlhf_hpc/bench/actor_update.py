@@ -18,13 +18,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh
 from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.distributed.fsdp import parallelize
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 MODEL = ("tiny://qwen2?vocab_size=24000&hidden_size=256&intermediate_size=1024&num_hidden_layers=8"
          "&num_attention_heads=4&num_key_value_heads=2")
@@ -52,8 +55,9 @@ def run_variant(batch, packed: bool, dtype: str, reps: int) -> dict:
                 torch.device("cpu"))
     cfg = ActorConfig(ppo_micro_batch_size_per_gpu=4, use_dynamic_bsz=packed, ppo_max_token_len_per_gpu=1024,
                       clip_ratio_low=0.2, clip_ratio_high=0.2)
-    actor = Actor(model, cfg, remove_padding=packed, optimizer=build_optimizer(model, cfg.optim), dp_size=1,
-                  all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, torch.device("cpu")))
+    actor = Actor(model, cfg, ActorSpec(remove_padding=packed, optimizer=build_optimizer(model, cfg.optim),
+                                        placement=Placement(all_reduce=all_reduce_sum,
+                                                            sync_max=lambda k: all_reduce_max_int(k, torch.device("cpu")))))
     rows = batch["responses"].shape[0]
     lp, _ = actor.compute_log_prob(batch, 4, packed, 1024)
     batch = dict(batch, old_log_probs=lp)

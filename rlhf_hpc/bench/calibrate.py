@@ -41,6 +41,21 @@ from pathlib import Path
 
 import torch
 
+from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.distributed.process_group import build_train_mesh
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.planning.hardware import calibration_path
+from rlhf_hpc.planning.sizing import forward_flops, model_shape
+from rlhf_hpc.ppo.actor import per_token_logprobs
+from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.rollout.base import Sampling
+from rlhf_hpc.rollout.factory import make_engine
+from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 BENCH_MODEL = ("tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
                "&intermediate_size=1408&vocab_size=8000")
 DECODER = ("tiny://qwen2?vocab_size=64&hidden_size=576&intermediate_size=1536&num_hidden_layers=2"
@@ -66,9 +81,6 @@ def memory_gb_s() -> float:
 
 def replicated(model):
     """``model`` wrapped as the trainer wraps a small model (FSDP2, replicated over the ranks)."""
-    from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
-    from rlhf_hpc.distributed.fsdp import parallelize
-    from rlhf_hpc.distributed.process_group import build_train_mesh
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dtype = "bfloat16" if next(model.parameters()).dtype == torch.bfloat16 else "float32"
     parallelize(model, build_train_mesh(torch.device("cpu"), world, 1),
@@ -78,7 +90,6 @@ def replicated(model):
 
 
 def log_prob_pass(model, batch, grad: bool = False):
-    from rlhf_hpc.ppo.actor import per_token_logprobs
     if not grad:
         with torch.no_grad():
             return per_token_logprobs(model, batch, 1.0, True, True)
@@ -90,10 +101,6 @@ def decoder_rates() -> dict[str, float]:
     """What a decoder's forward reaches per dtype (model FLOPs / s, the project's log-prob pass over
     8 packed rows of 32 + 32 tokens through 2 layers of SmolLM2's shape, FSDP-wrapped as the
     trainer's), and its backward's time over its forward's."""
-    from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.ops.batching import make_padded_batch
-    from rlhf_hpc.planning.sizing import model_shape
-    from rlhf_hpc.planning.time_plan import forward_flops
     batch = make_padded_batch([list(range(1, 33))] * 8, [list(range(1, 33))] * 8, 0, 32, 32)
     flops = forward_flops(model_shape(DECODER), 512, 64, 256, 64)
     out = {}
@@ -110,8 +117,6 @@ def pass_overheads() -> tuple[float, float]:
     """(seconds per decoder layer, seconds per pass beside the layers) of the project's own
     log-prob pass (packed rows, the head on response tokens) through an FSDP-wrapped (replicated)
     near-FLOP-free model: 4 rows of 6 + 2 tokens, hidden 64, 1 vs 5 layers."""
-    from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.ops.batching import make_padded_batch
     batch = make_padded_batch([[1, 2, 3, 4, 5, 6]] * 4, [[7, 8]] * 4, 0, 6, 2)
     times = {}
     for layers in (1, 5):
@@ -171,13 +176,6 @@ def engine_figures() -> dict[str, float]:
     model). The 19.5M-parameter bench model: the bytes per second its weight sync takes in beyond
     that (fp32 engine), and the FLOP/s of its prefill and decode beyond the overheads (fp32 and bf16
     engines)."""
-    from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.planning.sizing import model_shape
-    from rlhf_hpc.planning.time_plan import forward_flops
-    from rlhf_hpc.recipe.load import load_config
-    from rlhf_hpc.rollout.base import Sampling
-    from rlhf_hpc.rollout.factory import make_engine
-    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out, syncs = {}, {}
     # (wrapped before any engine starts: closing one takes the process group down with it)
@@ -292,7 +290,6 @@ def worker(out: Path, skip_vllm: bool) -> None:
 
 
 def main(argv=None) -> int:
-    from rlhf_hpc.planning.hardware import calibration_path
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--out", default=None, help=f"default {calibration_path()}")

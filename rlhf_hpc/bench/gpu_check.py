@@ -61,6 +61,30 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.distributed.process_group import DistContext, build_train_mesh
+from rlhf_hpc.models.hf import attn_implementation, build_causal_lm, build_critic, model_config
+from rlhf_hpc.observability.perf import memory_metrics, model_flops, peak_flops, peak_memory_bytes, reset_peak_memory
+from rlhf_hpc.observability.tracking import read_metrics
+from rlhf_hpc.ops import policy_losses
+from rlhf_hpc.ops.batching import make_padded_batch, to_device
+from rlhf_hpc.planning.memory_plan import check_plan, update_bytes
+from rlhf_hpc.planning.sizing import model_shape
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.ppo.actor import Actor, ActorSpec, per_token_logprobs
+from rlhf_hpc.ppo.critic import Critic, CriticSpec
+from rlhf_hpc.ppo.optim import build_optimizer, clip_grad_norm, move_optimizer_state
+from rlhf_hpc.ppo.trainer import fit
+from rlhf_hpc.ppo.update import Placement
+from rlhf_hpc.preflight import run_preflight
+from rlhf_hpc.recipe.load import load_config, write_resolved
+from rlhf_hpc.rollout.base import Sampling
+from rlhf_hpc.rollout.factory import make_engine
+from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
+
+__all__ = ["host_adamw_s_per_param"]
+
 START = time.monotonic()
 
 
@@ -230,25 +254,21 @@ def free_memory(device: torch.device) -> None:
 
 
 def reset_peak(device: torch.device) -> None:
-    from rlhf_hpc.observability.perf import reset_peak_memory
     reset_peak_memory(device)
 
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak device memory allocated since ``reset_peak`` (on the CPU: peak resident memory)."""
-    from rlhf_hpc.observability.perf import peak_memory_bytes
     return peak_memory_bytes(device) / 2**30
 
 
 def used_memory_gib(device: torch.device) -> float:
-    from rlhf_hpc.observability.perf import memory_metrics
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**30
     return memory_metrics(device)["perf/cpu_memory_used_gb"]
 
 
 def host_memory_gib() -> float:
-    from rlhf_hpc.observability.perf import memory_metrics
     return memory_metrics(torch.device("cpu"))["perf/cpu_memory_used_gb"]
 
 
@@ -268,7 +288,6 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int) -> tuple[fl
 def rollout_batch(work: Workload, vocab: int, seed: int = 0) -> dict:
     """A step batch (host tensors) shaped like rollouts: prompt lengths uniform, responses 80%
     short and 20% long; advantages random; old log-probs filled in by the caller."""
-    from rlhf_hpc.ops.batching import make_padded_batch
     g = torch.Generator().manual_seed(seed)
 
     def lengths(lo_hi: tuple[int, int], n: int) -> torch.Tensor:
@@ -286,7 +305,6 @@ def rollout_batch(work: Workload, vocab: int, seed: int = 0) -> dict:
 
 
 def fixed_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> dict:
-    from rlhf_hpc.ops.batching import make_padded_batch
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(1, vocab, (rows, prompt_len), generator=g).tolist()
     resps = torch.randint(1, vocab, (rows, response_len), generator=g).tolist()
@@ -299,8 +317,6 @@ def fixed_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed:
 def batch_flops(shape: Shape, batch: dict, passes: float, lm_head: bool = True) -> float:
     """Model FLOPs of ``passes`` forwards over ``batch`` (3 for forward + backward); the LM head
     runs on response tokens only (none for a critic, whose value head is negligible)."""
-    from rlhf_hpc.models.hf import model_config
-    from rlhf_hpc.observability.perf import model_flops
     head = float(batch["response_mask"].sum()) if lm_head else 0.0
     return passes * model_flops(model_config(shape.path), batch["attention_mask"].sum(-1).tolist(), head)
 
@@ -314,18 +330,11 @@ class Models:
         self.device = device
 
     def fsdp(self, offload: bool = False):
-        from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
         return FSDPConfig(fsdp_size=-1, param_offload=offload, optimizer_offload=offload,
                           mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"))
 
     def actor(self, shape: Shape, work: Workload, grad_ckpt: bool = False, offload: bool = False,
               train: bool = True, packed: bool = True, attn: str = "sdpa", optimizer_offload: Optional[bool] = None):
-        from rlhf_hpc.ppo.actor import Actor
-        from rlhf_hpc.config.schema import ActorConfig
-        from rlhf_hpc.distributed.process_group import build_train_mesh
-        from rlhf_hpc.models.hf import build_causal_lm
-        from rlhf_hpc.ppo.optim import build_optimizer
-        from rlhf_hpc.distributed.fsdp import parallelize
         model = build_causal_lm(shape.path, torch.float32, self.device, seed=0, attn=attn)
         if not train:
             model.requires_grad_(False)
@@ -336,20 +345,17 @@ class Models:
                           shuffle=False, clip_ratio_low=0.2, clip_ratio_high=0.2)  # (resolve() fills these in runs)
         opt = build_optimizer(model, cfg.optim) if train else None
         opt_off = offload if optimizer_offload is None else optimizer_offload
-        return Actor(model, cfg, remove_padding=packed, optimizer=opt, dp_size=1,
-                     optimizer_offload=opt_off and self.device.type == "cuda", device=self.device)
+        return Actor(model, cfg, ActorSpec(remove_padding=packed, optimizer=opt,
+                                           optimizer_offload=opt_off and self.device.type == "cuda",
+                                           placement=Placement(device=self.device)))
 
     def critic(self, shape: Shape):
-        from rlhf_hpc.config.schema import CriticConfig
-        from rlhf_hpc.ppo.critic import Critic
-        from rlhf_hpc.distributed.process_group import build_train_mesh
-        from rlhf_hpc.models.hf import build_critic
-        from rlhf_hpc.distributed.fsdp import parallelize
         model = build_critic(shape.path, torch.float32, self.device, seed=1)
         model.requires_grad_(False)
         parallelize(model, build_train_mesh(self.device, 1, -1), self.fsdp(), self.device)
         return Critic(model, CriticConfig(use_dynamic_bsz=True, forward_max_token_len_per_gpu=32768, shuffle=False,
-                                     loss_agg_mode="token-mean"), remove_padding=True, dp_size=1, device=self.device)
+                                     loss_agg_mode="token-mean"),
+                      CriticSpec(remove_padding=True, placement=Placement(device=self.device)))
 
 
 # ------------------------------------------------------------------------------------ cases
@@ -357,8 +363,6 @@ def env_info(device: torch.device, work: Workload) -> dict:
 
     import transformers
 
-    from rlhf_hpc.models.hf import attn_implementation
-    from rlhf_hpc.observability.perf import peak_flops
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": str(device),
             "backend": dist.get_backend() if dist.is_initialized() else None,
@@ -472,12 +476,6 @@ def tiny_klppo_case(device: torch.device, bf16: bool = False, plan_shape: Option
     ``plan_shape``: that model instead, and each memory-plan phase against its measured peak
     (``memory_gb/<phase>`` of step 2; on a GPU max_memory_allocated against the plan less its
     runtime part, which that counter cannot see)."""
-    from rlhf_hpc.ppo import checkpoint as ckpt
-    from rlhf_hpc.distributed.process_group import DistContext
-    from rlhf_hpc.planning.memory_plan import check_plan
-    from rlhf_hpc.recipe.load import load_config, write_resolved
-    from rlhf_hpc.observability.tracking import read_metrics
-    from rlhf_hpc.ppo.trainer import fit
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_tiny_"))
     try:
         overrides = tiny_overrides(device, run_dir, bf16)
@@ -532,9 +530,6 @@ def preflight_case(device: torch.device) -> dict:
     """``launch.py preflight``'s checks (rlhf_hpc.preflight) in this process on this one device:
     the rank's engine start, weight sync, generation agreement, and one actor micro-batch's peak
     against the memory plan (on a GPU: max_memory_allocated against the plan less its runtime)."""
-    from rlhf_hpc.distributed.process_group import DistContext
-    from rlhf_hpc.preflight import run_preflight
-    from rlhf_hpc.recipe.load import load_config
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_preflight_"))
     try:
         cfg, _ = load_config("tiny_klppo", tiny_overrides(device, run_dir) + ["trainer.preflight=true"])
@@ -565,7 +560,6 @@ def attention_agreement(models: Models, shape: Shape, work: Workload, actor, bat
 
 def actor_update_case(models: Models, shape: Shape, work: Workload, device: torch.device, grad_ckpt: bool,
                       packed: bool = True, attn: str = "sdpa") -> dict:
-    from rlhf_hpc.observability.perf import peak_flops
     actor = models.actor(shape, work, grad_ckpt=grad_ckpt, packed=packed, attn=attn)
     batch = rollout_batch(work, shape.vocab_size)
     agreement = attention_agreement(models, shape, work, actor, batch) if attn != "sdpa" else {}
@@ -600,7 +594,6 @@ def forward_case(models: Models, shape: Shape, work: Workload, device: torch.dev
     out = out if critic else out[0]
     if not torch.isfinite(out).all():
         raise RuntimeError("non-finite forward outputs")
-    from rlhf_hpc.observability.perf import peak_flops
     flops = batch_flops(shape, batch, 1, lm_head=not critic)
     valid = int(batch["attention_mask"].sum())
     return {"time_s": secs, "tokens_per_s": valid / secs, "mfu": flops / secs / peak_flops(device),
@@ -611,7 +604,6 @@ def sync_into(engine, models: Models, shape: Shape, work: Workload, device: torc
               ) -> tuple[float, float]:
     """Stream a freshly built FSDP actor into ``engine``: (seconds, peak memory rise in GiB). The
     actor is gone when this returns, as in training the engine then has the memory to itself."""
-    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     actor = models.actor(shape, work, train=False)
     sync(device)
     base = used_memory_gib(device)
@@ -628,9 +620,6 @@ def sync_into(engine, models: Models, shape: Shape, work: Workload, device: torc
 
 def rollout_case(models: Models, shape: Shape, work: Workload, device: torch.device) -> dict:
     """Weight sync FSDP actor -> hf engine (bf16), then generation with the synced weights."""
-    from rlhf_hpc.recipe.load import load_config
-    from rlhf_hpc.rollout.base import Sampling
-    from rlhf_hpc.rollout.factory import make_engine
     cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=bfloat16",
                                         "trainer.n_gpus_per_node=1"])
     engine = make_engine(cfg, shape.path, device)
@@ -658,11 +647,6 @@ def rollout_case(models: Models, shape: Shape, work: Workload, device: torch.dev
 
 def offload_case(models: Models, shape: Shape, work: Workload, device: torch.device, offload: bool) -> dict:
     """One actor forward/backward micro-batch (activation checkpointing on, as the 7B recipe)."""
-    from rlhf_hpc.ops import algos
-    from rlhf_hpc.ppo.actor import per_token_logprobs
-    from rlhf_hpc.ops.batching import to_device
-    from rlhf_hpc.observability.perf import peak_flops
-    from rlhf_hpc.rollout.weight_sync import stream_full_params
     actor = models.actor(shape, work, grad_ckpt=True, offload=offload)
     batch = fixed_batch(work.offload_rows, work.offload_len, work.offload_len, shape.vocab_size)
     micro = to_device(batch, device)
@@ -671,7 +655,7 @@ def offload_case(models: Models, shape: Shape, work: Workload, device: torch.dev
 
     def fwd_bwd():
         lp, _ = per_token_logprobs(model, micro, remove_padding=True)
-        loss, _ = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"])
+        loss, _ = policy_losses.ppo_clip_loss(micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"])
         loss.backward()
         return loss.item()
 
@@ -711,12 +695,6 @@ def update_step_case(models: Models, shape: Shape, work: Workload, device: torch
     part; then the memory plan's estimate for this step against the measured peak (on a GPU:
     max_memory_allocated; the CPU smoke run's peak RSS includes the whole process). Per-parameter
     costs are scaled to ``full_params`` / 8 (a rank's shard of the real model on 8 GPUs)."""
-    from rlhf_hpc.ops import algos
-    from rlhf_hpc.ppo.actor import per_token_logprobs
-    from rlhf_hpc.ops.batching import to_device
-    from rlhf_hpc.planning.memory_plan import update_bytes
-    from rlhf_hpc.planning.sizing import model_shape
-    from rlhf_hpc.ppo.optim import clip_grad_norm, move_optimizer_state
     param_off, opt_off = UPDATE_MODES[mode]
     actor = models.actor(shape, work, grad_ckpt=True, offload=param_off, optimizer_offload=opt_off)
     model, opt = actor.model, actor.optimizer
@@ -735,7 +713,7 @@ def update_step_case(models: Models, shape: Shape, work: Workload, device: torch
             reset_peak(device)
             t0 = time.perf_counter()
             lp, _ = per_token_logprobs(model, micro, remove_padding=True)
-            loss, _ = algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"])
+            loss, _ = policy_losses.ppo_clip_loss(micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"])
             loss.backward()
             sync(device)
             times["fwd_bwd_s"] = time.perf_counter() - t0
@@ -809,7 +787,6 @@ def update_step_estimate_s(mode: str, params: int, k: float, host_rate: tuple[fl
 
 
 def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> list[Case]:
-    from rlhf_hpc.planning.sizing import model_shape
     small, medium, large = (SMOKE_S, SMOKE_M, SMOKE_L) if smoke else (QWEN25_0_5B, QWEN25_1_5B, QWEN25_7B)
     plan_shape = SMOKE_PLAN if smoke else PLAN_LAYERS
     k = 0.1 if smoke else 1.0  # the smoke estimates: seconds on a 2-core CPU

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -15,10 +15,12 @@ import os
 import subprocess
 import sys
 
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 
 def run(variant: str, tokens: int, vocab: int) -> dict:
+    # (imports torch: only the measuring child process needs it; the parent only starts children)
     import torch
-
     from rlhf_hpc.ops import algos
     from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
     cpu = torch.device("cpu")

@@ -18,6 +18,16 @@ import time
 import torch
 
 from rlhf_hpc.models.real_model import cache_dir
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.models.lora import apply_lora, is_adapter
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.ppo.actor import per_token_logprobs
+from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.rollout.base import Sampling
+from rlhf_hpc.rollout.factory import make_engine
+from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 FALLBACK = ("tiny://qwen2?vocab_size=50000&hidden_size=768&intermediate_size=2048&num_hidden_layers=12"
             "&num_attention_heads=12&num_key_value_heads=2&max_position_embeddings=2048")
@@ -30,9 +40,6 @@ def default_model() -> str:
 
 def engine_vs_actor(engine, actor, vocab: int) -> float:
     """Max |engine - actor| log-prob over sampled continuations of a few fixed prompts."""
-    from rlhf_hpc.ops.batching import make_padded_batch
-    from rlhf_hpc.ppo.actor import per_token_logprobs
-    from rlhf_hpc.rollout.base import Sampling
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, vocab, (12,), generator=g).tolist() for _ in range(4)]
     out = engine.generate(prompts, Sampling(n=1, temperature=1.0, max_tokens=16, ignore_eos=True, seed=1))
@@ -52,11 +59,6 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.models.lora import apply_lora, is_adapter
-    from rlhf_hpc.recipe.load import load_config
-    from rlhf_hpc.rollout.factory import make_engine
-    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
     cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={args.model}", "trainer.n_gpus_per_node=1",
                                         f"actor_rollout_ref.model.lora_rank={args.rank}",
                                         "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.rollout.name=vllm",

@@ -18,6 +18,8 @@ import torch
 
 from rlhf_hpc.bench.ppo_step import model_shape
 
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 
 def shapes() -> dict[str, tuple[int, int]]:
     """(out, in) of each kind of weight matrix of the ``ppo_step`` workload's model."""

@@ -21,6 +21,20 @@ import socket
 import subprocess
 import sys
 
+from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.planning.memory_plan import update_bytes
+from rlhf_hpc.planning.sizing import model_shape
+from rlhf_hpc.ppo.actor import Actor, ActorSpec
+from rlhf_hpc.ppo.optim import build_optimizer
+from rlhf_hpc.ppo.update import Placement
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 CASES = [  # (name, model, rows, prompt length, response length, gradient checkpointing)
     ("tiny", "tiny://qwen2", 8, 64, 192, False),
     ("small", "tiny://qwen2?vocab_size=8000&hidden_size=512&intermediate_size=1408&num_hidden_layers=4"
@@ -39,16 +53,6 @@ def measure(name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from rlhf_hpc.ppo.actor import Actor
-    from rlhf_hpc.ops.batching import make_padded_batch
-    from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
-    from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh
-    from rlhf_hpc.planning.memory_plan import update_bytes
-    from rlhf_hpc.planning.sizing import model_shape
-    from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.ppo.optim import build_optimizer
-    from rlhf_hpc.distributed.fsdp import parallelize
-    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
 
     _, path, rows, P, R, recompute = next(c for c in CASES if c[0] == name)
     dist.init_process_group("gloo")
@@ -66,8 +70,8 @@ def measure(name: str) -> dict:
     reset_peak_memory(cpu)  # VmHWM := VmRSS
     model = build_causal_lm(path, torch.float32, seed=0)
     parallelize(model, build_train_mesh(cpu, 1, -1), fsdp, cpu, gradient_checkpointing=recompute)
-    actor = Actor(model, cfg, optimizer=build_optimizer(model, cfg.optim), dp_size=1, all_reduce=all_reduce_sum,
-                  sync_max=lambda k: all_reduce_max_int(k, cpu))
+    actor = Actor(model, cfg, ActorSpec(optimizer=build_optimizer(model, cfg.optim), placement=Placement(
+        all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, cpu))))
     for _ in range(2):  # the second step runs with the optimizer state alive, as every later one
         actor.update_policy(batch, rows)
     measured = peak_memory_bytes(cpu) - base

@@ -28,6 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rlhf_hpc.config.schema import DataConfig
+from rlhf_hpc.data.dataset import load_examples
+from rlhf_hpc.models.hf import tiny_fields
+from rlhf_hpc.models.tokenizer import load_tokenizer
+
+__all__ = ["MODEL", "REPO", "WORKLOAD", "model_shape", "run"]
+
 MODEL = ("tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
          "&intermediate_size=1408&vocab_size=8000")
 
@@ -91,16 +98,12 @@ def phase_times(rows: list[dict], skip: int = 2) -> dict[str, float]:
 
 def model_shape() -> dict:
     """The workload model's Qwen2 config fields (``MODEL``'s query over the tiny defaults)."""
-    from rlhf_hpc.models.hf import tiny_fields
     return tiny_fields(MODEL)[1]
 
 
 def trl_workload(workdir: Path, steps: int, bf16: bool = False) -> None:
     """workload.json and the tokenizer for ``trl_ppo_step``: the same model shape, prompts (the
     project's own synthetic://copy prompts, chat-formatted: 26 tokens) and batch sizes."""
-    from rlhf_hpc.config.schema import DataConfig
-    from rlhf_hpc.data.dataset import load_examples
-    from rlhf_hpc.models.tokenizer import load_tokenizer
     tokenizer = load_tokenizer("tiny://chars")
     tokenizer.save_pretrained(workdir / "tokenizer")
     shape = model_shape()

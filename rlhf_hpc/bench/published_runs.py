@@ -18,6 +18,8 @@ import sys
 from rlhf_hpc.planning.time_plan import build_time_plan
 from rlhf_hpc.recipe.load import load_config
 
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 NEMO_RL = {"gen": (58, "generation ~58"), "update_weights": (4.5, "weight refit 4-5"),
            "log_probs": (18, "log-probs ~18"), "update_actor": (28, "training ~28"), "step": (117, "step 112-122")}
 REFERENCE_TOKENS_S = 11_200

@@ -16,6 +16,11 @@ import os
 import sys
 import time
 
+from rlhf_hpc.data.synthetic import addition_rows
+from rlhf_hpc.models.real_model import prepare
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.bench.sampling_seeds", description=__doc__.split("\n\n")[0])
@@ -32,8 +37,6 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rlhf_hpc.data.synthetic import addition_rows
-    from rlhf_hpc.models.real_model import prepare
     model = args.model or str(prepare())
     tok = AutoTokenizer.from_pretrained(model)
     rows = addition_rows(9, args.prompts, seed=0)

@@ -23,16 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.ppo.actor import per_token_logprobs
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 
 def worker(sp_size: int, checkpointing: bool, tokens: int, hidden: int, layers: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from rlhf_hpc.ppo.actor import per_token_logprobs
-    from rlhf_hpc.ops.batching import make_padded_batch
-    from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory
-    from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     sp = build_sequence_parallel(sp_size)

@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 # what each rank runs: only APIs that both the current and the earlier tree have
 WORKER = r"""
 import json, os, sys, torch

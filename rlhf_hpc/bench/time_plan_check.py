@@ -23,6 +23,8 @@ from pathlib import Path
 
 from rlhf_hpc.bench.ppo_step import REPO, WORKLOAD
 
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 NO_SAVES = ["trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[console]"]
 WORKLOADS = {
     "demo": ("tiny demo (0.3M, fp32)", ["recipe=tiny_klppo", *NO_SAVES], 1.0),

@@ -23,6 +23,18 @@ import time
 
 import torch
 
+from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.distributed.process_group import build_train_mesh
+from rlhf_hpc.models.hf import build_causal_lm
+from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
+from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.rollout.base import Sampling
+from rlhf_hpc.rollout.factory import make_engine
+from rlhf_hpc.rollout.weight_sync import stream_full_params
+
+__all__: list[str] = []  # a script: nothing here is imported elsewhere
+
 MODEL = ("tiny://qwen2?vocab_size=50000&hidden_size=768&intermediate_size=2048&num_hidden_layers=12"
          "&num_attention_heads=12&num_key_value_heads=2&max_position_embeddings=2048")
 
@@ -40,15 +52,6 @@ def worker(skip_generate: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
-    from rlhf_hpc.distributed.process_group import build_train_mesh
-    from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.distributed.fsdp import parallelize
-    from rlhf_hpc.recipe.load import load_config
-    from rlhf_hpc.observability.perf import peak_memory_bytes, reset_peak_memory, rss_bytes
-    from rlhf_hpc.rollout.weight_sync import stream_full_params
-    from rlhf_hpc.rollout.base import Sampling
-    from rlhf_hpc.rollout.factory import make_engine
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

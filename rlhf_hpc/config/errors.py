@@ -4,6 +4,8 @@ from __future__ import annotations
 import difflib
 from typing import Iterable
 
+__all__ = ["ConfigError", "did_you_mean"]
+
 
 class ConfigError(Exception):
     """A user error in a recipe or override; ``errors`` holds one message per problem."""

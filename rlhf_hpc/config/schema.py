@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
+__all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig",
+           "DataConfig", "FSDPConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig", "ModelConfig",
+           "OptimConfig", "RewardModelConfig", "RolloutCorrectionConfig"]
+
 # values of override_config.attn_implementation (verl's key); varlen: rlhf_hpc/models/attention.py
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
 
@@ -111,6 +115,12 @@ class ModelConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """verl's ``actor_rollout_ref.actor.policy_loss``."""
+    loss_mode: str = "vanilla"  # a name in rlhf_hpc.ops.policy_losses.POLICY_LOSSES
+
+
+@dataclass
 class ActorConfig:
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
     ppo_mini_batch_size: int = 256  # in prompts; x rollout.n responses
@@ -127,6 +137,7 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     loss_agg_mode: LossAggMode = "token-mean"
     entropy_coeff: float = 0.0
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: KLKind = "low_var_kl"
@@ -147,7 +158,8 @@ class ValKwargs:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm", "hf", "auto"] = "vllm"  # auto: vllm where installed, else hf
+    # a name in rlhf_hpc.config.engines.ENGINES, or auto: the first of AUTO_ORDER installed here (vllm, else hf)
+    name: str = "vllm"
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -207,7 +219,7 @@ class CriticModelConfig:
 
 @dataclass
 class CriticConfig:
-    enable: Optional[bool] = None  # null -> enabled exactly when algorithm.adv_estimator == gae
+    enable: Optional[bool] = None  # null -> enabled exactly when the estimator needs a critic (gae)
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
@@ -302,8 +314,7 @@ class RolloutCorrectionConfig:
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus",
-                           "reinforce_plus_plus_baseline"] = "gae"
+    adv_estimator: str = "gae"  # a name in rlhf_hpc.ops.estimators.ADV_ESTIMATORS
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: KLKind = "kl"
@@ -350,8 +361,7 @@ class TrainerConfig:
     total_training_steps: Optional[int] = None
     # a bare string is taken as a one-item list (as verl does); mlflow: MLFLOW_TRACKING_URI, else a
     # file store in <run dir>/mlruns (rlhf_hpc/observability/tracking.py)
-    logger: list[Literal["console", "wandb", "tensorboard", "mlflow"]] = field(
-        default_factory=lambda: ["console", "wandb"])
+    logger: list[str] = field(default_factory=lambda: ["console", "wandb"])  # names in observability.tracking.TRACKERS
     log_val_generations: int = 0  # not supported: only 0 is accepted
     save_freq: int = -1
     test_freq: int = -1
@@ -366,9 +376,9 @@ class TrainerConfig:
     seed: int = 42
     # process-group timeout; long enough for the slowest rank's checkpoint write
     dist_timeout_s: int = 1800
-    # peak dense bf16 TFLOP/s of one device for perf/mfu/actor; null: a table by GPU name
+    # deprecated: hardware.bf16_tflops (copied there by rlhf_hpc/recipe/defaults.py, with a warning)
     peak_tflops: Optional[float] = None
-    # memory of one GPU for the memory plan (rlhf_hpc/planning/memory_plan.py); null: 80 (H100/A100 80GB)
+    # deprecated: hardware.hbm_gb (copied there by rlhf_hpc/recipe/defaults.py, with a warning)
     gpu_memory_gb: Optional[float] = None
     # refuse to start with less free space than this where the run directory lives
     min_free_disk_gb: float = 1.0
@@ -429,13 +439,14 @@ class HardwareConfig:
     """What a node's hardware can do, for the time plan (rlhf_hpc/planning/hardware.py); a cluster
     profile may set it (``hardware: h100_sxm``). Figures are per GPU and one direction, except
     ``inter_node_gb_s`` (the whole node's network) and ``disk_gb_s`` (per node)."""
-    # h100_sxm, h100_pcie, h200, a100_80gb_sxm, a100_80gb_pcie, l40s, cpu (this machine's calibration);
-    # null: h100_sxm for GPU runs, cpu otherwise
+    # a name in rlhf_hpc.planning.hardware.PRESETS (h100_sxm, h100_pcie, h100_nvl, h200, a100_80gb_sxm,
+    # a100_80gb_pcie, l40s, l40, a40, rtx_a6000, v100, mi300x, mi250), or cpu (this machine's calibration);
+    # null: the GPU the run sees (h100_sxm at a dry run) for GPU runs, cpu otherwise
     preset: Optional[str] = None
     bf16_tflops: Optional[float] = None
     fp32_tflops: Optional[float] = None
     hbm_gb_s: Optional[float] = None
-    hbm_gb: Optional[float] = None  # also the memory plan's GPU size where trainer.gpu_memory_gb is null
+    hbm_gb: Optional[float] = None  # also the memory plan's GPU size (trainer.gpu_memory_gb: its deprecated name)
     intra_node_gb_s: Optional[float] = None
     inter_node_gb_s: Optional[float] = None
     host_link_gb_s: Optional[float] = None

@@ -8,6 +8,8 @@ from typing import Any
 
 import yaml
 
+__all__ = ["deep_merge", "dump_yaml", "flatten", "get_key", "parse_yaml", "to_dict"]
+
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2's floats: ``1e-6`` is a float (YAML 1.1 needs a dot: ``1.0e-6``) and

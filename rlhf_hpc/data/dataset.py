@@ -16,6 +16,9 @@ import torch
 from rlhf_hpc.config.schema import DataConfig
 from rlhf_hpc.data.synthetic import synthetic_rows
 
+__all__ = ["DataError", "Example", "StatefulSampler", "chat_token_ids", "check_data_files", "load_examples",
+           "read_rows"]
+
 
 class DataError(ValueError):
     """A bad data file or row; the message names the file, the row and the column."""

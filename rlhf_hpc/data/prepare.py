@@ -15,6 +15,8 @@ from pathlib import Path
 
 from rlhf_hpc.rewards.gsm8k import ground_truth_from_answer
 
+__all__ = ["gsm8k_rows", "main"]
+
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 

@@ -22,6 +22,8 @@ from urllib.parse import parse_qsl, urlparse
 
 from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE as DATA_SOURCE
 
+__all__ = ["addition_rows", "synthetic_rows"]
+
 
 def synthetic_rows(url: str, split_seed: int) -> list[dict]:
     """Rows for ``synthetic://copy[?...]`` or ``synthetic://add[?...]``; ``split_seed`` tells

@@ -33,6 +33,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+__all__ = ["CommMeter", "GROUPS", "collective", "metering", "time_fsdp_collectives"]
+
 # loop phases (rlhf_hpc.observability.perf.Timer names) -> the group their communication is reported under
 PHASE_GROUPS = {"update_weights": "weight_sync", "gen": "rollout", "old_log_prob": "train", "ref": "train",
                 "values": "train", "update_critic": "train", "update_actor": "train"}

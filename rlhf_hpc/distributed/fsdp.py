@@ -17,6 +17,10 @@ from rlhf_hpc.distributed.host_allreduce import SharedMemoryAllReduce
 from rlhf_hpc.models.hf import torch_dtype
 from rlhf_hpc.distributed.comm import collective, time_fsdp_collectives
 
+__all__ = ["ReplicaGradients", "compute_in_dtype", "decoder_layers", "describe_gradient_reduction",
+           "finish_gradient_sync", "gradient_reduction", "host_replicas", "parallelize", "set_gradient_sync",
+           "tied_embeddings"]
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks, found by the class names transformers lists as unsplittable."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
+__all__ = ["TUNABLES", "VALUE", "describe_malloc_settings", "malloc_tunables"]
+
 TUNABLES = {
     "glibc.malloc.mmap_threshold": 32 << 20,  # glibc's largest allowed value on 64-bit
     "glibc.malloc.trim_threshold": 1 << 30,
@@ -44,7 +46,7 @@ def malloc_tunables(env: Mapping[str, str]) -> tuple[Optional[str], str]:
     return VALUE, KEPT
 
 
-def describe(env: Mapping[str, str] = os.environ) -> str:
+def describe_malloc_settings(env: Mapping[str, str] = os.environ) -> str:
     """How this process (a rank) got its malloc settings, for the log."""
     if env.get("GLIBC_TUNABLES") == VALUE:
         return KEPT

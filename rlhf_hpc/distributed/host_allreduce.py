@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+__all__ = ["MIN_CAPACITY", "SHM_DIR", "SharedMemoryAllReduce"]
+
 SHM_DIR = Path("/dev/shm")
 DEFAULT_CAPACITY = 32 << 20  # bytes per rank and bucket: 3 buckets for the 19.5M-parameter fp32 actor of #19
 MIN_CAPACITY = 1 << 20

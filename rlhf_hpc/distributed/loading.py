@@ -1,7 +1,7 @@
 """Pretrained weights read once per job, not once per rank.
 
-Every rank used to build the whole model on the host from its checkpoint before sharding it: for
-the 7B flagship, 8 copies of ~30 GB (fp32) on one node at start-up. Here global rank 0 alone reads
+Building the whole model on every rank from its checkpoint before sharding it would hold one full
+copy per rank on the host at start-up (8 per node of the 7B flagship in fp32). Here global rank 0 alone reads
 the checkpoint (``from_pretrained``: transformers' own key mapping, tying and conversions); every
 other rank builds the same structure on the meta device (no memory). Then, as in the reference
 system (verl's ``fsdp2_load_full_state_dict``):
@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from rlhf_hpc.distributed.process_group import build_train_mesh
 from rlhf_hpc.distributed.fsdp import host_replicas, parallelize
+
+__all__ = ["build_once", "build_sharded", "materialize"]
 
 
 def build_sharded(build: Callable[[str], nn.Module], fsdp, ctx, gradient_checkpointing: bool,

@@ -13,6 +13,10 @@ import torch.distributed as dist
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.distributed.comm import collective
 
+__all__ = ["DistContext", "all_reduce_max", "all_reduce_max_int", "all_reduce_min", "all_reduce_sum",
+           "build_rollout_tp_group", "build_train_mesh", "exit_process", "init_distributed", "mesh_shape",
+           "on_exit_process", "process_group_backend"]
+
 
 @dataclass
 class DistContext:

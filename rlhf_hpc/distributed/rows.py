@@ -11,7 +11,7 @@ when balancing is off).
 
 Each row keeps ``prompt_pos``, the position of its prompt in the step: responses to one prompt
 form a group (GRPO/RLOO) even when they end up on different ranks, and group statistics are
-reduced over all ranks (``rlhf_hpc.ops.algos.group_stats``).
+reduced over all ranks (``rlhf_hpc.ops.estimators.group_stats``).
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ import torch.distributed as dist
 
 from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
 from rlhf_hpc.distributed.comm import collective
+
+__all__ = ["RolloutRow", "balance_ratio", "balanced_partitions", "contiguous_partitions", "coverage",
+           "prompt_share", "redistribute_rows"]
 
 
 @dataclass

@@ -41,6 +41,9 @@ from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import Batch, pack, unpack_per_token
 from rlhf_hpc.distributed.comm import collective
 
+__all__ = ["KEYS", "SequenceParallel", "UlyssesAttention", "build_sequence_parallel", "for_model", "gather_rows",
+           "heads_problem", "per_token_logprobs", "per_token_values"]
+
 # verl's keys, as the validation messages name them
 KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
         "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size")

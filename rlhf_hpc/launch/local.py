@@ -8,13 +8,16 @@ from pathlib import Path
 
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.distributed.host_allocator import malloc_tunables
+from rlhf_hpc.launch.stop import USER_ERROR, read_user_error
+
+__all__ = ["LAYOUT_SHOWN", "run_local", "standalone_torchrun_command", "worker_env"]
 
 
 # set for ranks whose console already shows the plan's layout lines: rank 0 does not repeat them
 LAYOUT_SHOWN = "RLHF_HPC_LAYOUT_SHOWN"
 
 
-def torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
+def standalone_torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
     """The exact command line local mode runs (also what ``--dry-run`` prints)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
             f"--nproc-per-node={cfg.trainer.n_gpus_per_node}", "--max-restarts=0",
@@ -50,7 +53,6 @@ def run_local(cfg: Config, config_path: str | Path) -> int:
     when the workers fail, a new torchrun (fresh rendezvous) resumes from the latest checkpoint.
     torchrun's own in-place restarts are not used here: on gloo its restarted group sometimes
     never connects (seen with torch 2.13 on this kind of machine)."""
-    from rlhf_hpc.launch.stop import USER_ERROR, read_user_error
     run_dir = Path(config_path).parent
     (run_dir / USER_ERROR).unlink(missing_ok=True)
     attempts = cfg.launcher.max_restarts + 1
@@ -58,7 +60,7 @@ def run_local(cfg: Config, config_path: str | Path) -> int:
         env = worker_env(cfg)
         env["RLHF_HPC_ATTEMPT"] = str(attempt)
         env[LAYOUT_SHOWN] = "1"  # this console has the layout lines already (cli printed the plan)
-        code = subprocess.run(torchrun_command(cfg, config_path), env=env).returncode
+        code = subprocess.run(standalone_torchrun_command(cfg, config_path), env=env).returncode
         user_error = read_user_error(run_dir)
         if user_error:
             print(user_error, file=sys.stderr, flush=True)

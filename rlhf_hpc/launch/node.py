@@ -24,6 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rlhf_hpc.launch.local import worker_env
+from rlhf_hpc.launch.stop import clear, read_stopped, read_user_error
+from rlhf_hpc.recipe.load import load_resolved
+
+__all__ = ["NodeRun", "node_info"]
+
 
 @dataclass
 class NodeInfo:
@@ -80,7 +86,7 @@ def rendezvous_port(job_id: str) -> int:
     return 29500 + int(digits) % 16000
 
 
-def torchrun_command(cfg, config_path: str | Path, info: NodeInfo) -> list[str]:
+def node_torchrun_command(cfg, config_path: str | Path, info: NodeInfo) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={info.nnodes}",
            f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={info.master}:{info.port}",
@@ -101,11 +107,10 @@ class NodeRun:
     also wait on it)."""
 
     def __init__(self, cfg, config_path: str | Path, info: NodeInfo):
-        from rlhf_hpc.launch.local import worker_env
         env = worker_env(cfg)
         if info.end_time is not None:
             env["RLHF_HPC_JOB_END_TIME"] = str(info.end_time)
-        self.cmd = torchrun_command(cfg, config_path, info)
+        self.cmd = node_torchrun_command(cfg, config_path, info)
         # one line per node in its own log: where it runs and where the ranks meet
         print(f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
               f"{cfg.trainer.n_gpus_per_node} ranks, rendezvous {info.master}:{info.port} "
@@ -123,8 +128,6 @@ class NodeRun:
 
 def main(argv: list[str]) -> int:
     """``python -m rlhf_hpc.launch.node RUN_DIR/config.yaml``: run this node's share (plain sbatch)."""
-    from rlhf_hpc.launch.stop import clear, read_stopped, read_user_error
-    from rlhf_hpc.recipe.load import load_resolved
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's warning is for the workers, not for us
     cfg = load_resolved(argv[0])
     info = node_info()

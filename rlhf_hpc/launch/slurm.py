@@ -24,6 +24,11 @@ import submitit
 
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.launch import stop
+from rlhf_hpc.launch.node import NodeRun, node_info
+from rlhf_hpc.recipe.load import load_resolved
+
+__all__ = ["cancel", "check_cluster", "have_slurm", "job_state", "log_files", "run_jobs", "sbatch_text", "submit"]
 
 JOBS_FILE = "slurm_jobs.json"
 
@@ -36,9 +41,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
         self._run = None
 
     def __call__(self) -> str:
-        from rlhf_hpc.launch import stop
-        from rlhf_hpc.launch.node import NodeRun, node_info
-        from rlhf_hpc.recipe.load import load_resolved
         cfg = load_resolved(self.config_path)
         run_dir = Path(self.config_path).parent
         info = node_info()
@@ -65,8 +67,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
         """Called by submitit's USR2 handler (node 0): stop the ranks, wait for the checkpoint,
         requeue unless ``launcher.max_requeues`` is used up."""
-        from rlhf_hpc.launch import stop
-        from rlhf_hpc.recipe.load import load_resolved
         cfg = load_resolved(self.config_path, check_files=False)
         run_dir = Path(self.config_path).parent
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0))
@@ -122,11 +122,11 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
     return ex
 
 
-def nsys_prefix(profile_dir: Path) -> str:
+def nsys_prefix(nsys_report_dir: Path) -> str:
     """``launcher.nsys``: Nsight Systems around each node's job process, so torchrun and every rank
     below it are in one report per node, ``<run dir>/profile/nsys_<job>_node<N>.nsys-rep`` (the
     trainer's phases are NVTX ranges in it). ``%q{VAR}`` is expanded by nsys on the node."""
-    out = f"{profile_dir}/nsys_%q{{SLURM_JOB_ID}}_node%q{{SLURM_NODEID}}"
+    out = f"{nsys_report_dir}/nsys_%q{{SLURM_JOB_ID}}_node%q{{SLURM_NODEID}}"
     return (f"nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true "
             f"--output={shlex.quote(out)} ")
 

@@ -15,6 +15,9 @@ from typing import Optional
 
 import torch
 
+__all__ = ["STOPPED", "StopCheck", "USER_ERROR", "clear", "install_signal_handler", "read_stopped",
+           "read_user_error", "record_user_error", "request_stop"]
+
 STOP_REQUEST = "STOP_REQUESTED"
 STOPPED = "STOPPED"
 # a user error (bad data, a config a checkpoint cannot resume) found by the workers: the launcher

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+__all__ = ["architecture_problems"]
+
 # transformers class -> what makes it different from a plain Llama block, for the record
 TESTED = {
     "Qwen2ForCausalLM": "q/k/v biases; Qwen2.5 0.5B-3B tie the head to the embedding, 7B does not",

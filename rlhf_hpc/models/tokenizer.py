@@ -11,6 +11,8 @@ from typing import Optional
 
 from rlhf_hpc.models.hf import local_path
 
+__all__ = ["build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path"]
+
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
 TINY_CHAT_TEMPLATE = (

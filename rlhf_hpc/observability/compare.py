@@ -27,6 +27,8 @@ from rlhf_hpc.config.tree import parse_yaml
 from rlhf_hpc.observability.tracking import (MLFLOW_DIR, MLFLOW_ID_FILE, RUN_SPECIFIC, mlflow_metric_name,
                                              mlflow_tracking_uri, read_metrics)
 
+__all__ = ["compare", "load_run", "main", "series"]
+
 DEFAULT_METRICS = ["critic/score/mean", "actor/reward_kl_penalty", "response_length/mean", "actor/pg_clipfrac",
                    "critic/vf_loss", "perf/throughput"]
 # a metric is "best" when high, unless it is one of these (lower is better)

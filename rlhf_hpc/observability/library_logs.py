@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+__all__ = ["library_log_path", "route_library_logs"]
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUIET = ("vllm", "torch")  # libraries whose warnings move to the file
 

@@ -7,26 +7,25 @@ from typing import Optional
 
 import torch
 
-# Dense bf16 peak FLOP/s per device (no sparsity), by a substring of the device name; the first
-# match wins, so variants come before their family: an H100 PCIe (756) is not an SXM (989) one.
-PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
-              "L40S": 362e12, "L40": 181e12, "A40": 150e12, "A6000": 155e12, "V100": 125e12,
-              "MI300X": 1307e12, "MI250": 362e12}
-UNKNOWN_GPU_FLOPS = 989e12  # an H100-class part; set trainer.peak_tflops to be exact
+from rlhf_hpc.planning.hardware import device_hardware
+from rlhf_hpc.planning.sizing import forward_flops, matmul_shape
+
+__all__ = ["CPU_NOMINAL_FLOPS", "Timer", "memory_metrics", "model_flops", "peak_flops", "peak_flops_of",
+           "peak_memory_bytes", "reset_peak_memory", "rss_bytes"]
+
 # CPU has no meaningful table entry; a nominal 1e11 FLOP/s per rank keeps the metric defined there
 CPU_NOMINAL_FLOPS = 1e11
 
 
 def peak_flops_of(device_name: str) -> float:
-    """The table's peak for a device name as torch.cuda.get_device_name reports it."""
-    for key, flops in PEAK_FLOPS.items():
-        if key in device_name:
-            return flops
-    return UNKNOWN_GPU_FLOPS
+    """Dense bf16 peak FLOP/s (no sparsity) of a device as torch.cuda.get_device_name reports it: its
+    entry in the hardware table (rlhf_hpc.planning.hardware), an H100-class part's where it has none
+    (set hardware.bf16_tflops to be exact)."""
+    return device_hardware(device_name).bf16_tflops * 1e12
 
 
 def peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> float:
-    """Peak FLOP/s of one device: ``override_tflops`` (trainer.peak_tflops) or the table."""
+    """Peak FLOP/s of one device: ``override_tflops`` (hardware.bf16_tflops) or the hardware table."""
     if override_tflops:
         return override_tflops * 1e12
     if device.type != "cuda":
@@ -35,24 +34,19 @@ def peak_flops(device: torch.device, override_tflops: Optional[float] = None) ->
 
 
 def model_flops(config, seq_lens, head_tokens: Optional[float] = None) -> float:
-    """Forward FLOPs of a decoder over sequences of ``seq_lens`` tokens (each attends only to itself,
-    as packed sequences do): 2 x the matmul parameters of the layers per token (q/o: h x q_dim, k/v:
-    h x kv_dim, MLP: 3 x h x i), causal attention 2 x layers x h x L^2 per sequence (QK^T and AV,
-    half of the L x L square), and the LM head 2 x h x V on ``head_tokens`` tokens (default: all;
-    training computes logits only where a response token is predicted).
+    """Forward FLOPs of a decoder (its transformers config) over sequences of ``seq_lens`` tokens,
+    each attending only to itself, as packed sequences do (rlhf_hpc.planning.sizing.forward_flops on
+    the config's matmul shape); the LM head on ``head_tokens`` tokens (default: all; training computes
+    logits only where a response token is predicted).
 
     Backward is twice the forward; activation recomputation is not counted (model FLOPs, not
     hardware FLOPs), so MFU with checkpointing on measures the cost of the recompute too.
     """
-    h, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    q_dim = (getattr(config, "head_dim", None) or h // heads) * heads
-    kv_dim = q_dim // heads * kv_heads
-    per_layer = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * inter
     lens = [float(n) for n in seq_lens]
     tokens = sum(lens)
     head = tokens if head_tokens is None else float(head_tokens)
-    return 2 * layers * per_layer * tokens + 2 * layers * q_dim * sum(n * n for n in lens) + 2 * h * vocab * head
+    shape = matmul_shape(config)
+    return forward_flops(shape, tokens, 0.0, head, shape.vocab, square_sum=sum(n * n for n in lens))
 
 
 class Timer:

@@ -25,6 +25,9 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from rlhf_hpc.distributed.comm import GROUPS, CommMeter, metering
+from rlhf_hpc.planning.layout import resolved_fsdp_configs
+
+__all__ = ["CommHint", "HINT_STEPS", "StepProfiler"]
 
 # the reference design's rule: communication above this share of the step, for this many steps in
 # a row, means the parallel layout should change
@@ -130,7 +133,6 @@ class CommHint:
                      f"raise actor_rollout_ref.rollout.update_weights_bucket_mb (now "
                      f"{arr.rollout.update_weights_bucket_mb}; fewer, larger all-gathers overlapping the engine's copy)")]
         if group == "train":
-            from rlhf_hpc.planning.layout import resolved_fsdp_configs
             fsdp, out = resolved_fsdp_configs(self.cfg)["actor"], []
             if fsdp.fsdp_size == 1:  # replicated: the only collective is one gradient all-reduce per mini-batch
                 out.append((f"{actor}.ppo_mini_batch_size",

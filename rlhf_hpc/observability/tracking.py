@@ -11,6 +11,7 @@ under W&B's names passed through ``mlflow_metric_name``. A resumed or requeued r
 same MLflow run (its id is in the checkpoint and in ``<run dir>/mlflow_run_id``)."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -21,8 +22,12 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.config.tree import flatten
-from rlhf_hpc.config.tree import to_dict
+from rlhf_hpc.config.trackers import TRACKERS, TrackerSpec
+from rlhf_hpc.config.tree import flatten, to_dict
+
+__all__ = ["ConsoleBackend", "MLFLOW_DIR", "MLFLOW_ID_FILE", "MLflowBackend", "RUN_SPECIFIC", "TensorBoardBackend",
+           "Tracker", "WandbBackend", "backend_class", "config_hash", "mlflow_metric_name", "mlflow_tracking_uri",
+           "read_metrics", "wandb_mode", "wandb_sync_command"]
 
 WANDB_ID_FILE = "wandb_run_id"
 GLOBAL_STEP, LOG_STEP = "training/global_step", "training/log_step"
@@ -66,14 +71,15 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class Tracker:
+    """Rank 0's metrics: every row into ``metrics.jsonl`` and to each backend ``trainer.logger``
+    names (``rlhf_hpc.config.trackers.TRACKERS``: the backend classes below); other ranks write nothing.
+    ``wandb_id`` / ``mlflow_id``: the runs a resumed run continues (kept in its checkpoints)."""
+
     def __init__(self, cfg, run_dir: str | Path, is_main: bool, total_steps: int,
                  wandb_id: Optional[str] = None, mlflow_id: Optional[str] = None):
         self.cfg, self.run_dir, self.is_main, self.total = cfg, Path(run_dir), is_main, total_steps
-        self.loggers = set(cfg.trainer.logger)
-        self._t_start, self._steps_timed = time.time(), 0
-        self.wandb_run = self.tb = self.mlflow = None
-        self.wandb_offline = False
-        self.wandb_id, self.mlflow_id = wandb_id, mlflow_id
+        self.backends: list = []
+        self._ids = {"wandb": wandb_id, "mlflow": mlflow_id}
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,77 +88,21 @@ class Tracker:
         # steps), resumes and requeues; W&B drops a row whose step is not larger than the last
         self.log_step = sum(1 for line in path.open() if line.strip()) if path.is_file() else 0
         self._jsonl = open(path, "a", buffering=1)
-        if "tensorboard" in self.loggers:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError("trainer.logger has tensorboard but the tensorboard package is not installed "
-                                   "(pip install tensorboard, or drop it from trainer.logger)") from None
-            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        if "wandb" in self.loggers:
-            self._init_wandb()
-        if "mlflow" in self.loggers:
-            self._init_mlflow()
+        for name in dict.fromkeys(cfg.trainer.logger):  # (in order, once each)
+            backend = backend_class(TRACKERS[name])(self, self._ids.get(name))
+            self.backends.append(backend)
+            self.log_step = max(self.log_step, backend.first_step)
 
-    def _init_wandb(self) -> None:
-        import wandb
-        id_file = self.run_dir / WANDB_ID_FILE
-        if self.wandb_id is None and id_file.is_file():
-            self.wandb_id = id_file.read_text().strip()
-        if self.wandb_id is None:
-            self.wandb_id = uuid.uuid4().hex[:12]
-        tr = self.cfg.trainer
-        mode, why = wandb_mode(os.environ)
-        if mode == "offline" and "WANDB_MODE" not in os.environ:
-            self.log_line(f"[rlhf-hpc] W&B offline: {why}; the run is kept in {self.run_dir / 'wandb'} "
-                          f"(upload it later: {wandb_sync_command(self.run_dir)})")
-        self.wandb_offline = mode == "offline"
-        self.wandb_run = wandb.init(
-            project=tr.project_name, name=tr.experiment_name, id=self.wandb_id, resume="allow",
-            group=tr.wandb_group or tr.recipe or tr.experiment_name, dir=str(self.run_dir),
-            config=flatten(to_dict(self.cfg)), tags=wandb_tags(self.cfg), mode=mode)
-        # charts are drawn against the training step; W&B's own step is the row counter
-        self.wandb_run.define_metric(GLOBAL_STEP)
-        self.wandb_run.define_metric("*", step_metric=GLOBAL_STEP)
-        self.log_step = max(self.log_step, int(getattr(self.wandb_run, "step", 0) or 0))
-        id_file.write_text(self.wandb_id)
+    @property
+    def wandb_id(self) -> Optional[str]:
+        return self._run_id("wandb")
 
-    def _init_mlflow(self) -> None:
-        try:
-            from mlflow import MlflowClient
-        except ImportError:
-            raise RuntimeError("trainer.logger has mlflow but the mlflow package is not installed "
-                               "(pip install mlflow-skinny, or drop it from trainer.logger)") from None
-        id_file = self.run_dir / MLFLOW_ID_FILE
-        if self.mlflow_id is None and id_file.is_file():
-            self.mlflow_id = id_file.read_text().strip()
-        uri = mlflow_tracking_uri(self.run_dir)
-        self.mlflow = MlflowClient(uri)
-        tr = self.cfg.trainer
-        if self.mlflow_id is not None:
-            # a resumed/requeued run continues the same MLflow run; its parameters stay those of the
-            # launch that created it (MLflow parameters cannot change), tags and config.yaml follow this one
-            from mlflow.exceptions import MlflowException
-            try:
-                self.mlflow.update_run(self.mlflow_id, status="RUNNING")
-            except MlflowException as e:
-                raise RuntimeError(f"MLflow run {self.mlflow_id} (this run's, from its checkpoint) is not in the "
-                                   f"tracking store {uri}: set MLFLOW_TRACKING_URI to the store the run started "
-                                   f"with ({str(e).splitlines()[0]})") from None
-            for key, value in mlflow_tags(self.cfg).items():
-                self.mlflow.set_tag(self.mlflow_id, key, value)
-        else:
-            exp = self.mlflow.get_experiment_by_name(tr.project_name)
-            exp_id = exp.experiment_id if exp is not None else self.mlflow.create_experiment(tr.project_name)
-            run = self.mlflow.create_run(exp_id, run_name=tr.experiment_name, tags=mlflow_tags(self.cfg))
-            self.mlflow_id = run.info.run_id
-            from mlflow.entities import Param
-            params = [Param(k, _param_value(v)) for k, v in flatten(to_dict(self.cfg)).items()]
-            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
-                self.mlflow.log_batch(self.mlflow_id, params=params[i:i + 100])
-        id_file.write_text(self.mlflow_id)
-        if (self.run_dir / "config.yaml").is_file():
-            self.mlflow.log_artifact(self.mlflow_id, str(self.run_dir / "config.yaml"))
+    @property
+    def mlflow_id(self) -> Optional[str]:
+        return self._run_id("mlflow")
+
+    def _run_id(self, name: str) -> Optional[str]:
+        return next((b.run_id for b in self.backends if b.name == name), self._ids.get(name))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """One row: ``training/global_step`` is ``step`` (it repeats after a rollback), and every
@@ -162,22 +112,35 @@ class Tracker:
         self.log_step += 1
         record = {GLOBAL_STEP: step, LOG_STEP: self.log_step, **{k: _num(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in {GLOBAL_STEP: step, **metrics}.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, self.log_step)
-        if self.wandb_run is not None:
-            # one row per call: W&B's step is the row counter, the charts' x-axis training/global_step
-            # (defined as every metric's step metric at init)
-            self.wandb_run.log({**metrics, GLOBAL_STEP: step}, step=self.log_step)
-        if self.mlflow is not None:
-            from mlflow.entities import Metric
-            now = int(time.time() * 1000)
-            self.mlflow.log_batch(self.mlflow_id, metrics=[
-                Metric(mlflow_metric_name(k), float(v), now, step) for k, v in metrics.items()
-                if isinstance(v, (int, float))])
-        if "console" in self.loggers:
-            print(self.progress_line(metrics, step), flush=True)
+        for backend in self.backends:
+            backend.log(metrics, step, self.log_step)
+
+    def log_line(self, text: str) -> None:
+        if self.is_main:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        self._jsonl.close()
+        for backend in self.backends:
+            backend.close()
+
+
+def backend_class(spec: TrackerSpec) -> type:
+    module, _, cls = spec.entry.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+class ConsoleBackend:
+    """One line per step: the headline metrics, validation scores, seconds per step and the ETA."""
+    name, run_id, first_step = "console", None, 0
+
+    def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
+        self.total = tracker.total
+
+    def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
+        print(self.progress_line(metrics, step), flush=True)
 
     def progress_line(self, m: dict, step: int) -> str:
         dt = m.get("timing_s/step", 0.0)
@@ -195,23 +158,120 @@ class Tracker:
             parts.append(f"{dt:.2f}s/step  ETA {_fmt_duration(eta)}")
         return " | ".join(parts)
 
-    def log_line(self, text: str) -> None:
-        if self.is_main:
-            print(text, flush=True)
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardBackend:
+    """Scalars in ``<run dir>/tensorboard``, against the row counter (``training/log_step``)."""
+    name, run_id, first_step = "tensorboard", None, 0
+
+    def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # (optional package: only when asked for)
+        except ImportError:
+            raise RuntimeError("trainer.logger has tensorboard but the tensorboard package is not installed "
+                               "(pip install tensorboard, or drop it from trainer.logger)") from None
+        self.tb = SummaryWriter(log_dir=str(tracker.run_dir / "tensorboard"))
+
+    def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
+        for k, v in {GLOBAL_STEP: step, **metrics}.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, log_step)
 
     def close(self) -> None:
-        if not self.is_main:
-            return
-        self._jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-            if self.wandb_offline:
-                print(f"[rlhf-hpc] W&B ran offline; upload the run with: {wandb_sync_command(self.run_dir)}",
-                      flush=True)
-        if self.mlflow is not None:
-            self.mlflow.set_terminated(self.mlflow_id, "FINISHED")
+        self.tb.close()
+
+
+class WandbBackend:
+    """A W&B run (offline where the service cannot be reached: ``wandb_mode``), resumed by id."""
+    name = "wandb"
+
+    def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
+        import wandb  # (optional package: only when asked for)
+        run_dir, cfg = tracker.run_dir, tracker.cfg
+        self.run_dir = run_dir
+        id_file = run_dir / WANDB_ID_FILE
+        if run_id is None and id_file.is_file():
+            run_id = id_file.read_text().strip()
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        tr = cfg.trainer
+        mode, why = wandb_mode(os.environ)
+        if mode == "offline" and "WANDB_MODE" not in os.environ:
+            tracker.log_line(f"[rlhf-hpc] W&B offline: {why}; the run is kept in {run_dir / 'wandb'} "
+                             f"(upload it later: {wandb_sync_command(run_dir)})")
+        self.offline = mode == "offline"
+        self.run = wandb.init(
+            project=tr.project_name, name=tr.experiment_name, id=self.run_id, resume="allow",
+            group=tr.wandb_group or tr.recipe or tr.experiment_name, dir=str(run_dir),
+            config=flatten(to_dict(cfg)), tags=wandb_tags(cfg), mode=mode)
+        # charts are drawn against the training step; W&B's own step is the row counter
+        self.run.define_metric(GLOBAL_STEP)
+        self.run.define_metric("*", step_metric=GLOBAL_STEP)
+        self.first_step = int(getattr(self.run, "step", 0) or 0)
+        id_file.write_text(self.run_id)
+
+    def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
+        # one row per call: W&B's step is the row counter, the charts' x-axis training/global_step
+        # (defined as every metric's step metric at init)
+        self.run.log({**metrics, GLOBAL_STEP: step}, step=log_step)
+
+    def close(self) -> None:
+        self.run.finish()
+        if self.offline:
+            print(f"[rlhf-hpc] W&B ran offline; upload the run with: {wandb_sync_command(self.run_dir)}", flush=True)
+
+
+class MLflowBackend:
+    """An MLflow run (module docstring), continued by id."""
+    name, first_step = "mlflow", 0
+
+    def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
+        try:
+            from mlflow import MlflowClient  # (optional package: only when asked for)
+            from mlflow.entities import Param
+            from mlflow.exceptions import MlflowException
+        except ImportError:
+            raise RuntimeError("trainer.logger has mlflow but the mlflow package is not installed "
+                               "(pip install mlflow-skinny, or drop it from trainer.logger)") from None
+        run_dir, cfg = tracker.run_dir, tracker.cfg
+        id_file = run_dir / MLFLOW_ID_FILE
+        if run_id is None and id_file.is_file():
+            run_id = id_file.read_text().strip()
+        uri = mlflow_tracking_uri(run_dir)
+        self.client = MlflowClient(uri)
+        tr = cfg.trainer
+        if run_id is not None:
+            # a resumed/requeued run continues the same MLflow run; its parameters stay those of the
+            # launch that created it (MLflow parameters cannot change), tags and config.yaml follow this one
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+            except MlflowException as e:
+                raise RuntimeError(f"MLflow run {run_id} (this run's, from its checkpoint) is not in the "
+                                   f"tracking store {uri}: set MLFLOW_TRACKING_URI to the store the run started "
+                                   f"with ({str(e).splitlines()[0]})") from None
+            for key, value in mlflow_tags(cfg).items():
+                self.client.set_tag(run_id, key, value)
+        else:
+            exp = self.client.get_experiment_by_name(tr.project_name)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(tr.project_name)
+            run_id = self.client.create_run(exp_id, run_name=tr.experiment_name, tags=mlflow_tags(cfg)).info.run_id
+            params = [Param(k, _param_value(v)) for k, v in flatten(to_dict(cfg)).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+                self.client.log_batch(run_id, params=params[i:i + 100])
+        self.run_id = run_id
+        id_file.write_text(run_id)
+        if (run_dir / "config.yaml").is_file():
+            self.client.log_artifact(run_id, str(run_dir / "config.yaml"))
+
+    def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
+        from mlflow.entities import Metric  # (optional package, imported by __init__ already)
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_metric_name(k), float(v), now, step)
+                                                    for k, v in metrics.items() if isinstance(v, (int, float))])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED")
 
 
 WANDB_REACH_TIMEOUT_S = 3.0

@@ -1,4 +1,6 @@
-"""The RL math: GAE, KL estimators and controllers, PPO losses, outcome-reward estimators.
+"""The RL math shared by estimators and losses: masked statistics, KL estimators and controllers,
+loss aggregation, the value loss, log-probs and entropies from logits. The advantage estimators
+are in ``estimators.py``, the policy losses in ``policy_losses.py`` (one registry each).
 
 Pure torch, no distributed code. Semantics follow the reference system (verl's ``core_algos.py``);
 each deviation is stated where it happens.
@@ -22,12 +24,18 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+__all__ = ["AdaptiveKLController", "AllReduce", "FixedKLController", "LOSS_AGG_MODES", "agg_loss",
+           "apply_kl_to_rewards", "entropy_from_logits", "entropy_from_logits_chunked", "global_batch_counts",
+           "kl_penalty", "logprobs_from_logits", "make_kl_controller", "masked_mean", "masked_var", "masked_whiten",
+           "sum_over_ranks", "token_logprobs_chunked", "value_loss"]
+
 # Sums a tensor over data-parallel ranks (e.g. an all_reduce wrapper). None = this process only.
 AllReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
 # ------------------------------------------------------------------------------ masked statistics
-def _reduce(t: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+def sum_over_ranks(t: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+    """``t`` summed over ranks with ``all_reduce``; ``t`` itself without one."""
     return all_reduce(t) if all_reduce is not None else t
 
 
@@ -41,7 +49,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None,
     valid. ``all_reduce`` (whole-tensor mean only) makes it the mean over all ranks' elements."""
     if dim is not None:
         return masked_sum(x, mask, dim) / mask.sum(dim).clamp_min(1)
-    stats = _reduce(torch.stack([masked_sum(x, mask), mask.sum().to(x.dtype)]), all_reduce)
+    stats = sum_over_ranks(torch.stack([masked_sum(x, mask), mask.sum().to(x.dtype)]), all_reduce)
     return stats[0] / stats[1].clamp_min(1)
 
 
@@ -49,7 +57,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
                all_reduce: AllReduce = None) -> torch.Tensor:
     """Variance of the valid elements of ``x`` (unbiased: divides by n - 1, as the reference)."""
     mean = masked_mean(x, mask, all_reduce=all_reduce)
-    stats = _reduce(torch.stack([masked_sum((x - mean) ** 2, mask), mask.sum().to(x.dtype)]), all_reduce)
+    stats = sum_over_ranks(torch.stack([masked_sum((x - mean) ** 2, mask), mask.sum().to(x.dtype)]), all_reduce)
     n = stats[1]
     if n == 0:
         raise ValueError("masked_var: the mask selects no element")
@@ -68,36 +76,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     var = masked_var(x, mask, all_reduce=all_reduce)
     out = (x - mean) * torch.rsqrt(var + eps)
     return out if shift_mean else out + mean
-
-
-# ----------------------------------------------------------------------------------------- GAE
-def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-                   gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation, backwards over the response.
-
-    Args: token_rewards, values, response_mask: (B, T).
-    Returns: (advantages, returns), both (B, T), zero where the mask is 0.
-
-    delta_t = r_t + gamma * V_next - V_t;  A_t = delta_t + gamma * lam * A_next, where V_next and
-    A_next only advance at valid positions, so a masked position (padding, or a tool-output span in
-    the middle of a response) neither contributes nor breaks the chain. returns = A + V.
-    Differs from verl: the advantages are NOT whitened here (verl whitens inside); the trainer
-    calls ``masked_whiten`` over the global batch, which a per-rank function cannot see.
-    """
-    mask = response_mask.to(values.dtype)
-    next_value = torch.zeros_like(values[:, 0])
-    next_adv = torch.zeros_like(values[:, 0])
-    advs = []
-    for t in reversed(range(values.shape[1])):
-        m = mask[:, t]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        adv_t = delta + gamma * lam * next_adv
-        next_value = values[:, t] * m + (1 - m) * next_value
-        next_adv = adv_t * m + (1 - m) * next_adv
-        advs.append(adv_t)
-    advantages = torch.stack(advs[::-1], dim=1)
-    returns = advantages + values
-    return advantages * mask, returns * mask
 
 
 # ---------------------------------------------------------------------------------------- KL
@@ -201,7 +179,7 @@ def apply_kl_to_rewards(token_scores: torch.Tensor, logprob: torch.Tensor, ref_l
     beta = controller.value
     token_rewards = token_scores - beta * kl
     per_seq = masked_mean(kl, mask, dim=-1)
-    stats = _reduce(torch.stack([per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_seq.dtype,
+    stats = sum_over_ranks(torch.stack([per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_seq.dtype,
                                                               device=per_seq.device)]), all_reduce)
     current_kl = (stats[0] / stats[1].clamp_min(1)).item()
     controller.update(current_kl=current_kl, n_steps=int(stats[1].item()))
@@ -220,7 +198,7 @@ def global_batch_counts(response_masks: torch.Tensor | list[torch.Tensor],
     counts = torch.tensor([float(sum(m.sum().item() for m in masks)),
                            float(sum(m.shape[0] for m in masks))], dtype=torch.float64,
                           device=masks[0].device)
-    counts = _reduce(counts, all_reduce)
+    counts = sum_over_ranks(counts, all_reduce)
     return float(counts[0].item()), float(counts[1].item())
 
 
@@ -253,57 +231,6 @@ def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str,
 
 
 # -------------------------------------------------------------------------------------- losses
-def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
-                response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                is_weights: Optional[torch.Tensor] = None, **agg_kwargs) -> tuple[torch.Tensor, dict]:
-    """PPO clipped surrogate with dual clip. All inputs (B, T).
-
-    ratio = exp(clamp(lp - old, -20, 20)); L = max(-A ratio, -A clip(ratio, 1 - low, 1 + high));
-    for A < 0 additionally min(L, -A clip_ratio_c) (dual clip: bounds the loss of a token whose
-    ratio exploded while its advantage is negative). ``is_weights`` (B, T), detached: the rollout
-    correction's importance weights, multiplying each token's loss after the clip.
-    ``agg_kwargs`` go to ``agg_loss``.
-    Returns (loss, metrics): ``pg_clipfrac`` (share of tokens where the clip was active),
-    ``pg_clipfrac_lower`` (share where the dual clip was active), ``ppo_kl`` (mean old - lp).
-    """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0 (got {clip_ratio_c}): it is the dual-clip bound "
-                         f"on the ratio of negative-advantage tokens")
-    mask = response_mask.to(logprob.dtype)
-    neg_approx_kl = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)
-    ratio = torch.exp(neg_approx_kl)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    clipped = torch.maximum(loss1, loss2)
-    loss3 = -advantages * clip_ratio_c
-    dual = torch.minimum(clipped, loss3)
-    pg_losses = torch.where(advantages < 0, dual, clipped)
-    if is_weights is not None:  # rollout correction (truncated IS), after the clip as verl
-        pg_losses = pg_losses * is_weights
-    loss = agg_loss(pg_losses, mask, loss_agg_mode, **agg_kwargs)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).to(mask.dtype), mask),
-            "pg_clipfrac_lower": masked_mean((torch.gt(clipped, loss3) & (advantages < 0)).to(mask.dtype), mask),
-            "ppo_kl": masked_mean(-neg_approx_kl, mask),
-        }
-    return loss, metrics
-
-
-def reinforce_loss(rollout_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
-                   response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-                   is_weights: Optional[torch.Tensor] = None, **agg_kwargs) -> tuple[torch.Tensor, dict]:
-    """verl's bypass-mode REINFORCE loss (``rollout_correction.loss_type: reinforce``): per token
-    -A * log pi * w, no ratio and no clip; ``w`` the detached IS weights, or 1. All inputs (B, T).
-    Returns (loss, metrics): ``ppo_kl`` (mean rollout - current log-prob, as verl reports it)."""
-    weighted = logprob if is_weights is None else logprob * is_weights
-    loss = agg_loss(-advantages * weighted, response_mask.to(logprob.dtype), loss_agg_mode, **agg_kwargs)
-    with torch.no_grad():
-        metrics = {"ppo_kl": masked_mean(rollout_logprob - logprob, response_mask.to(logprob.dtype))}
-    return loss, metrics
-
-
 def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
                response_mask: torch.Tensor, cliprange_value: float = 0.5,
                loss_agg_mode: str = "token-mean", **agg_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,95 +319,3 @@ def token_logprobs_chunked(logits: torch.Tensor, labels: torch.Tensor, temperatu
     lp = torch.cat(lps) if lps else empty
     ent = (torch.cat(ents) if ents else empty) if with_entropy else None
     return lp, ent
-
-
-# --------------------------------------------------------------- outcome-reward estimators
-def group_stats(scores: torch.Tensor, index, all_reduce: AllReduce = None, num_groups: Optional[int] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (group mean, unbiased group std, group size) over rows sharing an index; (B,) each.
-
-    ``index`` (B,): group id per row. Locally any ids work. With ``all_reduce`` the groups span
-    ranks (a prompt's responses may sit on different ranks): ids must then be ``0..num_groups-1``
-    with the same meaning on every rank (the prompt's position in the step), and the per-group
-    sums are all-reduced in float64. A group of one response has nothing to compare with: mean 0,
-    std 1 (as the reference does)."""
-    keys = index.tolist() if isinstance(index, torch.Tensor) else list(index)
-    if num_groups is None:
-        if all_reduce is not None:
-            raise ValueError("group_stats across ranks needs num_groups (ids 0..num_groups-1 on every rank)")
-        dense: dict = {}
-        keys = [dense.setdefault(k, len(dense)) for k in keys]
-        num_groups = len(dense)
-    ids = torch.tensor(keys, dtype=torch.long)
-    s = scores.double()
-    sums = torch.zeros(num_groups, 3, dtype=torch.float64)
-    sums.index_add_(0, ids, torch.stack([s, s * s, torch.ones_like(s)], dim=-1))
-    sums = _reduce(sums, all_reduce)
-    total, total_sq, count = sums[ids, 0], sums[ids, 1], sums[ids, 2]
-    many = count > 1
-    mean = torch.where(many, total / count, torch.zeros_like(total))
-    var = (total_sq - total * total / count) / (count - 1).clamp_min(1)
-    std = torch.where(many, var.clamp_min(0).sqrt(), torch.ones_like(var))
-    return mean.to(scores.dtype), std.to(scores.dtype), count.to(scores.dtype)
-
-
-def grpo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
-                    norm_by_std: bool = True, eps: float = 1e-6, all_reduce: AllReduce = None,
-                    num_groups: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO: (score - group mean) / (group std + eps), broadcast over the response.
-
-    Args: token_rewards, response_mask (B, T); index: group id per row (B,) (responses to the same
-    prompt share one). score = sum of the row's token rewards. ``norm_by_std=False`` is Dr. GRPO.
-    Groups spanning ranks: ``all_reduce`` and ``num_groups`` as in ``group_stats``. Returns (advantages, returns), both (B, T), equal, zero where masked.
-    """
-    mask = response_mask.to(token_rewards.dtype)
-    scores = token_rewards.sum(-1)  # as verl: a row rejected by rollout_rs still counts in its group
-    mean, std, _ = group_stats(scores, index, all_reduce, num_groups)
-    adv = scores - mean
-    if norm_by_std:
-        adv = adv / (std + eps)
-    out = adv.unsqueeze(-1) * mask
-    return out, out
-
-
-def rloo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
-                    all_reduce: AllReduce = None, num_groups: Optional[int] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RLOO: score minus the mean of the *other* responses of its group, n/(n-1) (score - mean).
-
-    Shapes as ``grpo_advantages``; a group of one keeps its score.
-    """
-    mask = response_mask.to(token_rewards.dtype)
-    scores = token_rewards.sum(-1)  # as verl: a row rejected by rollout_rs still counts in its group
-    mean, _, n = group_stats(scores, index, all_reduce, num_groups)
-    adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp_min(1), scores)
-    out = adv.unsqueeze(-1) * mask
-    return out, out
-
-
-def reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
-                            all_reduce: AllReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted return-to-go per token (reset at masked positions), whitened over
-    the batch (global with ``all_reduce``). Returns (advantages, returns), (B, T)."""
-    mask = response_mask.to(token_rewards.dtype)
-    running = torch.zeros_like(token_rewards[:, 0])
-    returns = torch.zeros_like(token_rewards)
-    for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
-    adv = masked_whiten(returns, mask, all_reduce=all_reduce) * mask
-    return adv, returns * mask
-
-
-def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
-                                     all_reduce: AllReduce = None, num_groups: Optional[int] = None
-                                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ with a baseline: (score - group mean) broadcast over the response, then
-    whitened over the batch. Shapes as ``grpo_advantages``."""
-    mask = response_mask.to(token_rewards.dtype)
-    scores = token_rewards.sum(-1)  # as verl: a row rejected by rollout_rs still counts in its group
-    mean, _, _ = group_stats(scores, index, all_reduce if num_groups is not None else None, num_groups)
-    centred = (scores - mean).unsqueeze(-1) * mask
-    adv = masked_whiten(centred, mask, all_reduce=all_reduce) * mask
-    return adv, adv

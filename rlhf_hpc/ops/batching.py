@@ -17,11 +17,16 @@ from typing import Optional
 
 import torch
 
+__all__ = ["Batch", "Packed", "dummy_rows", "fixed_micro_batches", "make_padded_batch", "micro_batch_groups", "pack",
+           "per_rank_mini_batch", "position_ids_from_mask", "restore_order", "select_rows", "to_device",
+           "token_budget_micro_batches", "unpack_per_token"]
+
 Batch = dict[str, torch.Tensor]
 
 
 def per_rank_mini_batch(mini_batch_prompts: int, n: int, world_size: int) -> int:
-    """Responses each rank holds in one PPO mini-batch."""
+    """Responses each rank holds in one PPO mini-batch (the runtime's; the plans read it through
+    ``rlhf_hpc.ops.step_shape``)."""
     return mini_batch_prompts * n // world_size
 
 

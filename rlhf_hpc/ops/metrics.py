@@ -5,6 +5,8 @@ from collections import defaultdict
 
 import torch
 
+__all__ = ["UpdateMetrics"]
+
 
 class UpdateMetrics:
     """Accumulates the metrics of one update (all epochs, mini- and micro-batches) on one rank.

@@ -28,6 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
+__all__ = ["RS_OPTIONS", "parse_rejection", "rollout_correction"]
+
 SAFETY_BOUND = 20.0
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
+from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
+
+__all__ = ["DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU", "calibration_path",
+           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "hardware_of", "hardware_problems", "preset_for_device",
+           "read_calibration", "register_hardware"]
 
 
 @dataclass(frozen=True)
@@ -75,24 +81,86 @@ class Hardware:
 
 
 _NVIDIA = "NVIDIA datasheets: "
-PRESETS: dict[str, Hardware] = {
-    # NVLink 4: 900 GB/s both directions per GPU; DGX H100: 8 x 400 Gb/s ConnectX-7 per node; PCIe Gen5 x16
-    "h100_sxm": Hardware("H100 SXM 80GB", 989, 67, 3350, 80, 450, 400, 64,
-                         source=_NVIDIA + "H100 Tensor Core GPU datasheet (SXM5), DGX H100 user guide"),
-    # no NVLink across the node (bridges join pairs only): PCIe Gen5; 2 x 200 Gb/s NICs is a common build
-    "h100_pcie": Hardware("H100 PCIe 80GB", 756, 51, 2000, 80, 64, 50, 64,
-                          source=_NVIDIA + "H100 Tensor Core GPU datasheet (PCIe); PCIe Gen5 x16 between GPUs"),
-    "h200": Hardware("H200 SXM 141GB", 989, 67, 4800, 141, 450, 400, 64,
-                     source=_NVIDIA + "H200 Tensor Core GPU datasheet (SXM), DGX H200 user guide"),
-    # NVLink 3: 600 GB/s both directions; DGX A100: 8 x 200 Gb/s HDR per node; PCIe Gen4 x16
-    "a100_80gb_sxm": Hardware("A100 SXM 80GB", 312, 19.5, 2039, 80, 300, 200, 32,
-                              source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 user guide"),
-    "a100_80gb_pcie": Hardware("A100 PCIe 80GB", 312, 19.5, 1935, 80, 32, 25, 32,
-                               source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB PCIe); PCIe Gen4 x16 between GPUs"),
-    # 362 dense (733 with sparsity), GDDR6 864 GB/s, no NVLink; 200 Gb/s per node is common
-    "l40s": Hardware("L40S 48GB", 362, 91.6, 864, 48, 32, 25, 32,
-                     source=_NVIDIA + "L40S GPU datasheet; PCIe Gen4 x16 between GPUs"),
-}
+_AMD = "AMD datasheets: "
+# The one table of GPU types: the time plan's and the memory plan's figures, and the MFU metric's
+# peak (rlhf_hpc.observability.perf). Each entry names the substrings of torch.cuda.get_device_name
+# it stands for; a new GPU type is one register_hardware call here (docs/extending.md).
+PRESETS: Registry[Hardware] = Registry("GPU type", "hardware.preset")  # and "cpu": this machine's calibration
+DEVICE_NAMES: dict[str, str] = {}  # a substring of the device name -> its preset
+DEFAULT_GPU = "h100_sxm"  # a GPU run whose GPU is not named (nor known by its device name)
+
+
+def register_hardware(name: str, hw: Hardware, device_names: tuple[str, ...] = ()) -> Hardware:
+    """Add the preset ``name`` (``hardware.preset=name``), matched at run time by any of
+    ``device_names`` in the GPU's name (the longest match wins: "H100 PCIe" over "H100")."""
+    if name in PRESETS or name == "cpu":
+        raise ValueError(f"hardware preset '{name}' is already registered")
+    taken = [d for d in device_names if d in DEVICE_NAMES]
+    if taken:
+        raise ValueError(f"device name(s) {', '.join(taken)} already stand for another preset")
+    PRESETS[name] = hw
+    DEVICE_NAMES.update({d: name for d in device_names})
+    return hw
+
+
+# NVLink 4: 900 GB/s both directions per GPU; DGX H100: 8 x 400 Gb/s ConnectX-7 per node; PCIe Gen5 x16
+register_hardware("h100_sxm", Hardware("H100 SXM 80GB", 989, 67, 3350, 80, 450, 400, 64,
+                                       source=_NVIDIA + "H100 Tensor Core GPU datasheet (SXM5), DGX H100 user guide"),
+                  ("H100",))
+# no NVLink across the node (bridges join pairs only): PCIe Gen5; 2 x 200 Gb/s NICs is a common build
+register_hardware("h100_pcie", Hardware("H100 PCIe 80GB", 756, 51, 2000, 80, 64, 50, 64,
+                                        source=_NVIDIA + "H100 Tensor Core GPU datasheet (PCIe); PCIe Gen5 x16 between GPUs"),
+                  ("H100 PCIe",))
+register_hardware("h200", Hardware("H200 SXM 141GB", 989, 67, 4800, 141, 450, 400, 64,
+                                   source=_NVIDIA + "H200 Tensor Core GPU datasheet (SXM), DGX H200 user guide"),
+                  ("H200",))
+# NVLink 3: 600 GB/s both directions; DGX A100: 8 x 200 Gb/s HDR per node; PCIe Gen4 x16
+# (an A100 40GB is planned as this one: set hardware.hbm_gb=40)
+register_hardware("a100_80gb_sxm", Hardware("A100 SXM 80GB", 312, 19.5, 2039, 80, 300, 200, 32,
+                                            source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 user guide"),
+                  ("A100",))
+register_hardware("a100_80gb_pcie", Hardware("A100 PCIe 80GB", 312, 19.5, 1935, 80, 32, 25, 32,
+                                             source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB PCIe); PCIe Gen4 x16 "
+                                                              "between GPUs"),
+                  ("A100 80GB PCIe",))
+# 362 dense (733 with sparsity), GDDR6 864 GB/s, no NVLink; 200 Gb/s per node is common
+register_hardware("l40s", Hardware("L40S 48GB", 362, 91.6, 864, 48, 32, 25, 32,
+                                   source=_NVIDIA + "L40S GPU datasheet; PCIe Gen4 x16 between GPUs"),
+                  ("L40S",))
+# 835 dense bf16, 60 fp32, HBM3 3.9 TB/s, 94 GB; NVLink bridges join pairs only (600 GB/s): PCIe Gen5
+# across the node; the network as the PCIe card's
+register_hardware("h100_nvl", Hardware("H100 NVL 94GB", 835, 60, 3900, 94, 64, 50, 64,
+                                       source=_NVIDIA + "H100 Tensor Core GPU datasheet (NVL); PCIe Gen5 x16 between GPUs"),
+                  ("H100 NVL",))
+# 181 dense bf16 (362 with sparsity), 90.5 fp32, GDDR6 864 GB/s, no NVLink; the network as the L40S's
+register_hardware("l40", Hardware("L40 48GB", 181, 90.5, 864, 48, 32, 25, 32,
+                                  source=_NVIDIA + "L40 GPU datasheet; PCIe Gen4 x16 between GPUs"),
+                  ("L40",))
+# 150 dense bf16 (299 with sparsity), 37.4 fp32, GDDR6 696 GB/s; NVLink bridges join pairs only
+register_hardware("a40", Hardware("A40 48GB", 150, 37.4, 696, 48, 32, 25, 32,
+                                  source=_NVIDIA + "A40 GPU datasheet; PCIe Gen4 x16 between GPUs"),
+                  ("A40",))
+# 155 dense bf16 (310 with sparsity), 38.7 fp32, GDDR6 768 GB/s; NVLink bridges join pairs only
+register_hardware("rtx_a6000", Hardware("RTX A6000 48GB", 155, 38.7, 768, 48, 32, 25, 32,
+                                        source=_NVIDIA + "RTX A6000 datasheet; PCIe Gen4 x16 between GPUs"),
+                  ("A6000",))
+# no bf16: 125 is the fp16 tensor-core figure (the peak a bf16 run is measured against), 15.7 fp32,
+# HBM2 900 GB/s, 32 GB (16 GB parts exist: hardware.hbm_gb=16); NVLink 2: 300 GB/s both directions;
+# DGX-1: 4 x 100 Gb/s EDR per node; PCIe Gen3 x16
+register_hardware("v100", Hardware("V100 SXM2 32GB", 125, 15.7, 900, 32, 150, 50, 16,
+                                   source=_NVIDIA + "V100 Tensor Core GPU datasheet (SXM2), DGX-1 user guide"),
+                  ("V100",))
+# 1307 dense bf16, 163.4 fp32 matrix, HBM3 5.3 TB/s, 192 GB; Infinity Fabric: 7 links of 64 GB/s one
+# direction to the node's other GPUs; 8 x 400 Gb/s per node (the reference platform's); PCIe Gen5 x16
+register_hardware("mi300x", Hardware("MI300X 192GB", 1307, 163.4, 5300, 192, 448, 400, 64,
+                                     source=_AMD + "AMD Instinct MI300X data sheet, MI300X platform data sheet"),
+                  ("MI300X",))
+# the package of two GCDs: 362 dense bf16, 90.5 fp32 matrix, HBM2e 3.2 TB/s, 128 GB (torch sees each GCD
+# as a device with half of these: set hardware.* per GCD to plan one); Infinity Fabric up to 800 GB/s both
+# directions; the network per node is not on the data sheet (4 x 200 Gb/s assumed); PCIe Gen4 x16
+register_hardware("mi250", Hardware("MI250 128GB", 362, 90.5, 3277, 128, 400, 100, 32,
+                                    source=_AMD + "AMD Instinct MI250 data sheet (network per node assumed)"),
+                  ("MI250",))
 
 # a CPU without a calibration file: the order of magnitude of one modern core (a decoder pass at
 # ~50 GFLOP/s in fp32, no native bf16), to be replaced by what `python -m rlhf_hpc.bench.calibrate` measures
@@ -135,12 +203,15 @@ def cpu_threads_per_rank(ranks_per_node: int) -> int:
 
 
 def preset_for_device(device_name: str) -> Optional[str]:
-    """The preset of a GPU as ``torch.cuda.get_device_name`` names it (None: not one of them)."""
-    for key, preset in (("H200", "h200"), ("H100 PCIe", "h100_pcie"), ("H100", "h100_sxm"),
-                        ("A100 80GB PCIe", "a100_80gb_pcie"), ("A100", "a100_80gb_sxm"), ("L40S", "l40s")):
-        if key in device_name:
-            return preset
-    return None
+    """The preset of a GPU as ``torch.cuda.get_device_name`` names it: the one whose longest device
+    name is in it (None: not one of them)."""
+    found = [d for d in DEVICE_NAMES if d in device_name]
+    return DEVICE_NAMES[max(found, key=len)] if found else None
+
+
+def device_hardware(device_name: str) -> Hardware:
+    """The preset of a GPU by its name (``preset_for_device``), else the default GPU's."""
+    return PRESETS[preset_for_device(device_name) or DEFAULT_GPU]
 
 
 def hardware_of(cfg, device_name: Optional[str] = None) -> Hardware:
@@ -149,7 +220,7 @@ def hardware_of(cfg, device_name: Optional[str] = None) -> Hardware:
     ``hardware.<figure>`` sets on top."""
     hw_cfg = cfg.hardware
     cuda = cfg.trainer.device == "cuda"
-    name = hw_cfg.preset or ((device_name and preset_for_device(device_name)) or "h100_sxm" if cuda else "cpu")
+    name = hw_cfg.preset or ((device_name and preset_for_device(device_name)) or DEFAULT_GPU if cuda else "cpu")
     if name == "cpu":
         hw = read_calibration(hw_cfg.calibration)
         threads = cpu_threads_per_rank(cfg.trainer.n_gpus_per_node)
@@ -164,11 +235,9 @@ def hardware_of(cfg, device_name: Optional[str] = None) -> Hardware:
 
 
 def gpu_memory_gb(cfg) -> tuple[float, str]:
-    """(GiB of one GPU for the memory plan, where the figure comes from): ``trainer.gpu_memory_gb``,
-    else the hardware's (``hardware.hbm_gb`` or a named preset), else 80 (H100 / A100 80GB)."""
-    from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
-    if cfg.trainer.gpu_memory_gb:
-        return cfg.trainer.gpu_memory_gb, "trainer.gpu_memory_gb"
+    """(GiB of one GPU for the memory plan, where the figure comes from): ``hardware.hbm_gb`` (where
+    the deprecated ``trainer.gpu_memory_gb`` is copied, rlhf_hpc.recipe.defaults), else a named
+    preset's, else 80 (H100 / A100 80GB)."""
     if cfg.hardware.hbm_gb:
         return cfg.hardware.hbm_gb, "hardware.hbm_gb"
     if cfg.hardware.preset in PRESETS:

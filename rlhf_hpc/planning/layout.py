@@ -8,7 +8,7 @@ the models' size, the world and the memory a rank has; a value set in the recipe
   ``REPLICATE_SHARE`` of a rank's memory): replicate on every rank (``fsdp_size=1``). Sharding
   buys no memory that is needed and costs an all-gather per layer in every forward and backward;
   replicated, a forward pass has no collective at all and an update one gradient all-reduce
-  (20M parameters on 2 CPU ranks: 8.9 s per step replicated vs 10.4 s sharded, issue #19). The
+  (BENCHMARKS.md, issue #19: "FSDP layout from the model size"). The
   unsharded parameters are kept between forward and backward (``reshard_after_forward=false``):
   nothing to gather again, and the memory is there.
 - Larger models: shard inside a node, replicate across nodes (HSDP, ``fsdp_size`` = ranks per
@@ -29,9 +29,14 @@ from typing import Optional
 
 from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.distributed.process_group import mesh_shape
 from rlhf_hpc.models.lora import lora_enabled
-from rlhf_hpc.planning.sizing import (DTYPE_BYTES, GiB, activation_bytes, adapter_params,
-                                      logits_bytes, micro_tokens, model_shape)
+from rlhf_hpc.ops.step_shape import step_shape
+from rlhf_hpc.planning.hardware import gpu_memory_gb
+from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB, activation_bytes, adapter_params, logits_bytes, model_shape
+
+__all__ = ["CHECKPOINT_SHARE", "Layout", "REPLICATE_SHARE", "SECTIONS", "choose_checkpointing", "choose_layouts",
+           "describe", "rank_memory_bytes", "resolved_fsdp_configs", "shard_count", "training_state_bytes"]
 
 # share of a rank's memory the models' whole training state may take before sharding is chosen
 REPLICATE_SHARE = 0.2
@@ -50,10 +55,14 @@ class Layout:
     reason: str  # why, in words (empty when the recipe set all three)
 
 
+def shard_count(world: int, fsdp: FSDPConfig) -> int:
+    """Ranks one model's parameters are sharded over (the shard dimension of its mesh)."""
+    return mesh_shape(world, fsdp.fsdp_size)[1]
+
+
 def rank_memory_bytes(cfg: Config) -> float:
-    """Memory of one rank: the GPU's (``trainer.gpu_memory_gb``), or the host's share per rank."""
+    """Memory of one rank: the GPU's (``hardware.hbm_gb``, or the preset's), or the host's share per rank."""
     if cfg.trainer.device == "cuda":
-        from rlhf_hpc.planning.hardware import gpu_memory_gb
         return gpu_memory_gb(cfg)[0] * GiB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(cfg.trainer.n_gpus_per_node, 1)
 
@@ -159,9 +168,10 @@ def choose_checkpointing(cfg: Config) -> dict[str, tuple[bool, str]]:
     kept (why = ""). Left at null: off when one micro-batch's activations without it (the memory
     plan's estimate, ``rlhf_hpc.planning.memory_plan``) stay within ``CHECKPOINT_SHARE`` of a rank's
     memory, since recomputing them costs a third more compute in every update; on otherwise."""
-    arr, critic, d = cfg.actor_rollout_ref, cfg.critic, cfg.data
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
     memory = rank_memory_bytes(cfg)
-    per_rank_rows = max(1, d.train_batch_size * arr.rollout.n // max(cfg.world_size, 1))
+    step = step_shape(cfg)
+    per_rank_rows = max(1, step.rows_per_rank)
     out = {}
     for name, model, section, path, override, trust, vocab in (
             ("actor", arr.model, arr.actor, arr.model.path, arr.model.override_config, arr.model.trust_remote_code,
@@ -176,8 +186,9 @@ def choose_checkpointing(cfg: Config) -> dict[str, tuple[bool, str]]:
         except (FileNotFoundError, OSError, ValueError) as e:
             out[name] = (True, f"the model's size is unknown here ({e}): on")
             continue
-        tokens, resp = micro_tokens(section.ppo_micro_batch_size_per_gpu, per_rank_rows, bool(section.use_dynamic_bsz),
-                                    section.ppo_max_token_len_per_gpu, d.max_prompt_length, d.max_response_length)
+        # (per rank without sequence parallelism, as first chosen; the memory plan divides by the group)
+        tokens, resp = step.phase(f"update_{name}").micro_tokens(per_rank_rows, step.prompt_len, step.response_len,
+                                                                 sequence_parallel=False)
         b = DTYPE_BYTES[section.fsdp_config.mixed_precision.param_dtype if name == "actor"
                        else critic.model.fsdp_config.mixed_precision.param_dtype]
         act = activation_bytes(shape, tokens, b, checkpointing=False, with_grad=True)

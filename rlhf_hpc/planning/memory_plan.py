@@ -23,19 +23,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rlhf_hpc.config.engines import planned_engine
 from rlhf_hpc.config.schema import Config, FSDPConfig
-from rlhf_hpc.planning.hardware import gpu_memory_gb
-from rlhf_hpc.planning.layout import choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs
 from rlhf_hpc.models.hf import is_tiny
 from rlhf_hpc.models.lora import lora_enabled
+from rlhf_hpc.ops.step_shape import PhaseShape, step_shape
+from rlhf_hpc.planning.hardware import gpu_memory_gb
+from rlhf_hpc.planning.host_memory import HostPlan, host_plan, host_runtime_bytes
+from rlhf_hpc.planning.layout import (choose_checkpointing, describe as describe_layouts, resolved_fsdp_configs,
+                                      shard_count)
 from rlhf_hpc.planning.sizing import (DEFAULT_GPU_MEMORY_GB, DTYPE_BYTES, GiB, ModelShape, activation_bytes,
-                                      adapter_params, logits_bytes, micro_tokens, model_shape)
+                                      adapter_params, logits_bytes, model_shape)
+
+__all__ = ["MEMORY_KEYS", "MemoryPlan", "Phase", "PlanBuilder", "build_plan", "check_plan", "oom_message",
+           "update_bytes", "update_keys"]
 
 RUNTIME_GB = 1.0  # CUDA context, NCCL buffers, allocator slack: held in every phase
-# host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
-# (measured: 0.5 GiB resident on the CPU build); a GPU rank adds its CUDA context and NCCL's and
-# vLLM's host-side buffers (an estimate, 3 GiB in all: not measured here)
-HOST_RUNTIME_GB = {"cpu": 0.5, "cuda": 3.0}
 CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
 # vLLM's CPU build beside its weights and KV space: scheduler, sampler and attention buffers, the warm-up's
 # freed heap (SmolLM2-135M fp32: engine start takes 2.03 GiB above the import, weights + KV space are 1.5)
@@ -52,41 +55,6 @@ class Phase:
     @property
     def total(self) -> float:
         return sum(self.parts.values())
-
-
-@dataclass
-class HostPlan:
-    """Host memory of one node: every rank's steady share (``per_rank``: its runtime, what is
-    offloaded to the host; on a CPU run its whole per-rank plan) and the start-up peak of reading
-    a pretrained checkpoint (rank 0 alone holds a full copy, rlhf_hpc.distributed.loading)."""
-    ranks: int
-    per_rank: dict[str, float]
-    loading: float  # one full copy of the largest pretrained model, in its model_dtype
-    capacity: Optional[float]  # bytes per node: launcher.mem_gb, or this machine's memory when local
-    capacity_source: str = ""
-    shrink: list[str] = field(default_factory=list)
-    enforced: bool = False  # the capacity is the job's limit (launcher.mem_gb): above it is an error
-
-    @property
-    def total(self) -> float:
-        return self.ranks * sum(self.per_rank.values()) + self.loading
-
-    def _detail(self) -> str:
-        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.per_rank.items() if v)
-        return (f"{self.ranks} ranks x {sum(self.per_rank.values()) / GiB:.2f} ({parts})"
-                + (f" + loading {self.loading / GiB:.2f} (rank 0 reads the checkpoint)" if self.loading else ""))
-
-    def render(self) -> str:
-        fits = self.capacity is None or self.total <= self.capacity
-        line = f"{'# OK  ' if fits else '# FAIL'} host/node     {self.total / GiB:6.1f} GiB  = {self._detail()}"
-        return line + (f" of {self.capacity / GiB:.0f} GiB ({self.capacity_source})" if self.capacity else
-                       " (no launcher.mem_gb to check against)")
-
-    def failure(self) -> Optional[str]:
-        if self.capacity is None or self.total <= self.capacity:
-            return None
-        return (f"memory plan: host memory per node needs {self.total / GiB:.1f} GiB but {self.capacity_source} "
-                f"gives {self.capacity / GiB:.0f} GiB ({self._detail()}); shrink it with {', '.join(self.shrink)}")
 
 
 @dataclass
@@ -176,18 +144,13 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _shards(world: int, fsdp: FSDPConfig) -> int:
-    from rlhf_hpc.distributed.process_group import mesh_shape
-    return mesh_shape(world, fsdp.fsdp_size)[1]
-
-
 def _train_state(params: int, fsdp: FSDPConfig, world: int, phase: str, trainable: Optional[int] = None
                  ) -> dict[str, float]:
     """Sharded parameters, gradients and Adam state on the GPU in ``phase`` (gen, forward, update).
     With param_offload (FSDP2 CPUOffloadPolicy) all three live on the host; optimizer_offload alone
     moves the Adam state to the host between updates (optim.optimizer_state_on). ``trainable``: the
     parameters with gradients and Adam state (a LoRA adapter's); default all."""
-    shards = _shards(world, fsdp)
+    shards = shard_count(world, fsdp)
     trainable = params if trainable is None else trainable
     master = DTYPE_BYTES[fsdp.model_dtype]
     host_params = fsdp.param_offload or fsdp.offload_policy
@@ -248,8 +211,8 @@ class PlanBuilder:
         else:  # informational: the host's memory shared by the ranks of a node
             self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
         self.runtime = RUNTIME_GB * GiB if self.on_gpu else host_runtime_bytes(tr.device)
-        self.P, self.R = cfg.data.max_prompt_length, cfg.data.max_response_length
-        self.per_rank_rows = cfg.data.train_batch_size * arr.rollout.n // self.world
+        self.step = step_shape(cfg)
+        self.P, self.R, self.per_rank_rows = self.step.prompt_len, self.step.response_len, self.step.rows_per_rank
         self.use_critic = bool(cfg.critic.enable)
         self.cs = critic_shape or self.s
         self.critic_params = self.cs.params - self.cs.head_params + self.cs.hidden + 1 if self.use_critic else 0
@@ -282,49 +245,35 @@ class PlanBuilder:
     def build(self) -> MemoryPlan:
         cfg, s = self.cfg, self.s
         arr, tr, critic, rm = cfg.actor_rollout_ref, cfg.trainer, cfg.critic, cfg.reward_model
-        actor, rollout, ref = arr.actor, arr.rollout, arr.ref
+        rollout = arr.rollout
         self.gen_phase()
-        self.forward_phase("old_log_prob", s, self.afs, rollout.log_prob_micro_batch_size_per_gpu,
-                           rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu, s.vocab,
+        self.forward_phase("old_log_prob", s, self.afs, s.vocab,
                            ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"], "actor",
-                           actor.ulysses_sequence_parallel_size)
+                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"])
         if self.use_ref:
-            self.forward_phase("ref", s, self.rfs, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
-                               ref.log_prob_max_token_len_per_gpu, s.vocab,
+            self.forward_phase("ref", s, self.rfs, s.vocab,
                                ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"], "ref",
-                               ref.ulysses_sequence_parallel_size or 1)
+                                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"])
         if self.use_critic:
-            self.forward_phase("values", self.cs, self.cfs, critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                               critic.forward_max_token_len_per_gpu, 0,
-                               ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"], "critic",
-                               critic.ulysses_sequence_parallel_size)
+            self.forward_phase("values", self.cs, self.cfs, 0,
+                               ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"])
         if self.rms:
-            self.forward_phase("reward_model", self.rms, self.mfs, rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
-                               rm.forward_max_token_len_per_gpu, 0,
+            self.forward_phase("reward_model", self.rms, self.mfs, 0,
                                ["reward_model.micro_batch_size_per_gpu", "reward_model.forward_max_token_len_per_gpu",
-                                *self.offload_keys("reward_model.model", self.mfs, optimizer=False)], "reward_model")
-        prefix = "actor_rollout_ref.actor"
-        self.update_phase("update_actor", s, s.params, self.afs, actor.ppo_micro_batch_size_per_gpu,
-                          actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, self.recompute["actor"], s.vocab,
-                          self.update_keys(prefix, actor, "actor_rollout_ref.model.enable_gradient_checkpointing",
-                                           self.recompute["actor"], self.afs), "actor", actor.ulysses_sequence_parallel_size,
+                                *offload_keys("reward_model.model", self.mfs, optimizer=False)])
+        self.update_phase("update_actor", s, s.params, self.afs, self.recompute["actor"], s.vocab, "actor",
                           self.actor_trainable)
         if self.use_critic:
-            self.update_phase("update_critic", self.cs, self.critic_params, self.cfs, critic.ppo_micro_batch_size_per_gpu,
-                              critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu, self.recompute["critic"],
-                              0, self.update_keys("critic", critic, "critic.model.enable_gradient_checkpointing",
-                                                  self.recompute["critic"], self.cfs), "critic",
-                              critic.ulysses_sequence_parallel_size, self.critic_trainable)
+            self.update_phase("update_critic", self.cs, self.critic_params, self.cfs, self.recompute["critic"], 0,
+                              "critic", self.critic_trainable)
         notes = self.notes
         if self.on_gpu and not self.capacity_source:
-            notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set trainer.gpu_memory_gb or "
+            notes.append(f"GPU memory assumed {DEFAULT_GPU_MEMORY_GB:.0f} GiB: set hardware.hbm_gb or "
                          f"hardware.preset for other GPUs")
         afs = self.afs
         if afs.param_offload or afs.optimizer_offload:
             trained = s.params if self.actor_trainable is None else self.actor_trainable
-            host = (4 * s.params + 12 * trained if afs.param_offload else 8 * trained) / _shards(self.world, afs)
+            host = (4 * s.params + 12 * trained if afs.param_offload else 8 * trained) / shard_count(self.world, afs)
             notes.append(f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
                          + (" (optimizer.step runs on the CPU)" if afs.param_offload else ""))
         max_len = rollout.max_model_len or (self.P + self.R)
@@ -332,7 +281,7 @@ class PlanBuilder:
                           capacity_source=self.capacity_source)
         pretrained = [shp for shp, path in ((s, arr.model.path), (self.cs if self.use_critic else None, critic.model.path),
                                             (self.rms, rm.model.path)) if shp is not None and not is_tiny(path)]
-        plan.host = host_plan(cfg, plan, max((x.params for x in pretrained), default=0), self.critic_params,
+        plan.host = host_plan(cfg, s.params, plan.peak, max((x.params for x in pretrained), default=0), self.critic_params,
                               self.rm_params,
                               {"actor": afs, "ref": self.rfs if self.use_ref and not self.ref_in_actor else None,
                                "critic": self.cfs if self.use_critic else None,
@@ -347,32 +296,15 @@ class PlanBuilder:
             out["actor state"] = sum(_train_state(s.params, self.afs, world, phase, self.actor_trainable).values())
         if self.use_ref and not self.ref_in_actor and skip != "ref":
             rfs = self.rfs
-            out["ref params"] = 0.0 if rfs.param_offload or rfs.offload_policy else s.params * DTYPE_BYTES[rfs.model_dtype] / _shards(world, rfs)
+            out["ref params"] = 0.0 if rfs.param_offload or rfs.offload_policy else s.params * DTYPE_BYTES[rfs.model_dtype] / shard_count(world, rfs)
         if self.use_critic and skip != "critic":
             out["critic state"] = sum(_train_state(self.critic_params, self.cfs, world, phase,
                                                    self.critic_trainable).values())
         if self.rms and skip != "reward_model":
             mfs = self.mfs
             out["reward model params"] = (0.0 if mfs.param_offload or mfs.offload_policy
-                                          else self.rm_params * DTYPE_BYTES[mfs.model_dtype] / _shards(world, mfs))
+                                          else self.rm_params * DTYPE_BYTES[mfs.model_dtype] / shard_count(world, mfs))
         return out
-
-    @staticmethod
-    def offload_keys(prefix: str, fsdp: FSDPConfig, optimizer: bool = True) -> list[str]:
-        """The offload switches of one model that are still off."""
-        keys = [] if fsdp.param_offload else [f"{prefix}.fsdp_config.param_offload"]
-        if optimizer and not (fsdp.param_offload or fsdp.optimizer_offload):
-            keys.append(f"{prefix}.fsdp_config.optimizer_offload")
-        return keys
-
-    def update_keys(self, prefix: str, section, recompute_key: str, recompute: bool, fsdp: FSDPConfig) -> list[str]:
-        keys = [f"{prefix}.ppo_max_token_len_per_gpu" if section.use_dynamic_bsz
-                else f"{prefix}.ppo_micro_batch_size_per_gpu (or {prefix}.use_dynamic_bsz with a token budget)"]
-        keys += [] if recompute else [recompute_key]
-        keys += self.offload_keys(prefix if prefix != "critic" else "critic.model", fsdp)
-        if _shards(self.world, fsdp) < self.world:
-            keys.append(f"{prefix if prefix != 'critic' else 'critic.model'}.fsdp_config.fsdp_size")
-        return keys
 
     def gen_phase(self) -> None:
         """Generation: vLLM takes its share of the GPU, training keeps its resident shards beside it;
@@ -383,11 +315,12 @@ class PlanBuilder:
         max_len = rollout.max_model_len or (self.P + self.R)
         vllm_share = rollout.gpu_memory_utilization * self.capacity
         vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
-        if rollout.name != "hf" and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
+        paged = planned_engine(rollout.name).paged  # (rlhf_hpc.config.engines: a server-style engine)
+        if paged and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
             vllm_share = (s.params * rb / tp + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
                           + VLLM_CPU_RUNTIME_GB * GiB)
             vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE + its runtime)": vllm_share}
-        elif rollout.name != "hf":
+        elif paged:
             batched = max(rollout.max_num_batched_tokens, max_len)
             weights = s.params * rb / tp
             act = batched * (4 * s.hidden + (2 * s.intermediate + (s.heads + 2 * s.kv_heads) * s.head_dim) / tp) * rb
@@ -399,21 +332,20 @@ class PlanBuilder:
             vllm_gen = {"hf engine weights": s.params * rb}
         self.phases.append(Phase("gen", {"runtime": self.runtime, **vllm_gen, **self.resident("gen")},
                                  ["actor_rollout_ref.rollout.gpu_memory_utilization",
-                                  *self.offload_keys("actor_rollout_ref.actor", self.afs),
-                                  *(self.offload_keys("actor_rollout_ref.ref", self.rfs, optimizer=False)
+                                  *offload_keys("actor_rollout_ref.actor", self.afs),
+                                  *(offload_keys("actor_rollout_ref.ref", self.rfs, optimizer=False)
                                     if self.use_ref and not self.ref_in_actor else []),
-                                  *(self.offload_keys("critic.model", self.cfs) if self.use_critic else []),
-                                  *(self.offload_keys("reward_model.model", self.mfs, optimizer=False)
+                                  *(offload_keys("critic.model", self.cfs) if self.use_critic else []),
+                                  *(offload_keys("reward_model.model", self.mfs, optimizer=False)
                                     if self.rms else [])]))
         # vLLM during the training phases: asleep (sleep mode frees weights and KV cache) or not
-        self.awake = ({} if (rollout.free_cache_engine and on_gpu) or rollout.name == "hf"
+        self.awake = ({} if (rollout.free_cache_engine and on_gpu) or not paged
                       else {"vLLM (not freed)": vllm_share})
-        if rollout.name == "hf":
+        if not paged:
             self.awake = {"hf engine weights": s.params * rb}
 
-    def forward_phase(self, name: str, shp: ModelShape, fsdp: FSDPConfig, rows, dyn, budget, head_vocab, keys, skip,
-                      sp: int = 1) -> None:
-        tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
+    def forward_phase(self, name: str, shp: ModelShape, fsdp: FSDPConfig, head_vocab: int, keys: list[str]) -> None:
+        tokens, resp = self.step.phase(name).micro_tokens(self.per_rank_rows, self.P, self.R)
         b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
         parts = {"runtime": self.runtime, **self.awake, **self.resident("forward"),
                  "unsharded group": _working(shp, fsdp, with_grad=False),
@@ -421,67 +353,15 @@ class PlanBuilder:
                  "logits": logits_bytes(resp, head_vocab, b, with_grad=False) if head_vocab else tokens * 4.0}
         self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"))
 
-    def update_phase(self, name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, rows, dyn, budget, recompute,
-                     head_vocab, keys, who, sp: int = 1, trainable: Optional[int] = None) -> None:
-        tokens, resp = micro_tokens(rows, self.per_rank_rows, dyn, budget, self.P, self.R, sp)
+    def update_phase(self, name: str, shp: ModelShape, params: int, fsdp: FSDPConfig, recompute: bool,
+                     head_vocab: int, who: str, trainable: Optional[int] = None) -> None:
+        phase = self.step.phase(name)
+        tokens, resp = phase.micro_tokens(self.per_rank_rows, self.P, self.R)
         own = update_bytes(shp, params, fsdp, self.world, tokens, resp, recompute, head_vocab, trainable)
         parts = {"runtime": self.runtime, **self.awake, **self.resident("forward", skip=who), **own}
+        keys = update_keys(who, phase, recompute, fsdp, shard_count(self.world, fsdp) >= self.world)
         self.phases.append(Phase(name, parts, keys, f"micro-batch {tokens} tokens"
                                  + (", gradient checkpointing" if recompute else "")))
-
-
-def host_runtime_bytes(device: str) -> float:
-    """A rank's host memory beside its tensors: the libraries (``HOST_RUNTIME_GB``) and, on CPU
-    ranks started with the launcher's malloc settings (rlhf_hpc.distributed.host_allocator), the freed heap
-    malloc keeps for reuse (up to its trim threshold)."""
-    from rlhf_hpc.distributed.host_allocator import TUNABLES, VALUE, malloc_tunables
-    # (the launcher decides from its own environment; a rank it started has the value set)
-    tuned = os.environ.get("GLIBC_TUNABLES") == VALUE or malloc_tunables(os.environ)[0] is not None
-    kept = TUNABLES["glibc.malloc.trim_threshold"] if device != "cuda" and tuned else 0
-    return HOST_RUNTIME_GB["cuda" if device == "cuda" else "cpu"] * GiB + kept
-
-
-def host_plan(cfg: Config, plan: MemoryPlan, largest_pretrained: int, critic_params: int, rm_params: int,
-              layouts: dict[str, Optional[FSDPConfig]], trainable: Optional[dict] = None) -> HostPlan:
-    """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
-    to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
-    the moments between updates); CPU runs: the per-rank plan's largest phase, which is host memory
-    already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters). ``trainable``:
-    a LoRA model's adapter parameters by model name (gradients and moments are of those only)."""
-    tr, world = cfg.trainer, cfg.world_size
-    params = {"actor": plan.shape.params, "ref": plan.shape.params, "critic": critic_params, "reward_model": rm_params}
-    shrink = []
-    if tr.device == "cuda":
-        per_rank = {"runtime": host_runtime_bytes("cuda")}
-        for name, fsdp in layouts.items():
-            if fsdp is None:
-                continue
-            n = params[name] / _shards(world, fsdp)
-            trains = name in ("actor", "critic")
-            t = ((trainable or {}).get(name) or params[name]) / _shards(world, fsdp)
-            prefix = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic.model",
-                      "reward_model": "reward_model.model"}[name]
-            if fsdp.param_offload or fsdp.offload_policy:
-                per_rank[f"{name} offloaded"] = n * DTYPE_BYTES[fsdp.model_dtype] + (
-                    t * (DTYPE_BYTES[fsdp.model_dtype] + 8) if trains else 0)
-                shrink.append(f"{prefix}.fsdp_config.param_offload=false")
-            elif trains and fsdp.optimizer_offload:
-                per_rank[f"{name} Adam moments"] = 8 * t
-                shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
-    else:
-        per_rank = {"largest phase": plan.peak}
-    loading = float(largest_pretrained * DTYPE_BYTES[cfg.actor_rollout_ref.actor.fsdp_config.model_dtype])
-    if loading:
-        shrink.append("actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads)")
-    shrink += ["trainer.n_gpus_per_node (fewer ranks per node, more nodes)"]
-    capacity, source = None, ""
-    if cfg.launcher.mem_gb:
-        capacity, source = cfg.launcher.mem_gb * GiB, "launcher.mem_gb"
-        shrink.insert(0, "launcher.mem_gb (ask Slurm for more)")
-    elif cfg.launcher.cluster == "local" or tr.device != "cuda":
-        capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink,
-                    enforced=bool(cfg.launcher.mem_gb))
 
 
 def check_plan(cfg: Config) -> tuple[Optional[MemoryPlan], list[str], list[str]]:
@@ -495,6 +375,33 @@ def check_plan(cfg: Config) -> tuple[Optional[MemoryPlan], list[str], list[str]]
     return plan, plan.failures(), plan.warnings()
 
 
+# ------------------------------------------------------------------------------- keys that shrink
+UPDATE_SECTIONS = {"actor": ("actor_rollout_ref.actor", "actor_rollout_ref.actor",
+                             "actor_rollout_ref.model.enable_gradient_checkpointing"),
+                   "critic": ("critic", "critic.model", "critic.model.enable_gradient_checkpointing")}
+
+
+def offload_keys(prefix: str, fsdp: FSDPConfig, optimizer: bool = True) -> list[str]:
+    """The offload switches of one model that are still off."""
+    keys = [] if fsdp.param_offload else [f"{prefix}.fsdp_config.param_offload"]
+    if optimizer and not (fsdp.param_offload or fsdp.optimizer_offload):
+        keys.append(f"{prefix}.fsdp_config.optimizer_offload")
+    return keys
+
+
+def update_keys(who: str, phase: Optional[PhaseShape] = None, recompute: bool = False,
+                fsdp: Optional[FSDPConfig] = None, fully_sharded: bool = False) -> list[str]:
+    """The keys that shrink the update of ``who`` (actor, critic), in the order worth trying: given
+    the plan's state (its phase shape, activation checkpointing, layout, sharded over every rank),
+    those that still change something; without it (an out-of-memory report), all of them."""
+    prefix, model, recompute_key = UPDATE_SECTIONS[who]
+    keys = [f"{prefix}.ppo_max_token_len_per_gpu" if phase is not None and phase.dynamic
+            else f"{prefix}.ppo_micro_batch_size_per_gpu (or {prefix}.use_dynamic_bsz with a token budget)"]
+    keys += [] if recompute else [recompute_key]
+    keys += offload_keys(model, fsdp or FSDPConfig())
+    return keys + ([] if fully_sharded else [f"{model}.fsdp_config.fsdp_size"])
+
+
 # Config keys that shrink the memory of each phase, in the order worth trying.
 MEMORY_KEYS = {
     "update_weights": ["actor_rollout_ref.rollout.update_weights_bucket_mb"],
@@ -506,14 +413,8 @@ MEMORY_KEYS = {
     "ref": ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.fsdp_config.param_offload",
             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu (with log_prob_use_dynamic_bsz=true)"],
     "values": ["critic.ppo_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu (with use_dynamic_bsz=true)"],
-    "update_critic": ["critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu (with use_dynamic_bsz=true)",
-                      "critic.model.enable_gradient_checkpointing", "critic.model.fsdp_config.param_offload",
-                      "critic.model.fsdp_config.optimizer_offload"],
-    "update_actor": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (with use_dynamic_bsz=true)",
-                     "actor_rollout_ref.model.enable_gradient_checkpointing",
-                     "actor_rollout_ref.actor.fsdp_config.param_offload",
-                     "actor_rollout_ref.actor.fsdp_config.optimizer_offload"],
+    "update_critic": update_keys("critic"),
+    "update_actor": update_keys("actor"),
 }
 
 

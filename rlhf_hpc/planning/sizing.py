@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.models.hf import is_tiny
+from rlhf_hpc.distributed.fsdp import decoder_layers, tied_embeddings
+from rlhf_hpc.models.hf import is_tiny, model_config
+from rlhf_hpc.models.lora import apply_lora, is_adapter
+
+__all__ = ["DEFAULT_GPU_MEMORY_GB", "DTYPE_BYTES", "GiB", "KNOWN_MODELS", "LOGITS_CHUNK", "ModelShape", "activation_bytes",
+           "adapter_params", "forward_flops", "layer_activation_bytes", "logits_bytes", "matmul_shape", "model_shape"]
 
 GiB = 1024 ** 3
 DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
@@ -64,9 +69,7 @@ def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: b
 def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
     """(the model built on the meta device, its config, where the config came from)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    from rlhf_hpc.models.hf import model_config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # (seconds: only plans of a model)
     expanded = Path(path).expanduser()
     if is_tiny(path) or (expanded / "config.json").is_file():
         config, source = model_config(path, override, trust_remote_code), f"config of {path}"
@@ -88,7 +91,6 @@ def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: b
 
 def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
     model, config, source = _meta_model(path, override, trust_remote_code)
-    from rlhf_hpc.distributed.fsdp import decoder_layers, tied_embeddings
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     layers = decoder_layers(model)
     tied = tied_embeddings(model)
@@ -102,6 +104,35 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, source=source)
 
 
+def matmul_shape(config, source: str = "") -> ModelShape:
+    """The shape of a transformers decoder config by arithmetic alone (no meta build, cheap enough
+    for every step), ``layer_params`` counting a layer's matmul weights only (q/o: h x q_dim, k/v:
+    h x kv_dim, MLP: 3 x h x i), as FLOPs count them (the MFU metric, rlhf_hpc.observability.perf)."""
+    h, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    per_layer = 2 * h * head_dim * heads + 2 * h * head_dim * kv_heads + 3 * h * inter
+    head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
+    return ModelShape(params=layers * per_layer + vocab * h + head, layer_params=per_layer, embed_params=vocab * h,
+                      head_params=head, hidden=h, layers=layers, intermediate=inter, vocab=vocab, heads=heads,
+                      kv_heads=kv_heads, head_dim=head_dim, source=source or "matmul weights of the config")
+
+
+def forward_flops(s: ModelShape, tokens: float, seq_len: float, head_tokens: float, head_width: int,
+                  square_sum: Optional[float] = None) -> float:
+    """FLOPs of a forward pass over ``tokens`` tokens in sequences of ``seq_len`` tokens, each attending
+    to itself only: 2 x the layers' parameters per token (``s.layer_params``: the plans' exact count,
+    biases and norms too; the MFU metric's ``matmul_shape``, matmul weights alone), causal attention
+    2 x layers x q_dim x L per token of a sequence of L (QK^T and AV, half of the L x L square), the
+    head (``head_width`` outputs) on ``head_tokens`` tokens. ``square_sum``: the sum of the squared
+    lengths of sequences of different lengths (then ``seq_len`` is not used). The one FLOP count of
+    the time plan (rlhf_hpc.planning.time_plan) and the MFU metric."""
+    q = s.heads * s.head_dim
+    attention = 2 * s.layers * q * seq_len * tokens if square_sum is None else 2 * s.layers * q * square_sum
+    return 2 * s.layers * s.layer_params * tokens + attention + 2 * s.hidden * head_width * head_tokens
+
+
 _adapters: dict[str, int] = {}
 
 
@@ -113,7 +144,6 @@ def adapter_params(path: str, lora_cfg, override: Optional[dict] = None, trust_r
                 lora_cfg.target_modules, getattr(lora_cfg, "exclude_modules", None),
                 getattr(lora_cfg, "lora_adapter_path", None)))
     if key not in _adapters:
-        from rlhf_hpc.models.lora import apply_lora, is_adapter
         model = apply_lora(_meta_model(path, override, trust_remote_code)[0], lora_cfg, seed=0)
         _adapters[key] = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
     return _adapters[key]
@@ -148,15 +178,3 @@ def activation_bytes(s: ModelShape, tokens: int, b: int, checkpointing: bool, wi
     if checkpointing:  # each layer's input is kept, one layer is recomputed at a time
         return float(tokens * (s.layers * s.hidden * b + per_layer))
     return float(tokens * s.layers * per_layer)
-
-
-def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
-                 prompt_len: int, response_len: int, sp: int = 1) -> tuple[int, int]:
-    """(tokens, response tokens) of the largest micro-batch on one rank: a token budget caps both
-    (a budget filled by short prompts is almost all response); fixed rows hold at most rows x full
-    length. With sequence parallelism (``sp`` > 1) a micro-batch holds the rows of sp ranks, each
-    rank 1/sp of its tokens (the budget is per rank, as verl's)."""
-    if dynamic:
-        return max_token_len, max_token_len
-    rows = min(rows or per_rank_rows, per_rank_rows * sp)
-    return -(-rows * (prompt_len + response_len) // sp), -(-rows * response_len // sp)

@@ -40,17 +40,22 @@ constants, a shared file system's load. BENCHMARKS.md holds its error against me
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from rlhf_hpc.config.engines import planned_engine
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config, FSDPConfig
-from rlhf_hpc.config.tree import get_key
 from rlhf_hpc.models.lora import lora_enabled
+from rlhf_hpc.ops.step_shape import PhaseShape, step_shape
+from rlhf_hpc.planning.advice import COMM_RULE, candidate_changes, value_text, with_value
 from rlhf_hpc.planning.hardware import Hardware, hardware_of
-from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, model_shape
+from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs, shard_count
+from rlhf_hpc.planning.memory_plan import build_plan, check_plan
+from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, forward_flops, model_shape
+
+__all__ = ["PhaseTime", "TimeModel", "TimePlan", "Workload", "advice_for", "build_time_plan", "workload_of"]
 
 # Shares of the datasheet peaks that real kernels reach on a GPU (on the CPU the calibration's
 # figures are already what real passes reach: 1.0). Training (``Hardware.train_efficiency``, 0.5):
@@ -62,8 +67,6 @@ DECODE_BANDWIDTH_EFFICIENCY = 0.7
 LINK_EFFICIENCY = 0.8
 # the optimizer step reads parameters, gradients, two moments and writes three: bytes per parameter
 ADAM_BYTES = 28
-# the reference design's rule: communication above this share of a step calls for another layout
-COMM_RULE = 0.2
 
 
 @dataclass
@@ -86,7 +89,7 @@ class Workload:
 def workload_of(cfg: Config) -> Workload:
     """The dry run's workload: ``plan.prompt_length`` / ``plan.response_length``, or the maxima."""
     d, p = cfg.data, cfg.plan
-    rows = d.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    rows = step_shape(cfg).rows
     prompt, response = p.prompt_length or d.max_prompt_length, p.response_length or d.max_response_length
     given = [k for k in ("prompt_length", "response_length") if getattr(p, k)]
     source = (f"means from plan.{' and plan.'.join(given)}" if given else
@@ -167,22 +170,14 @@ class TimePlan:
 
 
 # ------------------------------------------------------------------------------------ the model
-def forward_flops(s: ModelShape, tokens: float, seq_len: float, head_tokens: float, head_width: int) -> float:
-    """FLOPs of a forward pass over ``tokens`` tokens in sequences of ``seq_len`` (rlhf_hpc.observability.perf.model_flops
-    on a shape): the layers' matmuls, causal attention, the head (``head_width`` outputs) on ``head_tokens``."""
-    q = s.heads * s.head_dim
-    return (2 * s.layers * s.layer_params * tokens + 2 * s.layers * q * seq_len * tokens
-            + 2 * s.hidden * head_width * head_tokens)
-
-
 class TimeModel:
     """The phases of one step on ``hw`` for ``cfg`` (one method per kind of phase)."""
 
     def __init__(self, cfg: Config, hw: Optional[Hardware] = None, device_name: Optional[str] = None):
-        from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
-        from rlhf_hpc.planning.memory_plan import build_plan
         arr = cfg.actor_rollout_ref
         self.cfg, self.hw = cfg, hw or hardware_of(cfg, device_name)
+        self.step = step_shape(cfg)
+        self.paged = planned_engine(arr.rollout.name).paged  # (rlhf_hpc.config.engines)
         self.world, self.per_node = cfg.world_size, cfg.trainer.n_gpus_per_node
         self.s = model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
         self.cs = (model_shape(cfg.critic.model.path, cfg.critic.model.override_config,
@@ -203,8 +198,7 @@ class TimeModel:
         return self.hw.inter_node_gb_s * 1e9 * LINK_EFFICIENCY / self.per_node, "inter-node network"
 
     def shards(self, fsdp: FSDPConfig) -> int:
-        from rlhf_hpc.distributed.process_group import mesh_shape
-        return mesh_shape(self.world, fsdp.fsdp_size)[1]
+        return shard_count(self.world, fsdp)
 
     def efficiency(self) -> float:
         return self.hw.train_efficiency
@@ -212,36 +206,26 @@ class TimeModel:
     # ------------------------------------------------------------------------------- phases
     def phases(self, w: Workload) -> list[PhaseTime]:
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
-        actor, rollout, ref, critic, rm = arr.actor, arr.rollout, arr.ref, cfg.critic, cfg.reward_model
+        actor, critic, rm, step = arr.actor, cfg.critic, cfg.reward_model, self.step
         rows = w.rows / self.world
         out = [self.weight_sync(), self.generation(w)]
         if not cfg.algorithm.rollout_correction.bypass_mode:
-            out.append(self.forward("old_log_prob", self.s, self.layouts["actor"], w, rows,
-                                    rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
-                                    rollout.log_prob_max_token_len_per_gpu, self.s.vocab,
-                                    actor.ulysses_sequence_parallel_size, arr.model.use_remove_padding))
+            out.append(self.forward(step.old_log_prob, self.s, self.layouts["actor"], w, rows, self.s.vocab))
         if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            out.append(self.forward("ref", self.s, self.layouts["actor" if self.lora else "ref"], w, rows,
-                                    ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
-                                    ref.log_prob_max_token_len_per_gpu, self.s.vocab,
-                                    ref.ulysses_sequence_parallel_size or 1, arr.model.use_remove_padding))
+            out.append(self.forward(step.ref, self.s, self.layouts["actor" if self.lora else "ref"], w, rows,
+                                    self.s.vocab))
         if critic.enable:
-            out.append(self.forward("values", self.cs, self.layouts["critic"], w, rows, critic.ppo_micro_batch_size_per_gpu,
-                                    critic.use_dynamic_bsz, critic.forward_max_token_len_per_gpu, 1,
-                                    critic.ulysses_sequence_parallel_size, critic.model.use_remove_padding))
+            out.append(self.forward(step.values, self.cs, self.layouts["critic"], w, rows, 1))
         if any(p.name == "reward_model" for p in self.memory.phases):  # (the plan found its shape)
             rms = model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
-            out.append(self.forward("reward_model", rms, rm.model.fsdp_config, w, rows, rm.micro_batch_size_per_gpu,
-                                    rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu, 1, 1,
-                                    rm.model.use_remove_padding))
+            out.append(self.forward(step.reward_model, rms, rm.model.fsdp_config, w, rows, 1))
         if critic.enable:
-            out.append(self.update("update_critic", self.cs, self.layouts["critic"], w, rows, critic, self.recompute["critic"],
-                                   1, critic.model.use_remove_padding,
-                                   lora_enabled(critic.model) and adapter_params(
+            out.append(self.update(step.update_critic, self.cs, self.layouts["critic"], w, rows, self.recompute["critic"],
+                                   1, lora_enabled(critic.model) and adapter_params(
                                        critic.model.path or arr.model.path, critic.model, critic.model.override_config,
                                        bool(critic.model.trust_remote_code))))
-        out.append(self.update("update_actor", self.s, self.layouts["actor"], w, rows, actor, self.recompute["actor"],
-                               self.s.vocab, arr.model.use_remove_padding, self.adapter))
+        out.append(self.update(step.update_actor, self.s, self.layouts["actor"], w, rows, self.recompute["actor"],
+                               self.s.vocab, self.adapter))
         if cfg.trainer.save_freq > 0:
             out.append(self.checkpoint())
         return out
@@ -277,7 +261,7 @@ class TimeModel:
         prefill = forward_flops(s, prompts * w.prompt, w.prompt, prompts, s.vocab) / prefill_rate
         kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb
         room = self.memory.kv_cache_tokens
-        if room is None and rollout.name != "hf":  # vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE GiB
+        if room is None and self.paged:  # vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE GiB
             import os
             room = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30 // kv_per_token)
         length = w.prompt + w.response
@@ -298,9 +282,9 @@ class TimeModel:
         f_read, f_compute, f_comm = step(batch, w.prompt + w.response / 2)
         t_read, t_compute, t_comm = step(1, w.prompt + (w.response + w.longest_response) / 2)
         overhead = hw.decode_step_overhead_s
-        if rollout.name == "hf":  # transformers' generate: a whole forward pass per new token
+        if not self.paged:  # transformers' generate: a whole forward pass per new token
             overhead = hw.pass_overhead_s + s.layers * hw.layer_overhead_s
-        calls = hw.generate_overhead_s + rows / rollout.n * hw.request_overhead_s * (1 if rollout.name == "hf" else rollout.n)
+        calls = hw.generate_overhead_s + rows / rollout.n * hw.request_overhead_s * (rollout.n if self.paged else 1)
         steps = full + tail
         comm = full * f_comm + tail * t_comm
         parts = {"compute": prefill + full * f_compute + tail * t_compute, "memory bandwidth": full * f_read + tail * t_read,
@@ -310,11 +294,6 @@ class TimeModel:
         return PhaseTime("gen", parts, seconds, comm,
                          f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {batch}: {full} decode steps "
                          f"at full batch, {tail} for the longest response's tail")
-
-    def micro_batches(self, rows: float, tokens: float, micro_rows, dynamic, budget, sp: int) -> int:
-        if dynamic:
-            return max(1, math.ceil(tokens / budget))
-        return max(1, math.ceil(rows * sp / (micro_rows or rows * sp)))
 
     def pass_costs(self, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, micro: int, head: int,
                    remove_padding: bool, backward: float, sp: int) -> dict[str, float]:
@@ -343,10 +322,11 @@ class TimeModel:
             parts[k] = parts.get(k, 0.0) + v
         return PhaseTime(name, parts, shared + sum(serial.values()), shared - busy, note)
 
-    def forward(self, name, s, fsdp, w, rows, micro_rows, dynamic, budget, head, sp, remove_padding) -> PhaseTime:
-        tokens = rows * ((w.prompt + w.response) if remove_padding else w.padded)
-        micro = self.micro_batches(rows, tokens, micro_rows, dynamic, budget, sp)
-        compute = self.pass_costs(s, fsdp, w, rows, micro, head, remove_padding, 1.0, sp)
+    def forward(self, phase: PhaseShape, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, head: int
+                ) -> PhaseTime:
+        tokens = rows * ((w.prompt + w.response) if phase.remove_padding else w.padded)
+        micro = phase.micro_batches(rows, tokens)
+        compute = self.pass_costs(s, fsdp, w, rows, micro, head, phase.remove_padding, 1.0, phase.sp)
         comm = {k: compute.pop(k) for k in list(compute) if k.endswith(("link", "network"))}
         shards = self.shards(fsdp)
         b = DTYPE_BYTES[fsdp.mixed_precision.param_dtype]
@@ -358,17 +338,16 @@ class TimeModel:
         serial = {}
         if fsdp.param_offload or fsdp.offload_policy:
             serial["host link"] = gathers * s.params * DTYPE_BYTES[fsdp.model_dtype] / shards / (self.hw.host_link_gb_s * 1e9)
-        return self.combine(name, compute, comm, serial, f"{micro} micro-batch(es)")
+        return self.combine(phase.name, compute, comm, serial, f"{micro} micro-batch(es)")
 
-    def update(self, name, s, fsdp, w, rows, section, recompute, head, remove_padding, trainable) -> PhaseTime:
-        hw, world, n = self.hw, self.world, self.cfg.actor_rollout_ref.rollout.n
-        epochs = section.ppo_epochs
-        sp = section.ulysses_sequence_parallel_size
-        mini_rows = max(section.ppo_mini_batch_size * n / world, 1)
+    def update(self, phase: PhaseShape, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, recompute: bool,
+               head: int, trainable) -> PhaseTime:
+        hw, world, epochs, sp = self.hw, self.world, phase.epochs, phase.sp
+        remove_padding = phase.remove_padding
+        mini_rows = max(phase.mini_rows, 1)  # (the runtime's: rlhf_hpc.ops.batching.per_rank_mini_batch)
         minis = max(1, math.ceil(rows / mini_rows))
         length = (w.prompt + w.response) if remove_padding else w.padded
-        micro = minis * self.micro_batches(mini_rows, mini_rows * length, section.ppo_micro_batch_size_per_gpu,
-                                           section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu, sp)
+        micro = minis * phase.micro_batches(mini_rows, mini_rows * length)
         factor = (1 + hw.backward(fsdp.mixed_precision.param_dtype) + (1 if recompute else 0)) * epochs
         # (the per-pass overhead: forward and backward of a micro-batch cost ~3 forward passes' launches)
         compute = self.pass_costs(s, fsdp, w, rows, micro, head, remove_padding, factor, sp)
@@ -398,7 +377,7 @@ class TimeModel:
             compute["memory bandwidth"] += steps * trained * ADAM_BYTES / shards / (hw.hbm_gb_s * 1e9)
             if fsdp.optimizer_offload:  # the moments come to the GPU for the update and go back
                 serial["host link"] = 2 * 8 * trained / shards / (hw.host_link_gb_s * 1e9)
-        return self.combine(name, compute, comm, serial,
+        return self.combine(phase.name, compute, comm, serial,
                             f"{passes} micro-batch passes, {steps} optimizer steps" + (", recompute" if recompute else ""))
 
     def checkpoint(self) -> PhaseTime:
@@ -421,7 +400,7 @@ class TimeModel:
         """The plan of a step a run just took, with its own lengths (``prompt_length/mean``,
         ``response_length/mean`` and ``/max`` of its metrics; ``padded``: its rows' padded length)."""
         d = self.cfg.data
-        return self.plan(Workload(d.train_batch_size * self.cfg.actor_rollout_ref.rollout.n,
+        return self.plan(Workload(self.step.rows,
                                   metrics.get("prompt_length/mean", d.max_prompt_length),
                                   metrics.get("response_length/mean", d.max_response_length),
                                   int(metrics.get("response_length/max", d.max_response_length)), padded,
@@ -440,68 +419,14 @@ def build_time_plan(cfg: Config, workload: Optional[Workload] = None,
 
 
 # ------------------------------------------------------------------------------------ advice
-def with_value(cfg: Config, key: str, value) -> Config:
-    """A copy of ``cfg`` with ``key`` set (the planning caches key on values, so a copy is safe)."""
-    out = copy.deepcopy(cfg)
-    parent, _, leaf = key.rpartition(".")
-    setattr(get_key(out, parent), leaf, value)
-    return out
-
-
-def candidate_changes(cfg: Config, plan: TimePlan) -> list[tuple[list[tuple[str, object]], str]]:
-    """Layout changes worth planning: ([(key, value), ...], why)."""
-    arr, critic = cfg.actor_rollout_ref, cfg.critic
-    out = []
-    for prefix, section in (("actor_rollout_ref.actor", arr.actor), ("critic", critic)):
-        if prefix == "critic" and not critic.enable:
-            continue
-        if section.use_dynamic_bsz:
-            out.append(([(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu * 2)],
-                        "fewer, larger micro-batches"))
-        elif section.ppo_micro_batch_size_per_gpu:
-            out.append(([(f"{prefix}.ppo_micro_batch_size_per_gpu", section.ppo_micro_batch_size_per_gpu * 2)],
-                        "fewer, larger micro-batches"))
-        if plan.comm_share > COMM_RULE and section.ulysses_sequence_parallel_size == 1:
-            out.append(([(f"{prefix}.ulysses_sequence_parallel_size", 2)],
-                        f"communication is {plan.comm_share:.0%} of the step (the {COMM_RULE:.0%} rule)"))
-    rollout = arr.rollout
-    if rollout.log_prob_use_dynamic_bsz:
-        out.append(([("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                      rollout.log_prob_max_token_len_per_gpu * 2)], "fewer log-prob micro-batches"))
-    tp, kv = rollout.tensor_model_parallel_size, max(1, model_shape(arr.model.path, arr.model.override_config,
-                                                                    arr.model.trust_remote_code).kv_heads)
-    for t in (tp // 2, tp * 2):
-        if 1 <= t <= cfg.trainer.n_gpus_per_node and t != tp and cfg.world_size % t == 0 and (kv % t == 0 or t % kv == 0):
-            out.append(([("actor_rollout_ref.rollout.tensor_model_parallel_size", t)], "another rollout TP"))
-    sizes = {1, cfg.trainer.n_gpus_per_node, cfg.world_size} - {None}
-    layouts = plan_layouts(cfg)
-    for size in sorted(sizes):
-        if size != layouts["actor"] and cfg.world_size % size == 0:
-            out.append(([(f"{p}.fsdp_config.fsdp_size", size) for p in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
-                                                                         "critic.model")], "another FSDP layout"))
-    for key, on in (("actor_rollout_ref.model.enable_gradient_checkpointing", True),
-                    ("critic.model.enable_gradient_checkpointing", True),
-                    ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", True),
-                    ("actor_rollout_ref.actor.fsdp_config.param_offload", True),
-                    ("critic.model.fsdp_config.optimizer_offload", True)):
-        if get_key(cfg, key) is on and (critic.enable or not key.startswith("critic")):
-            out.append(([(key, False)], "less work"))
-    return out
-
-
-def plan_layouts(cfg: Config) -> dict[str, int]:
-    from rlhf_hpc.planning.layout import choose_layouts
-    return {n: lay.fsdp_size for n, lay in choose_layouts(cfg).items()}
-
-
+# (the candidate changes: rlhf_hpc.planning.advice)
 def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object], keep: int = 4,
                min_gain: float = 0.03) -> list[str]:
     """The changes (``candidate_changes``) that ``validate`` accepts, whose memory plan still fits
     and whose step is at least ``min_gain`` faster, best first, each naming its keys; the 20%
     rule's line when communication passes it."""
-    from rlhf_hpc.planning.memory_plan import check_plan
     found = []
-    for changes, why in candidate_changes(cfg, plan):
+    for changes, why in candidate_changes(cfg, plan.comm_share):
         other = cfg
         for key, value in changes:
             other = with_value(other, key, value)
@@ -515,7 +440,7 @@ def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object]
             continue
         gain = 1 - faster.step_s / plan.step_s
         if gain >= min_gain:
-            keys = " ".join(f"{k}={_text(v)}" for k, v in changes[:1]) + (" (and the ref's and critic's)"
+            keys = " ".join(f"{k}={value_text(v)}" for k, v in changes[:1]) + (" (and the ref's and critic's)"
                                                                           if len(changes) > 1 else "")
             found.append((gain, f"{keys}: step {plan.step_s:.3g} -> {faster.step_s:.3g} s (-{gain:.0%}; {why}; "
                                 f"the memory plan fits, peak {memory.peak / 2**30:.1f} GiB)"))
@@ -527,7 +452,3 @@ def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object]
                         f"actor_rollout_ref.actor.ulysses_sequence_parallel_size, where it fits; the lines below "
                         f"are what the plan measures)")
     return lines
-
-
-def _text(v) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)

@@ -5,7 +5,8 @@ Batches follow ``rlhf_hpc.ops.batching``'s layout; per-token outputs are ``(B, R
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -13,11 +14,14 @@ from torch import nn
 from rlhf_hpc.ops import algos
 from rlhf_hpc.distributed import sequence_parallel
 from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
-from rlhf_hpc.config.schema import ActorConfig, RolloutCorrectionConfig
-from rlhf_hpc.ops.rollout_correction import rollout_correction
+from rlhf_hpc.config.schema import ActorConfig
+from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
 from rlhf_hpc.ppo.optim import optimizer_state_on
+from rlhf_hpc.ppo.rollout_correction import RolloutCorrection
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
-from rlhf_hpc.ppo.update import ppo_update
+from rlhf_hpc.ppo.update import Placement, UpdateSpec, ppo_update
+
+__all__ = ["Actor", "ActorSpec", "per_token_logprobs"]
 
 
 def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, remove_padding: bool = True,
@@ -53,33 +57,55 @@ def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0,
     return lp, ent
 
 
-class Actor:
-    """The policy on its training mesh (or a plain module with ``dp_size=1`` for references).
+@dataclass(frozen=True)
+class ActorSpec:
+    """How an actor computes and trains, besides its config section (a reference: no optimizer).
 
-    ``all_reduce``: SUM over the data-parallel ranks (None when alone); ``dp_size``: the number of
-    ranks FSDP averages gradients over (all ranks, replicate x shard). ``device``: where the model
-    computes (with parameter offload its parameters live on the host, so it is not their device).
-    Batches stay on the host; outputs come back to the host. ``sp``: the sequence-parallel group
-    (None without Ulysses): its ranks compute their rows together, each a slice of the sequence.
+    ``temperature`` of its log-probs (the rollout's); ``remove_padding``: rows packed into one
+    sequence; ``optimizer``/``scheduler`` (None for a reference), ``optimizer_offload``: the
+    optimizer state on the host between updates; ``norm_const``: the losses' constant for
+    ``seq-mean-token-sum-norm``; ``placement``: its ranks and device (``update.Placement``);
+    ``correction``: verl's rollout correction (the trained actor's; None for a reference)."""
+    temperature: float = 1.0
+    remove_padding: bool = True
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: Any = None
+    optimizer_offload: bool = False
+    norm_const: Optional[float] = None
+    placement: Placement = Placement()
+    correction: Optional[RolloutCorrection] = None
+
+
+class Actor:
+    """The policy on its training mesh (or a plain module alone for references), as ``spec`` says.
+    Batches stay on the host; outputs come back to the host.
     """
 
-    def __init__(self, model: nn.Module, cfg: ActorConfig, temperature: float = 1.0, remove_padding: bool = True,
-                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
-                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
-                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu"),
-                 sp: Optional[SequenceParallel] = None, all_reduce_max: Optional[Callable] = None,
-                 bypass_correction: Optional[RolloutCorrectionConfig] = None):
-        self.model, self.cfg, self.device, self.sp = model, cfg, device, sp
-        self.temperature, self.remove_padding = temperature, remove_padding
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.dp_size, self.all_reduce, self.sync_max = dp_size, all_reduce, sync_max
-        self.norm_const = norm_const
-        self.optimizer_offload = optimizer_offload
-        self.kl_loss_coef = cfg.kl_loss_coef  # the trainer scales it on a guard rollback (cfg stays as set)
-        # verl's bypass mode: old_log_probs are the engine's, and each micro-batch's rollout correction
-        # compares the current policy with them (rlhf_hpc.ops.rollout_correction)
-        self.all_reduce_max, self.bypass_correction = all_reduce_max, bypass_correction
+    def __init__(self, model: nn.Module, cfg: ActorConfig, spec: ActorSpec = ActorSpec()):
+        self.model, self.cfg, self.spec = model, cfg, spec
+        self.placement, self.device, self.sp = spec.placement, spec.placement.device, spec.placement.sp
+        self.temperature, self.remove_padding = spec.temperature, spec.remove_padding
+        self.optimizer, self.scheduler = spec.optimizer, spec.scheduler
+        self.sync_max = spec.placement.sync_max
+        self.loss_fn = POLICY_LOSSES[cfg.policy_loss.loss_mode]
+        self.kl_loss_coef = cfg.kl_loss_coef  # scaled on a guard rollback (``scale``; cfg stays as set)
+        # the LR schedule's own base LRs, before a rollback (or a checkpoint's schedule) scaled them
+        self.base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
+        self.correction = spec.correction
+
+    def scale(self, lr_scale: float, kl_scale: float) -> None:
+        """The stability guard's scales, relative to the configured settings: the LR schedule's base
+        LRs (and the optimizer's current LR on that schedule) and the KL-loss coefficient."""
+        sched = self.scheduler
+        sched.base_lrs = [lr * lr_scale for lr in self.base_lrs]
+        for group, base, fn in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * fn(sched.last_epoch)
+        self.kl_loss_coef = self.cfg.kl_loss_coef * kl_scale
+
+    @property
+    def bypass(self) -> Optional[RolloutCorrection]:
+        """The rollout correction when it runs inside the update (verl's bypass mode), else None."""
+        return self.correction if self.correction is not None and self.correction.bypass else None
 
     # ------------------------------------------------------------------------------ forward only
     @torch.no_grad()
@@ -107,39 +133,37 @@ class Actor:
         return lp, ent
 
     # ------------------------------------------------------------------------------ PPO update
-    def update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0,
-                      pre_update_sample: Optional[list] = None) -> dict[str, float]:
+    def update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches over this rank's rows; one optimizer step per
         mini-batch; the LR scheduler advances once per call (one training step).
 
         ``mini_batch_rows``: rows of this rank in one mini-batch (ppo_mini_batch_size x n / ranks).
-        ``pre_update_sample``: when given (verl's bypass mode, where no old-log-prob pass ran), the
-        first mini-batch, whose forward still sees the pre-update weights, appends
-        ``(engine_log_probs, log_probs, response_mask)`` (host tensors, (b, R) each) per micro-batch
-        for the rollout/actor check, and reports ``actor/entropy`` over its tokens.
+        In verl's bypass mode (no old-log-prob pass ran) the rollout correction (``self.correction``)
+        corrects each micro-batch, keeps the first mini-batch's log-probs (its forward still sees the
+        pre-update weights) for its engine check, and that mini-batch reports ``actor/entropy``.
         Returns metrics averaged over mini-batches and ranks (the same on every rank).
         """
-        with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.optimizer_offload):
-            return self._update_policy(batch, mini_batch_rows, seed, pre_update_sample)
+        with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.spec.optimizer_offload):
+            return self._update_policy(batch, mini_batch_rows, seed)
 
-    def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0,
-                       pre_update_sample: Optional[list] = None) -> dict[str, float]:
-        cfg, bypass = self.cfg, self.bypass_correction
-        corr_sample: list = []  # bypass mode: (current, engine log-probs, mask) of every micro-batch
+    def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
+        cfg, bypass = self.cfg, self.bypass
+        if bypass is not None:
+            bypass.begin_update()
 
         def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
             # the entropy only where the loss uses it (else actor/entropy comes from the old-log-prob
             # pass; in bypass mode, without a gradient, from the first mini-batch)
-            sample = pre_update_sample is not None and metrics.n_mini == 1
+            sample = bypass is not None and bypass.keeps_pre_update(metrics.n_mini)
             with_entropy = cfg.entropy_coeff != 0 or sample
             lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
                                          with_entropy=with_entropy, entropy_grad=cfg.entropy_coeff != 0, sp=self.sp)
             mask = micro["response_mask"]
             if sample and weight:
-                pre_update_sample.append((micro["engine_log_probs"].cpu(), lp.detach().cpu(), mask.cpu()))
+                bypass.keep_pre_update(micro, lp)
                 if cfg.entropy_coeff == 0:
                     metrics.token_mean("actor/entropy", algos.masked_mean(ent, mask), mask.sum())
-            pg_loss, pgm = self.policy_loss(micro, lp, mask, weight, kw, corr_sample)
+            pg_loss, pgm = self.policy_loss(micro, lp, mask, weight, kw)
             loss = pg_loss
             if cfg.entropy_coeff != 0:
                 ent_loss = algos.agg_loss(ent, mask, cfg.loss_agg_mode, **kw)
@@ -155,34 +179,25 @@ class Actor:
                 metrics.token_mean(f"actor/{k}", v, weight * mask.sum())
             return loss
 
-        out = ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
-                         "actor", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device,
-                         self.sp)
+        out = ppo_update(UpdateSpec(self.model, self.optimizer, self.scheduler, cfg, "actor", self.spec.norm_const,
+                                    self.placement), batch, mini_batch_rows, micro_loss, seed)
         if bypass is not None:  # verl reports the correction of the micro-batches it trained on
-            cur, eng, mask = (torch.cat(t) for t in zip(*corr_sample)) if corr_sample else \
-                (torch.zeros(0, 1),) * 3
-            out.update(rollout_correction(cur, eng, mask, bypass, self.all_reduce, self.all_reduce_max)[2])
+            out.update(bypass.update_metrics())
         return out
 
-    def policy_loss(self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float, kw: dict,
-                    corr_sample: list) -> tuple[torch.Tensor, dict]:
+    def policy_loss(self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float, kw: dict
+                    ) -> tuple[torch.Tensor, dict]:
         """The micro-batch's policy-gradient loss: PPO's clipped ratio against ``old_log_probs``, times
         the rollout correction's IS weights where there are any (decoupled mode: ``rollout_is_weights``
         of the batch). In bypass mode the correction is computed here, current policy against the
         engine's log-probs: rejected tokens leave this loss (its normalisation stays the mini-batch's
         sampled tokens), and ``loss_type: reinforce`` trains -A log pi w instead (verl's)."""
-        cfg, bypass = self.cfg, self.bypass_correction
+        cfg, bypass = self.cfg, self.bypass
         is_weights = micro.get("rollout_is_weights")
         if bypass is not None:
-            if weight:
-                corr_sample.append((lp.detach().cpu(), micro["old_log_probs"].cpu(), micro["response_mask"].cpu()))
-            if bypass.rollout_is is not None or bypass.rollout_rs is not None:  # (else weights 1, mask as is)
-                is_weights, mask = rollout_correction(lp, micro["old_log_probs"], mask * bool(weight), bypass,
-                                                      self.all_reduce, self.all_reduce_max, with_metrics=False)[:2]
-            if bypass.loss_type == "reinforce":
-                return algos.reinforce_loss(micro["old_log_probs"], lp, micro["advantages"], mask, cfg.loss_agg_mode,
-                                            is_weights=is_weights, **kw)
+            is_weights, mask = bypass.micro_batch(micro, lp, mask, weight)
+            if bypass.cfg.loss_type == "reinforce":
+                return POLICY_LOSSES["reinforce"](micro["old_log_probs"], lp, micro["advantages"], mask, cfg,
+                                                  is_weights=is_weights, **kw)
             is_weights = None  # PPO's ratio is already current / engine: the weights are reported only
-        return algos.policy_loss(micro["old_log_probs"], lp, micro["advantages"], mask, cfg.clip_ratio_low,
-                                 cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, is_weights=is_weights,
-                                 **kw)
+        return self.loss_fn(micro["old_log_probs"], lp, micro["advantages"], mask, cfg, is_weights=is_weights, **kw)

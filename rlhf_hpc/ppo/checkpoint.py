@@ -28,7 +28,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.config.tree import flatten, parse_yaml, to_dict
+from rlhf_hpc.distributed.loading import materialize
+from rlhf_hpc.models.hf import build_causal_lm, local_path, torch_dtype
+from rlhf_hpc.models.lora import apply_lora, is_adapter, lora_enabled
+from rlhf_hpc.recipe.load import load_resolved
+
+__all__ = ["COMPLETE", "LATEST", "LORA_ADAPTER_DIR", "RESUME_KEYS", "check_resume_compatible", "check_run_dir",
+           "choose_resume", "export_hf", "find_resume_checkpoint", "full_model_state", "incompatible_keys",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_latest", "rng_state",
+           "save_checkpoint", "set_rng_state", "step_dir", "verify_checkpoint"]
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
@@ -133,7 +147,6 @@ def _options(model: nn.Module) -> StateDictOptions:
 
 def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
     if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return get_model_state_dict(model, options=_options(model)), {}
     return get_state_dict(model, optimizer, options=_options(model))
 
@@ -185,7 +198,6 @@ def load_checkpoint(path: str | Path, components: dict[str, tuple[nn.Module, Opt
         state = {"model": model_sd, "optimizer": optim_sd} if optimizer is not None else {"model": model_sd}
         dcp.load(state, checkpoint_id=str(path / name))
         if optimizer is None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
             set_model_state_dict(model, state["model"], options=_options(model))
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
@@ -199,7 +211,6 @@ def load_checkpoint(path: str | Path, components: dict[str, tuple[nn.Module, Opt
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the unsharded model state on rank 0's CPU (other ranks get an empty dict)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -214,10 +225,6 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     the base being the run's pretrained model, read again here) the model is merged (W + s B A) and
     the adapter alone is written beside it, in PEFT's format, to ``OUT/lora_adapter`` (what
     ``lora_adapter_path`` and vLLM's LoRA requests read). One process, no process group needed."""
-    from rlhf_hpc.distributed.loading import materialize
-    from rlhf_hpc.models.hf import build_causal_lm, local_path, torch_dtype
-    from rlhf_hpc.models.lora import apply_lora, is_adapter, lora_enabled
-    from rlhf_hpc.recipe.load import load_resolved
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / COMPLETE).is_file():
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker)")
@@ -241,7 +248,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     model.save_pretrained(out_dir, safe_serialization=True)
     tok = mcfg.tokenizer_path or mcfg.path
     if not tok.startswith("tiny://"):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # (export only: the training path loads no tokenizer class)
         AutoTokenizer.from_pretrained(local_path(tok), trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
     return out_dir
 
@@ -263,8 +270,6 @@ RESUME_KEYS = (
 
 def incompatible_keys(saved_config_text: str, cfg) -> list[str]:
     """``key: saved -> now`` for every RESUME_KEYS entry that differs."""
-    from rlhf_hpc.config.tree import flatten
-    from rlhf_hpc.config.tree import parse_yaml, to_dict
     saved = flatten(parse_yaml(saved_config_text) or {})
     now = flatten(to_dict(cfg))
     default = flatten(to_dict(type(cfg)()))
@@ -311,14 +316,12 @@ def check_resume_compatible(path: Path, cfg) -> None:
         return
     diff = incompatible_keys(saved.read_text(), cfg)
     if diff:
-        from rlhf_hpc.config.errors import ConfigError
         raise ConfigError([f"cannot resume from {path}: the run's config changed in keys that define it"] + diff +
                           ["use a new trainer.default_local_dir, or trainer.resume_mode=disable to start over"])
 
 
 def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
     """Before anything starts: the run directory can be created and written, with enough free space."""
-    from rlhf_hpc.config.errors import ConfigError
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -332,3 +335,21 @@ def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
     if free_gb < min_free_gb:
         raise ConfigError(f"trainer.default_local_dir: only {free_gb:.2f} GB free at '{run_dir}', less than "
                           f"trainer.min_free_disk_gb={min_free_gb}; checkpoints would not fit")
+
+
+def find_resume_checkpoint(cfg: Config, run_dir: Path, log=print) -> Optional[Path]:
+    """The checkpoint a run continues from, by ``trainer.resume_mode`` (``disable``, ``auto``: the
+    newest good one under ``run_dir``, or a path), checked against the run's config; None to start."""
+    mode = cfg.trainer.resume_mode
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        path = choose_resume(run_dir, log)
+    else:
+        path = Path(mode).expanduser()
+        problem = verify_checkpoint(path)
+        if problem:
+            raise RuntimeError(f"trainer.resume_mode: {path} is not a usable checkpoint: {problem}")
+    if path is not None:
+        check_resume_compatible(path, cfg)
+    return path

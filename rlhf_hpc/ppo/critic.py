@@ -4,7 +4,8 @@ Reads ``values`` (the old values) and ``returns`` from the batch during the upda
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -16,7 +17,9 @@ from rlhf_hpc.ops.batching import (Batch, dummy_rows, micro_batch_groups, pack, 
 from rlhf_hpc.config.schema import CriticConfig
 from rlhf_hpc.ppo.optim import optimizer_state_on
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
-from rlhf_hpc.ppo.update import ppo_update
+from rlhf_hpc.ppo.update import Placement, UpdateSpec, ppo_update
+
+__all__ = ["Critic", "CriticSpec", "per_token_values"]
 
 
 def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True,
@@ -37,19 +40,25 @@ def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True
     return values[:, -R - 1:-1] * mask.to(values.dtype)
 
 
-class Critic:
-    """The value model on its training mesh (see ``Actor`` for ``dp_size``/``all_reduce``)."""
+@dataclass(frozen=True)
+class CriticSpec:
+    """How a critic computes and trains, besides its config section (as ``actor.ActorSpec``)."""
+    remove_padding: bool = True
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: Any = None
+    optimizer_offload: bool = False
+    norm_const: Optional[float] = None
+    placement: Placement = Placement()
 
-    def __init__(self, model: nn.Module, cfg: CriticConfig, remove_padding: bool = True,
-                 optimizer: Optional[torch.optim.Optimizer] = None, scheduler=None, dp_size: int = 1,
-                 all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 sync_max: Optional[Callable[[int], int]] = None, norm_const: Optional[float] = None,
-                 optimizer_offload: bool = False, device: torch.device = torch.device("cpu"),
-                 sp: Optional[SequenceParallel] = None):
-        self.model, self.cfg, self.remove_padding, self.device, self.sp = model, cfg, remove_padding, device, sp
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.dp_size, self.all_reduce, self.sync_max, self.norm_const = dp_size, all_reduce, sync_max, norm_const
-        self.optimizer_offload = optimizer_offload
+
+class Critic:
+    """The value model on its training mesh, as ``spec`` says."""
+
+    def __init__(self, model: nn.Module, cfg: CriticConfig, spec: CriticSpec = CriticSpec()):
+        self.model, self.cfg, self.spec = model, cfg, spec
+        self.remove_padding, self.placement = spec.remove_padding, spec.placement
+        self.device, self.sp, self.sync_max = spec.placement.device, spec.placement.sp, spec.placement.sync_max
+        self.optimizer, self.scheduler = spec.optimizer, spec.scheduler
 
     @torch.no_grad()
     def compute_values(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
@@ -71,7 +80,7 @@ class Critic:
 
     def update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
         """Clipped value regression onto ``returns``; loop structure as ``Actor.update_policy``."""
-        with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.optimizer_offload):
+        with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.spec.optimizer_offload):
             return self._update_critic(batch, mini_batch_rows, seed)
 
     def _update_critic(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
@@ -89,6 +98,5 @@ class Critic:
             metrics.token_mean("critic/vpred_mean", algos.masked_mean(v.detach(), mask), n_tokens)
             return loss
 
-        return ppo_update(self.model, self.optimizer, self.scheduler, batch, mini_batch_rows, cfg, micro_loss,
-                          "critic", seed, self.dp_size, self.all_reduce, self.sync_max, self.norm_const, self.device,
-                          self.sp)
+        return ppo_update(UpdateSpec(self.model, self.optimizer, self.scheduler, cfg, "critic", self.spec.norm_const,
+                                     self.placement), batch, mini_batch_rows, micro_loss, seed)

@@ -23,6 +23,8 @@ import os
 import time
 from typing import Callable, Optional
 
+__all__ = ["DEFAULT_RANK", "FaultInjector", "KINDS", "SLOW_STEP_S", "first_attempt", "parse_fault"]
+
 KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save", "wrong_weights", "slow")
 DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0, "wrong_weights": None, "slow": None}
 SLOW_STEP_S = 1.0

@@ -25,6 +25,8 @@ from typing import Optional
 
 from rlhf_hpc.config.schema import GuardConfig
 
+__all__ = ["StabilityGuard", "WATCHED_FINITE", "value_loss_floor"]
+
 WATCHED_FINITE = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "actor/kl_loss",
                   "actor/entropy", "critic/score/mean", "actor/ref_kl_mean")
 

@@ -11,6 +11,9 @@ from torch.distributed.tensor import DTensor
 from rlhf_hpc.config.schema import OptimConfig
 from rlhf_hpc.distributed.comm import collective
 
+__all__ = ["build_lr_scheduler", "build_optimizer", "clip_grad_norm", "lr_multiplier", "move_optimizer_state",
+           "optimizer_state_on", "warmup_steps"]
+
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: the fused kernel where every parameter allows it (one

@@ -23,45 +23,44 @@ The step batch (one dict of tensors, rows = this rank's responses):
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
-import zlib
 from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from rlhf_hpc.ops import algos
+from rlhf_hpc.ops.estimators import AdvantageInputs, compute_advantages
 from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.ops.batching import make_padded_batch, per_rank_mini_batch
-from rlhf_hpc.ops.rollout_correction import rollout_correction
-from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.data.dataset import Example, StatefulSampler, load_examples
-from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_min, all_reduce_sum,
-                                                build_rollout_tp_group)
+from rlhf_hpc.data.dataset import StatefulSampler, load_examples
+from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max, all_reduce_sum, build_rollout_tp_group
 from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows
-from rlhf_hpc.ppo.training_models import TrainingModels, build_training_models
+from rlhf_hpc.ppo.training_models import build_training_models
 from rlhf_hpc.ppo.faults import FaultInjector
 from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.planning.layout import describe as describe_layouts
-from rlhf_hpc.planning.memory_plan import check_plan
-from rlhf_hpc.planning.time_plan import TimeModel
+from rlhf_hpc.planning.memory_plan import check_plan, oom_message
 from rlhf_hpc.ppo.guard import StabilityGuard
+from rlhf_hpc.ppo.step_batch import (make_step_batch, rollout_rows, sampling_for, score_responses,
+                                     scores_on_last_token, step_seed)
+from rlhf_hpc.ppo.step_metrics import data_metrics, perf_metrics, reduce_stats, time_model
+from rlhf_hpc.ppo.validation import run_validation
 from rlhf_hpc.models.hf import model_config, torch_dtype
 from rlhf_hpc.distributed.fsdp import describe_gradient_reduction
-from rlhf_hpc.observability.perf import Timer, memory_metrics, model_flops, peak_flops
+from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.observability.profiling import StepProfiler
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rewards.reward_model import build_reward_model
-from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch
 from rlhf_hpc.rollout.factory import make_engine
-from rlhf_hpc.models.tokenizer import load_tokenizer, stop_token_ids, tokenizer_path
+from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.observability.tracking import Tracker
+
+__all__ = ["PPOTrainer", "fit", "out_of_memory_report"]
 
 
 def fit(cfg: Config, ctx: DistContext) -> None:
@@ -88,22 +87,20 @@ class PPOTrainer:
                         if cfg.data.val_files else [])
         self.sampler = StatefulSampler(len(self.train_set), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.total_steps = tr.total_training_steps or self.sampler.batches_per_epoch * tr.total_epochs
+        self.shape = step_shape(cfg)  # rows per rank, mini/micro-batches per phase (as the plans see them)
 
-        self.models = build_training_models(cfg, ctx, self.total_steps)
+        # (the tracker comes later: it continues the run ids of the checkpoint the models resume from)
+        self.models = build_training_models(cfg, ctx, self.total_steps, log=lambda line: self.tracker.log_line(line))
         tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
         self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
         self.kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
-        self.reward_fn = RewardFunction(cfg)
+        self.reward_fn = RewardFunction(cfg.custom_reward_function)
         self.reward_model = build_reward_model(cfg, ctx, self.tokenizer) if cfg.reward_model.enable else None
-        self.logprob_check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
         self.guard = StabilityGuard(tr.guard)
         self.faults = FaultInjector(tr.inject_fault, ctx.rank)
-        # the actor's settings before any rollback scaled them
-        self.base_lrs = list(self.models.actor.scheduler.base_lrs)
-        self.base_kl_loss_coef = arr.actor.kl_loss_coef
 
         self.step, wandb_id, mlflow_id = 0, None, None
-        self.resumed_from = find_resume_checkpoint(cfg, self.run_dir, log=print if ctx.is_main else (lambda *_: None))
+        self.resumed_from = ckpt.find_resume_checkpoint(cfg, self.run_dir, log=print if ctx.is_main else (lambda *_: None))
         if self.resumed_from is not None:
             extra = self.restore(self.resumed_from)
             self.step, wandb_id, mlflow_id = extra["global_step"], extra.get("wandb_run_id"), extra.get("mlflow_run_id")
@@ -172,12 +169,7 @@ class PPOTrainer:
 
     def apply_guard_scales(self) -> None:
         """The guard's LR and KL scales on the actor: its schedule's base LRs and KL-loss coefficient."""
-        actor = self.models.actor
-        sched = actor.scheduler
-        sched.base_lrs = [lr * self.guard.lr_scale for lr in self.base_lrs]
-        for group, base, fn in zip(actor.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-            group["lr"] = base * fn(sched.last_epoch)
-        actor.kl_loss_coef = self.base_kl_loss_coef * self.guard.kl_scale
+        self.models.actor.scale(self.guard.lr_scale, self.guard.kl_scale)
 
     def roll_back(self, at_step: int, reason: str) -> int:
         """The stability guard rejected this step: continue from the last good checkpoint with a
@@ -205,7 +197,7 @@ class PPOTrainer:
         if self.resumed_from is None and tr.guard.enable and tr.guard.initial_checkpoint and tr.save_freq > 0:
             self.save(0)  # the starting point: what a divergence in the first steps rolls back to
         if tr.val_before_train and self.val_set and self.step == 0:
-            self.tracker.log(self.validate(), self.step)
+            self.tracker.log(self.run_validation(), self.step)
         plan = check_plan(cfg)[0] if self.ctx.is_main else None  # its phases against this run's peaks (once)
         first_step = self.step
         timed = False  # the time plan's line: once, at the run's second step (its first warms up)
@@ -230,7 +222,7 @@ class PPOTrainer:
             # 10. validation
             if self.val_set and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == self.total_steps):
                 t0 = time.perf_counter()
-                metrics.update(self.validate())
+                metrics.update(self.run_validation())
                 metrics["timing_s/testing"] = time.perf_counter() - t0
             # 11. the stability guard: a divergent step is logged, then undone
             reason = self.guard.check(metrics)
@@ -258,8 +250,8 @@ class PPOTrainer:
         self.tracker.close()
         self.rollout.close()
 
-    def validate(self) -> dict[str, float]:
-        return validate(self.cfg, self.ctx, self.models, self.rollout, self.val_set, self.tokenizer, self.reward_fn)
+    def run_validation(self) -> dict[str, float]:
+        return run_validation(self.cfg, self.ctx, self.models, self.rollout, self.val_set, self.tokenizer, self.reward_fn)
 
     # -------------------------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, float]:
@@ -295,8 +287,10 @@ class PPOTrainer:
             # 6. advantages (a prompt's responses may sit on several ranks: group statistics are global),
             # after the rollout correction's weights and rejections (verl's decoupled mode)
             with timer("adv"):
-                self.correct_rollout(batch, metrics)
-                batch["advantages"], batch["returns"] = compute_advantages(cfg, batch, num_groups=len(prompts))
+                models.actor.correction.before_advantages(batch, metrics)
+                batch["advantages"], batch["returns"] = compute_advantages(cfg.algorithm, AdvantageInputs(
+                    batch["token_rewards"], batch["response_mask"].float(), batch["uid"], num_groups=len(prompts),
+                    values=batch.get("values"), all_reduce=all_reduce_sum))
             # 7. critic, then 8. actor
             self.update(batch, step, timer, metrics)
         # 9. metrics (global over ranks)
@@ -336,55 +330,22 @@ class PPOTrainer:
         """``old_log_probs``: the actor's, or in verl's bypass mode the engine's own (no forward
         pass; the engine check then runs on the update's first mini-batch); ``ref_log_prob`` and
         ``values`` where there is a reference and a critic. Returns the rollout's entropy (or None)."""
-        arr, models = self.cfg.actor_rollout_ref, self.models
+        models, shape = self.models, self.shape
         entropy = None
-        if self.cfg.algorithm.rollout_correction.bypass_mode:
-            batch["old_log_probs"] = batch["engine_log_probs"].clone()
-        else:
+        if not models.actor.correction.bypass:
             with timer("old_log_prob"):
                 batch["old_log_probs"], entropy = models.actor.compute_log_prob(
-                    batch, arr.rollout.log_prob_micro_batch_size_per_gpu, arr.rollout.log_prob_use_dynamic_bsz,
-                    arr.rollout.log_prob_max_token_len_per_gpu, with_entropy=True)
-            self.check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"], step, metrics)
+                    batch, shape.old_log_prob.micro_rows, shape.old_log_prob.dynamic, shape.old_log_prob.token_budget,
+                    with_entropy=True)
+        models.actor.correction.after_old_log_probs(batch, step, metrics)  # bypass: the engine's; else its check
         if models.ref is not None:
             with timer("ref"):
                 batch["ref_log_prob"], _ = models.ref.compute_log_prob(
-                    batch, arr.ref.log_prob_micro_batch_size_per_gpu, arr.ref.log_prob_use_dynamic_bsz,
-                    arr.ref.log_prob_max_token_len_per_gpu)
+                    batch, shape.ref.micro_rows, shape.ref.dynamic, shape.ref.token_budget)
         if models.critic is not None:
             with timer("values"):
-                batch["values"] = models.critic.compute_values(batch, self.cfg.critic.ppo_micro_batch_size_per_gpu)
+                batch["values"] = models.critic.compute_values(batch, shape.values.micro_rows)
         return entropy
-
-    def check_engine(self, engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor, step: int,
-                     metrics: dict) -> None:
-        """The standing rollout/actor log-prob check on the same tokens; raises when the engine is
-        broken (rollout.base.LogprobCheck)."""
-        metrics.update(logprob_mismatch(engine_lp, actor_lp, mask, all_reduce_sum, all_reduce_max))
-        warning = self.logprob_check(metrics, step)
-        if warning and self.ctx.is_main:
-            self.tracker.log_line(f"[rlhf-hpc] WARNING {warning}")
-
-    def correct_rollout(self, batch: dict, metrics: dict) -> None:
-        """verl's rollout correction in decoupled mode, over the whole step (global over ranks): IS
-        weights pi_old / pi_rollout (``rollout_is_weights``, (B, R), into the actor's loss), the response
-        mask after rejection sampling, and the ``rollout_corr/`` metrics. In bypass mode the update
-        corrects each micro-batch against the current policy instead (``Actor.update_policy``)."""
-        rc = self.cfg.algorithm.rollout_correction
-        if rc.bypass_mode:
-            return
-        weights, mask, corr = rollout_correction(batch["old_log_probs"], batch["engine_log_probs"],
-                                                 batch["response_mask"], rc, all_reduce_sum, all_reduce_max)
-        if rc.rollout_rs is not None:  # lengths stay those sampled (data_metrics); training sees the rest
-            if all_reduce_sum(mask.sum().double().reshape(1)).item() == 0:  # (global: every rank stops here)
-                raise ConfigError(
-                    f"algorithm.rollout_correction.rollout_rs={rc.rollout_rs} rejected every response token of the "
-                    f"step (rollout_corr/k3_kl {corr['rollout_corr/k3_kl']:.3g}, kl {corr['rollout_corr/kl']:.3g} between "
-                    f"the actor and the engine): loosen rollout_rs_threshold={rc.rollout_rs_threshold}")
-            batch["sampled_response_mask"], batch["response_mask"] = batch["response_mask"], mask
-        if weights is not None:
-            batch["rollout_is_weights"] = weights
-        metrics.update(corr)
 
     def score(self, batch: dict, rows: list[RolloutRow], timer: Timer, metrics: dict) -> torch.Tensor:
         """(B,) a score per response: the reward model's where there is one (it replaces the rule or
@@ -399,22 +360,16 @@ class PPOTrainer:
     def update(self, batch: dict, step: int, timer: Timer, metrics: dict) -> None:
         """The critic's update, then the actor's; as verl, the actor waits while
         ``trainer.critic_warmup`` > step."""
-        arr, models, world = self.cfg.actor_rollout_ref, self.models, self.ctx.world_size
+        models = self.models
         if models.critic is not None:
             with timer("update_critic"):
-                metrics.update(models.critic.update_critic(
-                    batch, per_rank_mini_batch(self.cfg.critic.ppo_mini_batch_size, arr.rollout.n, world), seed=step))
+                metrics.update(models.critic.update_critic(batch, self.shape.update_critic.mini_rows, seed=step))
         if self.cfg.trainer.critic_warmup > step:
             return
-        bypass = self.cfg.algorithm.rollout_correction.bypass_mode
-        pre_update = [] if bypass else None
         with timer("update_actor"), self.faults.around_actor_update(step, models.actor.optimizer, batch):
-            metrics.update(models.actor.update_policy(
-                batch, per_rank_mini_batch(arr.actor.ppo_mini_batch_size, arr.rollout.n, world),
-                seed=step, pre_update_sample=pre_update))
+            metrics.update(models.actor.update_policy(batch, self.shape.update_actor.mini_rows, seed=step))
             metrics["actor/kl_coef"] = models.actor.kl_loss_coef
-        if bypass:
-            self.check_engine(*(torch.cat(t) for t in zip(*pre_update)), step, metrics)
+        models.actor.correction.after_update(step, metrics)  # bypass: the engine check on the pre-update forward
 
 
 # ----------------------------------------------------------------------------------- pieces
@@ -424,219 +379,8 @@ def out_of_memory_report(timer: Timer, device: torch.device):
     try:
         yield
     except torch.OutOfMemoryError as e:
-        from rlhf_hpc.planning.memory_plan import oom_message
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         raise RuntimeError(oom_message(timer.current, peak, str(device))) from e
-
-
-def find_resume_checkpoint(cfg: Config, run_dir: Path, log=print) -> Optional[Path]:
-    mode = cfg.trainer.resume_mode
-    if mode == "disable":
-        return None
-    if mode == "auto":
-        path = ckpt.choose_resume(run_dir, log)
-    else:
-        path = Path(mode).expanduser()
-        problem = ckpt.verify_checkpoint(path)
-        if problem:
-            raise RuntimeError(f"trainer.resume_mode: {path} is not a usable checkpoint: {problem}")
-    if path is not None:
-        ckpt.check_resume_compatible(path, cfg)
-    return path
-
-
-def rollout_rows(train: list[Example], prompts: list[int], mine: range, responses) -> list[RolloutRow]:
-    """This rank's generated responses as rows: ``responses[i]`` answers prompt ``mine[i]`` of the
-    step (``prompts`` holds the step's dataset indices)."""
-    return [RolloutRow(prompt_pos=pos, example=prompts[pos], prompt_ids=train[prompts[pos]].prompt_ids,
-                       token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason)
-            for pos, group in zip(mine, responses) for r in group]
-
-
-def step_seed(seed: int, step: int, dp_rank: int) -> int:
-    """Sampling seed of a step on a rollout data-parallel rank (the engine's ``dp_rank``: the ranks
-    of one tensor-parallel group share it): a resumed run draws exactly the same rollouts."""
-    return zlib.crc32(f"{seed}/{step}/{dp_rank}".encode()) & 0x7FFFFFFF
-
-
-def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False) -> Sampling:
-    r = cfg.actor_rollout_ref.rollout
-    stops = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
-    if validation:
-        v = r.val_kwargs
-        return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample,
-                        max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos,
-                        seed=seed)
-    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample,
-                    max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos, seed=seed)
-
-
-def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
-    """This rank's rows -> the padded step batch; ``uid`` is the prompt's position in the step."""
-    P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
-    batch = make_padded_batch([r.prompt_ids for r in rows], [r.token_ids[:R] for r in rows],
-                              tokenizer.pad_token_id or 0, P, R)
-    engine_lp = torch.zeros(len(rows), R)
-    for i, r in enumerate(rows):
-        lp = r.logprobs[:R]
-        engine_lp[i, :len(lp)] = torch.tensor(lp)
-    batch["engine_log_probs"] = engine_lp
-    batch["uid"] = torch.tensor([r.prompt_pos for r in rows])
-    return batch
-
-
-def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], rows: list[RolloutRow],
-                    batch: dict) -> torch.Tensor:
-    """(B,) rule/custom scores of the decoded responses."""
-    scores = []
-    for i, row in enumerate(rows):
-        n = int(batch["response_mask"][i].sum())
-        text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
-        ex = train[row.example]
-        scores.append(reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index))
-    return torch.tensor(scores, dtype=torch.float32)
-
-
-def scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) scores -> (B, R) with each score on its row's last valid response token."""
-    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-    lengths = response_mask.sum(-1).long()
-    has = lengths > 0
-    token_scores[has.nonzero().squeeze(-1), (lengths[has] - 1)] = scores[has]
-    return token_scores
-
-
-def compute_advantages(cfg: Config, batch: dict, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), (B, R) each. ``batch["uid"]`` is each row's group (its prompt's
-    position in the step, ``0..num_groups-1``); group statistics are reduced over all ranks."""
-    a, mask, rewards = cfg.algorithm, batch["response_mask"].float(), batch["token_rewards"]
-    if a.adv_estimator == "gae":
-        adv, ret = algos.gae_advantages(rewards, batch["values"], mask, a.gamma, a.lam)
-        # whitened over the global batch (the reference whitens inside its GAE)
-        return algos.masked_whiten(adv, mask, all_reduce=all_reduce_sum) * mask, ret
-    index, groups = batch["uid"], dict(all_reduce=all_reduce_sum, num_groups=num_groups)
-    if a.adv_estimator == "grpo":
-        return algos.grpo_advantages(rewards, mask, index, norm_by_std=a.norm_adv_by_std_in_grpo, **groups)
-    if a.adv_estimator == "rloo":
-        return algos.rloo_advantages(rewards, mask, index, **groups)
-    if a.adv_estimator == "reinforce_plus_plus":
-        return algos.reinforce_pp_advantages(rewards, mask, a.gamma, all_reduce=all_reduce_sum)
-    return algos.reinforce_pp_baseline_advantages(rewards, mask, index, **groups)
-
-
-def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """``{name: 1-D tensor}`` -> name/mean, name/max, name/min over all ranks (three all-reduces)."""
-    names = sorted(values)
-    sums = torch.tensor([[values[n].double().sum().item(), float(values[n].numel())] for n in names], dtype=torch.float64)
-    maxs = torch.tensor([values[n].max().item() if values[n].numel() else -math.inf for n in names], dtype=torch.float64)
-    mins = torch.tensor([values[n].min().item() if values[n].numel() else math.inf for n in names], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        sums = all_reduce_sum(sums)
-        maxs, mins = -all_reduce_min(-maxs), all_reduce_min(mins)
-    out = {}
-    for i, n in enumerate(names):
-        out[f"{n}/mean"] = (sums[i, 0] / max(sums[i, 1], 1.0)).item()
-        out[f"{n}/max"], out[f"{n}/min"] = maxs[i].item(), mins[i].item()
-    return out
-
-
-def data_metrics(batch: dict, entropy: Optional[torch.Tensor], use_critic: bool) -> dict[str, float]:
-    """The reference's per-step data metrics, global over ranks. Lengths are of the responses as
-    sampled; advantages, returns and values over the tokens trained (after rejection sampling)."""
-    mask = batch["response_mask"].bool()
-    resp_len = batch.get("sampled_response_mask", batch["response_mask"]).sum(-1).float()
-    prompt_len = batch["attention_mask"].sum(-1).float() - resp_len
-    R, P = mask.shape[1], batch["attention_mask"].shape[1] - mask.shape[1]
-    values = {"critic/score": batch["token_scores"].sum(-1), "critic/rewards": batch["token_rewards"].sum(-1),
-              "critic/advantages": batch["advantages"][mask], "critic/returns": batch["returns"][mask],
-              "response_length": resp_len, "prompt_length": prompt_len}
-    if entropy is not None:  # None in bypass mode (no old-log-prob pass)
-        values["actor/rollout_entropy"] = entropy[mask]
-    if use_critic:
-        values["critic/values"] = batch["values"][mask]
-    out = reduce_stats(values)
-    clipped = all_reduce_sum(torch.tensor([(resp_len >= R).sum().item(), (prompt_len >= P).sum().item(),
-                                           float(len(resp_len))], dtype=torch.float64))
-    out["response_length/clip_ratio"] = (clipped[0] / clipped[2]).item()
-    out["prompt_length/clip_ratio"] = (clipped[1] / clipped[2]).item()
-    if use_critic:
-        # explained variance of the returns by the values (1 = perfect value function)
-        ret, val = batch["returns"][mask].double(), batch["values"][mask].double()
-        s = all_reduce_sum(torch.stack([ret.sum(), (ret ** 2).sum(), (ret - val).sum(), ((ret - val) ** 2).sum(),
-                                        torch.tensor(float(ret.numel()), dtype=torch.float64)]))
-        n = max(s[4].item(), 1.0)
-        var_ret = s[1].item() / n - (s[0].item() / n) ** 2
-        var_err = s[3].item() / n - (s[2].item() / n) ** 2
-        out["critic/vf_explained_var"] = 1.0 - var_err / (var_ret + 1e-8)
-    # KL between the rollout policy and the reference, mean and variance over tokens
-    if "ref_log_prob" in batch:
-        kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], "kl")[mask].double()
-        s = all_reduce_sum(torch.stack([kl.sum(), (kl ** 2).sum(), torch.tensor(float(kl.numel()), dtype=torch.float64)]))
-        n = max(s[2].item(), 1.0)
-        out["actor/ref_kl_mean"] = s[0].item() / n
-        out["actor/ref_kl_var"] = s[1].item() / n - (s[0].item() / n) ** 2
-    return out
-
-
-def time_model(cfg: Config, ctx: DistContext) -> Optional[TimeModel]:
-    """The time plan's model of this run on its own GPU (or this CPU's calibration); None where the
-    model's shape cannot be read."""
-    try:
-        return TimeModel(cfg, device_name=torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None)
-    except (FileNotFoundError, OSError, ValueError):
-        return None
-
-
-def perf_metrics(cfg: Config, ctx: DistContext, batch: dict, timer: Timer, model_cfg) -> dict[str, float]:
-    times = timer.times
-    # forward FLOPs of this rank's sequences (logits only on response tokens), summed over ranks
-    local = torch.tensor([float(batch["attention_mask"].sum()),
-                          model_flops(model_cfg, batch["attention_mask"].sum(-1).tolist(),
-                                      float(batch["response_mask"].sum()))], dtype=torch.float64)
-    tokens, fwd_flops = all_reduce_sum(local).tolist()
-    step_s = times.get("timing_s/step", 0.0)
-    out = {"perf/total_num_tokens": tokens, "perf/time_per_step": step_s,
-           "perf/throughput": tokens / max(step_s, 1e-9) / ctx.world_size}
-    update_s = times.get("timing_s/update_actor")
-    if update_s:
-        # forward + backward = 3 x forward, per epoch
-        flops = 3 * fwd_flops * cfg.actor_rollout_ref.actor.ppo_epochs
-        out["perf/mfu/actor"] = flops / update_s / (peak_flops(ctx.device, cfg.trainer.peak_tflops) * ctx.world_size)
-    # memory: the largest rank's (what has to fit), run and phase peaks in one all-reduce
-    mem = {**memory_metrics(ctx.device), **timer.peaks}
-    names = sorted(mem)
-    out.update(zip(names, all_reduce_max(torch.tensor([mem[n] for n in names], dtype=torch.float64)).tolist()))
-    return out
-
-
-def validate(cfg: Config, ctx: DistContext, models: TrainingModels, rollout, val: list[Example], tokenizer,
-             reward_fn: RewardFunction) -> dict[str, float]:
-    """Generate for the whole validation set (``rollout.val_kwargs``; greedy by default) and report
-    the mean score per data source as ``val-core/<data_source>/reward/mean@<n>``. As in verl,
-    ``data.val_batch_size`` only sets how many prompts go to the engine at once (all at once when
-    null); each such chunk is split evenly over the ranks."""
-    arr = cfg.actor_rollout_ref
-    rollout.resume()
-    sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb)
-    sources = sorted({e.data_source for e in val})
-    sums = torch.zeros(len(sources), 2, dtype=torch.float64)
-    chunk = cfg.data.val_batch_size or len(val)
-    for c, start in enumerate(range(0, len(val), chunk)):
-        part = val[start:start + chunk]
-        mine = [part[i] for i in prompt_share(len(part), ctx.world_size, ctx.rank)]
-        sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, rollout.dp_rank),
-                                validation=True)
-        outs = rollout.generate([e.prompt_ids for e in mine], sampling)
-        for ex, group in zip(mine, outs):
-            for r in group:
-                text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
-                score = reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index)
-                sums[sources.index(ex.data_source)] += torch.tensor([score, 1.0], dtype=torch.float64)
-    rollout.release()
-    sums = all_reduce_sum(sums)
-    n = arr.rollout.val_kwargs.n
-    return {f"val-core/{s}/reward/mean@{n}": (sums[i, 0] / max(sums[i, 1].item(), 1.0)).item()
-            for i, s in enumerate(sources)}
 
 
 if os.environ.get("TOKENIZERS_PARALLELISM") is None:

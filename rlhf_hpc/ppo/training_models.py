@@ -2,21 +2,26 @@
 (the generation engine is rlhf_hpc.rollout)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from rlhf_hpc.ppo.actor import Actor
+from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.ppo.critic import Critic
-from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum
+from rlhf_hpc.ppo.critic import Critic, CriticSpec
+from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max_int, all_reduce_sum
 from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
 from rlhf_hpc.models.hf import import_external_libs, attn_implementation, build_causal_lm, build_critic, is_tiny, torch_dtype
 from rlhf_hpc.models.lora import AdapterDisabled, apply_lora, lora_enabled
 from rlhf_hpc.ppo.optim import build_lr_scheduler, build_optimizer
+from rlhf_hpc.ppo.rollout_correction import RolloutCorrection
+from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.distributed.loading import build_sharded
 from rlhf_hpc.distributed.sequence_parallel import KEYS as SP_KEYS, for_model as sequence_parallel_for
+
+__all__ = ["TrainingModels", "build_training_models"]
 
 
 @dataclass
@@ -38,8 +43,10 @@ class TrainingModels:
         return comps
 
 
-def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> TrainingModels:
-    """Build and shard the models on every rank (collective). ``total_steps`` sizes the LR schedules.
+def build_training_models(cfg: Config, ctx: DistContext, total_steps: int,
+                          log: Optional[Callable[[str], None]] = None) -> TrainingModels:
+    """Build and shard the models on every rank (collective). ``total_steps`` sizes the LR schedules;
+    ``log``: where the actor's rollout correction warns (default: printed by the main rank).
 
     A pretrained checkpoint is read once, by rank 0, and sent to the others' shards
     (rlhf_hpc.distributed.loading); a tiny random model is built from the same seed on every rank.
@@ -53,8 +60,8 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> Tr
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
     fsdp = resolved_fsdp_configs(cfg)  # the layouts left at null, chosen from the model size
     recompute = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}  # likewise checkpointing
-    common = dict(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max,
-                  norm_const=float(cfg.data.max_response_length), device=ctx.device)
+    norm_const = float(cfg.data.max_response_length)
+    placement = Placement(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max, device=ctx.device)
 
     pretrained = not is_tiny(mcfg.path)
 
@@ -70,24 +77,27 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> Tr
     actor_sp = sequence_parallel_for(actor_cfg.ulysses_sequence_parallel_size, model.config, SP_KEYS[0])
     opt = build_optimizer(model, actor_cfg.optim)
     on_gpu = ctx.device.type == "cuda"
-    rc = cfg.algorithm.rollout_correction
-    actor = Actor(model, actor_cfg, temperature=arr.rollout.temperature, remove_padding=mcfg.use_remove_padding,
-                  optimizer=opt, scheduler=build_lr_scheduler(opt, actor_cfg.optim, total_steps),
-                  optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, sp=actor_sp,
-                  all_reduce_max=all_reduce_max, bypass_correction=rc if rc.bypass_mode else None, **common)
+    if log is None:
+        log = (lambda line: print(line, flush=True)) if ctx.is_main else (lambda line: None)
+    actor = Actor(model, actor_cfg, ActorSpec(
+        temperature=arr.rollout.temperature, remove_padding=mcfg.use_remove_padding, optimizer=opt,
+        scheduler=build_lr_scheduler(opt, actor_cfg.optim, total_steps),
+        optimizer_offload=on_gpu and actor_cfg.fsdp_config.optimizer_offload, norm_const=norm_const,
+        placement=dataclasses.replace(placement, sp=actor_sp), correction=RolloutCorrection.from_config(cfg, log)))
 
     ref = None
+    ref_spec = ActorSpec(temperature=arr.rollout.temperature, remove_padding=mcfg.use_remove_padding,
+                         norm_const=norm_const)
     if (actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward) and actor_lora:
         # the base model is the reference: the actor's own weights with the adapter off (verl's ref_in_actor)
-        ref = Actor(AdapterDisabled(model), actor_cfg, temperature=arr.rollout.temperature,
-                    remove_padding=mcfg.use_remove_padding, sp=actor_sp, **common)
+        ref = Actor(AdapterDisabled(model), actor_cfg,
+                    dataclasses.replace(ref_spec, placement=dataclasses.replace(placement, sp=actor_sp)))
     elif actor_cfg.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         ref_model = build_sharded(policy(arr.ref.fsdp_config.model_dtype), fsdp["ref"], ctx, False, pretrained,
                                    frozen=True)
-        ref = Actor(ref_model, actor_cfg, temperature=arr.rollout.temperature,
-                    remove_padding=mcfg.use_remove_padding,
-                    sp=sequence_parallel_for(arr.ref.ulysses_sequence_parallel_size, ref_model.config, SP_KEYS[1]),
-                    **common)
+        ref_sp = sequence_parallel_for(arr.ref.ulysses_sequence_parallel_size, ref_model.config, SP_KEYS[1])
+        ref = Actor(ref_model, actor_cfg, dataclasses.replace(ref_spec, placement=dataclasses.replace(placement,
+                                                                                                      sp=ref_sp)))
 
     critic = None
     if cfg.critic.enable:
@@ -107,9 +117,10 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int) -> Tr
         cmodel = build_sharded(value_model, fsdp["critic"], ctx, recompute["critic"], not is_tiny(ccfg.model.path))
         del init_from
         copt = build_optimizer(cmodel, ccfg.optim)
-        critic = Critic(cmodel, ccfg, remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
-                        scheduler=build_lr_scheduler(copt, ccfg.optim, total_steps),
-                        optimizer_offload=on_gpu and ccfg.model.fsdp_config.optimizer_offload,
-                        sp=sequence_parallel_for(ccfg.ulysses_sequence_parallel_size, cmodel.config, SP_KEYS[2]),
-                        **common)
+        critic_sp = sequence_parallel_for(ccfg.ulysses_sequence_parallel_size, cmodel.config, SP_KEYS[2])
+        critic = Critic(cmodel, ccfg, CriticSpec(
+            remove_padding=ccfg.model.use_remove_padding, optimizer=copt,
+            scheduler=build_lr_scheduler(copt, ccfg.optim, total_steps),
+            optimizer_offload=on_gpu and ccfg.model.fsdp_config.optimizer_offload, norm_const=norm_const,
+            placement=dataclasses.replace(placement, sp=critic_sp)))
     return TrainingModels(actor=actor, ref=ref, critic=critic)

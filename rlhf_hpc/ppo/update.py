@@ -3,7 +3,8 @@ gradient accumulation, losses normalised by the counts of the whole global mini-
 clipping, one optimizer step per mini-batch, one scheduler step per call."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -14,21 +15,56 @@ from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, select_
 from rlhf_hpc.ops.metrics import UpdateMetrics
 from rlhf_hpc.ppo.optim import clip_grad_norm
 from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
+from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
+
+__all__ = ["MicroLoss", "Placement", "UpdateSpec", "ppo_update"]
 
 # (micro-batch, agg_loss keyword arguments, metrics, weight 0/1) -> the loss to backpropagate
 MicroLoss = Callable[[Batch, dict, UpdateMetrics, float], torch.Tensor]
 
 
-def ppo_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Batch, mini_batch_rows: int,
-               cfg, micro_loss: MicroLoss, prefix: str, seed: int, dp_size: int,
-               all_reduce: Optional[Callable] = None, sync_max: Optional[Callable] = None,
-               norm_const: Optional[float] = None, device: torch.device = torch.device("cpu"),
-               sp=None) -> dict[str, float]:
-    """Run the update; ``cfg`` has ppo_epochs, shuffle, ppo_micro_batch_size_per_gpu, use_dynamic_bsz,
-    ppo_max_token_len_per_gpu and grad_clip (ActorConfig or CriticConfig). ``batch`` lives on the
-    host; each micro-batch moves to ``device`` for its forward/backward. Returns metrics that are
-    the same on every rank. ``sp`` (a ``SequenceParallel`` or None): each mini-batch is the
-    group's rows, computed by all its ranks, each rank a slice of the tokens."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's rows compute and how its numbers are reduced over the ranks.
+
+    ``dp_size``: the number of ranks FSDP averages gradients over (all ranks, replicate x shard);
+    ``all_reduce``: SUM over the data-parallel ranks (None when alone); ``sync_max``: the largest
+    int over them (every rank runs the same number of micro-batches); ``device``: where the model
+    computes (with parameter offload its parameters live on the host, so it is not their device);
+    ``sp``: the sequence-parallel group (None without Ulysses): its ranks compute their rows
+    together, each a slice of the sequence."""
+    dp_size: int = 1
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    sync_max: Optional[Callable[[int], int]] = None
+    device: torch.device = torch.device("cpu")
+    sp: Optional[SequenceParallel] = None
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """What one ``ppo_update`` trains: ``model`` with its ``optimizer`` and LR ``scheduler`` (or
+    None); ``cfg``, the model's section (ActorConfig or CriticConfig: ppo_epochs, shuffle,
+    ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu, grad_clip); ``prefix``
+    of its metrics (``actor``, ``critic``); ``norm_const`` of the losses' ``seq-mean-token-sum-norm``
+    and where it runs."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    cfg: Any
+    prefix: str
+    norm_const: Optional[float] = None
+    placement: Placement = Placement()
+
+
+def ppo_update(spec: UpdateSpec, batch: Batch, mini_batch_rows: int, micro_loss: MicroLoss,
+               seed: int) -> dict[str, float]:
+    """Run the update of ``spec``. ``batch`` lives on the host; each micro-batch moves to the
+    placement's device for its forward/backward. Returns metrics that are the same on every rank.
+    With a sequence-parallel group, each mini-batch is the group's rows, computed by all its ranks,
+    each rank a slice of the tokens."""
+    model, optimizer, scheduler, cfg, prefix = spec.model, spec.optimizer, spec.scheduler, spec.cfg, spec.prefix
+    dp_size, all_reduce, sync_max = spec.placement.dp_size, spec.placement.all_reduce, spec.placement.sync_max
+    norm_const, device, sp = spec.norm_const, spec.placement.device, spec.placement.sp
     model.train()
     B = batch["responses"].shape[0]
     metrics = UpdateMetrics()

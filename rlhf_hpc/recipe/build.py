@@ -14,6 +14,8 @@ from typing import Any
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.config.schema import Config
 
+__all__ = ["all_keys", "build"]
+
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)

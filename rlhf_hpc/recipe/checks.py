@@ -2,16 +2,26 @@
 possible, the fix (``validate`` collects them)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
-from rlhf_hpc.config.schema import ATTN_IMPLEMENTATIONS, Config, FSDPConfig
-from rlhf_hpc.config.tree import flatten, get_key, to_dict
+from rlhf_hpc.config.schema import ATTN_IMPLEMENTATIONS, Config
+from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.config.engines import AUTO, ENGINES
+from rlhf_hpc.config.trackers import TRACKERS
 from rlhf_hpc.ops.batching import per_rank_mini_batch
+from rlhf_hpc.ops.estimators import ADV_ESTIMATORS
+from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
+from rlhf_hpc.recipe.defaults import deprecated_key_warnings
+from rlhf_hpc.recipe.model_checks import (lora_problems, model_architecture_problems, reward_model_problems,
+                                          sequence_parallel_problems)
+from rlhf_hpc.ops.rollout_correction import parse_rejection
+from rlhf_hpc.planning.hardware import hardware_problems
+from rlhf_hpc.recipe.packages import config_package_problems
+
+__all__ = ["validate"]
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -71,8 +81,6 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     """Cross-field checks on a resolved config, by topic. Raises ConfigError listing every problem;
     returns warnings (notes that do not stop a run). With ``check_files`` False (a dry run prepared
     away from the cluster) missing files are warnings too."""
-    from rlhf_hpc.planning.hardware import hardware_problems
-    from rlhf_hpc.recipe.packages import config_package_problems
     errors, warnings = rollout_correction_problems(cfg)
     size_errors, sizes_ok = size_problems(cfg)
     errors += size_errors
@@ -95,6 +103,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors += lora_problems(cfg)
     errors += hardware_problems(cfg)
     warnings += strategy_warnings(cfg)
+    warnings += deprecated_key_warnings(cfg)
     files = missing_files(cfg)
     if check_files:
         errors += files
@@ -108,7 +117,6 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
 def rollout_correction_problems(cfg: Config) -> tuple[list[str], list[str]]:
     """``algorithm.rollout_correction``: values verl would refuse at run time are refused here, and a
     key that would change nothing in this config is refused rather than ignored."""
-    from rlhf_hpc.ops.rollout_correction import parse_rejection
     rc, rollout, key = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.rollout, "algorithm.rollout_correction"
     errors, warnings = [], []
     if rc.bypass_mode and (rollout.top_p < 1.0 or rollout.top_k > 0):
@@ -140,36 +148,6 @@ def rollout_correction_problems(cfg: Config) -> tuple[list[str], list[str]]:
                         f"already current / engine policy, so the IS weights are reported (rollout_corr/rollout_is_*) "
                         f"but not applied, as in verl; loss_type=reinforce applies them")
     return errors, warnings
-
-
-def lora_problems(cfg: Config) -> list[str]:
-    """LoRA keys (verl's) that cannot work, or would change nothing in this config."""
-    from rlhf_hpc.models.lora import VLLM_LORA_RANKS, lora_enabled
-    arr, errors = cfg.actor_rollout_ref, []
-    for key, m in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
-        if m.lora_rank < 0 or m.lora_alpha <= 0:
-            errors.append(f"{key}.lora_rank={m.lora_rank} / lora_alpha={m.lora_alpha}: the rank must be >= 0 "
-                          f"(0: no LoRA) and alpha > 0")
-    path = arr.model.lora_adapter_path
-    if path is not None and not (Path(path).expanduser() / "adapter_config.json").is_file():
-        errors.append(f"actor_rollout_ref.model.lora_adapter_path={path}: no adapter_config.json there (a PEFT "
-                      f"adapter directory, e.g. an export's lora_adapter/)")
-    if arr.rollout.name == "vllm" and arr.model.lora_rank > VLLM_LORA_RANKS[-1]:
-        errors.append(f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: vLLM serves adapters up to rank "
-                      f"{VLLM_LORA_RANKS[-1]}")
-    if lora_enabled(cfg.critic.model) and not cfg.critic.enable:
-        errors.append(f"critic.model.lora_rank={cfg.critic.model.lora_rank} has no effect: there is no critic "
-                      f"(critic.enable={cfg.critic.enable}, algorithm.adv_estimator={cfg.algorithm.adv_estimator})")
-    if lora_enabled(arr.model) and (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
-        # the reference runs as the actor does: a ref layout or precision of its own would be ignored
-        ref, actor, default = (flatten(to_dict(f)) for f in (arr.ref.fsdp_config, arr.actor.fsdp_config, FSDPConfig()))
-        changed = [f"actor_rollout_ref.ref.fsdp_config.{k}={v}" for k, v in ref.items()
-                   if v != default.get(k) and v != actor.get(k)]
-        if changed:
-            errors.append(f"{', '.join(changed)} has no effect with LoRA: the reference is the actor with its adapter "
-                          f"off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config); leave it "
-                          f"at its default or the actor's value")
-    return errors
 
 
 def size_problems(cfg: Config) -> tuple[list[str], bool]:
@@ -284,6 +262,23 @@ def mesh_problems(cfg: Config) -> list[str]:
     return errors
 
 
+def registry_problems(cfg: Config) -> list[str]:
+    """Names looked up in a registry (estimator, policy loss, engine, loggers): unknown ones are
+    refused with the registry's names."""
+    arr = cfg.actor_rollout_ref
+    lookups = [(ADV_ESTIMATORS, cfg.algorithm.adv_estimator), (POLICY_LOSSES, arr.actor.policy_loss.loss_mode),
+               *((TRACKERS, name) for name in cfg.trainer.logger)]
+    if arr.rollout.name != AUTO:
+        lookups.append((ENGINES, arr.rollout.name))
+    errors = []
+    for registry, name in lookups:
+        try:
+            registry[name]
+        except ConfigError as e:
+            errors += e.errors
+    return errors
+
+
 def algorithm_problems(cfg: Config) -> list[str]:
     """The algorithm's and the sampler's values: clip ratios, estimators against n and the critic,
     gamma and lambda, greedy decoding with n > 1; the engine's memory share; resume_mode."""
@@ -297,13 +292,14 @@ def algorithm_problems(cfg: Config) -> list[str]:
         errors.append(f"actor_rollout_ref.actor.clip_ratio_low ({actor.clip_ratio_low}) must be in [0, 1)")
     if actor.clip_ratio_high < 0:
         errors.append(f"actor_rollout_ref.actor.clip_ratio_high ({actor.clip_ratio_high}) must be >= 0")
-    est = cfg.algorithm.adv_estimator
-    if est in ("grpo", "rloo", "reinforce_plus_plus_baseline") and rollout.n < 2:
-        errors.append(f"algorithm.adv_estimator={est} compares responses to the same prompt: set "
+    errors += registry_problems(cfg)
+    est = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
+    if est is not None and est.grouped and rollout.n < 2:
+        errors.append(f"algorithm.adv_estimator={est.name} compares responses to the same prompt: set "
                       f"actor_rollout_ref.rollout.n >= 2 (it is {rollout.n})")
-    if est == "gae" and critic.enable is False:
-        errors.append("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
-                      "(or pick grpo/rloo/reinforce_plus_plus)")
+    if est is not None and est.needs_critic and critic.enable is False:
+        errors.append(f"algorithm.adv_estimator={est.name} needs a critic: set critic.enable=true (or pick one "
+                      f"without: {', '.join(e.name for e in ADV_ESTIMATORS.values() if not e.needs_critic)})")
     if not 0 <= cfg.algorithm.gamma <= 1 or not 0 <= cfg.algorithm.lam <= 1:
         errors.append(f"algorithm.gamma ({cfg.algorithm.gamma}) and algorithm.lam ({cfg.algorithm.lam}) "
                       f"must be in [0, 1]")
@@ -331,86 +327,6 @@ def strategy_warnings(cfg: Config) -> list[str]:
         return []
     return [f"{', '.join(k + '=fsdp' for k in fsdp1)}: the engine here is FSDP2 (fully_shard) whatever "
             f"the strategy; verl's fsdp would be FSDP1. Set fsdp2 to say what runs"]
-
-
-def sequence_parallel_problems(cfg: Config) -> tuple[list[str], list[str]]:
-    """(errors, warnings) of the three ``ulysses_sequence_parallel_size`` keys: the size must divide
-    the ranks, the rows must be packed, attention must be ``varlen`` (the implementation that
-    exchanges heads), and the model's heads must split over the group."""
-    arr, tr, critic = cfg.actor_rollout_ref, cfg.trainer, cfg.critic
-    errors, warnings = [], []
-    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    for key, size, model, used in (
-            ("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, arr.model, True),
-            ("actor_rollout_ref.ref", arr.ref.ulysses_sequence_parallel_size, arr.model, uses_ref),
-            ("critic", critic.ulysses_sequence_parallel_size, critic.model, critic.enable)):
-        name = f"{key}.ulysses_sequence_parallel_size"
-        if size is None or size < 1:
-            errors.append(f"{name}={size} must be >= 1 (1: no sequence parallelism)")
-            continue
-        if size == 1 or not used:
-            continue
-        model_key = "actor_rollout_ref.model" if model is arr.model else "critic.model"
-        if cfg.world_size > 0 and cfg.world_size % size:
-            errors.append(f"{name}={size} must divide the ranks, trainer.nnodes x trainer.n_gpus_per_node = "
-                          f"{cfg.world_size} (a sequence-parallel group is {size} consecutive ranks)")
-        elif tr.n_gpus_per_node % size:
-            warnings.append(f"{name}={size} does not divide trainer.n_gpus_per_node ({tr.n_gpus_per_node}): "
-                            f"sequence-parallel groups span nodes and every layer's all-to-all crosses the network")
-        if not model.use_remove_padding:
-            errors.append(f"{name}={size} splits packed rows: set {model_key}.use_remove_padding=true")
-        attn = model.override_config.get("attn_implementation")
-        if attn not in (None, "varlen"):
-            errors.append(f"{name}={size} runs attention through attn_implementation=varlen (it exchanges heads "
-                          f"for the whole sequence); remove {model_key}.override_config.attn_implementation="
-                          f"{attn} or set it to varlen")
-        problem = _heads_problem(model.path, model.override_config, size, name)
-        if problem:
-            errors.append(problem)
-    return errors, warnings
-
-
-def _heads_problem(path: Optional[str], override: dict, size: int, key: str) -> Optional[str]:
-    """The model's heads against the sp size, where its config can be read here (a tiny model, or a
-    local directory); elsewhere the engine checks it when it builds the model."""
-    from rlhf_hpc.distributed.sequence_parallel import heads_problem
-    config = _readable_model_config(path, override)
-    if config is None:
-        return None
-    heads = config.num_attention_heads
-    return heads_problem(heads, getattr(config, "num_key_value_heads", None) or heads, size, key)
-
-
-def _readable_model_config(path: Optional[str], override: dict):
-    """The transformers config of a tiny model or a local model directory; None elsewhere (a hub
-    name resolved on the cluster, an unreadable directory: reported by the file checks / at build)."""
-    from rlhf_hpc.models.hf import is_tiny, model_config
-    if not path:
-        return None
-    local = os.path.expanduser(path)
-    if not is_tiny(path) and not os.path.isfile(os.path.join(local, "config.json")):
-        return None
-    try:
-        return model_config(path if is_tiny(path) else local, override)
-    except Exception:  # noqa: BLE001 - see above
-        return None
-
-
-def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
-    """(errors, warnings) of the policy's and the critic's architectures (rlhf_hpc.models.architectures),
-    where their configs can be read here."""
-    from rlhf_hpc.models.architectures import architecture_problems
-    errors, warnings = [], []
-    models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
-    if cfg.critic.enable and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
-        models.append(("critic.model", cfg.critic.model))
-    for key, model in models:
-        config = _readable_model_config(model.path, model.override_config)
-        if config is not None:
-            e, w = architecture_problems(config, key, model.override_config.get("attn_implementation"))
-            errors += e
-            warnings += w
-    return errors, warnings
 
 
 def unsupported_values(cfg: Config) -> list[str]:
@@ -455,55 +371,6 @@ def unsupported_values(cfg: Config) -> list[str]:
         lib = get_key(cfg, key)
         if lib and _module_missing(lib):
             errors.append(f"{key}={lib!r}: no such Python module here (it must be importable by the workers)")
-    return errors
-
-
-def reward_model_problems(cfg: Config) -> list[str]:
-    """The reward model's keys: consistent when it is enabled, at their defaults when it is not
-    (a key of a disabled reward model would be accepted and ignored)."""
-    from rlhf_hpc.config.schema import RewardModelConfig
-    from rlhf_hpc.models.tokenizer import tokenizer_path
-    rm, off, errors = cfg.reward_model, RewardModelConfig(), []
-    if not rm.enable:
-        fsdp = rm.model.fsdp_config
-        fsdp_default = dataclasses.replace(off.model.fsdp_config, fsdp_size=fsdp.fsdp_size) == fsdp and \
-            fsdp.fsdp_size in (None, cfg.trainer.n_gpus_per_node)
-        set_keys = [key for key in ("strategy", "model.path", "model.input_tokenizer", "model.trust_remote_code",
-                                    "model.external_lib", "model.override_config", "model.use_remove_padding",
-                                    "micro_batch_size_per_gpu", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
-                                    "max_length", "reward_manager")
-                    if get_key(rm, key) != get_key(off, key)]
-        set_keys += [] if fsdp_default else ["model.fsdp_config"]
-        if set_keys:
-            errors.append(f"reward_model.{set_keys[0]} is set but reward_model.enable=false, so it would have no "
-                          f"effect; set reward_model.enable=true to score with a reward model, or remove the key")
-        return errors
-    p = "reward_model"
-    if rm.micro_batch_size_per_gpu is not None and rm.micro_batch_size_per_gpu <= 0:
-        errors.append(f"{p}.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be > 0")
-    if rm.max_length is not None and rm.model.input_tokenizer is None:
-        errors.append(f"{p}.max_length={rm.max_length} cuts re-encoded sequences only, and with "
-                      f"{p}.model.input_tokenizer=null the reward model reads the actor's sequences as they are "
-                      f"(at most data.max_prompt_length + data.max_response_length tokens); remove the key, or set "
-                      f"{p}.model.input_tokenizer to the actor's tokenizer to re-encode")
-    elif rm.max_length is not None and rm.max_length <= 0:
-        errors.append(f"{p}.max_length={rm.max_length} must be > 0")
-    seq_len = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
-    if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu is not None and rm.forward_max_token_len_per_gpu < seq_len:
-        errors.append(f"{p}.forward_max_token_len_per_gpu ({rm.forward_max_token_len_per_gpu}) is smaller than one "
-                      f"full sequence ({seq_len} tokens)")
-    if rm.model.input_tokenizer is not None:
-        arr = cfg.actor_rollout_ref
-        actor_side = {os.path.expanduser(x) for x in (tokenizer_path(cfg), arr.model.path, arr.model.tokenizer_path,
-                                                      cfg.data.tokenizer) if x}
-        if os.path.expanduser(rm.model.input_tokenizer) not in actor_side:
-            errors.append(f"{p}.model.input_tokenizer={rm.model.input_tokenizer!r} must be the tokenizer the responses "
-                          f"were generated with, the actor's ({tokenizer_path(cfg)}): responses are decoded with it "
-                          f"and re-encoded with the reward model's; set it to {tokenizer_path(cfg)}, or null when the "
-                          f"reward model reads the actor's tokens as they are")
-    if rm.model.fsdp_config.optimizer_offload:
-        errors.append(f"{p}.model.fsdp_config.optimizer_offload=true: the reward model has no optimizer (inference "
-                      f"only); use {p}.model.fsdp_config.param_offload to keep its parameters on the host")
     return errors
 
 

@@ -14,10 +14,39 @@ from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.tree import get_key
 from rlhf_hpc.ops.batching import per_rank_mini_batch
+from rlhf_hpc.ops.estimators import ADV_ESTIMATORS
 from rlhf_hpc.recipe.build import all_keys
+
+__all__ = ["DEPRECATED_KEYS", "copy_deprecated_keys", "deprecated_key_warnings", "resolve"]
 
 
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+# deprecated keys -> the key that stays: still accepted, copied onto it when that one is unset
+# (``copy_deprecated_keys``), each named in a warning (``deprecated_key_warnings``, rlhf_hpc.recipe.checks)
+DEPRECATED_KEYS = {"trainer.gpu_memory_gb": "hardware.hbm_gb", "trainer.peak_tflops": "hardware.bf16_tflops"}
+
+
+def copy_deprecated_keys(cfg: Config) -> list[str]:
+    """Copy each deprecated key that is set onto the key that stays; the errors of the two set to
+    different values."""
+    errors = []
+    for old, new in DEPRECATED_KEYS.items():
+        value, kept = get_key(cfg, old), get_key(cfg, new)
+        if value is None:
+            continue
+        if kept is None:
+            parent, _, leaf = new.rpartition(".")
+            setattr(get_key(cfg, parent), leaf, value)
+        elif kept != value:
+            errors.append(f"{old}={value} and {new}={kept} are one figure: {old} is deprecated, set {new} alone")
+    return errors
+
+
+def deprecated_key_warnings(cfg: Config) -> list[str]:
+    """One line per deprecated key that is set, naming the key that stays."""
+    return [f"{old} is deprecated: set {new} instead (its value was copied there)"
+            for old, new in DEPRECATED_KEYS.items() if get_key(cfg, old) is not None]
 
 
 def _interpolate(cfg: Config, errors: list[str]) -> None:
@@ -53,6 +82,7 @@ def resolve(cfg: Config) -> Config:
     """Interpolate ``${...}`` and fill keys that default to other keys (in place; returns cfg)."""
     errors: list[str] = []
     _interpolate(cfg, errors)
+    errors += copy_deprecated_keys(cfg)
     if errors:
         raise ConfigError(errors)
     if cfg.launcher.cluster == "auto":
@@ -64,7 +94,8 @@ def resolve(cfg: Config) -> Config:
     if actor.clip_ratio_high is None:
         actor.clip_ratio_high = actor.clip_ratio
     if critic.enable is None:
-        critic.enable = cfg.algorithm.adv_estimator == "gae"
+        est = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)  # (an unknown one is refused by the checks)
+        critic.enable = est is not None and est.needs_critic
     if critic.model.path is None:
         critic.model.path = arr.model.path
     if critic.model.tokenizer_path is None:

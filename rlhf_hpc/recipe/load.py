@@ -31,6 +31,10 @@ from rlhf_hpc.config.tree import deep_merge, dump_yaml, flatten, parse_yaml, to_
 from rlhf_hpc.recipe.build import all_keys, build
 from rlhf_hpc.recipe.defaults import resolve
 from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.verl_compat import drop_out_of_scope_keys
+
+__all__ = ["apply_overrides", "list_recipes", "load_config", "load_recipe_tree", "load_resolved", "parse_override",
+           "write_resolved"]
 
 RECIPE_META_KEYS = ("base", "description")
 RECIPE_FILE = "recipe.yaml"  # in a run directory, beside config.yaml
@@ -139,7 +143,7 @@ def apply_overrides(tree: dict, overrides: Iterable[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------------ validate
-def profiles_dir() -> Path:
+def cluster_profiles_dir() -> Path:
     return Path(os.environ.get("RLHF_HPC_CLUSTERS", Path(__file__).resolve().parents[2] / "slurm" / "clusters"))
 
 
@@ -149,28 +153,27 @@ def apply_cluster_profile(tree: dict) -> dict:
     name = (tree.get("launcher") or {}).get("cluster_profile")
     if not name:
         return tree
-    path = profiles_dir() / f"{name}.yaml"
+    path = cluster_profiles_dir() / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+        known = sorted(p.stem for p in cluster_profiles_dir().glob("*.yaml"))
         raise ConfigError(f"launcher.cluster_profile: no profile '{name}'{did_you_mean(name, known)}; available: "
-                          f"{', '.join(known) or 'none'} (files in {profiles_dir()})")
-    profile = parse_yaml(path.read_text()) or {}
-    if not isinstance(profile, dict):
+                          f"{', '.join(known) or 'none'} (files in {cluster_profiles_dir()})")
+    cluster_profile = parse_yaml(path.read_text()) or {}
+    if not isinstance(cluster_profile, dict):
         raise ConfigError(f"{path}: expected a mapping of launcher keys")
     # the nodes' hardware, for the time plan: a preset's name or a mapping of hardware keys
-    hardware = profile.pop("hardware", None)
+    hardware = cluster_profile.pop("hardware", None)
     if isinstance(hardware, str):
         hardware = {"preset": hardware}
     if hardware is not None and not isinstance(hardware, dict):
         raise ConfigError(f"{path}: hardware: expected a preset name (e.g. h100_sxm) or a mapping of hardware keys")
-    return deep_merge({"launcher": profile, **({"hardware": hardware} if hardware else {})}, tree)
+    return deep_merge({"launcher": cluster_profile, **({"hardware": hardware} if hardware else {})}, tree)
 
 
 def load_config(recipe: Optional[str], overrides: Iterable[str] = (), check_files: bool = True
                 ) -> tuple[Config, list[str]]:
     """Recipe name/path (None: the defaults alone, which are verl's) + overrides -> (resolved,
     validated Config, warnings)."""
-    from rlhf_hpc.recipe.verl_compat import drop_out_of_scope_keys
     written = load_recipe_tree(recipe) if recipe else {}
     tree = apply_cluster_profile(apply_overrides(written, overrides))
     cfg = resolve(build(drop_out_of_scope_keys(tree, set(all_keys()))))

@@ -7,6 +7,11 @@ import importlib.metadata
 import importlib.util
 from typing import Optional
 
+from rlhf_hpc.config.engines import ENGINES
+from rlhf_hpc.config.trackers import TRACKERS
+
+__all__ = ["PACKAGES", "VLLM_BELOW", "VLLM_MIN", "config_package_problems", "cpu_only_builds"]
+
 # vLLM releases whose in-place reload the engine uses: ``reload_weights(weights_iterator=...)`` on the
 # model runner (layer-wise reload; documented from v0.18.0) and ``sleep(level=2)`` restoring buffers on
 # wake. The CPU build tested here is 0.32. Keep in step with setup.cfg's gpu extra.
@@ -91,7 +96,8 @@ def device_build_problems(cfg) -> tuple[list[str], list[str]]:
                               f"trainer.device=cuda")
     if tr.device == "cuda":
         builds = cpu_only_builds()
-        uses_vllm = arr.rollout.name == "vllm" or (arr.rollout.name == "auto" and "vllm" in builds)
+        engine = ENGINES.get(arr.rollout.name)
+        uses_vllm = (engine.package == "vllm") if engine is not None else "vllm" in builds  # (auto: if installed)
         named = [builds["torch"]] if "torch" in builds else []
         named += [builds["vllm"]] if uses_vllm and "vllm" in builds else []
         if named:
@@ -106,10 +112,12 @@ def device_build_problems(cfg) -> tuple[list[str], list[str]]:
 def config_package_problems(cfg) -> tuple[list[str], list[str]]:
     """(errors, warnings) for every logger, the rollout engine and an explicitly chosen attention
     kernel of ``cfg``, and the builds of torch and vLLM against trainer.device."""
-    wanted = [(logger, f"trainer.logger={logger}") for logger in cfg.trainer.logger if logger in PACKAGES]
+    trackers = [TRACKERS[name] for name in cfg.trainer.logger if name in TRACKERS]
+    wanted = [(t.package, f"trainer.logger={t.name}") for t in trackers if t.package is not None]
     arr = cfg.actor_rollout_ref
-    if arr.rollout.name == "vllm":
-        wanted.append(("vllm", "actor_rollout_ref.rollout.name=vllm"))
+    engine = ENGINES.get(arr.rollout.name)  # (auto: whichever is installed; unknown: refused by the checks)
+    if engine is not None and engine.package is not None:
+        wanted.append((engine.package, f"actor_rollout_ref.rollout.name={engine.name}"))
     for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model),
                        ("reward_model.model", cfg.reward_model.model)):
         if model.override_config.get("attn_implementation") == "flash_attention_2" and \

@@ -14,6 +14,8 @@ from typing import Any, Optional
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.tree import flatten
 
+__all__ = ["drop_out_of_scope_keys"]
+
 # (key, or a prefix ending in "."; values that switch the feature off, or None: any value is refused;
 #  the feature, as the message names it)
 OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [

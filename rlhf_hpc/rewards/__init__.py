@@ -1,33 +1,58 @@
 """Scores for responses: rule rewards by ``data_source``, or a user's function.
 
-``RewardFunction(cfg)(data_source, response_text, ground_truth, extra_info) -> float``.
+``RewardFunction(cfg.custom_reward_function)(data_source, response_text, ground_truth, extra_info) -> float``.
 """
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE, addition_score, copy_score
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
 
+__all__ = ["RULE_REWARDS", "RewardFunction", "RuleReward", "register_rule_reward", "rule_score"]
+
 ScoreFn = Callable[[str, str, Any, dict], float]
 
 
+@dataclass(frozen=True)
+class RuleReward:
+    """A built-in rule reward: ``matches(data_source)`` says which rows it scores (lower-cased
+    ``data_source``), ``score(response, ground_truth)`` their score."""
+    name: str
+    matches: Callable[[str], bool]
+    score: Callable[[str, str], float]
+
+
+# the rule rewards, tried in order: the first that matches a row's data_source scores it
+RULE_REWARDS: Registry[RuleReward] = Registry("rule reward", "data_source")
+
+
+def register_rule_reward(name: str, matches: Callable[[str], bool]):
+    """``@register_rule_reward("name", matches=lambda source: ...)`` on a ``(response, ground_truth)
+    -> float`` function."""
+    return RULE_REWARDS.decorator(name, lambda fn: RuleReward(name, matches, fn))
+
+
+register_rule_reward("gsm8k", lambda src: "gsm8k" in src)(gsm8k_score)
+register_rule_reward("copy", lambda src: src == COPY_SOURCE)(copy_score)
+register_rule_reward("add", lambda src: src == ADD_SOURCE)(addition_score)
+register_rule_reward("math", lambda src: "math" in src or "aime" in src)(boxed_score)
+
+
 def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: dict) -> float:
-    """The built-in rule reward for ``data_source``."""
+    """The built-in rule reward for ``data_source`` (the first of ``RULE_REWARDS`` that matches it)."""
     src = data_source.lower()
-    if "gsm8k" in src:
-        return gsm8k_score(response, str(ground_truth))
-    if src == COPY_SOURCE:
-        return copy_score(response, str(ground_truth))
-    if src == ADD_SOURCE:
-        return addition_score(response, str(ground_truth))
-    if "math" in src or "aime" in src:
-        return boxed_score(response, str(ground_truth))
-    raise ValueError(f"no rule reward for data_source '{data_source}' (built in: openai/gsm8k, *math*, "
-                     f"{COPY_SOURCE}, {ADD_SOURCE}); set custom_reward_function.path to score it")
+    rule = next((r for r in RULE_REWARDS.values() if r.matches(src)), None)
+    if rule is None:
+        raise ValueError(f"no rule reward for data_source '{data_source}' (built in: "
+                         f"{', '.join(RULE_REWARDS)}: openai/gsm8k, *math*/*aime*, {COPY_SOURCE}, {ADD_SOURCE}); "
+                         f"set custom_reward_function.path to score it")
+    return rule.score(response, str(ground_truth))
 
 
 def load_custom_function(path: str, name: str) -> ScoreFn:
@@ -45,10 +70,10 @@ def load_custom_function(path: str, name: str) -> ScoreFn:
 
 
 class RewardFunction:
-    """Scores one response; errors name the row so a bad ground truth is easy to find."""
+    """Scores one response: ``custom_reward_function``'s (its config section) or the rule rewards;
+    errors name the row so a bad ground truth is easy to find."""
 
-    def __init__(self, cfg):
-        crf = cfg.custom_reward_function
+    def __init__(self, crf):
         self.fn: ScoreFn = load_custom_function(crf.path, crf.name) if crf.path else rule_score
         self.name = f"{crf.path}:{crf.name}" if crf.path else "rule"
 

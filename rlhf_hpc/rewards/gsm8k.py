@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+__all__ = ["extract_answer", "ground_truth_from_answer", "gsm8k_score"]
+
 _CLIP_CHARS = 300
 # a number: thousands groups with commas (1,234,567) or plain digits, optional decimals
 _NUMBER = r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+__all__ = ["boxed_score", "last_boxed"]
+
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last ``\\boxed{...}`` (nested braces allowed), or None."""

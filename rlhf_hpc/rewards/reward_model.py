@@ -24,7 +24,12 @@ from torch import nn
 from rlhf_hpc.ops.batching import (Batch, dummy_rows, micro_batch_groups, position_ids_from_mask, restore_order,
                                    select_rows, to_device)
 from rlhf_hpc.config.schema import RewardModelConfig
-from rlhf_hpc.models.hf import build_token_scorer
+from rlhf_hpc.models.hf import attn_implementation, build_token_scorer, import_external_libs, is_tiny, torch_dtype
+from rlhf_hpc.distributed.loading import build_sharded
+from rlhf_hpc.distributed.process_group import all_reduce_max_int
+from rlhf_hpc.models.tokenizer import load_tokenizer
+
+__all__ = ["RewardModel", "build_reward_model"]
 
 
 def last_token_scores(model: nn.Module, batch: Batch, remove_padding: bool) -> torch.Tensor:
@@ -106,11 +111,6 @@ def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
     """The reward model of ``cfg.reward_model`` sharded over the training mesh (collective; its
     checkpoint is read by rank 0 only, rlhf_hpc.distributed.loading). ``input_tokenizer``: the actor's tokenizer
     (used only when ``reward_model.model.input_tokenizer`` is set)."""
-    from rlhf_hpc.distributed.process_group import all_reduce_max_int
-    from rlhf_hpc.models.hf import import_external_libs
-    from rlhf_hpc.distributed.loading import build_sharded
-    from rlhf_hpc.models.hf import attn_implementation, is_tiny, torch_dtype
-    from rlhf_hpc.models.tokenizer import load_tokenizer
     rm = cfg.reward_model
     m = rm.model
     import_external_libs(m.external_lib)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+__all__ = ["ADD_SOURCE", "COPY_SOURCE", "addition_score", "copy_score"]
+
 COPY_SOURCE = "synthetic/copy"
 ADD_SOURCE = "synthetic/add"
 

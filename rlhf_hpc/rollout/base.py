@@ -7,6 +7,9 @@ from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 
+__all__ = ["ENGINE_ACTOR_KL_LIMIT", "LogprobCheck", "Response", "RolloutEngine", "Sampling", "covered",
+           "logprob_mismatch"]
+
 
 @dataclass
 class Sampling:
@@ -61,6 +64,20 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Shut down (last thing a rank does: vLLM's teardown ends the process group too)."""
 
+    # LoRA adapter serving (rlhf_hpc.rollout.weight_sync): the rank of the adapter it serves, or None
+    # for an engine that takes merged weights only; the three methods are called only where it is set
+    adapter_rank: Optional[int]
+
+    def needs_base_weights(self) -> bool:
+        """Whether the next sync must send the frozen base weights (the first; after a sleep that
+        discarded them)."""
+
+    def update_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A LoRA actor's base weights (unmerged, base names), for the adapter to apply on."""
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict) -> None:
+        """The adapter's full tensors (PEFT names) and its PEFT config, served from the next generate."""
+
 
 # k3's log-ratio is capped here: exp(20) is far above any limit, and a finite figure for any engine
 K3_LOG_RATIO_CAP = 20.0
@@ -92,12 +109,11 @@ def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor
 # rollout/engine_actor_kl (mean engine - actor log-prob of the engine's own samples, an estimate of
 # KL(engine || actor)) above which the engine is taken to be broken, by the coarser precision of the
 # two. Rounding noise moves each token's difference both ways, so the mean stays far below the mean
-# absolute difference: float32 measured ~1e-7 (vLLM CPU, TP=1 and TP=2; |diff| mean ~2e-7); bfloat16
-# on CPU (TP=2) measured |diff| means of 8e-4 - 1e-3, and ~1e-2 is normal on GPUs. An engine on stale
-# or wrong weights, or a tensor-parallel group whose ranks sampled apart (|diff| mean 0.03-0.08 even
-# on the tiny fp32 model), samples tokens the actor finds unlikely. Never the max (one rare token
-# moves it); `LOGPROB_CHECK_PATIENCE` steps in a row. The check reads the larger of k1 and k3
-# (rollout/engine_actor_k3_kl, ~|diff|^2/2 for noise: far below k1's noise-free limits).
+# absolute difference; an engine on stale or wrong weights, or a tensor-parallel group whose ranks
+# sampled apart, samples tokens the actor finds unlikely. The limits sit far above the noise and below
+# the reproduced breakage (the measurements: BENCHMARKS.md, "Tensor-parallel generation (TP=2)").
+# Never the max (one rare token moves it); `LOGPROB_CHECK_PATIENCE` steps in a row. The check reads
+# the larger of k1 and k3 (rollout/engine_actor_k3_kl, ~|diff|^2/2 for noise: far below k1's limits).
 ENGINE_ACTOR_KL_LIMIT = {"float32": 1e-3, "bfloat16": 0.05, "float16": 0.05}
 LOGPROB_CHECK_PATIENCE = 2
 

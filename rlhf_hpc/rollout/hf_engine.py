@@ -15,14 +15,17 @@ from rlhf_hpc.distributed.loading import materialize
 from rlhf_hpc.models.hf import build_causal_lm, is_tiny, torch_dtype
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 
+__all__ = ["HFEngine"]
+
 
 class HFEngine:
     name = "hf"
+    adapter_rank = None  # takes a LoRA actor's merged weights (rlhf_hpc.rollout.weight_sync)
 
-    def __init__(self, cfg, model_path: str, device: torch.device, seed: int = 0):
+    def __init__(self, cfg, model_path: str, device: torch.device, tp_group=None, seed: int = 0):
         mcfg, rollout = cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.rollout
         self.device = device
-        # each rank generates alone (no tensor parallelism): its data-parallel rank is its rank
+        # each rank generates alone (no tensor parallelism, tp_group unused): its data-parallel rank is its rank
         self.dp_rank = dist.get_rank() if dist.is_initialized() else 0
         # the structure only, straight on the device: the first update_weights fills it (nothing is
         # read from disk, no host copy); a random tiny model is built as it is

@@ -17,6 +17,8 @@ import random
 
 import torch
 
+__all__ = ["GenerationRNG", "preserved_rng"]
+
 
 def _capture(device: torch.device) -> dict:
     state = {"cpu": torch.get_rng_state(), "python": random.getstate()}

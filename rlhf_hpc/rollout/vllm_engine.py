@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
 from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
+from rlhf_hpc.planning.memory_plan import oom_message
+
+__all__ = ["ReloadVerdicts", "VLLMEngine", "VLLM_BELOW", "VLLM_MIN", "check_vllm_version"]
 
 log = logging.getLogger("rlhf_hpc.rollout")
 
@@ -110,7 +113,7 @@ class ReloadVerdicts(logging.Handler):
 #   for it and puts back the cache it had (vllm/model_executor/model_loader/reload/layerwise.py).
 # - "Using None for EOS token id ...", "Chat template warmup failed" (with a traceback, at start):
 #   the engine runs without a tokenizer (skip_tokenizer_init); prompts arrive as token ids and
-#   every request carries its stop token ids (rlhf_hpc.ppo.trainer.sampling_for).
+#   every request carries its stop token ids (rlhf_hpc.ppo.step_batch.sampling_for).
 HARMLESS_VLLM_WARNINGS = {
     "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
     "vllm.renderers.base": ("Using None for EOS token id because tokenizer is not initialized",
@@ -181,6 +184,7 @@ def cpu_shm_segments() -> list[str]:
 
 class VLLMEngine:
     name = "vllm"
+    adapter_rank: Optional[int] = None  # set where the actor has LoRA adapters (served adapter-only)
 
     def __init__(self, cfg, model_path: str, device: torch.device, tp_group=None):
         rollout, mcfg = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
@@ -294,7 +298,6 @@ class VLLMEngine:
         except Exception as e:  # noqa: BLE001 - vLLM's allocator reports a CUDA error, not torch's OOM type
             if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()):
                 raise
-            from rlhf_hpc.planning.memory_plan import oom_message
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
             raise RuntimeError(f"{oom_message('gen', peak, str(self.device))} (vLLM could not wake its {tag}: "
                                f"{type(e).__name__}: {e})") from e

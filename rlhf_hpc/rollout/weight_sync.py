@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor, Shard
 from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.models.lora import adapter_config, base_name, is_adapter, lora_scaling, merged_weights
 
+__all__ = ["hf_name", "stream_full_params", "sync_weights_to_rollout"]
+
 # wrappers that change parameter names but not the model (activation checkpointing, compile)
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -152,7 +154,7 @@ def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket
         for name, tensor in (transform(stream) if transform is not None else stream):
             sent[0] += tensor.numel() * tensor.element_size()
             yield name, tensor
-    if lora and adapter_only and getattr(engine, "adapter_rank", None):
+    if lora and adapter_only and engine.adapter_rank:
         if engine.needs_base_weights():
             engine.update_base_weights(feed((base_name(n), t) for n, t in stream_full_params(
                 model, dtype, bucket_mb, name_map, include=lambda n: not is_adapter(n))))

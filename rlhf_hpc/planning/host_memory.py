@@ -1,0 +1,110 @@
+"""Host memory of one node, the memory plan's last line (rlhf_hpc.planning.memory_plan): each rank's
+runtime and what it offloads to the host (on a CPU run, its whole per-rank plan), and the copy of a
+pretrained checkpoint rank 0 reads at start-up (rlhf_hpc.distributed.loading), checked against
+``launcher.mem_gb`` before anything is queued.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rlhf_hpc.config.schema import Config, FSDPConfig
+from rlhf_hpc.distributed.host_allocator import TUNABLES, VALUE, malloc_tunables
+from rlhf_hpc.planning.layout import shard_count
+from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB
+
+__all__ = ["HOST_RUNTIME_GB", "HostPlan", "host_plan", "host_runtime_bytes"]
+
+# host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
+# (measured: 0.5 GiB resident on the CPU build); a GPU rank adds its CUDA context and NCCL's and
+# vLLM's host-side buffers (an estimate, 3 GiB in all: not measured here)
+HOST_RUNTIME_GB = {"cpu": 0.5, "cuda": 3.0}
+
+
+@dataclass
+class HostPlan:
+    """Host memory of one node: every rank's steady share (``per_rank``: its runtime, what is
+    offloaded to the host; on a CPU run its whole per-rank plan) and the start-up peak of reading
+    a pretrained checkpoint (rank 0 alone holds a full copy, rlhf_hpc.distributed.loading)."""
+    ranks: int
+    per_rank: dict[str, float]
+    loading: float  # one full copy of the largest pretrained model, in its model_dtype
+    capacity: Optional[float]  # bytes per node: launcher.mem_gb, or this machine's memory when local
+    capacity_source: str = ""
+    shrink: list[str] = field(default_factory=list)
+    enforced: bool = False  # the capacity is the job's limit (launcher.mem_gb): above it is an error
+
+    @property
+    def total(self) -> float:
+        return self.ranks * sum(self.per_rank.values()) + self.loading
+
+    def _detail(self) -> str:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.per_rank.items() if v)
+        return (f"{self.ranks} ranks x {sum(self.per_rank.values()) / GiB:.2f} ({parts})"
+                + (f" + loading {self.loading / GiB:.2f} (rank 0 reads the checkpoint)" if self.loading else ""))
+
+    def render(self) -> str:
+        fits = self.capacity is None or self.total <= self.capacity
+        line = f"{'# OK  ' if fits else '# FAIL'} host/node     {self.total / GiB:6.1f} GiB  = {self._detail()}"
+        return line + (f" of {self.capacity / GiB:.0f} GiB ({self.capacity_source})" if self.capacity else
+                       " (no launcher.mem_gb to check against)")
+
+    def failure(self) -> Optional[str]:
+        if self.capacity is None or self.total <= self.capacity:
+            return None
+        return (f"memory plan: host memory per node needs {self.total / GiB:.1f} GiB but {self.capacity_source} "
+                f"gives {self.capacity / GiB:.0f} GiB ({self._detail()}); shrink it with {', '.join(self.shrink)}")
+
+
+def host_runtime_bytes(device: str) -> float:
+    """A rank's host memory beside its tensors: the libraries (``HOST_RUNTIME_GB``) and, on CPU
+    ranks started with the launcher's malloc settings (rlhf_hpc.distributed.host_allocator), the freed heap
+    malloc keeps for reuse (up to its trim threshold)."""
+    # (the launcher decides from its own environment; a rank it started has the value set)
+    tuned = os.environ.get("GLIBC_TUNABLES") == VALUE or malloc_tunables(os.environ)[0] is not None
+    kept = TUNABLES["glibc.malloc.trim_threshold"] if device != "cuda" and tuned else 0
+    return HOST_RUNTIME_GB["cuda" if device == "cuda" else "cpu"] * GiB + kept
+
+
+def host_plan(cfg: Config, actor_params: int, peak: float, largest_pretrained: int, critic_params: int,
+              rm_params: int, layouts: dict[str, Optional[FSDPConfig]], trainable: Optional[dict] = None) -> HostPlan:
+    """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
+    to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
+    the moments between updates); CPU runs: the per-rank plan's largest phase (``peak``), which is host memory
+    already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters). ``trainable``:
+    a LoRA model's adapter parameters by model name (gradients and moments are of those only)."""
+    tr, world = cfg.trainer, cfg.world_size
+    params = {"actor": actor_params, "ref": actor_params, "critic": critic_params, "reward_model": rm_params}
+    shrink = []
+    if tr.device == "cuda":
+        per_rank = {"runtime": host_runtime_bytes("cuda")}
+        for name, fsdp in layouts.items():
+            if fsdp is None:
+                continue
+            n = params[name] / shard_count(world, fsdp)
+            trains = name in ("actor", "critic")
+            t = ((trainable or {}).get(name) or params[name]) / shard_count(world, fsdp)
+            prefix = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic.model",
+                      "reward_model": "reward_model.model"}[name]
+            if fsdp.param_offload or fsdp.offload_policy:
+                per_rank[f"{name} offloaded"] = n * DTYPE_BYTES[fsdp.model_dtype] + (
+                    t * (DTYPE_BYTES[fsdp.model_dtype] + 8) if trains else 0)
+                shrink.append(f"{prefix}.fsdp_config.param_offload=false")
+            elif trains and fsdp.optimizer_offload:
+                per_rank[f"{name} Adam moments"] = 8 * t
+                shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
+    else:
+        per_rank = {"largest phase": peak}
+    loading = float(largest_pretrained * DTYPE_BYTES[cfg.actor_rollout_ref.actor.fsdp_config.model_dtype])
+    if loading:
+        shrink.append("actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads)")
+    shrink += ["trainer.n_gpus_per_node (fewer ranks per node, more nodes)"]
+    capacity, source = None, ""
+    if cfg.launcher.mem_gb:
+        capacity, source = cfg.launcher.mem_gb * GiB, "launcher.mem_gb"
+        shrink.insert(0, "launcher.mem_gb (ask Slurm for more)")
+    elif cfg.launcher.cluster == "local" or tr.device != "cuda":
+        capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
+    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink,
+                    enforced=bool(cfg.launcher.mem_gb))

@@ -1,0 +1,81 @@
+"""A step's rows and batch: the engine's responses as rows, the padded step batch the phases fill
+in (its keys: ``rlhf_hpc.ppo.trainer``), the sampling settings and seeds, and the scores on the
+responses' last tokens."""
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.data.dataset import Example
+from rlhf_hpc.distributed.rows import RolloutRow
+from rlhf_hpc.models.tokenizer import stop_token_ids
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.rewards import RewardFunction
+from rlhf_hpc.rollout.base import Sampling
+
+__all__ = ["make_step_batch", "rollout_rows", "sampling_for", "score_responses", "scores_on_last_token",
+           "step_seed"]
+
+
+def rollout_rows(train: list[Example], prompts: list[int], mine: range, responses) -> list[RolloutRow]:
+    """This rank's generated responses as rows: ``responses[i]`` answers prompt ``mine[i]`` of the
+    step (``prompts`` holds the step's dataset indices)."""
+    return [RolloutRow(prompt_pos=pos, example=prompts[pos], prompt_ids=train[prompts[pos]].prompt_ids,
+                       token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason)
+            for pos, group in zip(mine, responses) for r in group]
+
+
+def step_seed(seed: int, step: int, dp_rank: int) -> int:
+    """Sampling seed of a step on a rollout data-parallel rank (the engine's ``dp_rank``: the ranks
+    of one tensor-parallel group share it): a resumed run draws exactly the same rollouts."""
+    return zlib.crc32(f"{seed}/{step}/{dp_rank}".encode()) & 0x7FFFFFFF
+
+
+def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False) -> Sampling:
+    r = cfg.actor_rollout_ref.rollout
+    stops = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
+    if validation:
+        v = r.val_kwargs
+        return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample,
+                        max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos,
+                        seed=seed)
+    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample,
+                    max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos, seed=seed)
+
+
+def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
+    """This rank's rows -> the padded step batch; ``uid`` is the prompt's position in the step."""
+    P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
+    batch = make_padded_batch([r.prompt_ids for r in rows], [r.token_ids[:R] for r in rows],
+                              tokenizer.pad_token_id or 0, P, R)
+    engine_lp = torch.zeros(len(rows), R)
+    for i, r in enumerate(rows):
+        lp = r.logprobs[:R]
+        engine_lp[i, :len(lp)] = torch.tensor(lp)
+    batch["engine_log_probs"] = engine_lp
+    batch["uid"] = torch.tensor([r.prompt_pos for r in rows])
+    return batch
+
+
+def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], rows: list[RolloutRow],
+                    batch: dict) -> torch.Tensor:
+    """(B,) rule/custom scores of the decoded responses."""
+    scores = []
+    for i, row in enumerate(rows):
+        n = int(batch["response_mask"][i].sum())
+        text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
+        ex = train[row.example]
+        scores.append(reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index))
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) scores -> (B, R) with each score on its row's last valid response token."""
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.sum(-1).long()
+    has = lengths > 0
+    token_scores[has.nonzero().squeeze(-1), (lengths[has] - 1)] = scores[has]
+    return token_scores

@@ -1,0 +1,173 @@
+"""Checks of the models a config names, by topic: LoRA keys, sequence parallelism against the
+models' heads, architectures, the reward model's keys (``recipe.checks.validate`` collects them)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Optional
+
+from rlhf_hpc.config.engines import ENGINES
+from rlhf_hpc.config.schema import Config, FSDPConfig, RewardModelConfig
+from rlhf_hpc.config.tree import flatten, get_key, to_dict
+from rlhf_hpc.distributed.sequence_parallel import heads_problem
+from rlhf_hpc.models.architectures import architecture_problems
+from rlhf_hpc.models.hf import is_tiny, model_config
+from rlhf_hpc.models.lora import lora_enabled
+from rlhf_hpc.models.tokenizer import tokenizer_path
+
+__all__ = ["lora_problems", "model_architecture_problems", "reward_model_problems", "sequence_parallel_problems"]
+
+
+def lora_problems(cfg: Config) -> list[str]:
+    """LoRA keys (verl's) that cannot work, or would change nothing in this config."""
+    arr, errors = cfg.actor_rollout_ref, []
+    for key, m in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
+        if m.lora_rank < 0 or m.lora_alpha <= 0:
+            errors.append(f"{key}.lora_rank={m.lora_rank} / lora_alpha={m.lora_alpha}: the rank must be >= 0 "
+                          f"(0: no LoRA) and alpha > 0")
+    path = arr.model.lora_adapter_path
+    if path is not None and not (Path(path).expanduser() / "adapter_config.json").is_file():
+        errors.append(f"actor_rollout_ref.model.lora_adapter_path={path}: no adapter_config.json there (a PEFT "
+                      f"adapter directory, e.g. an export's lora_adapter/)")
+    engine = ENGINES.get(arr.rollout.name)
+    if engine is not None and engine.adapter_max_rank is not None and arr.model.lora_rank > engine.adapter_max_rank:
+        errors.append(f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: the {engine.name} engine serves "
+                      f"adapters up to rank {engine.adapter_max_rank}")
+    if lora_enabled(cfg.critic.model) and not cfg.critic.enable:
+        errors.append(f"critic.model.lora_rank={cfg.critic.model.lora_rank} has no effect: there is no critic "
+                      f"(critic.enable={cfg.critic.enable}, algorithm.adv_estimator={cfg.algorithm.adv_estimator})")
+    if lora_enabled(arr.model) and (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+        # the reference runs as the actor does: a ref layout or precision of its own would be ignored
+        ref, actor, default = (flatten(to_dict(f)) for f in (arr.ref.fsdp_config, arr.actor.fsdp_config, FSDPConfig()))
+        changed = [f"actor_rollout_ref.ref.fsdp_config.{k}={v}" for k, v in ref.items()
+                   if v != default.get(k) and v != actor.get(k)]
+        if changed:
+            errors.append(f"{', '.join(changed)} has no effect with LoRA: the reference is the actor with its adapter "
+                          f"off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config); leave it "
+                          f"at its default or the actor's value")
+    return errors
+
+
+def sequence_parallel_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the three ``ulysses_sequence_parallel_size`` keys: the size must divide
+    the ranks, the rows must be packed, attention must be ``varlen`` (the implementation that
+    exchanges heads), and the model's heads must split over the group."""
+    arr, tr, critic = cfg.actor_rollout_ref, cfg.trainer, cfg.critic
+    errors, warnings = [], []
+    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    for key, size, model, used in (
+            ("actor_rollout_ref.actor", arr.actor.ulysses_sequence_parallel_size, arr.model, True),
+            ("actor_rollout_ref.ref", arr.ref.ulysses_sequence_parallel_size, arr.model, uses_ref),
+            ("critic", critic.ulysses_sequence_parallel_size, critic.model, critic.enable)):
+        name = f"{key}.ulysses_sequence_parallel_size"
+        if size is None or size < 1:
+            errors.append(f"{name}={size} must be >= 1 (1: no sequence parallelism)")
+            continue
+        if size == 1 or not used:
+            continue
+        model_key = "actor_rollout_ref.model" if model is arr.model else "critic.model"
+        if cfg.world_size > 0 and cfg.world_size % size:
+            errors.append(f"{name}={size} must divide the ranks, trainer.nnodes x trainer.n_gpus_per_node = "
+                          f"{cfg.world_size} (a sequence-parallel group is {size} consecutive ranks)")
+        elif tr.n_gpus_per_node % size:
+            warnings.append(f"{name}={size} does not divide trainer.n_gpus_per_node ({tr.n_gpus_per_node}): "
+                            f"sequence-parallel groups span nodes and every layer's all-to-all crosses the network")
+        if not model.use_remove_padding:
+            errors.append(f"{name}={size} splits packed rows: set {model_key}.use_remove_padding=true")
+        attn = model.override_config.get("attn_implementation")
+        if attn not in (None, "varlen"):
+            errors.append(f"{name}={size} runs attention through attn_implementation=varlen (it exchanges heads "
+                          f"for the whole sequence); remove {model_key}.override_config.attn_implementation="
+                          f"{attn} or set it to varlen")
+        problem = _heads_problem(model.path, model.override_config, size, name)
+        if problem:
+            errors.append(problem)
+    return errors, warnings
+
+
+def _heads_problem(path: Optional[str], override: dict, size: int, key: str) -> Optional[str]:
+    """The model's heads against the sp size, where its config can be read here (a tiny model, or a
+    local directory); elsewhere the engine checks it when it builds the model."""
+    config = _readable_model_config(path, override)
+    if config is None:
+        return None
+    heads = config.num_attention_heads
+    return heads_problem(heads, getattr(config, "num_key_value_heads", None) or heads, size, key)
+
+
+def _readable_model_config(path: Optional[str], override: dict):
+    """The transformers config of a tiny model or a local model directory; None elsewhere (a hub
+    name resolved on the cluster, an unreadable directory: reported by the file checks / at build)."""
+    if not path:
+        return None
+    local = os.path.expanduser(path)
+    if not is_tiny(path) and not os.path.isfile(os.path.join(local, "config.json")):
+        return None
+    try:
+        return model_config(path if is_tiny(path) else local, override)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
+def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the policy's and the critic's architectures (rlhf_hpc.models.architectures),
+    where their configs can be read here."""
+    errors, warnings = [], []
+    models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    if cfg.critic.enable and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        models.append(("critic.model", cfg.critic.model))
+    for key, model in models:
+        config = _readable_model_config(model.path, model.override_config)
+        if config is not None:
+            e, w = architecture_problems(config, key, model.override_config.get("attn_implementation"))
+            errors += e
+            warnings += w
+    return errors, warnings
+
+
+def reward_model_problems(cfg: Config) -> list[str]:
+    """The reward model's keys: consistent when it is enabled, at their defaults when it is not
+    (a key of a disabled reward model would be accepted and ignored)."""
+    rm, off, errors = cfg.reward_model, RewardModelConfig(), []
+    if not rm.enable:
+        fsdp = rm.model.fsdp_config
+        fsdp_default = dataclasses.replace(off.model.fsdp_config, fsdp_size=fsdp.fsdp_size) == fsdp and \
+            fsdp.fsdp_size in (None, cfg.trainer.n_gpus_per_node)
+        set_keys = [key for key in ("strategy", "model.path", "model.input_tokenizer", "model.trust_remote_code",
+                                    "model.external_lib", "model.override_config", "model.use_remove_padding",
+                                    "micro_batch_size_per_gpu", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
+                                    "max_length", "reward_manager")
+                    if get_key(rm, key) != get_key(off, key)]
+        set_keys += [] if fsdp_default else ["model.fsdp_config"]
+        if set_keys:
+            errors.append(f"reward_model.{set_keys[0]} is set but reward_model.enable=false, so it would have no "
+                          f"effect; set reward_model.enable=true to score with a reward model, or remove the key")
+        return errors
+    p = "reward_model"
+    if rm.micro_batch_size_per_gpu is not None and rm.micro_batch_size_per_gpu <= 0:
+        errors.append(f"{p}.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must be > 0")
+    if rm.max_length is not None and rm.model.input_tokenizer is None:
+        errors.append(f"{p}.max_length={rm.max_length} cuts re-encoded sequences only, and with "
+                      f"{p}.model.input_tokenizer=null the reward model reads the actor's sequences as they are "
+                      f"(at most data.max_prompt_length + data.max_response_length tokens); remove the key, or set "
+                      f"{p}.model.input_tokenizer to the actor's tokenizer to re-encode")
+    elif rm.max_length is not None and rm.max_length <= 0:
+        errors.append(f"{p}.max_length={rm.max_length} must be > 0")
+    seq_len = rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+    if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu is not None and rm.forward_max_token_len_per_gpu < seq_len:
+        errors.append(f"{p}.forward_max_token_len_per_gpu ({rm.forward_max_token_len_per_gpu}) is smaller than one "
+                      f"full sequence ({seq_len} tokens)")
+    if rm.model.input_tokenizer is not None:
+        arr = cfg.actor_rollout_ref
+        actor_side = {os.path.expanduser(x) for x in (tokenizer_path(cfg), arr.model.path, arr.model.tokenizer_path,
+                                                      cfg.data.tokenizer) if x}
+        if os.path.expanduser(rm.model.input_tokenizer) not in actor_side:
+            errors.append(f"{p}.model.input_tokenizer={rm.model.input_tokenizer!r} must be the tokenizer the responses "
+                          f"were generated with, the actor's ({tokenizer_path(cfg)}): responses are decoded with it "
+                          f"and re-encoded with the reward model's; set it to {tokenizer_path(cfg)}, or null when the "
+                          f"reward model reads the actor's tokens as they are")
+    if rm.model.fsdp_config.optimizer_offload:
+        errors.append(f"{p}.model.fsdp_config.optimizer_offload=true: the reward model has no optimizer (inference "
+                      f"only); use {p}.model.fsdp_config.param_offload to keep its parameters on the host")
+    return errors
