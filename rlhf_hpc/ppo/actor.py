@@ -6,7 +6,7 @@ Batches follow ``rlhf_hpc.ops.batching``'s layout; per-token outputs are ``(B, R
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
 from rlhf_hpc.ppo.optim import optimizer_state_on
 from rlhf_hpc.ppo.rollout_correction import RolloutCorrection
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
-from rlhf_hpc.ppo.update import Placement, UpdateSpec, ppo_update
+from rlhf_hpc.ppo.update import ModelSpec, UpdateSpec, ppo_update
 
 __all__ = ["Actor", "ActorSpec", "per_token_logprobs"]
 
@@ -58,21 +58,11 @@ def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0,
 
 
 @dataclass(frozen=True)
-class ActorSpec:
-    """How an actor computes and trains, besides its config section (a reference: no optimizer).
-
-    ``temperature`` of its log-probs (the rollout's); ``remove_padding``: rows packed into one
-    sequence; ``optimizer``/``scheduler`` (None for a reference), ``optimizer_offload``: the
-    optimizer state on the host between updates; ``norm_const``: the losses' constant for
-    ``seq-mean-token-sum-norm``; ``placement``: its ranks and device (``update.Placement``);
-    ``correction``: verl's rollout correction (the trained actor's; None for a reference)."""
+class ActorSpec(ModelSpec):
+    """``update.ModelSpec`` (a reference: no optimizer) and the actor's own: ``temperature`` of its
+    log-probs (the rollout's); ``correction``: verl's rollout correction (the trained actor's; None
+    for a reference)."""
     temperature: float = 1.0
-    remove_padding: bool = True
-    optimizer: Optional[torch.optim.Optimizer] = None
-    scheduler: Any = None
-    optimizer_offload: bool = False
-    norm_const: Optional[float] = None
-    placement: Placement = Placement()
     correction: Optional[RolloutCorrection] = None
 
 

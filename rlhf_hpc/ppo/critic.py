@@ -5,7 +5,7 @@ Reads ``values`` (the old values) and ``returns`` from the batch during the upda
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from rlhf_hpc.ops.batching import (Batch, dummy_rows, micro_batch_groups, pack, 
 from rlhf_hpc.config.schema import CriticConfig
 from rlhf_hpc.ppo.optim import optimizer_state_on
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
-from rlhf_hpc.ppo.update import Placement, UpdateSpec, ppo_update
+from rlhf_hpc.ppo.update import ModelSpec, UpdateSpec, ppo_update
 
 __all__ = ["Critic", "CriticSpec", "per_token_values"]
 
@@ -41,14 +41,8 @@ def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True
 
 
 @dataclass(frozen=True)
-class CriticSpec:
-    """How a critic computes and trains, besides its config section (as ``actor.ActorSpec``)."""
-    remove_padding: bool = True
-    optimizer: Optional[torch.optim.Optimizer] = None
-    scheduler: Any = None
-    optimizer_offload: bool = False
-    norm_const: Optional[float] = None
-    placement: Placement = Placement()
+class CriticSpec(ModelSpec):
+    """How a critic computes and trains, besides its config section (``update.ModelSpec``)."""
 
 
 class Critic:

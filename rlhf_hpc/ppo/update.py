@@ -17,7 +17,7 @@ from rlhf_hpc.ppo.optim import clip_grad_norm
 from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
 
-__all__ = ["MicroLoss", "Placement", "UpdateSpec", "ppo_update"]
+__all__ = ["MicroLoss", "ModelSpec", "Placement", "UpdateSpec", "ppo_update"]
 
 # (micro-batch, agg_loss keyword arguments, metrics, weight 0/1) -> the loss to backpropagate
 MicroLoss = Callable[[Batch, dict, UpdateMetrics, float], torch.Tensor]
@@ -38,6 +38,20 @@ class Placement:
     sync_max: Optional[Callable[[int], int]] = None
     device: torch.device = torch.device("cpu")
     sp: Optional[SequenceParallel] = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How a trained (or forward-only) model computes, besides its config section:
+    ``remove_padding``: rows packed into one sequence; ``optimizer``/``scheduler`` (None: forward
+    only), ``optimizer_offload``: the optimizer state on the host between updates; ``norm_const``:
+    the losses' constant for ``seq-mean-token-sum-norm``; ``placement``: its ranks and device."""
+    remove_padding: bool = True
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: Any = None
+    optimizer_offload: bool = False
+    norm_const: Optional[float] = None
+    placement: Placement = Placement()
 
 
 @dataclass(frozen=True)
