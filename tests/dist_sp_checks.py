@@ -5,7 +5,7 @@ runs it.
 
 4 ranks, an HSDP mesh (replicate 2 x shard 2), the tiny Qwen2 (4 query heads, 2 KV heads: sp=4
 repeats each KV head twice) with activation checkpointing. For sp = 1, 2, 4 in turn: a fresh
-actor and critic, the same rows per rank, then old log-probs and entropies (token-budget
+actor and critic, the same rows per rank, then old log-probs, entropies and sum pi^2 (token-budget
 micro-batches), one actor update (one row per micro-batch: every row is split over the sp ranks,
 and a slice may hold prompt tokens only), values and one critic update (token budget). Rank 0
 writes OUT/sp.json: for sp=2 and sp=4 the largest absolute difference from sp=1 of each output
@@ -79,9 +79,9 @@ def run(sp_size: int, rank: int, world: int) -> dict:
     model = shard(build_causal_lm("tiny://qwen2", torch.float32, seed=0, attn="varlen"), world)
     actor = Actor(model, cfg, ActorSpec(temperature=0.8, optimizer=build_optimizer(model, cfg.optim), norm_const=R,
                                         placement=placement(world, sp_size)))
-    lp, ent = actor.compute_log_prob(local, micro_batch_size=4, use_dynamic_bsz=True, max_token_len=P + R,
-                                     with_entropy=True)
-    out["log_probs"], out["entropy"] = gathered(lp), gathered(ent)
+    lp, ent, spi2 = actor.compute_log_prob(local, micro_batch_size=4, use_dynamic_bsz=True, max_token_len=P + R,
+                                           with_entropy=True, with_sum_pi_squared=True)
+    out["log_probs"], out["entropy"], out["sum_pi_squared"] = gathered(lp), gathered(ent), gathered(spi2)
     local["old_log_probs"] = lp + 0.05 * local["response_mask"]  # ratio != 1: clipping is exercised
     seen: list[int] = []  # tokens of each forward on this rank: the slice, under sp
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, y: seen.append(args[0].shape[1]))
@@ -131,6 +131,7 @@ def main(out: Path) -> None:
                  # what the differences are measured against: sizes of the sp=1 outputs and updates
                  "scale": {"log_probs": base["log_probs"].abs().max().item(),
                            "entropy": base["entropy"].abs().max().item(),
+                           "sum_pi_squared": base["sum_pi_squared"].abs().max().item(),
                            "values": base["values"].abs().max().item(),
                            "actor_update": max_diff(base["actor_params"], init[0]) if rank == 0 else None,
                            "critic_update": max_diff(base["critic_params"], init[1]) if rank == 0 else None,

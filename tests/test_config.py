@@ -244,17 +244,55 @@ def test_rollout_tp_must_divide_gpus_per_node():
                    "a tensor-parallel group stays inside one node")
 
 
-def test_greedy_sampling_with_several_responses_is_refused():
-    errs = errors_of(tiny, "actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=2")
-    assert errs == ["actor_rollout_ref.rollout.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.n=2: "
-                    "greedy responses to one prompt are identical; set actor_rollout_ref.rollout.n=1, or "
-                    "actor_rollout_ref.rollout.do_sample=true with actor_rollout_ref.rollout.temperature > 0"]
-    errs = errors_of(tiny, "actor_rollout_ref.rollout.val_kwargs.n=4")  # val_kwargs default: temperature 0
-    assert len(errs) == 1 and errs[0].startswith(
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.val_kwargs.n=4")
-    errs = errors_of(tiny, "actor_rollout_ref.rollout.temperature=0")  # tiny_klppo samples n=2
-    assert errs[0].startswith("actor_rollout_ref.rollout.temperature=0 (greedy decoding) with actor_rollout_ref.rollout.n=2")
-    tiny("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1")  # fine
+def warnings_of(*overrides: str) -> list[str]:
+    return load_config("tiny_klppo", overrides)[1]
+
+
+def test_greedy_sampling_with_several_responses_runs_with_a_warning():
+    # verl runs it (n requests of one response each); vLLM refuses n > 1 with greedy sampling, so the
+    # engine generates each once and repeats it
+    warns = [w for w in warnings_of("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=2")
+             if "greedy" in w]
+    assert warns == ["actor_rollout_ref.rollout.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.n=2: "
+                     "the 2 responses to a prompt are one greedy response repeated; a grouped estimator gives them all "
+                     "advantage 0 (set actor_rollout_ref.rollout.n=1, or actor_rollout_ref.rollout.do_sample=true with "
+                     "actor_rollout_ref.rollout.temperature > 0)"]
+    warns = [w for w in warnings_of("actor_rollout_ref.rollout.val_kwargs.n=30") if "greedy" in w]  # temperature 0
+    assert len(warns) == 1 and warns[0].startswith(
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=false (greedy decoding) with "
+        "actor_rollout_ref.rollout.val_kwargs.n=30: the 30 responses to a prompt are one greedy response repeated; "
+        "the validation scores equal n=1's")
+    warns = [w for w in warnings_of("actor_rollout_ref.rollout.temperature=0") if "greedy" in w]  # tiny_klppo: n=2
+    assert warns[0].startswith("actor_rollout_ref.rollout.temperature=0 (greedy decoding) with "
+                               "actor_rollout_ref.rollout.n=2")
+    assert not [w for w in warnings_of("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1")
+                if "greedy" in w]
+
+
+def test_vllm_engine_generates_a_greedy_response_once_and_repeats_it():
+    """vLLM refuses n > 1 with greedy sampling: the engine asks for one and repeats it n times."""
+    import contextlib
+    from types import SimpleNamespace
+    pytest.importorskip("vllm")
+    from rlhf_hpc.rollout.base import Sampling
+    from rlhf_hpc.rollout.vllm_engine import VLLMEngine
+    asked = []
+
+    def generate(prompts, params, **_):
+        asked.append(params.n)
+        step = SimpleNamespace(token_ids=[7, 8], logprobs=[{7: SimpleNamespace(logprob=-0.5)},
+                                                           {8: SimpleNamespace(logprob=-0.25)}], finish_reason="stop")
+        return [SimpleNamespace(outputs=[step] * params.n) for _ in prompts]
+    engine = object.__new__(VLLMEngine)
+    engine.__dict__.update(_weights_valid=True, _asleep=set(), tp=1, tp_group=None, _adapter_active=False,
+                           llm=SimpleNamespace(generate=generate),
+                           rng=SimpleNamespace(active=contextlib.nullcontext))
+    out = engine.generate([[1, 2], [3]], Sampling(n=3, do_sample=False, max_tokens=2))
+    assert asked == [1] and [len(g) for g in out] == [3, 3]
+    assert all(r.token_ids == [7, 8] and r.logprobs == [-0.5, -0.25] for g in out for r in g)
+    assert out[0][0] is not out[0][1] and out[0][0].token_ids is not out[0][1].token_ids
+    engine.generate([[1, 2]], Sampling(n=3, max_tokens=2))  # sampled: n goes to vLLM as it is
+    assert asked == [1, 3]
 
 
 def test_token_budget_must_hold_one_sequence():
@@ -270,8 +308,16 @@ def test_token_budget_must_hold_one_sequence():
 def test_algorithm_checks():
     (msg,) = errors_of(tiny, "actor_rollout_ref.actor.clip_ratio_c=1.0")
     assert msg.startswith("actor_rollout_ref.actor.clip_ratio_c (1.0) must be > 1.0")
-    (msg,) = errors_of(tiny, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1")
-    assert msg == ("algorithm.adv_estimator=grpo compares responses to the same prompt: set "
+    # a grouped estimator at verl's default n=1 runs (verl: a group of one has baseline 0): a warning
+    assert [w for w in warnings_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1")
+            if "adv_estimator" in w] == [
+        "algorithm.adv_estimator=grpo with actor_rollout_ref.rollout.n=1: every group holds one response, so its "
+        "baseline is 0 (as in verl) and the advantages come from each response's own score, with no baseline; set "
+        "actor_rollout_ref.rollout.n >= 2 to compare responses to one prompt"]
+    assert "every advantage is 0" in " ".join(warnings_of("algorithm.adv_estimator=rloo_vectorized",
+                                                          "actor_rollout_ref.rollout.n=1"))
+    (msg,) = errors_of(tiny, "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1")
+    assert msg == ("algorithm.adv_estimator=grpo_passk needs at least 2 responses per prompt: set "
                    "actor_rollout_ref.rollout.n >= 2 (it is 1)")
     (msg,) = errors_of(tiny, "critic.enable=false")
     assert msg.startswith("algorithm.adv_estimator=gae needs a critic: set critic.enable=true")

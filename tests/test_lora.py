@@ -257,15 +257,27 @@ def test_the_lora_recipe_fits_two_40gb_gpus_or_one_80gb_gpu_where_full_training_
     (["actor_rollout_ref.model.lora_rank=1024"], "the vllm engine serves adapters up to rank 512"),
     (["actor_rollout_ref.model.lora_adapter_path=/no/such/adapter"], "no adapter_config.json there"),
     (["critic.model.lora_rank=8", "algorithm.adv_estimator=grpo"], "critic.model.lora_rank=8 has no effect"),
-    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.param_offload=true"],
-     "ref.fsdp_config.param_offload=True has no effect with LoRA"),
-    (["actor_rollout_ref.rollout.layered_summon=true"], "LoRA training (layered summon)"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.model_dtype=bfloat16"],
+     "ref.fsdp_config.model_dtype=bfloat16 has no effect with LoRA"),
 ])
 def test_lora_keys_that_cannot_work_are_refused(overrides, message):
     from rlhf_hpc.config.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         load_config("tiny_klppo", overrides + ["actor_rollout_ref.rollout.name=vllm"])
     assert any(message in line for line in e.value.errors), e.value.errors
+
+
+def test_verls_lora_script_lines_run_with_one_warning_at_most():
+    """verl's LoRA scripts set ref.fsdp_config.param_offload=True (ignored by verl too: a warning),
+    rollout.load_format=safetensors and rollout.layered_summon=True (the weight sync here does what
+    they ask for: accepted)."""
+    _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8",
+                                             "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                                             "actor_rollout_ref.rollout.load_format=safetensors",
+                                             "actor_rollout_ref.rollout.layered_summon=true"])
+    assert [w for w in warnings if "LoRA" in w] == [
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True has no effect with LoRA (as in verl): the reference is "
+        "the actor with its adapter off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config)"]
 
 
 def test_bf16_compute_on_host_replicas_reaches_the_adapter():

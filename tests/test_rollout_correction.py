@@ -397,8 +397,11 @@ BF16_ENGINE = ("actor_rollout_ref.rollout.dtype=bfloat16",)  # the actor stays f
 def runs(tmp_path_factory):
     key = "algorithm.rollout_correction"
     variants = {
+        # the bf16 engine's per-token k3 against the fp32 actor is ~1e-6 on average, its spread set by
+        # the CPU's bf16 kernels: 1e-6 rejects 20-30% of the tokens on a machine with AMX bf16 where 1e-5
+        # rejected none after step 1, and some but not all wherever the engine differs at all
         "gae_decoupled": (f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=1.001",
-                          f"{key}.rollout_rs=token_k3", f"{key}.rollout_rs_threshold=1e-5"),
+                          f"{key}.rollout_rs=token_k3", f"{key}.rollout_rs_threshold=1e-6"),
         "grpo_bypass_reinforce": ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
                                   f"{key}.bypass_mode=true", f"{key}.loss_type=reinforce",
                                   f"{key}.rollout_is=sequence", f"{key}.rollout_rs=seq_max_k3",

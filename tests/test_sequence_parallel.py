@@ -44,6 +44,9 @@ def test_sequence_parallel_forward_outputs_equal_sp1(checks, sp):
         assert got[key] <= OUTPUT_TOL, (key, got[key])
     # not a comparison of zeros
     assert min(checks["scale"][k] for k in ("log_probs", "entropy", "values")) > 0.5
+    # sum pi^2 is ~1/256 here (the tiny model's vocabulary): relative to its size
+    assert checks["scale"]["sum_pi_squared"] > 0
+    assert got["sum_pi_squared"] <= 1e-4 * checks["scale"]["sum_pi_squared"], got["sum_pi_squared"]
 
 
 @pytest.mark.slow

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import shlex
 import textwrap
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from rlhf_hpc.cli import main as cli_main
 from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.tree import to_dict
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import run_launch
@@ -78,31 +81,147 @@ def test_verl_example_command_lines_dry_run_unchanged(script, tmp_path):
     assert cfg["critic"]["ppo_mini_batch_size"] == actor["ppo_mini_batch_size"]
 
 
+def dry_run(args: list[str], capsys) -> tuple[int, str]:
+    """``python launch.py ARGS --dry-run`` in this process (what launch.py calls): (exit code, stderr)."""
+    capsys.readouterr()
+    rc = cli_main([*args, "--dry-run"])
+    return rc, capsys.readouterr().err
+
+
+# every line of verl b178a3c's examples/*/run_*.sh (FSDP, main_ppo) that refuses a feature not here: the
+# refusal names the feature, never an unknown key or a type
 @pytest.mark.parametrize("extra,feature", [
-    ("actor_rollout_ref.rollout.mode=async", "asynchronous rollout"),
+    ("actor_rollout_ref.rollout.mode=server", "asynchronous rollout"),
     ("actor_rollout_ref.rollout.multi_turn.enable=True", "multi-turn rollout with tools"),
-    ("data.return_raw_chat=True", "raw chat prompts"),
+    ("+actor_rollout_ref.rollout.multi_turn.tool_config_path=tool_config/gsm8k_tool_config.yaml",
+     "multi-turn rollout with tools"),
+    ("actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2", "multi-turn rollout with tools"),
+    ("actor_rollout_ref.rollout.over_sample_rate=0.1", "over-sampling in the asynchronous rollout"),
     ("reward_model.use_reward_loop=True", "the reward loop"),
-    ("actor_rollout_ref.rollout.layered_summon=True", "LoRA training (layered summon)"),
+    ("reward_model.rollout.name=vllm", "the reward loop"),
+    ("reward_model.num_workers=8", "the reward loop"),
+    ("+reward_model.sandbox_fusion.url=https://example.com/run_code", "sandbox fusion"),
     ("actor_rollout_ref.model.use_fused_kernels=True", "fused log-prob kernels"),
     ("algorithm.use_pf_ppo=True", "PF-PPO"),
+    ("algorithm.pf_ppo.reweight_method=pow", "PF-PPO"),
+    ("+reward_model.reward_kwargs.format_score=0.1", "other keyword arguments of the reward manager"),
     ("trainer.use_legacy_worker_impl=disable", "worker implementations"),
-    ("actor_rollout_ref.actor.ppo_micro_batch_size=64", "use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     ("reward_model.enable_resource_pool=True", "a separate resource pool for the reward model"),
     ("reward_model.launch_reward_fn_async=True", "asynchronous reward functions"),
     ("reward_model.micro_batch_size=8", "use reward_model.micro_batch_size_per_gpu"),
+    ("actor_rollout_ref.rollout.trace.token2text=True", "rollout tracing"),
+    ("actor_rollout_ref.rollout.trace.backend=mlflow", "rollout tracing"),
+    ("actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]", "choosing a checkpoint's contents"),
+    ("actor_rollout_ref.actor.entropy_checkpointing=True", "entropy_checkpointing"),
+    ("actor_rollout_ref.ref.entropy_from_logits_with_chunking=True", "chunked entropy from logits"),
+    ("actor_rollout_ref.ref.use_torch_compile=True", "torch.compile"),
+    ("actor_rollout_ref.model.enable_activation_offload=True", "activation offloading"),
+    ("actor_rollout_ref.actor.use_prefix_grouper=True", "the prefix grouper"),
+    ("actor_rollout_ref.actor.profiler.enable=True", "per-worker profiler settings"),
+    ("actor_rollout_ref.ref.profiler.tool_config.npu.level=level0", "per-worker profiler settings"),
+    ("global_profiler.profile_continuous_steps=True", "one profile over consecutive steps"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True", "multi-modal"),
+    ("actor_rollout_ref.actor.freeze_vision_tower=True", "multi-modal"),
+    ("data.custom_cls.path=recipe/retool/retool.py", "custom dataset classes"),
+    ("data.sampler.class_name=RandomCurriculumSampler", "custom data samplers"),
+    ("actor_rollout_ref.rollout.data_parallel_size=2", "data parallelism inside the rollout engine"),
+    ("trainer.max_actor_ckpt_to_keep=1", "use trainer.max_ckpt_to_keep"),
+    ("trainer.resume_from_path=checkpoints/", "use trainer.resume_mode"),
+    ("trainer.device=npu", "Ascend NPUs"),
+    ("reward_model.reward_manager=prime", "the prime reward manager"),
 ])
-def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path):
-    out = run_launch(*verl_args(VERL_GRPO, str(tmp_path)), extra, "cluster=local", "--dry-run")
-    assert out.returncode == 2
-    assert feature in out.stderr and "is not available in rlhf-hpc" in out.stderr, out.stderr
-    assert "unknown key" not in out.stderr and "Traceback" not in out.stderr
+def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path, capsys):
+    rc, err = dry_run([*verl_args(VERL_GRPO, str(tmp_path)), extra, "cluster=local"], capsys)
+    assert rc == 2
+    assert feature in err and "is not available in rlhf-hpc" in err, err
+    assert "unknown key" not in err and "expected" not in err and "Traceback" not in err
+
+
+def test_hydra_plus_keys_add_or_override_a_key(tmp_path):
+    base = verl_args(VERL_GRPO, str(tmp_path))
+    cfg, _ = load_config(None, base + ["+actor_rollout_ref.actor.kl_loss_coef=0.01",
+                                       "++actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+                                       "+data.apply_chat_template_kwargs.enable_thinking=False"], check_files=False)
+    arr = cfg.actor_rollout_ref
+    assert (arr.actor.kl_loss_coef, arr.rollout.val_kwargs.temperature) == (0.01, 0.6)
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    # an unknown key stays one, named without the plus
+    with pytest.raises(ConfigError) as e:
+        load_config(None, base + ["+actor_rollout_ref.actor.no_such_key=1"], check_files=False)
+    assert e.value.errors == ["unknown key 'actor_rollout_ref.actor.no_such_key' in section 'actor_rollout_ref.actor'"]
+    with pytest.raises(ConfigError, match="is not of the form key.path=value"):
+        load_config(None, ["+++data.train_batch_size=8"], check_files=False)
+
+
+# verl values accepted and dropped: verl's defaults of features not here, and values asking for what
+# happens here anyway (the engine's log-probs, LoRA's weight loading, single-turn async generation)
+VERL_VALUES_ACCEPTED = [
+    "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra']",
+    "critic.checkpoint.save_contents=[extra,model,optimizer]", "actor_rollout_ref.actor.checkpoint.async_save=False",
+    "actor_rollout_ref.actor.entropy_checkpointing=False", "actor_rollout_ref.ref.entropy_checkpointing=False",
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking=False",
+    "actor_rollout_ref.rollout.trace.token2text=False", "actor_rollout_ref.rollout.trace.backend=null",
+    "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker=null",
+    "actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.rollout.load_format=safetensors",
+    "actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.rollout.multi_stage_wake_up=True",
+    "actor_rollout_ref.actor.fsdp_config.use_orig_params=True", "actor_rollout_ref.rollout.over_sample_rate=0",
+    "actor_rollout_ref.rollout.multi_turn.enable=False", "actor_rollout_ref.rollout.multi_turn.format=hermes",
+    "data.return_raw_chat=True", "data.image_key=images", "data.custom_cls.path=null",
+    "global_profiler.global_tool_config.torch_memory.stack_depth=32", "algorithm.filter_groups.enable=False",
+]
+
+
+def test_verl_off_values_are_accepted_and_dropped(tmp_path):
+    base = verl_args(VERL_GRPO, str(tmp_path))
+    plain, _ = load_config(None, base, check_files=False)
+    cfg, warnings = load_config(None, base + VERL_VALUES_ACCEPTED + ["actor_rollout_ref.rollout.calculate_log_probs="
+                                                                      "False"], check_files=False)
+    assert yaml.safe_dump(to_dict(cfg)) == yaml.safe_dump(to_dict(plain))  # nothing changed
+    assert warnings == load_config(None, base, check_files=False)[1]  # and nothing said
+
+
+def test_verls_deprecated_global_micro_batch_sizes_are_divided_as_verl_does(tmp_path):
+    base = [a for a in verl_args(VERL_GRPO, str(tmp_path)) if "micro_batch_size_per_gpu" not in a]
+    cfg, warnings = load_config(None, base + ["actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                                              "actor_rollout_ref.rollout.log_prob_micro_batch_size=128",
+                                              "actor_rollout_ref.ref.log_prob_micro_batch_size=null"], check_files=False)
+    arr = cfg.actor_rollout_ref  # 8 ranks
+    assert (arr.actor.ppo_micro_batch_size_per_gpu, arr.rollout.log_prob_micro_batch_size_per_gpu) == (8, 16)
+    assert ("actor_rollout_ref.actor.ppo_micro_batch_size=64 (verl's deprecated global size): "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8, as verl divides it over 8 data-parallel ranks"
+            in warnings)
+    with pytest.raises(ConfigError, match=r"set one of them \(verl refuses both as well\)"):
+        load_config(None, base + ["actor_rollout_ref.actor.ppo_micro_batch_size=64",
+                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"], check_files=False)
+    with pytest.raises(ConfigError, match=r"divided by the data-parallel ranks \(8\), which must leave at least 1"):
+        load_config(None, base + ["critic.ppo_micro_batch_size=4"], check_files=False)
+
+
+def test_async_rollout_on_a_single_turn_run_says_where_generation_runs(tmp_path, capsys):
+    base = [*verl_args(VERL_GRPO, str(tmp_path)), "cluster=local"]
+    rc, err = dry_run(base + ["actor_rollout_ref.rollout.mode=async", "data.return_raw_chat=True"], capsys)
+    assert rc == 0, err
+    assert [line for line in err.splitlines() if "rollout.mode" in line] == [
+        "warning: actor_rollout_ref.rollout.mode=async: generation runs in the colocated engine inside every trainer "
+        "rank (the same samples, no rollout server)"]
+    rc, err = dry_run(base + ["actor_rollout_ref.rollout.mode=async",
+                              "actor_rollout_ref.rollout.multi_turn.enable=True"], capsys)
+    assert rc == 2 and "multi-turn rollout with tools is not available in rlhf-hpc" in err, err
+
+
+def test_raw_chat_for_a_reward_model_needs_its_tokenizer(tmp_path):
+    """verl's reward-model scripts set data.return_raw_chat=True so that the reward model re-encodes the
+    conversation with its own chat template: here that is reward_model.model.input_tokenizer."""
+    base = verl_args(VERL_GRPO, str(tmp_path)) + ["data.return_raw_chat=True", "reward_model.enable=True",
+                                                  "reward_model.model.path=tiny://qwen2"]
+    with pytest.raises(ConfigError, match=r"data.return_raw_chat=True: with reward_model.enable=true verl re-encodes "
+                                          r"the conversation .* reward_model.model.input_tokenizer"):
+        load_config(None, base, check_files=False)
 
 
 @pytest.mark.parametrize("override,message", [
     ("data.dataloader_num_workers=8", "data.dataloader_num_workers=8: there is no data loader pool here"),
     ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.hybrid_engine=false: only the hybrid engine"),
-    ("trainer.log_val_generations=10", "trainer.log_val_generations=10: logging validation generations"),
     ("data.reward_fn_key=ability", "data.reward_fn_key='ability': rewards are chosen by the data_source column"),
     ("actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=bf16", "buffer_dtype: FSDP2 keeps buffers"),
     # a disabled reward model's keys would have no effect (tests/test_reward_model.py checks the enabled ones)
@@ -271,3 +390,15 @@ def test_validation_scores_the_whole_set_whatever_val_batch_size(four_rank_runs)
     assert key in whole and whole[key] == pytest.approx(chunked[key], abs=1e-6)
     # chunking the validation changes nothing about training
     assert whole["critic/score/mean"] == chunked["critic/score/mean"]
+
+
+# ------------------------------------------------------- verl's own example scripts, as they are
+# verl b178a3c's example command lines that dry-run here as they are (tests/golden/verl_examples.yaml)
+VERL_EXAMPLES = yaml.safe_load((Path(__file__).parent / "golden" / "verl_examples.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(VERL_EXAMPLES))
+def test_verl_example_scripts_dry_run_as_they_are(name, tmp_path, capsys):
+    args = verl_args(VERL_EXAMPLES[name], str(tmp_path))
+    rc, err = dry_run(args if any(a.startswith("cluster=") for a in args) else [*args, "cluster=local"], capsys)
+    assert rc == 0, err

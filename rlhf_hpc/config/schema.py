@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig",
-           "DataConfig", "FSDPConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig", "ModelConfig",
-           "OptimConfig", "RewardModelConfig", "RolloutCorrectionConfig"]
+           "DataConfig", "FSDPConfig", "FilterGroupsConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig",
+           "ModelConfig", "OptimConfig", "OverlongBufferConfig", "RewardModelConfig", "RolloutCorrectionConfig"]
 
 # values of override_config.attn_implementation (verl's key); varlen: rlhf_hpc/models/attention.py
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
@@ -40,6 +40,9 @@ class DataConfig:
     val_batch_size: Optional[int] = None  # prompts per engine call in validation (null: all at once)
     truncation: Literal["error", "left", "right"] = "error"
     filter_overlong_prompts: bool = False
+    # DAPO's dynamic sampling: prompts per generation batch (null: train_batch_size); only with
+    # algorithm.filter_groups.enable (rlhf_hpc/ppo/dynamic_sampling.py)
+    gen_batch_size: Optional[int] = None
     # extra keyword arguments of the tokenizer's apply_chat_template (e.g. enable_thinking: false)
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     shuffle: bool = True
@@ -116,8 +119,14 @@ class ModelConfig:
 
 @dataclass
 class PolicyLossConfig:
-    """verl's ``actor_rollout_ref.actor.policy_loss``."""
+    """verl's ``actor_rollout_ref.actor.policy_loss`` (its keys and defaults). A key only one loss
+    reads is refused when set while another loss is selected (rlhf_hpc/recipe/checks.py)."""
     loss_mode: str = "vanilla"  # a name in rlhf_hpc.ops.policy_losses.POLICY_LOSSES
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of the valid tokens whose gradient it may drop
+    clip_cov_lb: float = 1.0  # clip_cov: lower bound of the covariance of a token it may drop
+    clip_cov_ub: float = 5.0  # clip_cov: upper bound of that covariance
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of the valid tokens (largest covariance) given the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: coefficient of |log pi - log pi_old| on those tokens
 
 
 @dataclass
@@ -135,6 +144,8 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = None  # null -> clip_ratio
     clip_ratio_high: Optional[float] = None  # null -> clip_ratio
     clip_ratio_c: float = 3.0
+    tau_pos: float = 1.0  # sapo: gate temperature of tokens with A > 0 (verl's actor.tau_pos)
+    tau_neg: float = 1.05  # sapo: gate temperature of tokens with A <= 0
     loss_agg_mode: LossAggMode = "token-mean"
     entropy_coeff: float = 0.0
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -143,6 +154,10 @@ class ActorConfig:
     kl_loss_type: KLKind = "low_var_kl"
     # Ulysses: groups of this many ranks split each packed sequence (rlhf_hpc.distributed.sequence_parallel)
     ulysses_sequence_parallel_size: int = 1
+    # the old-log-prob pass also gives sum_v pi(v)^2 per response token (batch["sum_pi_squared"]), which
+    # the estimators declaring needs_sum_pi_squared read (verl's optimal_token_baseline requires it)
+    calculate_sum_pi_squared: bool = False
+    sum_pi_squared_checkpointing: bool = False  # verl's; only false here (the sum never has a graph)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -255,6 +270,16 @@ class RewardModelSubConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (``reward_manager: dapo``): a response longer than
+    data.max_response_length - len gets a penalty growing linearly to -penalty_factor (verl's keys)."""
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
+@dataclass
 class RewardModelConfig:
     """A reward model on the training mesh, inference only (rlhf_hpc/rewards/reward_model.py).
     Its score replaces the rule/custom score of a response in training (verl's naive reward
@@ -269,7 +294,9 @@ class RewardModelConfig:
     # re-encoded sequences (model.input_tokenizer set) are cut on the right to this many tokens;
     # null: data.max_prompt_length + data.max_response_length (as verl)
     max_length: Optional[int] = None
-    reward_manager: Literal["naive"] = "naive"
+    # naive: the score as it is; dapo: plus overlong_buffer's shaping (rlhf_hpc/rewards/overlong.py)
+    reward_manager: Literal["naive", "dapo"] = "naive"
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -311,6 +338,16 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's keys): the groups whose ``metric`` has zero variance over
+    their responses are dropped, and generation repeats (data.gen_batch_size prompts at a time)
+    until data.train_batch_size prompts remain; max_num_gen_batches <= 0: no limit."""
+    enable: bool = False
+    metric: Optional[Literal["acc", "score", "seq_reward", "seq_final_reward"]] = None
+    max_num_gen_batches: int = 0
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -320,6 +357,7 @@ class AlgorithmConfig:
     kl_penalty: KLKind = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -362,10 +400,14 @@ class TrainerConfig:
     # a bare string is taken as a one-item list (as verl does); mlflow: MLFLOW_TRACKING_URI, else a
     # file store in <run dir>/mlruns (rlhf_hpc/observability/tracking.py)
     logger: list[str] = field(default_factory=lambda: ["console", "wandb"])  # names in observability.tracking.TRACKERS
-    log_val_generations: int = 0  # not supported: only 0 is accepted
+    # N > 0: at each validation, N (prompt, response, score) rows (verl's choice) to <run dir>/val_generations.jsonl
+    # and to the trackers that show tables (W&B table, TensorBoard text, MLflow artifact)
+    log_val_generations: int = 0
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True
+    # verl's evaluation run: validate once (the model, or the checkpoint resume_mode loads) and stop, no training
+    val_only: bool = False
     critic_warmup: int = 0  # the actor is not updated while critic_warmup > step (steps count from 1)
     # assign a step's rows to ranks so each rank's token count is as even as possible
     balance_batch: bool = True

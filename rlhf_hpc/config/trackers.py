@@ -3,7 +3,8 @@
 An entry names its backend class (built by ``rlhf_hpc.observability.tracking.Tracker``) and the
 optional package it needs (checked at dry run by ``rlhf_hpc.recipe.packages``), so the layers
 below the tracker know a logger without importing it. A new tracker: a backend class with
-``log(metrics, step, log_step)`` and ``close()`` in observability/tracking.py and one
+``log(metrics, step, log_step)`` and ``close()`` (optionally ``log_generations(rows, step,
+log_step)``: validation generations) in observability/tracking.py and one
 ``register_tracker`` line here (docs/extending.md). ``metrics.jsonl`` in the run directory is
 always written and is no entry.
 """

@@ -153,6 +153,18 @@ class StatefulSampler:
         self.pos += self.batch_size
         return idx
 
+    def next_prompts(self, size: int) -> list[int]:
+        """The next ``size`` example indices (DAPO's generation batches, data.gen_batch_size): the
+        position advances by what was taken, so a resume continues exactly; an epoch's tail shorter
+        than ``size`` is dropped, as ``next_batch`` does."""
+        if size > self.n:
+            raise DataError(f"data.gen_batch_size={size} is larger than the dataset ({self.n} prompts)")
+        if self.pos + size > self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+        idx = self._order()[self.pos:self.pos + size].tolist()
+        self.pos += size
+        return idx
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
 

@@ -231,11 +231,12 @@ def slice_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, sp: Sequen
 
 
 def per_token_logprobs(model: nn.Module, batch: Batch, sp: SequenceParallel, temperature: float = 1.0,
-                       with_entropy: bool = False, entropy_grad: bool = True
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       with_entropy: bool = False, entropy_grad: bool = True, with_sum_pi_squared: bool = False
+                       ) -> tuple:
     """``rlhf_hpc.ppo.actor.per_token_logprobs`` (packed rows) with the sequence split over ``sp``:
-    the same (B, R) log-probs (and entropies), zero where ``response_mask`` is 0, on every rank
-    of the group. The head runs only on this slice's positions that predict a response token."""
+    the same (B, R) log-probs (and entropies, and sum pi^2 with ``with_sum_pi_squared``), zero where
+    ``response_mask`` is 0, on every rank of the group. The head runs only on this slice's positions
+    that predict a response token."""
     mask = batch["response_mask"].bool()
     packed = pack(batch)
     part = slice_packed(packed.input_ids, packed.position_ids, sp)
@@ -261,6 +262,8 @@ def per_token_logprobs(model: nn.Module, batch: Batch, sp: SequenceParallel, tem
 
     lp = whole(values)
     ent = whole(entropies) if with_entropy else None
+    if with_sum_pi_squared:
+        return lp, ent, whole(algos.sum_pi_squared_chunked(logits.detach(), temperature))
     return lp, ent
 
 

@@ -8,7 +8,12 @@ name = ``trainer.experiment_name``; parameters = the flat resolved config (value
 as they are); tags = W&B's (recipe, profile, git, config hash, group); the resolved ``config.yaml``
 as an artifact; metrics per step
 under W&B's names passed through ``mlflow_metric_name``. A resumed or requeued run continues the
-same MLflow run (its id is in the checkpoint and in ``<run dir>/mlflow_run_id``)."""
+same MLflow run (its id is in the checkpoint and in ``<run dir>/mlflow_run_id``).
+
+Validation generations (``trainer.log_val_generations``): ``<run dir>/val_generations.jsonl``
+(always; one JSON object per row, with its ``step``), and each backend's ``log_generations``: W&B
+verl's table ``val/generations`` (a row per validation: step, input_1, output_1, score_1, ...),
+TensorBoard verl's text ``val/generations``, MLflow verl's artifact ``val_step<step>.json``."""
 from __future__ import annotations
 
 import importlib
@@ -26,13 +31,15 @@ from rlhf_hpc.config.trackers import TRACKERS, TrackerSpec
 from rlhf_hpc.config.tree import flatten, to_dict
 
 __all__ = ["ConsoleBackend", "MLFLOW_DIR", "MLFLOW_ID_FILE", "MLflowBackend", "RUN_SPECIFIC", "TensorBoardBackend",
-           "Tracker", "WandbBackend", "backend_class", "config_hash", "mlflow_metric_name", "mlflow_tracking_uri",
-           "read_metrics", "wandb_mode", "wandb_sync_command"]
+           "Tracker", "VAL_GENERATIONS_FILE", "WandbBackend", "backend_class", "config_hash", "mlflow_metric_name",
+           "mlflow_tracking_uri", "read_metrics", "wandb_mode", "wandb_sync_command"]
 
 WANDB_ID_FILE = "wandb_run_id"
 GLOBAL_STEP, LOG_STEP = "training/global_step", "training/log_step"
 MLFLOW_ID_FILE = "mlflow_run_id"
 MLFLOW_DIR = "mlruns"
+VAL_GENERATIONS_FILE = "val_generations.jsonl"
+VAL_GENERATIONS_KEY = "val/generations"  # verl's name (ValidationGenerationsLogger)
 
 
 def git_commit() -> Optional[str]:
@@ -45,7 +52,7 @@ def git_commit() -> Optional[str]:
 
 
 # keys that name or place a run rather than define the experiment (left out of the config hash)
-RUN_SPECIFIC = ("trainer.default_local_dir", "trainer.experiment_name", "trainer.resume_mode")
+RUN_SPECIFIC = ("trainer.default_local_dir", "trainer.experiment_name", "trainer.resume_mode", "trainer.val_only")
 
 
 def config_hash(cfg) -> str:
@@ -115,6 +122,21 @@ class Tracker:
         for backend in self.backends:
             backend.log(metrics, step, self.log_step)
 
+    def log_generations(self, rows: list[dict], step: int) -> None:
+        """Validation generations (``{"input", "output", "score", ...}`` each) of training step
+        ``step``: appended to ``val_generations.jsonl`` with the step, then to each backend's
+        ``log_generations(rows, step, log_step)`` where it has one. ``log_step`` is the row of the
+        metrics logged next (the validation's own row), so W&B shows the table in that row."""
+        if not self.is_main or not rows:
+            return
+        with open(self.run_dir / VAL_GENERATIONS_FILE, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **{k: _num(v) for k, v in row.items()}}) + "\n")
+        for backend in self.backends:
+            log_generations = getattr(backend, "log_generations", None)  # (optional for a backend)
+            if log_generations is not None:
+                log_generations(rows, step, self.log_step + 1)
+
     def log_line(self, text: str) -> None:
         if self.is_main:
             print(text, flush=True)
@@ -138,6 +160,7 @@ class ConsoleBackend:
 
     def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
         self.total = tracker.total
+        self.path = tracker.run_dir / VAL_GENERATIONS_FILE
 
     def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
         print(self.progress_line(metrics, step), flush=True)
@@ -157,6 +180,9 @@ class ConsoleBackend:
         if "timing_s/step" in m:  # (a validation before training is no step)
             parts.append(f"{dt:.2f}s/step  ETA {_fmt_duration(eta)}")
         return " | ".join(parts)
+
+    def log_generations(self, rows: list[dict], step: int, log_step: int) -> None:
+        print(f"[rlhf-hpc] step {step}: {len(rows)} validation generations in {self.path}", flush=True)
 
     def close(self) -> None:
         pass
@@ -178,6 +204,14 @@ class TensorBoardBackend:
         for k, v in {GLOBAL_STEP: step, **metrics}.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self.tb.add_scalar(k, v, log_step)
+
+    def log_generations(self, rows: list[dict], step: int, log_step: int) -> None:
+        """verl's text: each sample's input, output and score in Markdown (against the row counter, as the scalars)."""
+        text = f"**Generation Results - Step {step}**\n\n" + "".join(
+            f"### Sample {i + 1}\n**Input:** {r['input']}\n\n**Output:** {r['output']}\n\n**Score:** {r['score']}\n\n"
+            f"---\n\n" for i, r in enumerate(rows))
+        self.tb.add_text(VAL_GENERATIONS_KEY, text, log_step)
+        self.tb.flush()
 
     def close(self) -> None:
         self.tb.close()
@@ -210,11 +244,24 @@ class WandbBackend:
         self.run.define_metric("*", step_metric=GLOBAL_STEP)
         self.first_step = int(getattr(self.run, "step", 0) or 0)
         id_file.write_text(self.run_id)
+        self._gen_columns, self._gen_rows = None, []  # verl's validation-generations table (log_generations)
 
     def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
         # one row per call: W&B's step is the row counter, the charts' x-axis training/global_step
         # (defined as every metric's step metric at init)
         self.run.log({**metrics, GLOBAL_STEP: step}, step=log_step)
+
+    def log_generations(self, rows: list[dict], step: int, log_step: int) -> None:
+        """verl's table: one row per validation (step, input_1, output_1, score_1, ...), the table
+        of all validations so far logged again each time (wandb issue 2981's workaround, as verl),
+        into the row of the validation's metrics (``commit=False``: they follow in the same row)."""
+        import wandb  # (imported by __init__ already)
+        columns = ["step"] + [f"{c}_{i + 1}" for i in range(len(rows)) for c in ("input", "output", "score")]
+        if self._gen_columns != columns:  # (a new table if the number of rows changes)
+            self._gen_columns, self._gen_rows = columns, []
+        self._gen_rows.append([step] + [v for r in rows for v in (r["input"], r["output"], r["score"])])
+        table = wandb.Table(columns=columns, data=[list(r) for r in self._gen_rows])
+        self.run.log({VAL_GENERATIONS_KEY: table}, step=log_step, commit=False)
 
     def close(self) -> None:
         self.run.finish()
@@ -269,6 +316,11 @@ class MLflowBackend:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(mlflow_metric_name(k), float(v), now, step)
                                                     for k, v in metrics.items() if isinstance(v, (int, float))])
+
+    def log_generations(self, rows: list[dict], step: int, log_step: int) -> None:
+        """verl's artifact: ``val_step<step>.json``, a list of {input, output, score}."""
+        self.client.log_text(self.run_id, json.dumps([{k: r[k] for k in ("input", "output", "score")} for r in rows]),
+                             f"val_step{step}.json")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id, "FINISHED")

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["AdaptiveKLController", "AllReduce", "FixedKLController", "LOSS_AGG_MODES", "agg_loss",
            "apply_kl_to_rewards", "entropy_from_logits", "entropy_from_logits_chunked", "global_batch_counts",
            "kl_penalty", "logprobs_from_logits", "make_kl_controller", "masked_mean", "masked_var", "masked_whiten",
-           "sum_over_ranks", "token_logprobs_chunked", "value_loss"]
+           "sum_over_ranks", "sum_pi_squared_chunked", "token_logprobs_chunked", "value_loss"]
 
 # Sums a tensor over data-parallel ranks (e.g. an all_reduce wrapper). None = this process only.
 AllReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -319,3 +319,21 @@ def token_logprobs_chunked(logits: torch.Tensor, labels: torch.Tensor, temperatu
     lp = torch.cat(lps) if lps else empty
     ent = (torch.cat(ents) if ents else empty) if with_entropy else None
     return lp, ent
+
+
+def _chunk_sum_pi_squared(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits.float() / temperature
+    z = z - z.amax(dim=-1, keepdim=True)  # (logsumexp adds the max back: a difference of large numbers)
+    return torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
+
+
+@torch.no_grad()
+def sum_pi_squared_chunked(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> torch.Tensor:
+    """sum over the vocabulary of pi(v)^2, pi = softmax(logits / temperature), per row: (n, V) logits
+    in any dtype -> (n,) fp32, computed one chunk of ``chunk_size`` rows at a time in fp32 and without
+    a graph (the Optimal Token Baseline reads it from the old-log-prob pass). verl's
+    ``calculate_sum_pi_squared_from_logits``: exp(logsumexp(2 z) - 2 logsumexp(z)), no (n, V)
+    probability tensor; here on z minus its row max, which is the same sum without verl's rounding
+    of two large logsumexps (1e-5 relative at logits ~50 in fp32)."""
+    parts = [_chunk_sum_pi_squared(z, temperature) for z in logits.split(chunk_size)]
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)

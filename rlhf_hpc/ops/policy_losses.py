@@ -2,7 +2,7 @@
 
 A loss is one decorated function (verl's ``register_policy_loss``)::
 
-    @register_policy_loss("name")
+    @register_policy_loss("name", clip=PPO_RATIO, keys=())
     def name(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
         ...
         return loss, metrics
@@ -12,9 +12,16 @@ All tensors ``(B, T)``; ``cfg`` is the actor's config section (its clip ratios, 
 ``agg_kwargs`` the global batch counts for ``algos.agg_loss`` (pass them on, so the loss does not
 depend on how the mini-batch was split). ``metrics`` are per-token means, logged as
 ``actor/<name>``. An unknown name raises with the registry's names.
+
+What the checks read is a field of the entry: ``clip`` says what ``clip_ratio_low`` /
+``clip_ratio_high`` bound for this loss (PPO's ratio, GMPO's log-ratio, CISPO's importance weight),
+hence which values make sense; ``keys`` are the actor keys (relative to ``actor_rollout_ref.actor``)
+that only this loss reads: set away from their default while another loss is selected, they are
+refused (they would be ignored).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -22,11 +29,47 @@ import torch
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.ops.algos import agg_loss, masked_mean
 
-__all__ = ["POLICY_LOSSES", "PolicyLossFn", "ppo_clip_loss", "register_policy_loss", "reinforce_loss"]
+__all__ = ["IS_WEIGHT", "LOG_RATIO", "POLICY_LOSSES", "PPO_RATIO", "ClipRange", "PolicyLoss", "PolicyLossFn",
+           "ppo_clip_loss", "register_policy_loss", "reinforce_loss"]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
-register_policy_loss = POLICY_LOSSES.decorator
+
+
+@dataclass(frozen=True)
+class ClipRange:
+    """What a loss's ``clip_ratio_low`` / ``clip_ratio_high`` bound: ``meaning`` (for messages) and
+    ``low_below``, the (exclusive) upper limit of a sensible ``clip_ratio_low`` (None: any value >= 0)."""
+    meaning: str
+    low_below: Optional[float] = None
+
+
+PPO_RATIO = ClipRange("PPO's ratio pi/pi_old, clipped to [1 - low, 1 + high]", low_below=1.0)
+LOG_RATIO = ClipRange("the log-ratio log(pi/pi_old), clipped to [-low, high]")
+IS_WEIGHT = ClipRange("the detached importance weight pi/pi_old, clipped to [1 - low, 1 + high] "
+                      "(low >= 1: no lower bound)")
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registry entry: ``fn`` and what the checks read (see the module's docstring). Called as
+    the function itself."""
+    name: str
+    fn: PolicyLossFn
+    clip: ClipRange = PPO_RATIO
+    keys: tuple[str, ...] = ()
+
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict]:
+        return self.fn(*args, **kwargs)
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
+
+
+def register_policy_loss(name: str, clip: ClipRange = PPO_RATIO, keys: tuple[str, ...] = ()):
+    """``@register_policy_loss(name)``: registers the function as ``PolicyLoss(name, fn, clip, keys)``.
+    ``clip``: what its clip ratios bound (PPO_RATIO also for a loss that reads none: the range
+    checks stay PPO's); ``keys``: the actor keys only this loss reads."""
+    return POLICY_LOSSES.decorator(name, lambda fn: PolicyLoss(name, fn, clip, tuple(keys)))
 
 
 # ------------------------------------------------------------------------------------ the math
@@ -104,3 +147,183 @@ def gpg(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None,
     if is_weights is not None:
         losses = losses * is_weights
     return agg_loss(losses, response_mask.to(log_prob.dtype), cfg.loss_agg_mode, **agg_kwargs), {}
+
+
+def _global_rows(agg_kwargs: dict, rows: int) -> float:
+    """The rows (sequences) of the whole mini-batch: ``global_seqs`` where given, else this tensor's."""
+    seqs = agg_kwargs.get("global_seqs")
+    return seqs if seqs is not None else max(rows, 1)
+
+
+@register_policy_loss("gspo")
+def gspo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071; verl's ``gspo``): PPO's clip on the sequence-level
+    ratio s_i = exp(mean_t(lp - old)) (the length-normalised log-ratio, clamped at 10 in log space),
+    written per token as sg[s_i] * pi / sg[pi] so each token's gradient is s_i's. The IS weights
+    multiply each token's loss after the clip. Aggregated as ``seq-mean-token-mean`` whatever
+    ``loss_agg_mode`` says, as verl (which still applies to the entropy and KL terms), with the
+    global counts. Metrics: ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower`` (0, as verl)."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # per row, over its valid tokens
+    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    seq_ratio = torch.exp(log_seq_ratio)
+    loss1 = -advantages * seq_ratio
+    loss2 = -advantages * torch.clamp(seq_ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    pg_losses = torch.maximum(loss1, loss2)
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
+    loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": masked_mean(torch.gt(loss2, loss1).to(mask.dtype), mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask),
+                   "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device)}
+    return loss, metrics
+
+
+@register_policy_loss("sapo", keys=("tau_pos", "tau_neg"))
+def sapo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """SAPO (arXiv 2511.20347; verl's ``sapo``): no clip; each token's ratio r (log-ratio clamped to
+    [-20, 20]) passes through the soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau =
+    ``actor.tau_pos`` where A > 0, else ``actor.tau_neg``; loss -f(r) A, times the IS weights.
+    Aggregated as ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says, as verl, with the global
+    counts. Metrics: ``ppo_kl``, and ``pg_clipfrac`` / ``pg_clipfrac_lower`` (0, as verl)."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(advantages > 0, torch.as_tensor(cfg.tau_pos, dtype=advantages.dtype, device=advantages.device),
+                      torch.as_tensor(cfg.tau_neg, dtype=advantages.dtype, device=advantages.device))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    pg_losses = -gate * advantages
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
+    loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", **agg_kwargs)
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+        metrics = {"pg_clipfrac": zero, "ppo_kl": masked_mean(-log_ratio, mask), "pg_clipfrac_lower": zero.clone()}
+    return loss, metrics
+
+
+@register_policy_loss("clip_cov", keys=("policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb",
+                                        "policy_loss.clip_cov_ub"))
+def clip_cov(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617; verl's ``clip_cov``): PPO's clipped ratio (no
+    dual clip, no clamp of the log-ratio, as verl), where in addition a random share of the tokens
+    the clip left alone whose covariance (A - mean A)(lp - mean lp) lies in (``clip_cov_lb``,
+    ``clip_cov_ub``) lose their gradient (their loss is zeroed): ``max(1, int(clip_cov_ratio x
+    valid tokens))`` of them. The means, the count and the selection are over the micro-batch this
+    function gets (as verl: per micro-batch, drawn with torch's global generator), so the loss is
+    not split-invariant; the aggregation is ``loss_agg_mode`` with the global counts. IS weights
+    multiply each token's loss. Metrics: ``pg_clipfrac`` (share of zeroed tokens, as verl), ``ppo_kl``."""
+    pl = cfg.policy_loss
+    if pl.clip_cov_ratio <= 0:
+        raise ValueError(f"policy_loss.clip_cov_ratio must be > 0 (got {pl.clip_cov_ratio})")
+    mask = response_mask.to(log_prob.dtype)
+    valid = response_mask > 0
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    with torch.no_grad():
+        lp = log_prob.detach()
+        cov = (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+        candidates = valid & ~(loss2 > loss1) & (cov > pl.clip_cov_lb) & (cov < pl.clip_cov_ub)
+        where = torch.nonzero(candidates)  # (n, 2), row-major
+        keep = torch.ones_like(advantages)
+        if len(where) > 0:
+            n_clip = max(int(pl.clip_cov_ratio * mask.sum().item()), 1)
+            chosen = where[torch.randperm(len(where))[:n_clip].to(where.device)]
+            keep[chosen[:, 0], chosen[:, 1]] = 0
+    pg_losses = torch.maximum(loss1, loss2) * keep
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
+    loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": masked_mean((keep == 0).to(mask.dtype), mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask)}
+    return loss, metrics
+
+
+@register_policy_loss("kl_cov", keys=("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef"))
+def kl_cov(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617; verl's ``kl_cov``): the unclipped surrogate -A r,
+    plus ``ppo_kl_coef`` |lp - old| on the ``max(1, int(kl_cov_ratio x valid tokens))`` valid tokens
+    of largest covariance (A - mean A)(lp - mean lp). The means, the count and the top-k are over
+    the micro-batch this function gets (as verl), so the loss is not split-invariant; the
+    aggregation is ``loss_agg_mode`` with the global counts. Clip ratios are not read. IS weights
+    multiply each token's loss. Metrics: ``ppo_kl`` (the mean |lp - old|, as verl reports it)."""
+    pl = cfg.policy_loss
+    if pl.kl_cov_ratio <= 0:
+        raise ValueError(f"policy_loss.kl_cov_ratio must be > 0 (got {pl.kl_cov_ratio})")
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    abs_kl = log_ratio.abs()
+    surrogate = -advantages * torch.exp(log_ratio)
+    with torch.no_grad():
+        flat = torch.nonzero(response_mask.reshape(-1) > 0, as_tuple=True)[0]
+        penalised = torch.zeros(advantages.numel(), dtype=torch.bool, device=advantages.device)
+        if len(flat) > 0:
+            adv_v, lp_v = advantages.detach().reshape(-1)[flat], log_prob.detach().reshape(-1)[flat]
+            cov = (adv_v - adv_v.mean()) * (lp_v - lp_v.mean())
+            top = torch.topk(cov, max(1, int(len(cov) * pl.kl_cov_ratio)), largest=True).indices
+            penalised[flat[top]] = True
+    pg_losses = torch.where(penalised.view_as(advantages), surrogate + pl.ppo_kl_coef * abs_kl, surrogate)
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
+    loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"ppo_kl": masked_mean(abs_kl, mask)}
+    return loss, metrics
+
+
+@register_policy_loss("geo_mean", clip=LOG_RATIO)
+def geo_mean(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673; verl's ``geo_mean``): per sequence, the geometric
+    mean of the token ratios, each token's log-ratio clipped to [-``clip_ratio_low``,
+    ``clip_ratio_high``] on the side that bounds the objective (sign(A)); loss -mean_t(A) x that
+    ratio per sequence, averaged over sequences. ``loss_agg_mode`` is not read (verl takes the mean
+    over rows); the mean is over the mini-batch's rows (``global_seqs``), so it is split-invariant
+    and equal to verl's on an unsplit batch. IS weights enter as each sequence's geometric mean
+    (verl's). Metrics: ``pg_clipfrac`` (clipped tokens with A > 0), ``pg_clipfrac_lower`` (A < 0),
+    ``ppo_kl``."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob  # not clamped, as verl
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
+    log_ratio_min = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = mask.sum(dim=-1) + 1e-8
+    seq_ratio = torch.exp((log_ratio_min * mask).sum(dim=-1) / lengths)
+    seq_adv = (advantages * mask).sum(dim=-1) / lengths  # sequence-level advantages assumed, as verl
+    pg_losses = -seq_adv * seq_ratio
+    if is_weights is not None:
+        pg_losses = pg_losses * torch.exp((torch.log(is_weights + 1e-10) * mask).sum(dim=-1) / lengths)
+    loss = pg_losses.sum() / _global_rows(agg_kwargs, pg_losses.shape[0])
+    with torch.no_grad():
+        clipped = torch.ne(log_ratio, clamped)
+        metrics = {"pg_clipfrac": masked_mean((clipped & (advantages > 0)).to(mask.dtype), mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask),
+                   "pg_clipfrac_lower": masked_mean((clipped & (advantages < 0)).to(mask.dtype), mask)}
+    return loss, metrics
+
+
+@register_policy_loss("cispo", clip=IS_WEIGHT)
+def cispo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """CISPO (MiniMax-M1, arXiv 2506.13585; verl's ``cispo``): -sg[clip(r, 1 - low, 1 + high)] A lp,
+    r the token ratio (log-ratio clamped to [-20, 20]): the clip bounds a detached importance
+    weight, no token loses its gradient; ``clip_ratio_low`` >= 1 leaves no lower bound (the
+    paper's setting). IS weights multiply each token's loss; ``loss_agg_mode`` with the global
+    counts. Metrics: ``pg_clipfrac`` (share of clipped weights), ``ppo_kl``, ``pg_clipfrac_lower`` (0,
+    as verl)."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high).detach()
+    pg_losses = -weight * advantages * log_prob
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
+    loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": masked_mean((ratio != weight).to(mask.dtype), mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask),
+                   "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device)}
+    return loss, metrics

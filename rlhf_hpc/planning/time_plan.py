@@ -55,7 +55,8 @@ from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
 from rlhf_hpc.planning.memory_plan import build_plan, check_plan
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, forward_flops, model_shape
 
-__all__ = ["PhaseTime", "TimeModel", "TimePlan", "Workload", "advice_for", "build_time_plan", "workload_of"]
+__all__ = ["PhaseTime", "TimeModel", "TimePlan", "Workload", "advice_for", "build_time_plan", "generation_batches",
+           "workload_of"]
 
 # Shares of the datasheet peaks that real kernels reach on a GPU (on the CPU the calibration's
 # figures are already what real passes reach: 1.0). Training (``Hardware.train_efficiency``, 0.5):
@@ -80,6 +81,7 @@ class Workload:
     longest_response: int
     padded: int
     source: str = ""
+    gen_batches: Optional[float] = None  # DAPO's generation batches in the step, where a run measured them
 
     @property
     def tokens(self) -> float:
@@ -291,9 +293,13 @@ class TimeModel:
                  "overhead": steps * overhead + calls, where: comm}
         seconds = (prefill + full * max(f_read, f_compute) + tail * max(t_read, t_compute) + steps * overhead + comm
                    + calls)
-        return PhaseTime("gen", parts, seconds, comm,
-                         f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {batch}: {full} decode steps "
-                         f"at full batch, {tail} for the longest response's tail")
+        note = (f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {batch}: {full} decode steps "
+                f"at full batch, {tail} for the longest response's tail")
+        scale, why = generation_batches(self.cfg, w.gen_batches)
+        if why:  # DAPO's dynamic sampling: the step's responses as generated, in generation batches
+            parts = {k: v * scale for k, v in parts.items()}
+            seconds, comm, note = seconds * scale, comm * scale, f"{note}; x{scale:.3g}: {why}"
+        return PhaseTime("gen", parts, seconds, comm, note)
 
     def pass_costs(self, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, micro: int, head: int,
                    remove_padding: bool, backward: float, sp: int) -> dict[str, float]:
@@ -404,7 +410,30 @@ class TimeModel:
                                   metrics.get("prompt_length/mean", d.max_prompt_length),
                                   metrics.get("response_length/mean", d.max_response_length),
                                   int(metrics.get("response_length/max", d.max_response_length)), padded,
-                                  "this step's lengths"))
+                                  "this step's lengths", metrics.get("train/num_gen_batches")))
+
+
+def generation_batches(cfg: Config, measured: Optional[float] = None) -> tuple[float, str]:
+    """(the factor on the generation of train_batch_size prompts, the plan line's reason) under DAPO's
+    dynamic sampling (``algorithm.filter_groups``): a step generates batches of data.gen_batch_size
+    prompts until train_batch_size have signal. Assumed, with no key to say it: half the groups keep
+    signal, so ceil(2 x train_batch_size / gen_batch_size) batches (at most max_num_gen_batches when
+    it is > 0), or the number a run measured (``train/num_gen_batches``); time linear in the prompts.
+    (1.0, "") without dynamic sampling."""
+    fg, d = cfg.algorithm.filter_groups, cfg.data
+    if not fg.enable:
+        return 1.0, ""
+    gen = d.gen_batch_size or d.train_batch_size
+    if measured is not None:
+        batches, why = float(measured), f"{measured:.0f} generation batch(es) of {gen} prompts, as measured"
+    else:
+        batches = float(math.ceil(2 * d.train_batch_size / gen))
+        if fg.max_num_gen_batches > 0:
+            batches = min(batches, float(fg.max_num_gen_batches))
+        why = (f"{batches:.0f} generation batch(es) of {gen} prompts expected (dynamic sampling; assumed: half the "
+               f"groups keep reward variance" + (f", at most max_num_gen_batches={fg.max_num_gen_batches}"
+                                                 if fg.max_num_gen_batches > 0 else "") + ")")
+    return batches * gen / d.train_batch_size, why
 
 
 def build_time_plan(cfg: Config, workload: Optional[Workload] = None,

@@ -25,17 +25,20 @@ __all__ = ["Actor", "ActorSpec", "per_token_logprobs"]
 
 
 def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, remove_padding: bool = True,
-                       with_entropy: bool = False, entropy_grad: bool = True, sp: Optional[SequenceParallel] = None
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       with_entropy: bool = False, entropy_grad: bool = True, sp: Optional[SequenceParallel] = None,
+                       with_sum_pi_squared: bool = False) -> tuple:
     """Log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
-    Returns (log_probs (B, R), entropy (B, R) or None), zero where ``response_mask`` is 0.
+    Returns (log_probs (B, R), entropy (B, R) or None), zero where ``response_mask`` is 0;
+    ``with_sum_pi_squared``: a third (B, R), sum over the vocabulary of pi^2 at each response token
+    (``algos.sum_pi_squared_chunked``, no graph; the Optimal Token Baseline's).
     ``remove_padding`` packs the rows into one sequence (no compute on padding).
     ``entropy_grad=False`` computes the entropy for metrics only (no graph through it).
     ``sp``: the packed sequence is split over this sequence-parallel group (rlhf_hpc.distributed.sequence_parallel).
     """
     if sp is not None:
-        return sequence_parallel.per_token_logprobs(model, batch, sp, temperature, with_entropy, entropy_grad)
+        return sequence_parallel.per_token_logprobs(model, batch, sp, temperature, with_entropy, entropy_grad,
+                                                    with_sum_pi_squared=with_sum_pi_squared)
     R = batch["responses"].shape[1]
     mask = batch["response_mask"].bool()
     if remove_padding:
@@ -54,6 +57,9 @@ def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0,
     values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
     lp = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device).masked_scatter(mask, values)
     ent = torch.zeros_like(lp).masked_scatter(mask, entropies) if with_entropy else None
+    if with_sum_pi_squared:
+        spi2 = torch.zeros_like(lp).masked_scatter(mask, algos.sum_pi_squared_chunked(logits.detach(), temperature))
+        return lp, ent, spi2
     return lp, ent
 
 
@@ -100,26 +106,30 @@ class Actor:
     # ------------------------------------------------------------------------------ forward only
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, use_dynamic_bsz: bool = False,
-                         max_token_len: int = 16384, with_entropy: bool = False
-                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(B, R) log-probs (and entropies) for every row of ``batch``, in its row order."""
+                         max_token_len: int = 16384, with_entropy: bool = False, with_sum_pi_squared: bool = False
+                         ) -> tuple:
+        """(B, R) log-probs (and entropies) for every row of ``batch``, in its row order;
+        ``with_sum_pi_squared``: a third (B, R), sum over the vocabulary of pi^2 (``per_token_logprobs``)."""
         self.model.eval()
         own = slice(None)
         if self.sp is not None:  # the group's rows, each micro-batch's tokens split over its ranks
             batch, own = sequence_parallel.gather_rows(batch, self.sp)
             max_token_len *= self.sp.size
         groups = micro_batch_groups(batch, micro_batch_size, use_dynamic_bsz, max_token_len, self.sync_max)
-        lps, ents, kept = [], [], []
+        lps, ents, spi2s, kept = [], [], [], []
         for g in groups:
             micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
-            lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding, with_entropy,
-                                         sp=self.sp)
+            lp, ent, *spi2 = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding, with_entropy,
+                                                sp=self.sp, with_sum_pi_squared=with_sum_pi_squared)
             if g:
                 lps.append(lp.cpu())
                 ents.append(ent.cpu() if with_entropy else None)
+                spi2s.append(spi2[0].cpu() if with_sum_pi_squared else None)
                 kept.append(g)
         lp = restore_order(lps, kept)[own]
         ent = restore_order(ents, kept)[own] if with_entropy else None
+        if with_sum_pi_squared:
+            return lp, ent, restore_order(spi2s, kept)[own]
         return lp, ent
 
     # ------------------------------------------------------------------------------ PPO update

@@ -34,9 +34,16 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
     return zlib.crc32(f"{seed}/{step}/{dp_rank}".encode()) & 0x7FFFFFFF
 
 
-def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False) -> Sampling:
+def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False,
+                 greedy: bool = False) -> Sampling:
+    """The rollout's sampling (``rollout.*``), validation's (``rollout.val_kwargs``), or ``greedy``:
+    one greedy response per prompt (verl's ``do_sample=False`` generation, ReMax's baseline)."""
     r = cfg.actor_rollout_ref.rollout
     stops = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
+    if greedy:
+        return Sampling(n=1, temperature=0.0, top_p=1.0, top_k=-1, do_sample=False,
+                        max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos,
+                        seed=seed)
     if validation:
         v = r.val_kwargs
         return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample,

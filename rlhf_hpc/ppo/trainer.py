@@ -15,7 +15,11 @@ The step batch (one dict of tensors, rows = this rank's responses):
     engine_log_probs                          (B, R)  from the rollout engine (sampling dist.)
     uid                                       (B,)    the prompt's position in the step (its group)
     old_log_probs, ref_log_prob, values       (B, R)  actor / reference / critic before the update
+    sum_pi_squared                            (B, R)  sum_v pi(v)^2 of the old-log-prob pass
+                                                      (actor.calculate_sum_pi_squared: verl's OTB)
     token_scores, token_rewards               (B, R)  score on the last valid token; minus KL if in reward
+    reward_baselines                          (B,)    the score of the greedy response to the row's prompt
+                                                      (estimators with needs_greedy_baseline: verl's ReMax)
     advantages, returns                       (B, R)
     rollout_is_weights                        (B, R)  rollout correction's IS weights (rollout_is set)
     sampled_response_mask                     (B, R)  the mask as sampled, when rollout_rs rejected tokens
@@ -31,7 +35,7 @@ from typing import Optional
 import torch
 
 from rlhf_hpc.ops import algos
-from rlhf_hpc.ops.estimators import AdvantageInputs, compute_advantages
+from rlhf_hpc.ops.estimators import ADV_ESTIMATORS, AdvantageInputs, compute_advantages
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.config.schema import Config
@@ -45,6 +49,7 @@ from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.planning.layout import describe as describe_layouts
 from rlhf_hpc.planning.memory_plan import check_plan, oom_message
 from rlhf_hpc.ppo.guard import StabilityGuard
+from rlhf_hpc.ops.batching import select_rows
 from rlhf_hpc.ppo.step_batch import (make_step_batch, rollout_rows, sampling_for, score_responses,
                                      scores_on_last_token, step_seed)
 from rlhf_hpc.ppo.step_metrics import data_metrics, perf_metrics, reduce_stats, time_model
@@ -55,6 +60,8 @@ from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.observability.profiling import StepProfiler
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
+from rlhf_hpc.rewards.overlong import overlong_metrics, overlong_reward
+from rlhf_hpc.ppo.dynamic_sampling import collect_groups, gen_seed
 from rlhf_hpc.rewards.reward_model import build_reward_model
 from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
@@ -98,6 +105,11 @@ class PPOTrainer:
         self.reward_model = build_reward_model(cfg, ctx, self.tokenizer) if cfg.reward_model.enable else None
         self.guard = StabilityGuard(tr.guard)
         self.faults = FaultInjector(tr.inject_fault, ctx.rank)
+        # verl's ReMax: one greedy response per prompt each step, its score the baseline (phases 2 and 4)
+        self.greedy_baseline = ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_greedy_baseline
+        self.greedy_rows: Optional[list[RolloutRow]] = None
+        self.filter_groups = cfg.algorithm.filter_groups.enable  # DAPO's dynamic sampling (phase 2)
+        self.overlong = cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.overlong_buffer.enable
 
         self.step, wandb_id, mlflow_id = 0, None, None
         self.resumed_from = ckpt.find_resume_checkpoint(cfg, self.run_dir, log=print if ctx.is_main else (lambda *_: None))
@@ -194,6 +206,9 @@ class PPOTrainer:
         """Steps until the last one: each validated when due, judged by the guard (a divergent step
         is logged, then undone), checkpointed when due; all ranks stop together on a signal."""
         cfg, tr = self.cfg, self.cfg.trainer
+        if tr.val_only:  # verl's evaluation run: the model (or the checkpoint resumed from) validated once
+            self.validate_only()
+            return
         if self.resumed_from is None and tr.guard.enable and tr.guard.initial_checkpoint and tr.save_freq > 0:
             self.save(0)  # the starting point: what a divergence in the first steps rolls back to
         if tr.val_before_train and self.val_set and self.step == 0:
@@ -251,7 +266,23 @@ class PPOTrainer:
         self.rollout.close()
 
     def run_validation(self) -> dict[str, float]:
-        return run_validation(self.cfg, self.ctx, self.models, self.rollout, self.val_set, self.tokenizer, self.reward_fn)
+        """The validation's metrics; its generations (``trainer.log_val_generations``) go to the tracker."""
+        generations: list[dict] = []
+        metrics = run_validation(self.cfg, self.ctx, self.models, self.rollout, self.val_set, self.tokenizer,
+                                 self.reward_fn, generations=generations)
+        self.tracker.log_generations(generations, self.step)
+        return metrics
+
+    def validate_only(self) -> None:
+        """``trainer.val_only``: one validation row at the current step (0, or the step of the
+        checkpoint resumed from), then the run ends: no training step, no checkpoint."""
+        if self.val_set:
+            self.tracker.log(self.run_validation(), self.step)
+            self.tracker.log_line(f"[rlhf-hpc] trainer.val_only: validated at step {self.step}; no training")
+        else:
+            self.tracker.log_line("[rlhf-hpc] trainer.val_only: no validation set to evaluate; no training")
+        self.tracker.close()
+        self.rollout.close()
 
     # -------------------------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, float]:
@@ -268,14 +299,18 @@ class PPOTrainer:
                                                  arr.rollout.update_weights_bucket_mb,
                                                  transform=self.faults.weights_transform(step))
                 metrics["rollout/weight_sync_mib"] = synced["rollout/weight_sync_mib"]
-            # 2. rollout: an even share of the step's prompts on each rank, n responses each
-            batch, rows, prompts = self.generate(step, timer, metrics)
+            # 2. rollout: an even share of the step's prompts on each rank, n responses each; with DAPO's
+            # dynamic sampling, generation batches until enough groups have signal (generate_filtered)
+            batch, rows, prompts = (self.generate_filtered(step, timer, metrics) if self.filter_groups
+                                    else self.generate(step, timer, metrics))
             # 3. old log-probs (the PPO anchor), reference log-probs, values
             entropy = self.log_probs_and_values(batch, step, timer, metrics)
             # 4. rewards: a score per response, on its last valid token
             with timer("reward"):
                 batch["token_scores"] = scores_on_last_token(self.score(batch, rows, timer, metrics),
                                                              batch["response_mask"])
+                if self.greedy_baseline:
+                    batch["reward_baselines"] = self.baseline_scores(batch, rows, len(prompts), timer, metrics)
             # 5. KL: in the reward (controller) and/or as a loss in the actor update
             if cfg.algorithm.use_kl_in_reward:
                 batch["token_rewards"], kl_metrics = algos.apply_kl_to_rewards(
@@ -290,7 +325,9 @@ class PPOTrainer:
                 models.actor.correction.before_advantages(batch, metrics)
                 batch["advantages"], batch["returns"] = compute_advantages(cfg.algorithm, AdvantageInputs(
                     batch["token_rewards"], batch["response_mask"].float(), batch["uid"], num_groups=len(prompts),
-                    values=batch.get("values"), all_reduce=all_reduce_sum))
+                    values=batch.get("values"), all_reduce=all_reduce_sum, all_reduce_max=all_reduce_max,
+                    reward_baselines=batch.get("reward_baselines"), old_log_probs=batch.get("old_log_probs"),
+                    sum_pi_squared=batch.get("sum_pi_squared"), rollout_is_weights=batch.get("rollout_is_weights")))
             # 7. critic, then 8. actor
             self.update(batch, step, timer, metrics)
         # 9. metrics (global over ranks)
@@ -318,6 +355,11 @@ class PPOTrainer:
             responses = self.rollout.generate([self.train_set[prompts[p]].prompt_ids for p in mine],
                                               sampling_for(cfg, self.tokenizer,
                                                            seed=step_seed(tr.seed, step, self.rollout.dp_rank)))
+        if self.greedy_baseline:  # verl's "gen_max": the greedy response to each of this rank's prompts
+            with timer("gen_max"):
+                greedy = self.rollout.generate([self.train_set[prompts[p]].prompt_ids for p in mine],
+                                               sampling_for(cfg, self.tokenizer, greedy=True))
+            self.greedy_rows = rollout_rows(self.train_set, prompts, mine, greedy)
         self.rollout.release()
         self.faults.after_generation(step)
         rows, balance = redistribute_rows(rollout_rows(self.train_set, prompts, mine, responses), ctx.world_size,
@@ -325,6 +367,53 @@ class PPOTrainer:
         metrics.update(balance)
         metrics.update(coverage([r.prompt_pos for r in rows], len(prompts)))
         return make_step_batch(cfg, self.tokenizer, rows), rows, prompts
+
+    def generate_filtered(self, step: int, timer: Timer, metrics: dict) -> tuple[dict, list[RolloutRow], list[int]]:
+        """Phase 2 with DAPO's dynamic sampling (``algorithm.filter_groups``): generation batches of
+        ``data.gen_batch_size`` prompts (every rank its share), each scored, its groups whose metric
+        has zero variance dropped by the same decision on every rank (``ppo/dynamic_sampling.py``),
+        until ``data.train_batch_size`` prompts are kept; then as ``generate``: redistributed rows."""
+        cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
+        fg, size = cfg.algorithm.filter_groups, cfg.data.gen_batch_size or cfg.data.train_batch_size
+
+        def generate_batch(k: int) -> tuple[list[int], list[RolloutRow]]:
+            prompts = self.sampler.next_prompts(size)
+            mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
+            seed = gen_seed(tr.seed, step, k, self.rollout.dp_rank, step_seed(tr.seed, step, self.rollout.dp_rank))
+            with timer("gen"):
+                responses = self.rollout.generate([self.train_set[prompts[p]].prompt_ids for p in mine],
+                                                  sampling_for(cfg, self.tokenizer, seed=seed))
+            return prompts, rollout_rows(self.train_set, prompts, mine, responses)
+
+        def metric_values(rows: list[RolloutRow]) -> torch.Tensor:
+            if not rows:
+                return torch.zeros(0)
+            with timer("reward"):
+                batch = make_step_batch(cfg, self.tokenizer, rows)
+                scores = score_responses(self.reward_fn, self.tokenizer, self.train_set, rows, batch)
+                if fg.metric in ("seq_reward", "seq_final_reward") and self.overlong:
+                    scores = self.shape_overlong(scores, batch, None)
+            return scores
+
+        collected = collect_groups(generate_batch, metric_values, cfg.data.train_batch_size,
+                                   cfg.actor_rollout_ref.rollout.n, fg.max_num_gen_batches, all_reduce_sum)
+        self.rollout.release()
+        self.faults.after_generation(step)
+        rows, balance = redistribute_rows(collected.rows, ctx.world_size, ctx.rank, tr.balance_batch)
+        metrics.update(balance)
+        metrics.update(collected.metrics)
+        metrics.update(coverage([r.prompt_pos for r in rows], len(collected.prompts)))
+        return make_step_batch(cfg, self.tokenizer, rows), rows, collected.prompts
+
+    def shape_overlong(self, scores: torch.Tensor, batch: dict, metrics: Optional[dict]) -> torch.Tensor:
+        """(B,) the scores plus the dapo reward manager's overlong penalty (``reward_model.overlong_buffer``;
+        ``rewards/overlong.py``), logged where ``overlong_buffer.log`` and ``metrics`` say so (collective)."""
+        ob = self.cfg.reward_model.overlong_buffer
+        penalty = overlong_reward(batch["response_mask"].sum(-1), self.cfg.data.max_response_length, ob.len,
+                                  ob.penalty_factor)
+        if ob.log and metrics is not None:
+            metrics.update(overlong_metrics(penalty, all_reduce_sum))
+        return scores + penalty
 
     def log_probs_and_values(self, batch: dict, step: int, timer: Timer, metrics: dict) -> Optional[torch.Tensor]:
         """``old_log_probs``: the actor's, or in verl's bypass mode the engine's own (no forward
@@ -334,9 +423,11 @@ class PPOTrainer:
         entropy = None
         if not models.actor.correction.bypass:
             with timer("old_log_prob"):
-                batch["old_log_probs"], entropy = models.actor.compute_log_prob(
+                batch["old_log_probs"], entropy, *sum_pi_squared = models.actor.compute_log_prob(
                     batch, shape.old_log_prob.micro_rows, shape.old_log_prob.dynamic, shape.old_log_prob.token_budget,
-                    with_entropy=True)
+                    with_entropy=True, with_sum_pi_squared=self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+                if sum_pi_squared:  # (the Optimal Token Baseline's: estimators with needs_sum_pi_squared)
+                    batch["sum_pi_squared"] = sum_pi_squared[0]
         models.actor.correction.after_old_log_probs(batch, step, metrics)  # bypass: the engine's; else its check
         if models.ref is not None:
             with timer("ref"):
@@ -347,15 +438,36 @@ class PPOTrainer:
                 batch["values"] = models.critic.compute_values(batch, shape.values.micro_rows)
         return entropy
 
-    def score(self, batch: dict, rows: list[RolloutRow], timer: Timer, metrics: dict) -> torch.Tensor:
+    def score(self, batch: dict, rows: list[RolloutRow], timer: Timer, metrics: dict,
+              log_overlong: bool = True) -> torch.Tensor:
         """(B,) a score per response: the reward model's where there is one (it replaces the rule or
-        custom score, as verl's naive reward manager), else the reward function's."""
+        custom score, as verl's naive and dapo reward managers), else the reward function's (the dapo
+        manager's overlong shaping added; logged, a collective, where ``log_overlong``)."""
         if self.reward_model is None:
-            return score_responses(self.reward_fn, self.tokenizer, self.train_set, rows, batch)
+            scores = score_responses(self.reward_fn, self.tokenizer, self.train_set, rows, batch)
+            return (self.shape_overlong(scores, batch, metrics if log_overlong else None) if self.overlong
+                    else scores)
         with timer("reward_model"):
             scores = self.reward_model.score(batch, [self.train_set[r.example].messages for r in rows])
         metrics.update(reduce_stats({"reward_model/score": scores}))
         return scores
+
+    def baseline_scores(self, batch: dict, rows: list[RolloutRow], num_prompts: int, timer: Timer,
+                        metrics: dict) -> torch.Tensor:
+        """(B,) the score of the greedy response to each row's prompt (``batch["uid"]``): this rank
+        scores the greedy responses to the prompts it generated for (as the sampled ones: reward
+        model or reward function), and the scores of all prompts are summed over ranks. Logs
+        ``reward/greedy_baseline/mean``."""
+        greedy, self.greedy_rows = self.greedy_rows, None
+        table = torch.zeros(num_prompts, dtype=torch.float64)
+        if greedy:
+            scores = self.score(make_step_batch(self.cfg, self.tokenizer, greedy), greedy, timer, {}, log_overlong=False)
+            table[torch.tensor([r.prompt_pos for r in greedy], dtype=torch.long)] = scores.double()
+        elif self.reward_model is not None:  # no prompt here: the reward model's collectives still need this rank
+            self.score(select_rows(batch, [0]), rows[:1], timer, {})
+        table = all_reduce_sum(table)
+        metrics["reward/greedy_baseline/mean"] = float(table.mean()) if num_prompts else 0.0
+        return table[batch["uid"].long()].float()
 
     def update(self, batch: dict, step: int, timer: Timer, metrics: dict) -> None:
         """The critic's update, then the actor's; as verl, the actor waits while

@@ -5,8 +5,9 @@ The pipeline, in order:
 1. ``load_recipe_tree``: read ``recipes/NAME.yaml`` (or a path); a ``base:`` key (a name/path or a
    list of them) is loaded first and this file is deep-merged over it (mappings merge, anything
    else replaces).
-2. ``apply_overrides``: ``a.b.c=value`` strings, values parsed as YAML (``[1,2]``, ``null``,
-   ``1e-6`` -- the last is a float here, unlike plain YAML 1.1).
+2. ``apply_overrides``: ``a.b.c=value`` strings (Hydra's ``+a.b.c=value`` and ``++a.b.c=value``
+   alike), values parsed as YAML (``[1,2]``, ``null``, ``1e-6`` -- the last is a float here, unlike
+   plain YAML 1.1).
 3. ``build`` (``recipe/build.py``): the merged mapping fills the dataclass tree of
    ``rlhf_hpc.config.schema``; unknown keys and wrong types are collected with the exact dotted key.
 4. ``resolve`` (``recipe/defaults.py``): ``${a.b}`` interpolation, then values that default to
@@ -104,14 +105,25 @@ def load_recipe_tree(name: str, relative_to: Optional[Path] = None,
     return deep_merge(merged, data)
 
 
-OVERRIDE_ALIASES = {"cluster": "launcher.cluster", "trainer.profile_steps": "global_profiler.steps"}
+OVERRIDE_ALIASES = {"cluster": "launcher.cluster", "trainer.profile_steps": "global_profiler.steps",
+                    # verl's names of keys this project has under its own
+                    "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
+                    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+                        "actor_rollout_ref.rollout.update_weights_bucket_mb"}
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"a.b=[1, 2]"`` -> ``("a.b", [1, 2])``."""
+    """``"a.b=[1, 2]"`` -> ``("a.b", [1, 2])``. Hydra's ``+a.b=v`` (add a key) and ``++a.b=v`` (add
+    or override) are ``a.b=v`` here: every key exists in the schema with its default, so adding one
+    and overriding it are the same; a key the schema lacks stays an unknown key, named without the
+    plus."""
     key, sep, raw = text.partition("=")
     key = key.strip()
-    if not sep or not key:
+    if key.startswith("++"):
+        key = key[2:].lstrip()
+    elif key.startswith("+"):
+        key = key[1:].lstrip()
+    if not sep or not key or key.startswith("+"):
         raise ConfigError(f"override '{text}' is not of the form key.path=value")
     try:
         value = parse_yaml(raw)
@@ -176,11 +188,12 @@ def load_config(recipe: Optional[str], overrides: Iterable[str] = (), check_file
     validated Config, warnings)."""
     written = load_recipe_tree(recipe) if recipe else {}
     tree = apply_cluster_profile(apply_overrides(written, overrides))
-    cfg = resolve(build(drop_out_of_scope_keys(tree, set(all_keys()))))
+    notes: list[str] = []  # verl values accepted here that change how the run looks
+    cfg = resolve(build(drop_out_of_scope_keys(tree, set(all_keys()), notes)))
     cfg.recipe_tree = written
     cfg.recipe_keys = recipe_keys(written)
     warnings = validate(cfg, check_files=check_files)
-    return cfg, warnings
+    return cfg, notes + warnings
 
 
 def recipe_keys(tree: dict) -> frozenset:

@@ -16,7 +16,8 @@ from rlhf_hpc.models.hf import is_tiny, model_config
 from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.models.tokenizer import tokenizer_path
 
-__all__ = ["lora_problems", "model_architecture_problems", "reward_model_problems", "sequence_parallel_problems"]
+__all__ = ["lora_problems", "lora_warnings", "model_architecture_problems", "reward_model_problems",
+           "sequence_parallel_problems"]
 
 
 def lora_problems(cfg: Config) -> list[str]:
@@ -41,12 +42,31 @@ def lora_problems(cfg: Config) -> list[str]:
         # the reference runs as the actor does: a ref layout or precision of its own would be ignored
         ref, actor, default = (flatten(to_dict(f)) for f in (arr.ref.fsdp_config, arr.actor.fsdp_config, FSDPConfig()))
         changed = [f"actor_rollout_ref.ref.fsdp_config.{k}={v}" for k, v in ref.items()
-                   if v != default.get(k) and v != actor.get(k)]
+                   if v != default.get(k) and v != actor.get(k) and k not in LORA_REF_KEYS_VERL_IGNORES]
         if changed:
             errors.append(f"{', '.join(changed)} has no effect with LoRA: the reference is the actor with its adapter "
                           f"off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config); leave it "
                           f"at its default or the actor's value")
     return errors
+
+
+# ref.fsdp_config keys verl's LoRA scripts carry over from full fine-tuning (verl ignores them the
+# same way): a warning, not a refusal
+LORA_REF_KEYS_VERL_IGNORES = ("param_offload",)
+
+
+def lora_warnings(cfg: Config) -> list[str]:
+    """One line for a LoRA run's reference keys that verl's scripts set and verl ignores as well."""
+    arr = cfg.actor_rollout_ref
+    if not (lora_enabled(arr.model) and (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)):
+        return []
+    ref, actor, default = (to_dict(f) for f in (arr.ref.fsdp_config, arr.actor.fsdp_config, FSDPConfig()))
+    ignored = [f"actor_rollout_ref.ref.fsdp_config.{k}={ref[k]}" for k in LORA_REF_KEYS_VERL_IGNORES
+               if ref[k] != default[k] and ref[k] != actor[k]]
+    if not ignored:
+        return []
+    return [f"{', '.join(ignored)} has no effect with LoRA (as in verl): the reference is the actor with its adapter "
+            f"off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config)"]
 
 
 def sequence_parallel_problems(cfg: Config) -> tuple[list[str], list[str]]:
@@ -137,7 +157,7 @@ def reward_model_problems(cfg: Config) -> list[str]:
         set_keys = [key for key in ("strategy", "model.path", "model.input_tokenizer", "model.trust_remote_code",
                                     "model.external_lib", "model.override_config", "model.use_remove_padding",
                                     "micro_batch_size_per_gpu", "use_dynamic_bsz", "forward_max_token_len_per_gpu",
-                                    "max_length", "reward_manager")
+                                    "max_length")
                     if get_key(rm, key) != get_key(off, key)]
         set_keys += [] if fsdp_default else ["model.fsdp_config"]
         if set_keys:

@@ -407,8 +407,10 @@ class VLLMEngine:
         prompts, mine = self._gather_tp(prompt_token_ids, sampling)
         if not prompts:  # the whole group has nothing to generate (validation: more ranks than prompts)
             return []
+        # greedy: vLLM refuses n > 1 ("n must be 1 when using greedy sampling"); the n responses would
+        # be the same, so each is generated once and repeated (verl sends n requests of one each)
         params = SamplingParams(
-            n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
+            n=1 if sampling.greedy else sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
             max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
@@ -429,6 +431,9 @@ class VLLMEngine:
                 lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
                 group.append(Response(token_ids=list(c.token_ids), logprobs=lps,
                                       finish_reason="stop" if c.finish_reason == "stop" else "length"))
+            if sampling.greedy and sampling.n > 1:
+                group = [Response(list(r.token_ids), list(r.logprobs), r.finish_reason)
+                         for _ in range(sampling.n) for r in group]
             results.append(group)
         return results
 
