@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
+from rlhf_hpc.config.job_schema import GlobalProfilerConfig, HardwareConfig, LauncherConfig, PlanConfig
+
 __all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig",
            "DataConfig", "FSDPConfig", "FilterGroupsConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig",
            "ModelConfig", "OptimConfig", "OverlongBufferConfig", "RewardModelConfig", "RolloutCorrectionConfig"]
@@ -433,77 +435,6 @@ class TrainerConfig:
     # the job checks the allocation instead of training (rlhf_hpc/preflight.py); set by
     # `launch.py preflight recipe=...`, which also puts the job in <run dir>/preflight
     preflight: bool = False
-
-
-@dataclass
-class LauncherConfig:
-    # auto: Slurm when `sbatch` is on PATH, else this machine
-    cluster: Literal["auto", "local", "slurm"] = "auto"
-    # slurm/clusters/<name>.yaml: site specifics (partition, account, GPU syntax, modules, container)
-    cluster_profile: Optional[str] = None
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
-    # how the site wants GPUs asked for: --gpus-per-node=N, --gres=gpu:N, or not at all (CPU nodes)
-    gpu_request: Literal["gpus-per-node", "gres", "none"] = "gpus-per-node"
-    time_min: int = 240
-    cpus_per_task: Optional[int] = None
-    mem_gb: Optional[int] = None
-    exclusive: bool = False
-    additional_sbatch: list[str] = field(default_factory=list)  # extra "#SBATCH" lines, e.g. --mail-type=END
-    setup: list[str] = field(default_factory=list)  # shell lines before the job: module loads, venv
-    container: Optional[str] = None  # command prefix, e.g. "apptainer exec --nv /path/rlhf-hpc-gpu.sif"
-    # preemption / time limit: Slurm sends USR2 this long before the end (large models need minutes
-    # to save); independently, the loop saves and requeues when less than time_margin_s remain
-    signal_lead_s: int = 120
-    time_margin_s: int = 300
-    max_requeues: int = 3
-    max_restarts: int = 0  # torchrun restarts of crashed workers
-    array_parallelism: int = 16
-    # wrap each node's job (torchrun and its ranks) in `nsys profile`; the loop's phases show as
-    # NVTX ranges; one report per node in <run dir>/profile/ (rlhf_hpc/launch/slurm.py)
-    nsys: bool = False
-
-
-@dataclass
-class GlobalProfilerConfig:
-    """verl's ``global_profiler`` (tool torch): torch.profiler traces of chosen steps
-    (on the command line ``trainer.profile_steps=[3,4]`` is a shorthand for ``global_profiler.steps``)."""
-    tool: str = "torch"  # verl's key; only torch here (Nsight Systems: launcher.nsys=true)
-    steps: Optional[list[int]] = None  # global steps to trace, e.g. [3, 4]; null: none
-    ranks: Optional[list[int]] = None  # ranks that trace them; null: every rank
-    save_path: Optional[str] = None  # null: <run dir>/profile
-
-
-@dataclass
-class HardwareConfig:
-    """What a node's hardware can do, for the time plan (rlhf_hpc/planning/hardware.py); a cluster
-    profile may set it (``hardware: h100_sxm``). Figures are per GPU and one direction, except
-    ``inter_node_gb_s`` (the whole node's network) and ``disk_gb_s`` (per node)."""
-    # a name in rlhf_hpc.planning.hardware.PRESETS (h100_sxm, h100_pcie, h100_nvl, h200, a100_80gb_sxm,
-    # a100_80gb_pcie, l40s, l40, a40, rtx_a6000, v100, mi300x, mi250), or cpu (this machine's calibration);
-    # null: the GPU the run sees (h100_sxm at a dry run) for GPU runs, cpu otherwise
-    preset: Optional[str] = None
-    bf16_tflops: Optional[float] = None
-    fp32_tflops: Optional[float] = None
-    hbm_gb_s: Optional[float] = None
-    hbm_gb: Optional[float] = None  # also the memory plan's GPU size (trainer.gpu_memory_gb: its deprecated name)
-    intra_node_gb_s: Optional[float] = None
-    inter_node_gb_s: Optional[float] = None
-    host_link_gb_s: Optional[float] = None
-    disk_gb_s: Optional[float] = None
-    # the CPU calibration file (python -m rlhf_hpc.bench.calibrate); null: ~/.cache/rlhf-hpc/calibration/cpu.json
-    calibration: Optional[str] = None
-
-
-@dataclass
-class PlanConfig:
-    """What the time plan assumes of the data (rlhf_hpc/planning/time_plan.py): mean tokens of a
-    prompt and of a response; null: the maxima (data.max_prompt_length, data.max_response_length),
-    an upper bound. A run's own steps are planned with their measured lengths (``plan/<phase>_s``)."""
-    prompt_length: Optional[int] = None
-    response_length: Optional[int] = None
 
 
 @dataclass
