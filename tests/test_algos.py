@@ -43,18 +43,19 @@ def test_masked_mean_var_whiten():
 
 
 class LockstepAllReduce:
-    """A SUM all-reduce between threads standing in for ranks: each rank's call blocks until
-    every rank has contributed, then all get the sum (what dist.all_reduce does)."""
+    """An all-reduce between threads standing in for ranks: each rank's call blocks until every
+    rank has contributed, then all get the reduction (what dist.all_reduce does): SUM, or
+    ``reduce=lambda stacked: stacked.amax(0)`` for MAX."""
 
-    def __init__(self, world: int):
-        self.world, self.slots = world, [None] * world
+    def __init__(self, world: int, reduce=lambda stacked: stacked.sum(0)):
+        self.world, self.slots, self.reduce = world, [None] * world, reduce
         self.barrier = threading.Barrier(world)
 
     def for_rank(self, rank: int):
         def all_reduce(t: torch.Tensor) -> torch.Tensor:
             self.slots[rank] = t.detach().clone()
             self.barrier.wait()
-            out = torch.stack(self.slots).sum(0)
+            out = self.reduce(torch.stack(self.slots))
             self.barrier.wait()
             return out
         return all_reduce

@@ -14,7 +14,7 @@ import torch
 
 from rlhf_hpc.ops.estimators import (ADV_ESTIMATORS, AdvantageInputs, compute_advantages, grpo_passk_advantages,
                                      opo_advantages, optimal_token_baseline_advantages, remax_advantages)
-from tests.test_algos import run_ranks
+from tests.test_algos import LockstepAllReduce, run_ranks
 
 
 # ----------------------------------------------------------------------- verl's code, transcribed
@@ -240,22 +240,6 @@ def random_rows(seed: int, rows: int = 16, T: int = 7, groups: int = 5, continuo
     return rewards, mask, index
 
 
-class LockstepMax:
-    """A MAX all-reduce between threads standing in for ranks (tests.test_algos.LockstepAllReduce's twin)."""
-
-    def __init__(self, world: int):
-        self.slots, self.barrier = [None] * world, threading.Barrier(world)
-
-    def for_rank(self, rank: int):
-        def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = t.detach().clone()
-            self.barrier.wait()
-            out = torch.stack(self.slots).amax(0)
-            self.barrier.wait()
-            return out
-        return all_reduce_max
-
-
 def cfg(name, norm=True):
     return SimpleNamespace(adv_estimator=name, norm_adv_by_std_in_grpo=norm, gamma=1.0, lam=1.0)
 
@@ -263,7 +247,7 @@ def cfg(name, norm=True):
 def over_two_ranks(name, rewards, mask, index, groups, norm=True, **extra):
     """The estimator's rows from two simulated ranks (uneven shares, groups split across them), joined."""
     halves = [slice(0, 9), slice(9, rewards.shape[0])]
-    maxes = LockstepMax(2)
+    maxes = LockstepAllReduce(2, reduce=lambda stacked: stacked.amax(0))
     out = run_ranks(2, lambda r, ar: compute_advantages(cfg(name, norm), AdvantageInputs(
         rewards[halves[r]], mask[halves[r]], index[halves[r]], num_groups=groups, all_reduce=ar,
         all_reduce_max=maxes.for_rank(r), **{k: v[halves[r]] for k, v in extra.items()})))
