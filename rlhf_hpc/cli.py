@@ -14,12 +14,15 @@ from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
 from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
 from rlhf_hpc.data.dataset import DataError, check_data_files
 from rlhf_hpc.launch.local import run_local, standalone_torchrun_command
+from rlhf_hpc.launch.run_lock import check_free
 from rlhf_hpc.observability.compare import main as compare_main
 from rlhf_hpc.observability.tracking import wandb_sync_command
 from rlhf_hpc.planning.memory_plan import check_plan
 from rlhf_hpc.planning.time_plan import build_time_plan
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.rewards.code import CODE_SOURCES
+from rlhf_hpc.tools.checks import sandbox_problems
 
 __all__ = ["main"]
 
@@ -197,9 +200,7 @@ def run(argv: list[str]) -> int:
         print(shlex.join(cmd))
         return 0
     check_before_start(cfg, run_dir)
-    write_resolved(cfg, run_dir)
-    print(f"[rlhf-hpc] run directory: {run_dir}\n[rlhf-hpc] {shlex.join(cmd)}", flush=True)
-    return run_local(cfg, config_path)
+    return run_local(cfg, config_path)  # (locks the run directory, then writes its config)
 
 
 class BadData(ConfigError):
@@ -209,11 +210,18 @@ class BadData(ConfigError):
 
 def check_data(cfg) -> None:
     """Bad rows are found here, on the launching machine in about a second, not after the queue
-    and the workers' start-up; one line names the file, the row and the column."""
+    and the workers' start-up; one line names the file, the row and the column. Rows scored by
+    running their code (``rewards.code``) need a sandbox: checked here too, with the fix."""
     try:
-        check_data_files(cfg.data)
+        _, sources = check_data_files(cfg.data)
     except DataError as e:
         raise BadData(str(e)) from None
+    if sources & set(CODE_SOURCES):
+        errors, warnings = sandbox_problems(cfg)
+        for w in warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        if errors:
+            raise ConfigError(errors)
 
 
 def check_memory_plan(cfg, show: bool) -> None:
@@ -269,8 +277,9 @@ def check_before_start(cfg, run_dir: Path) -> None:
     """The run directory is writable with room to spare, and a checkpoint it would resume from
     belongs to the same run (model, tokenizer, data, ...)."""
     ckpt.check_run_dir(run_dir, cfg.trainer.min_free_disk_gb)
+    check_free(run_dir)  # another run holds it: refused before anything is written or queued
     if cfg.trainer.resume_mode == "auto":
-        latest = ckpt.choose_resume(run_dir, log=lambda *_: None)
+        latest = ckpt.choose_resume(run_dir, log=lambda *_: None, content=False)  # (the workers read the content)
         if latest is not None:
             ckpt.check_resume_compatible(latest, cfg)
 

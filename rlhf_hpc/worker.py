@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -15,7 +18,13 @@ from rlhf_hpc.observability.library_logs import library_log_path, route_library_
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.recipe.load import load_resolved
 from rlhf_hpc.data.dataset import DataError
+from rlhf_hpc.distributed.heartbeat import Heartbeat
+from rlhf_hpc.launch.failure import (FAILED, GUARD_STOP, RUN_DIR_UNWRITABLE, Failure, lost_peer, record_failure,
+                                     unwritable_path)
+from rlhf_hpc.launch.rank_group import die_with_parent
 from rlhf_hpc.launch.stop import install_signal_handler, record_user_error
+from rlhf_hpc.launch.watchdog import describe_rank
+from rlhf_hpc.ppo.guard import GuardStop
 from rlhf_hpc.ppo.trainer import fit
 from rlhf_hpc.preflight import PreflightFailed, run_preflight, write_report
 
@@ -32,7 +41,21 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         record_user_error(run_dir, f"error: {e}")  # the launcher prints it once for the job
         return 0
-    install_signal_handler()  # Slurm's USR2: finish the step, save, stop
+    beat = Heartbeat.from_env(run_dir)  # None under a plain torchrun: no launcher watches
+    if beat is not None:
+        die_with_parent()  # torchrun gone (its launcher was killed): this rank must not train on
+        beat.start()
+    try:
+        return run_rank(cfg, run_dir)
+    except BaseException as e:  # noqa: BLE001 - every end of a rank is classified (a DCP error is a BaseException)
+        return rank_failed(e, run_dir, beat)
+    finally:
+        if beat is not None:
+            beat.set_state("exited")
+
+
+def run_rank(cfg, run_dir: Path) -> int:
+    install_signal_handler()  # Slurm's USR2, the local launcher's stop: finish the step, save, stop
     route_library_logs(run_dir, int(os.environ.get("RANK", "0")))  # before vLLM is imported
     ctx = init_distributed(cfg)
     # one collective proves every rank joined the same group on the chosen backend
@@ -50,17 +73,49 @@ def main(argv: list[str]) -> int:
         if ctx.device.type == "cpu":
             print(f"[rlhf-hpc] host memory: {describe_malloc_settings()}", flush=True)
         print(f"[rlhf-hpc] vLLM's and torch's warnings: {library_log_path(run_dir, '*')}", flush=True)
-    try:
-        if cfg.trainer.preflight:
-            preflight(cfg, ctx, run_dir)
-        else:
-            fit(cfg, ctx)
-    except (ConfigError, DataError) as e:
-        # a user error every rank meets alike: one line for the job (printed by the launcher),
-        # not a traceback per rank and torchrun's failure report
-        record_user_error(run_dir, f"error: {e}")
+    if cfg.trainer.preflight:
+        preflight(cfg, ctx, run_dir)
+    else:
+        fit(cfg, ctx)
     if dist.is_initialized():  # a vLLM engine's shutdown already ended the group
         dist.destroy_process_group()
+    return 0
+
+
+# a rank whose collective failed because a peer is gone waits this long for the launcher, which
+# knows which rank was lost and ends the group without torchrun's report
+LOST_PEER_WAIT_S = 60.0
+
+
+def rank_failed(e: BaseException, run_dir: Path, beat) -> int:
+    """One record for the job instead of a traceback per rank (``rlhf_hpc.launch.failure``): the
+    rank's exit code. A rank that recorded the failure exits 0: the launcher reads the record and
+    owns the job's exit code, and torchrun adds no report of its own. Under a plain torchrun (no
+    launcher reads records) anything but a user error is raised as before."""
+    if isinstance(e, (ConfigError, DataError)):
+        # a user error every rank meets alike: one line for the job (printed by the launcher)
+        record_user_error(run_dir, f"error: {e}")
+        return 0
+    if beat is None or isinstance(e, (KeyboardInterrupt, SystemExit)):
+        raise e
+    where = describe_rank(beat.beat)
+    unwritable = unwritable_path(e)
+    if isinstance(e, GuardStop):
+        record_failure(run_dir, Failure(GUARD_STOP, str(e)))  # every rank takes the same decision
+    elif unwritable:
+        record_failure(run_dir, Failure(RUN_DIR_UNWRITABLE, f"cannot write {unwritable}", where))
+    elif lost_peer(e):
+        said = re.sub(r"^\[[^]]*\] ", "", str(e).splitlines()[0]).split(". ")[0]  # gloo's words, not its source path
+        print(f"[rlhf-hpc] {where}: a collective failed, a peer is gone ({said}); waiting for the launcher",
+              file=sys.stderr, flush=True)
+        beat.set_state("lost peer")
+        time.sleep(LOST_PEER_WAIT_S)
+        return 1
+    else:
+        traceback.print_exception(e)  # once, by the rank that failed
+        first = str(e).splitlines()[0] if str(e) else ""
+        record_failure(run_dir, Failure(FAILED, f"{type(e).__name__}{': ' + first if first else ''} (traceback above)",
+                                        where))
     return 0
 
 

@@ -153,11 +153,13 @@ def test_an_architecture_that_cannot_work_is_refused_at_dry_run(tmp_path):
 
 
 def test_an_untested_causal_lm_gets_a_warning_not_a_refusal(tmp_path):
-    from transformers import Olmo2Config
-    olmo = write_config(tmp_path / "olmo2", Olmo2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                        intermediate_size=64, vocab_size=64,
-                                                        architectures=["Olmo2ForCausalLM"]))
-    _, warnings = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={olmo}", "actor_rollout_ref.rollout.name=hf"])
+    from transformers import AutoModelForCausalLM, Olmo2Config
+    config = Olmo2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64,
+                         architectures=["Olmo2ForCausalLM"])
+    olmo = write_config(tmp_path / "olmo2", config)
+    AutoModelForCausalLM.from_config(config).save_pretrained(olmo)  # (a directory without weights is refused)
+    _, warnings = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={olmo}", "actor_rollout_ref.rollout.name=hf",
+                                             "data.tokenizer=tiny://chars"])
     assert any(w.startswith("actor_rollout_ref.model.path: Olmo2ForCausalLM is not among the architectures tested")
                for w in warnings), warnings
     _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.model.path=tiny://gemma2"])

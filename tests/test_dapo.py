@@ -260,7 +260,9 @@ def test_generate_filtered_builds_the_step_batch_of_the_kept_groups():
 @pytest.mark.slow
 def test_dapo_run_filters_groups_and_logs_the_counts(tmp_path):
     """tiny_klppo as GRPO with n=4, dynamic sampling (generation batches of 8 prompts for 16: at
-    least 2 per step) and overlong shaping, 3 steps on 2 ranks: it finishes and logs the counts."""
+    least 2 per step) and overlong shaping, 3 steps on 2 ranks: it finishes and logs the counts.
+    One epoch of one mini-batch, as DAPO recipes run: on-policy, pi_old is the update's own forward
+    (no old-log-prob pass; tests/test_on_policy.py), and every figure of it is still logged."""
     from rlhf_hpc.observability.tracking import read_metrics
     from tests.conftest import run_launch
     run = tmp_path / "run"
@@ -269,7 +271,9 @@ def test_dapo_run_filters_groups_and_logs_the_counts(tmp_path):
                      "actor_rollout_ref.rollout.name=hf", *DAPO_KEYS, "data.gen_batch_size=8",
                      "algorithm.use_kl_in_reward=false", "reward_model.reward_manager=dapo",
                      "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
-                     "reward_model.overlong_buffer.log=true", timeout=600, env={"OMP_NUM_THREADS": "1"})
+                     "reward_model.overlong_buffer.log=true", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                     "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.use_kl_loss=true",
+                     timeout=600, env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     records = read_metrics(run)
     assert [r["training/global_step"] for r in records] == [1, 2, 3]
@@ -279,3 +283,7 @@ def test_dapo_run_filters_groups_and_logs_the_counts(tmp_path):
         assert r["dynamic_sampling/prompts_kept"] >= 16
         assert r["training/prompts_trained"] == 16 and r["training/responses_trained"] == 64
         assert -1.0 <= r["reward/overlong_reward/mean"] <= 0.0 and 0.0 <= r["reward/overlong/mean"] <= 1.0
+        # on-policy: no pass, a ratio of exactly 1, the check and the figures from the update's forward
+        assert "timing_s/old_log_prob" not in r and r["actor/ppo_kl"] == 0.0 and r["actor/pg_clipfrac"] == 0.0
+        assert 0 < r["rollout/logprob_diff_max"] < 1e-4 and abs(r["rollout_corr/kl"]) < 1e-5  # fp32 engine
+        assert r["actor/ref_kl_mean"] >= 0 and 0 < r["actor/entropy"] < 5

@@ -13,7 +13,7 @@ PACKAGE = REPO / "rlhf_hpc"
 # The layers, bottom first: a module imports only from its own layer and the ones before it (each
 # folder of rlhf_hpc/ is a layer; cli, worker, preflight and bench sit on top). docs/architecture.md
 # says what each holds.
-LAYERS = ("config", "ops", "models", "distributed", "planning", "recipe", "rollout", "rewards", "data",
+LAYERS = ("config", "ops", "models", "distributed", "planning", "tools", "recipe", "rollout", "rewards", "data",
           "observability", "launch", "ppo", "top")
 TOP = ("cli", "worker", "preflight", "bench")
 

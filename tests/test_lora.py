@@ -267,6 +267,21 @@ def test_lora_keys_that_cannot_work_are_refused(overrides, message):
     assert any(message in line for line in e.value.errors), e.value.errors
 
 
+def test_the_memory_plan_names_the_key_peft_refuses():
+    """PEFT's NoMatchingPeftModuleError from the plan's adapter count, for a config the checks did
+    not see (the plan runs on any Config): a ConfigError naming the key, not a traceback."""
+    import dataclasses as dc
+    from rlhf_hpc.config.errors import ConfigError
+    from rlhf_hpc.planning.memory_plan import check_plan
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.lora_rank=8"], check_files=False)
+    arr = cfg.actor_rollout_ref
+    bad = dc.replace(cfg, actor_rollout_ref=dc.replace(arr, model=dc.replace(arr.model, target_modules="no_such_.*")))
+    with pytest.raises(ConfigError) as e:
+        check_plan(bad)
+    assert e.value.errors[0].startswith("actor_rollout_ref.model.target_modules=no_such_.*: Target modules no_such_.* "
+                                        "not found in the base model")
+
+
 def test_verls_lora_script_lines_run_with_one_warning_at_most():
     """verl's LoRA scripts set ref.fsdp_config.param_offload=True (ignored by verl too: a warning),
     rollout.load_format=safetensors and rollout.layered_summon=True (the weight sync here does what
@@ -313,4 +328,6 @@ def test_a_checkpoint_from_before_the_lora_keys_still_resumes():
             del section[k]
     assert incompatible_keys(dump_yaml(saved), cfg) == []
     lora, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.lora_rank=8"], check_files=False)
-    assert incompatible_keys(dump_yaml(saved), lora) == ["actor_rollout_ref.model.lora_rank: {} -> 8"]
+    assert incompatible_keys(dump_yaml(saved), lora) == ["actor_rollout_ref.model.lora_rank: (absent) -> 8"]
+    # a checkpoint of a run without LoRA: its rank 0 is shown as 0 (was {}, as any falsy value)
+    assert incompatible_keys(dump_yaml(to_dict(cfg)), lora) == ["actor_rollout_ref.model.lora_rank: 0 -> 8"]

@@ -118,7 +118,8 @@ def test_the_otb_entries_declare_sum_pi_squared():
 class FakeActor:
     def __init__(self, bypass=False):
         self.calls = []
-        self.correction = SimpleNamespace(bypass=bypass, after_old_log_probs=lambda batch, step, metrics: None)
+        self.correction = SimpleNamespace(bypass=bypass, anchor="engine" if bypass else "pass",
+                                          after_old_log_probs=lambda batch, step, metrics: None)
 
     def compute_log_prob(self, batch, *args, with_entropy=False, with_sum_pi_squared=False):
         self.calls.append(with_sum_pi_squared)

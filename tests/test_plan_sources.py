@@ -34,6 +34,7 @@ def test_the_hardware_table_covers_every_gpu_the_mfu_table_had():
     for device, preset in (("NVIDIA H100 80GB HBM3", "h100_sxm"), ("NVIDIA H100 PCIe", "h100_pcie"),
                            ("NVIDIA H100 NVL", "h100_nvl"), ("NVIDIA H200", "h200"),
                            ("NVIDIA A100-SXM4-80GB", "a100_80gb_sxm"), ("NVIDIA A100 80GB PCIe", "a100_80gb_pcie"),
+                           ("NVIDIA A100-SXM4-40GB", "a100_40gb_sxm"), ("NVIDIA A100-PCIE-40GB", "a100_40gb_pcie"),
                            ("NVIDIA L40S", "l40s"), ("NVIDIA L40", "l40"), ("NVIDIA A40", "a40"),
                            ("NVIDIA RTX A6000", "rtx_a6000"), ("Tesla V100-SXM2-32GB", "v100"),
                            ("AMD Instinct MI300X", "mi300x"), ("AMD Instinct MI250X", "mi250")):

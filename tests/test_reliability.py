@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -121,6 +122,71 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
     assert said[0].endswith("were written); falling back to the previous one")
 
 
+def _model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(64, 64)
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_same_size_damage_is_found_by_its_checksum_and_the_previous_checkpoint_is_loaded(tmp_path):
+    """actor/.metadata overwritten with random bytes of its own length: the sizes match, the
+    SHA-256 does not; the resume loads step 1 and says which file was damaged."""
+    model, optimizer = _model_and_optimizer(0)
+    first = _save(tmp_path, 1, model)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    newest = _save(tmp_path, 2, model)
+    manifest = json.loads((newest / ckpt.COMPLETE).read_text())
+    assert manifest["sha256"]["actor/.metadata"] == hashlib.sha256((newest / "actor/.metadata").read_bytes()).hexdigest()
+    assert sorted(manifest["sha256"]) == sorted(manifest["files"])  # every file, as sha256sum computes it
+    meta = newest / "actor" / ".metadata"
+    meta.write_bytes(os.urandom(meta.stat().st_size))
+    said = []
+    assert ckpt.choose_resume(tmp_path, said.append) == first
+    assert said == [f"[rlhf-hpc] checkpoint {newest} is damaged (actor/.metadata does not match its sha256 checksum "
+                    f"(same size, other content)); falling back to the previous one"]
+    assert ckpt.choose_resume(tmp_path, content=False) == newest  # the launcher's quick look: sizes only
+    cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={tmp_path}"], check_files=False)
+    fresh, fresh_optimizer = _model_and_optimizer(1)
+    applied = []
+    path, extra = ckpt.resume(cfg, tmp_path, {"actor": (fresh, fresh_optimizer)}, log=lambda *_: None,
+                              apply=applied.append)
+    assert path == first and extra == {"global_step": 1} and applied == [extra]
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+def _without_checksums(path: Path) -> None:
+    """``path``'s manifest as checkpoints wrote it before checksums: sizes only."""
+    meta = json.loads((path / ckpt.COMPLETE).read_text())
+    del meta["sha256"]
+    (path / ckpt.COMPLETE).write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_without_checksums_resumes_and_one_that_does_not_load_falls_back(tmp_path):
+    """A manifest of sizes (written before checksums) still resumes; damage it cannot see makes the
+    load fail, and the resume goes to the previous checkpoint, naming the part that failed."""
+    model, optimizer = _model_and_optimizer(0)
+    first, newest = _save(tmp_path, 1, model), _save(tmp_path, 2, model)
+    for path in (first, newest):
+        _without_checksums(path)
+    cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={tmp_path}"], check_files=False)
+    assert ckpt.resume(cfg, tmp_path, {"actor": _model_and_optimizer(1)})[0] == newest
+    meta = newest / "actor" / ".metadata"
+    meta.write_bytes(os.urandom(meta.stat().st_size))
+    assert ckpt.verify_checkpoint(newest) is None  # the sizes match
+    said = []
+    path, extra = ckpt.resume(cfg, tmp_path, {"actor": _model_and_optimizer(1)}, said.append)
+    assert (path, extra) == (first, {"global_step": 1})
+    assert len(said) == 1 and said[0].startswith(f"[rlhf-hpc] checkpoint {newest} is damaged (loading failed: actor: ")
+    assert "metadata read failed" in said[0] and said[0].endswith("; falling back to the previous one")
+    # nothing loads: an error, not a fresh start from half-loaded models
+    extra_file = first / "extra.pt"
+    extra_file.write_bytes(os.urandom(extra_file.stat().st_size))
+    with pytest.raises(RuntimeError, match=f"no checkpoint under {tmp_path} loads .the last tried: {first}."):
+        ckpt.resume(cfg, tmp_path, {"actor": _model_and_optimizer(1)}, log=lambda *_: None)
+
+
 def test_checkpoint_state_is_loaded_without_arbitrary_code(tmp_path):
     model = torch.nn.Linear(4, 4)
     path = _save(tmp_path, 1, model)
@@ -130,8 +196,9 @@ def test_checkpoint_state_is_loaded_without_arbitrary_code(tmp_path):
             return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
     with open(path / "extra.pt", "wb") as f:
         pickle.dump({"global_step": Payload()}, f)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(ckpt.CheckpointLoadError, match="^extra.pt / rng: UnpicklingError") as e:
         ckpt.load_checkpoint(path, {"actor": (model, None)})
+    assert isinstance(e.value.__cause__, pickle.UnpicklingError)
     assert not (tmp_path / "pwned").exists()
 
 
@@ -198,7 +265,8 @@ RESTARTS = ("launcher.max_restarts=1",)
 def test_killed_worker_is_restarted_and_resumes_like_an_uninterrupted_run(tmp_path, uninterrupted):
     run = tmp_path / "run"
     out = train(run, "trainer.total_training_steps=8", *RESTARTS, "trainer.inject_fault=kill@5:1")
-    assert "[rlhf-hpc] workers failed (exit 1); restart 1/1 from the latest checkpoint" in out.stdout
+    assert "[rlhf-hpc] workers failed (exit 4: lost rank): rank 1 on " in out.stdout
+    assert "; restart 1/1 from the latest checkpoint (last checkpoint " in out.stdout
     assert f"resumed from {run}/global_step_4 (step 4)" in out.stdout
     same_steps(uninterrupted, run, range(5, 9))
 
@@ -212,15 +280,24 @@ def test_kill_during_checkpoint_write_resumes_the_previous_checkpoint(tmp_path, 
 
 
 @pytest.mark.slow
-def test_corrupted_newest_checkpoint_is_detected_on_resume(tmp_path, uninterrupted):
+def test_damaged_checkpoints_are_skipped_on_resume_by_every_rank(tmp_path, uninterrupted):
+    """Two ranks. Step 8: actor/.metadata overwritten with random bytes of its own length (its
+    checksum says so). Step 6: a manifest of sizes only (a checkpoint from before checksums) and
+    rank 1's RNG file damaged the same way: rank 1 alone fails to load it, and both ranks go on to
+    step 4 together. From there the run repeats the uninterrupted run's steps exactly."""
     run = tmp_path / "run"
     import shutil
     shutil.copytree(uninterrupted, run)
-    shard = max((run / "global_step_8" / "actor").glob("*.distcp"), key=lambda p: p.stat().st_size)
-    shard.write_bytes(shard.read_bytes()[:100])
-    out = train(run, "trainer.total_training_steps=10")
-    assert f"checkpoint {run}/global_step_8 is damaged (actor/{shard.name} has 100 bytes" in out.stdout
-    assert f"resumed from {run}/global_step_6 (step 6)" in out.stdout
+    for damaged in (run / "global_step_8" / "actor" / ".metadata", run / "global_step_6" / "rng" / "rank_1.pt"):
+        damaged.write_bytes(os.urandom(damaged.stat().st_size))
+    _without_checksums(run / "global_step_6")
+    out = train(run, "trainer.total_training_steps=6")
+    assert (f"checkpoint {run}/global_step_8 is damaged (actor/.metadata does not match its sha256 checksum (same "
+            f"size, other content)); falling back to the previous one") in out.stdout
+    assert (f"checkpoint {run}/global_step_6 is damaged (loading failed: extra.pt / rng: rank 1: UnpicklingError"
+            in out.stdout), out.stdout[-3000:]
+    assert f"resumed from {run}/global_step_4 (step 4)" in out.stdout and "Traceback" not in out.stdout + out.stderr
+    same_steps(uninterrupted, run, (5, 6))
 
 
 @pytest.mark.slow

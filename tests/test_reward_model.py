@@ -181,6 +181,21 @@ def test_good_reward_model_configs_load():
                                        "reward_model.model.fsdp_config.param_offload=true"])
 
 
+def test_a_reward_model_with_another_tokenizer_or_template_is_re_encoded_for():
+    """With input_tokenizer unset, the reward model still gets its own tokens where the actor's
+    would mean nothing to it: another vocabulary, or the same one under another chat template."""
+    from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
+    from rlhf_hpc.rewards.reward_model import needs_reencoding
+    actor = build_tiny_tokenizer()
+    assert not needs_reencoding(build_tiny_tokenizer(), actor)
+    other_template = build_tiny_tokenizer()
+    other_template.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert needs_reencoding(other_template, actor)
+    require("the Qwen2 tokenizer", (SHARED / "assets" / "qwen2-tokenizer").is_dir(), "../shared/assets is missing")
+    from transformers import AutoTokenizer
+    assert needs_reencoding(AutoTokenizer.from_pretrained(SHARED / "assets" / "qwen2-tokenizer"), actor)
+
+
 # ------------------------------------------------------------------------------ the demo with it
 def write_model_scored_rows(path: Path, n: int) -> Path:
     """verl-format rows for a reward model: no rule exists for their data_source."""

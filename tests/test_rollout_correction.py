@@ -2,7 +2,8 @@
 rejection sampling of the engine's samples.
 
 - The formulas against verl's, transcribed below from ``verl/trainer/ppo/rollout_corr_helper.py``
-  (b178a3c): weights, masks and every metric, on random batches, each IS level and every RS option.
+  (verl 0.9.1, the PyPI wheel): weights, masks and every metric, on random batches, each IS level
+  (truncated and IcePop's window) and every RS option; NaN and -inf in the padding change nothing.
 - Two gloo ranks holding halves of a batch give the numbers one process gives on all of it.
 - The losses: IS weights multiply the clipped PPO loss per token; verl's REINFORCE loss.
 - The keys: verl's spellings accepted, values verl refuses at run time refused before launch.
@@ -31,7 +32,7 @@ from tests.conftest import run_launch
 SAFETY_BOUND = 20.0
 
 
-# ------------------------------------------------------------- verl's code, transcribed (b178a3c)
+# ----------------------------------------------------------- verl's code, transcribed (0.9.1)
 def v_masked_sum(values, mask, axis=None):
     valid = torch.where(mask.bool(), values, 0.0)
     return (valid * mask).sum(axis) if axis is not None else (valid * mask).sum()
@@ -42,8 +43,15 @@ def v_masked_mean(values, mask, axis=None):
     return s / ((mask.sum(axis) if axis is not None else mask.sum()) + 1e-8)
 
 
-def v_is_metrics(w, lr_m, mask, level, thr):
-    lower = 1.0 / thr
+def v_parse_is_threshold(spec):
+    if isinstance(spec, str) and "_" in spec:
+        lo, up = spec.split("_", 1)
+        return float(up), float(lo)
+    return float(spec), None
+
+
+def v_is_metrics(w, raw, lr_m, mask, level, thr, thr_lo):
+    lower = 1.0 / thr if thr_lo is None else thr_lo
     m = {}
     lu, ll = math.log(thr), math.log(lower)
     if level == "sequence":
@@ -54,12 +62,12 @@ def v_is_metrics(w, lr_m, mask, level, thr):
         m["rollout_is_ratio_fraction_low"] = (lr_m < ll).float().mean().item()
     else:
         m["rollout_is_mean"] = v_masked_mean(w, mask).item()
-        m["rollout_is_ratio_fraction_high"] = v_masked_mean((w > thr).float(), mask).item()
-        m["rollout_is_ratio_fraction_low"] = v_masked_mean((w < lower).float(), mask).item()
+        m["rollout_is_ratio_fraction_high"] = v_masked_mean((raw > thr).float(), mask).item()
+        m["rollout_is_ratio_fraction_low"] = v_masked_mean((raw < lower).float(), mask).item()
         b = mask.bool()
         m["rollout_is_max"] = w.masked_fill(~b, float("-inf")).max().item()
         m["rollout_is_min"] = w.masked_fill(~b, float("inf")).min().item()
-    ws = w.clamp(min=lower, max=thr)
+    ws = w.clamp(min=0.0, max=thr)
     mc = v_masked_mean(ws, mask)
     m["rollout_is_std"] = torch.sqrt(torch.clamp(v_masked_mean(ws.square(), mask) - mc.square(), min=0)).item()
     norm = ws / (v_masked_mean(ws, mask) + 1e-8)
@@ -70,20 +78,28 @@ def v_is_metrics(w, lr_m, mask, level, thr):
     m["rollout_is_seq_max"] = seq.max().item()
     m["rollout_is_seq_min"] = seq.min().item()
     m["rollout_is_seq_max_deviation"] = (seq - 1.0).abs().max().item()
-    m["rollout_is_seq_fraction_high"] = (seq > thr).float().mean().item()
-    m["rollout_is_seq_fraction_low"] = (seq < lower).float().mean().item()
+    raw_seq = v_masked_mean(raw, mask, axis=-1)
+    m["rollout_is_seq_fraction_high"] = (raw_seq > thr).float().mean().item()
+    m["rollout_is_seq_fraction_low"] = (raw_seq < lower).float().mean().item()
     return m
 
 
-def v_is_weights(lr, mask, level, thr, normalize):
+def v_is_weights(lr, mask, level, spec, normalize):
+    thr, thr_lo = v_parse_is_threshold(spec)
     if level == "token":
-        lr_m, w = lr, torch.exp(torch.clamp(lr, -SAFETY_BOUND, SAFETY_BOUND))
+        lr_m, raw = lr, torch.exp(torch.clamp(lr, -SAFETY_BOUND, SAFETY_BOUND))
     else:
         lr_m = v_masked_sum(lr, mask, axis=-1).unsqueeze(-1)
-        w = torch.exp(torch.clamp(lr_m, -SAFETY_BOUND, SAFETY_BOUND)).expand_as(lr)
-    w = w * mask
-    m = v_is_metrics(w, lr_m, mask, level, thr)
-    w = w.clamp(max=thr).detach()
+        raw = torch.exp(torch.clamp(lr_m, -SAFETY_BOUND, SAFETY_BOUND)).expand_as(lr)
+    raw = raw * mask
+    if thr_lo is None:
+        w = raw.clamp(max=thr)
+    else:
+        w = torch.where((raw >= thr_lo) & (raw <= thr), raw, torch.zeros_like(raw))
+    m = v_is_metrics(w, raw, lr_m, mask, level, thr, thr_lo)
+    if thr_lo is not None:
+        m["rollout_is_oob_ratio"] = v_masked_mean(((raw < thr_lo) | (raw > thr)).float(), mask).item()
+    w = w.detach()
     if normalize:
         if level == "token":
             mean = v_masked_mean(w, mask)
@@ -218,6 +234,8 @@ CASES = [
     RolloutCorrectionConfig(rollout_is="sequence", rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
     RolloutCorrectionConfig(rollout_is="token", rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold=1.2),
     RolloutCorrectionConfig(rollout_rs="seq_max_k2", rollout_rs_threshold=0.1),
+    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.8_1.3"),  # IcePop
+    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True),
     RolloutCorrectionConfig(),
 ]
 
@@ -245,12 +263,48 @@ def test_the_cases_exercise_what_they_claim():
     """The batches are not trivial: weights are capped, tokens and rows are rejected, not all."""
     old, rollout, mask = batch(0)
     _, _, m = rollout_correction(old, rollout, mask, CASES[0])
-    assert m["rollout_corr/rollout_is_ratio_fraction_high"] > 0 and m["rollout_corr/rollout_is_max"] > 2.0
+    # some raw weights are above the cap; the applied ones reach it (verl 0.9.1 reports those)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] > 0 and m["rollout_corr/rollout_is_max"] == 2.0
+    _, _, m = rollout_correction(old, rollout, mask, CASES[-3])  # IcePop: some weights zeroed, not all
+    assert 0 < m["rollout_corr/rollout_is_oob_ratio"] < 1
     _, new, m = rollout_correction(old, rollout, mask, CASES[4])
     assert 0 < m["rollout_corr/rollout_rs_masked_fraction"] < 1
     assert 0 < new.sum() < mask.sum()
     for name in RS_OPTIONS:
         assert f"rollout_corr/rollout_rs_{name}_masked_fraction" in m
+
+
+def test_icepop_zeroes_the_weights_outside_its_window():
+    """``rollout_is_threshold="lower_upper"``: a weight outside [lower, upper] becomes 0 (its token
+    leaves the loss), one inside stays as it is (no cap); the out-of-window share is reported."""
+    ratio = torch.tensor([[0.4, 0.8, 1.0, 1.9, 2.5, 7.0]])
+    mask = torch.tensor([[1.0, 1, 1, 1, 1, 0]])
+    w, _, m = rollout_correction(torch.log(ratio), torch.zeros_like(ratio), mask,
+                                 RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.5_2.0"))
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.8, 1.0, 1.9, 0.0, 0.0]]))
+    assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(2 / 5)
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)  # 2.5, raw
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(1.9)  # of the applied weights
+    w, _, _ = rollout_correction(torch.log(ratio), torch.zeros_like(ratio), mask,
+                                 RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
+    torch.testing.assert_close(w, torch.tensor([[0.4, 0.8, 1.0, 1.9, 2.0, 0.0]]))  # truncated instead
+
+
+@pytest.mark.parametrize("fill", [math.nan, -math.inf, math.inf])
+def test_what_the_padding_holds_changes_no_weight_mask_or_figure(fill):
+    """An engine may leave NaN or -inf in the padding of its log-probs: weights (0 there), the mask
+    and every metric equal those of a batch padded with zeros."""
+    old, rollout, mask = batch(2)
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_rs="seq_mean_k3,token_k1,seq_max_k2",
+                                  rollout_rs_threshold="0.05,0.5_2.0,0.2")
+    clean = rollout_correction(old, rollout, mask, cfg)
+    pad = mask == 0
+    dirty = rollout_correction(old.masked_fill(pad, fill), rollout.masked_fill(pad, -math.inf), mask, cfg)
+    torch.testing.assert_close(dirty[0], clean[0])
+    assert torch.equal(dirty[1], clean[1])
+    assert dirty[2] == clean[2] and all(math.isfinite(v) for v in dirty[2].values())
+    token = rollout_correction(old.masked_fill(pad, fill), rollout, mask, RolloutCorrectionConfig(rollout_is="token"))
+    assert (token[0][pad] == 0).all() and torch.isfinite(token[0]).all()
 
 
 def test_k1_thresholds_keep_the_window_verl_keeps():
@@ -377,7 +431,12 @@ def test_verls_keys_are_accepted_and_bad_values_refused_before_launch():
         ([f"{key}.rollout_rs=token_k1,token_k2", f"{key}.rollout_rs_threshold='1,2,3'"], r"3 entries for 2 options"),
         ([f"{key}.rollout_rs_threshold=0.01"], r"rollout_rs_threshold=0.01 has no effect without"),
         ([f"{key}.rollout_is_threshold=5.0"], r"rollout_is_threshold=5.0 has no effect without"),
-        ([f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0"], r"must be > 0"),
+        ([f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0"], r"rollout_is_threshold='0.0': bounds must be > 0"),
+        ([f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0_0.5"],
+         r"rollout_is_threshold='2.0_0.5': lower 2.0 is above upper 0.5.*0.5_2.0"),
+        ([f"{key}.rollout_rs=seq_sum_k1", f"{key}.rollout_rs_threshold=2.0_0.5"],
+         r"'2.0_0.5' for seq_sum_k1: lower 2 is above upper 0.5, a window that keeps no token"),
+        ([f"{key}.rollout_rs=token_k1", f"{key}.rollout_rs_threshold=0.5"], r"give u >= 1"),
         ([f"{key}.rollout_is_batch_normalize=true"], r"rollout_is_batch_normalize=True has no effect"),
         ([f"{key}.loss_type=reinforce"], r"loss_type=reinforce applies in bypass mode only"),
     ]

@@ -44,7 +44,7 @@ def test_decoupled_phases_are_the_ops_on_the_whole_step():
     assert torch.equal(batch["rollout_is_weights"], weights) and torch.equal(batch["response_mask"], mask)
     assert batch["sampled_response_mask"] is sampled
     assert {k: metrics[k] for k in expected} == expected
-    corr.after_update(1, metrics)  # nothing left to check in decoupled mode
+    corr.after_update(batch, 1, metrics)  # nothing left to check in decoupled mode
 
 
 def test_decoupled_refuses_a_step_with_every_token_rejected():
@@ -61,7 +61,7 @@ def test_bypass_phases_anchor_on_the_engine_and_check_the_first_mini_batch():
     assert torch.equal(batch["old_log_probs"], batch["engine_log_probs"]) and not metrics
     corr.before_advantages(batch, metrics)
     assert "rollout_is_weights" not in batch and not metrics
-    corr.begin_update()
+    assert corr.begin_update(batch) is batch
     assert corr.keeps_pre_update(1) and not corr.keeps_pre_update(2)
     current = batch["engine_log_probs"] - 0.5 * batch["response_mask"]  # far from the engine: the check warns
     for i in (0, B // 2):  # two micro-batches of the first mini-batch
@@ -74,7 +74,7 @@ def test_bypass_phases_anchor_on_the_engine_and_check_the_first_mini_batch():
     expected = rollout_correction(current, batch["engine_log_probs"], batch["response_mask"],
                                   RolloutCorrectionConfig(**cfg))[2]
     assert corr.update_metrics() == expected
-    corr.after_update(3, metrics)
+    corr.after_update(batch, 3, metrics)
     assert metrics["rollout/logprob_diff_max"] == pytest.approx(0.5)
     assert lines and lines[0].startswith("[rlhf-hpc] WARNING step 3: ")
     assert corr.pre_update == [] and corr.trained == []

@@ -176,3 +176,19 @@ def test_vllm_version_check_accepts_the_installed_build():
     from rlhf_hpc.rollout.vllm_engine import VLLM_BELOW, VLLM_MIN, check_vllm_version
     check_vllm_version()  # 0.32 (CPU build) has reload_weights(weights_iterator=...)
     assert (VLLM_MIN, VLLM_BELOW) == ("0.18", "0.34")
+
+
+def test_vllms_harmless_reload_warnings_are_dropped_for_every_rotary_class(monkeypatch, caplog):
+    """vLLM names the rotary module's class in its per-reload warning (RotaryEmbedding,
+    Llama3RotaryEmbedding for Llama 3.x, ...): each is dropped, any other warning kept."""
+    import logging
+
+    from rlhf_hpc.rollout.vllm_engine import quiet_vllm_logging
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    quiet_vllm_logging()
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        for cls in ("RotaryEmbedding", "Llama3RotaryEmbedding", "YaRNScalingRotaryEmbedding"):
+            logger.warning("%s: Failed to load weights", cls)
+        logger.warning("Qwen2MLP: Failed to load weights")
+    assert [r.getMessage() for r in caplog.records] == ["Qwen2MLP: Failed to load weights"]

@@ -176,10 +176,10 @@ def test_memory_plan_counts_one_slice_of_the_micro_batch_per_rank():
 
 def test_heads_of_a_local_model_directory_are_checked_before_launch(tmp_path):
     # Qwen2.5-7B's attention: 28 query heads, 4 KV heads (sp 2 and 4 split them, 8 cannot)
-    from transformers import Qwen2Config
-    Qwen2Config(hidden_size=224, intermediate_size=448, num_hidden_layers=1, num_attention_heads=28,
-                num_key_value_heads=4, vocab_size=64).save_pretrained(tmp_path)
-    tiny("trainer.n_gpus_per_node=4", f"actor_rollout_ref.model.path={tmp_path}",
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=224, intermediate_size=448, num_hidden_layers=1, num_attention_heads=28,
+                                 num_key_value_heads=4, vocab_size=64)).save_pretrained(tmp_path)  # (weights: checked)
+    tiny("trainer.n_gpus_per_node=4", f"actor_rollout_ref.model.path={tmp_path}", "data.tokenizer=tiny://chars",
          "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4")
     errs = errors_of("trainer.n_gpus_per_node=8", f"actor_rollout_ref.model.path={tmp_path}",
                      "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8")

@@ -99,6 +99,22 @@ def test_dynamic_micro_batches_give_the_same_update_as_fixed_ones():
     assert results[0][2]["actor/pg_loss"] == pytest.approx(results[1][2]["actor/pg_loss"], abs=1e-6)
 
 
+def test_a_smaller_last_micro_batch_gives_the_update_of_one_micro_batch():
+    """6 rows as micro-batches of 4 + 2 (verl's split when the size does not divide) train as one of 6."""
+    b = skewed_batch(n=6)
+    results = []
+    for micro in (6, 4):
+        model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
+        cfg = ActorConfig(ppo_micro_batch_size_per_gpu=micro, shuffle=False, loss_agg_mode="seq-mean-token-mean",
+                          clip_ratio_low=0.2, clip_ratio_high=0.2)
+        actor = Actor(model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim)))
+        lp, _ = actor.compute_log_prob(b, 6)
+        metrics = actor.update_policy(dict(b, old_log_probs=lp - 0.1 * b["response_mask"]), mini_batch_rows=6)
+        results.append((grads_of(model), metrics["actor/pg_loss"]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5)
+    assert results[0][1] == pytest.approx(results[1][1], abs=1e-6)
+
+
 def test_lr_schedule():
     # verl: the first update runs at LR 0 (step / warmup), the ratio applies when the count is <= 0
     const = OptimConfig(lr_warmup_steps=4)

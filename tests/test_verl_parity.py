@@ -100,7 +100,6 @@ def dry_run(args: list[str], capsys) -> tuple[int, str]:
     ("reward_model.use_reward_loop=True", "the reward loop"),
     ("reward_model.rollout.name=vllm", "the reward loop"),
     ("reward_model.num_workers=8", "the reward loop"),
-    ("+reward_model.sandbox_fusion.url=https://example.com/run_code", "sandbox fusion"),
     ("actor_rollout_ref.model.use_fused_kernels=True", "fused log-prob kernels"),
     ("algorithm.use_pf_ppo=True", "PF-PPO"),
     ("algorithm.pf_ppo.reweight_method=pow", "PF-PPO"),
@@ -209,14 +208,19 @@ def test_async_rollout_on_a_single_turn_run_says_where_generation_runs(tmp_path,
     assert rc == 2 and "multi-turn rollout with tools is not available in rlhf-hpc" in err, err
 
 
-def test_raw_chat_for_a_reward_model_needs_its_tokenizer(tmp_path):
+def test_raw_chat_for_a_reward_model_re_encodes_with_its_template(tmp_path):
     """verl's reward-model scripts set data.return_raw_chat=True so that the reward model re-encodes the
-    conversation with its own chat template: here that is reward_model.model.input_tokenizer."""
-    base = verl_args(VERL_GRPO, str(tmp_path)) + ["data.return_raw_chat=True", "reward_model.enable=True",
-                                                  "reward_model.model.path=tiny://qwen2"]
-    with pytest.raises(ConfigError, match=r"data.return_raw_chat=True: with reward_model.enable=true verl re-encodes "
-                                          r"the conversation .* reward_model.model.input_tokenizer"):
-        load_config(None, base, check_files=False)
+    conversation with its own chat template: here that fills reward_model.model.input_tokenizer with
+    the actor's tokenizer (said once); a value the user set stays; without a reward model it changes nothing."""
+    base = verl_args(VERL_GRPO, str(tmp_path)) + ["data.return_raw_chat=True"]
+    rm = ["reward_model.enable=True", "reward_model.model.path=tiny://qwen2"]
+    cfg, warnings = load_config(None, base + rm, check_files=False)
+    assert cfg.reward_model.model.input_tokenizer == cfg.actor_rollout_ref.model.path
+    assert any("re-encoded with the reward model's chat template" in w for w in warnings), warnings
+    mine = "reward_model.model.input_tokenizer=" + cfg.actor_rollout_ref.model.path
+    assert load_config(None, base + rm + [mine], check_files=False)[0].reward_model.model.input_tokenizer == \
+        cfg.actor_rollout_ref.model.path
+    assert load_config(None, base, check_files=False)[0].reward_model.model.input_tokenizer is None
 
 
 @pytest.mark.parametrize("override,message", [

@@ -1,5 +1,5 @@
 """Measures this machine's CPU figures for the time plan (rlhf_hpc.planning.hardware, preset ``cpu``)
-and writes them where the plan reads them (``~/.cache/rlhf-hpc/calibration/cpu.json``, or ``--out``).
+and writes them, atomically, where the plan reads them (``~/.cache/rlhf-hpc/calibration/cpu.json``, or ``--out``).
 
     python -m rlhf_hpc.bench.calibrate [--ranks 2] [--out PATH] [--skip-vllm]
 
@@ -31,7 +31,6 @@ run's ranks share the machine):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -41,12 +40,13 @@ from pathlib import Path
 
 import torch
 
+from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.distributed.fsdp import parallelize
 from rlhf_hpc.distributed.process_group import build_train_mesh
 from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.ops.batching import make_padded_batch
-from rlhf_hpc.planning.hardware import calibration_path
+from rlhf_hpc.planning.hardware import calibration_path, write_calibration
 from rlhf_hpc.planning.sizing import forward_flops, model_shape
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.recipe.load import load_config
@@ -252,6 +252,7 @@ def worker(out: Path, skip_vllm: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    failed = False
     fig = {**decoder_rates(), "hbm_gb_s": memory_gb_s(), "cast_gb_s": cast_gb_s()}
     fig["layer_overhead_s"], fig["pass_overhead_s"] = pass_overheads()
     fig["host_adam_params_s"] = adam_params_s()
@@ -278,15 +279,21 @@ def worker(out: Path, skip_vllm: bool) -> None:
     if rank == 0:
         merged["measured"] = {"ranks": world, "threads_per_rank": 1, "cores": os.cpu_count(),
                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(merged, indent=1) + "\n")
-        print(f"CPU figures per rank ({world} ranks x 1 thread, all measuring at once), written to {out}:")
-        print("| figure | value |\n| --- | --- |")
-        for k, v in merged.items():
-            if k != "measured":
-                print(f"| {k} | {v:.4g} |")
+        try:  # atomically, as the plan reads it: a launch reading meanwhile sees the old file or this one
+            write_calibration(out, merged)
+        except ConfigError as e:  # a figure the plan would refuse: nothing is written
+            print(f"error: {e}", file=sys.stderr)
+            failed = True
+        else:
+            print(f"CPU figures per rank ({world} ranks x 1 thread, all measuring at once), written to {out}:")
+            print("| figure | value |\n| --- | --- |")
+            for k, v in merged.items():
+                if k != "measured":
+                    print(f"| {k} | {v:.4g} |")
     if dist.is_initialized():
         dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
 
 
 def main(argv=None) -> int:

@@ -35,6 +35,9 @@ class LauncherConfig:
     time_margin_s: int = 300
     max_requeues: int = 3
     max_restarts: int = 0  # torchrun restarts of crashed workers
+    # a rank whose heartbeat stops this long (stopped, frozen, stuck) ends the run with exit code 5,
+    # long before trainer.dist_timeout_s; a stale run-directory lock of another host: twice this
+    heartbeat_timeout_s: int = 300
     array_parallelism: int = 16
     # wrap each node's job (torchrun and its ranks) in `nsys profile`; the loop's phases show as
     # NVTX ranges; one report per node in <run dir>/profile/ (rlhf_hpc/launch/slurm.py)
@@ -56,7 +59,7 @@ class HardwareConfig:
     """What a node's hardware can do, for the time plan (rlhf_hpc/planning/hardware.py); a cluster
     profile may set it (``hardware: h100_sxm``). Figures are per GPU and one direction, except
     ``inter_node_gb_s`` (the whole node's network) and ``disk_gb_s`` (per node)."""
-    # a name in rlhf_hpc.planning.hardware.PRESETS (h100_sxm, h100_pcie, h100_nvl, h200, a100_80gb_sxm,
+    # a name in rlhf_hpc.planning.hardware.PRESETS (h100_sxm, h100_pcie, h100_nvl, h200, a100_80gb_sxm, a100_40gb_*,
     # a100_80gb_pcie, l40s, l40, a40, rtx_a6000, v100, mi300x, mi250), or cpu (this machine's calibration);
     # null: the GPU the run sees (h100_sxm at a dry run) for GPU runs, cpu otherwise
     preset: Optional[str] = None
@@ -76,6 +79,8 @@ class HardwareConfig:
 class PlanConfig:
     """What the time plan assumes of the data (rlhf_hpc/planning/time_plan.py): mean tokens of a
     prompt and of a response; null: the maxima (data.max_prompt_length, data.max_response_length),
-    an upper bound. A run's own steps are planned with their measured lengths (``plan/<phase>_s``)."""
-    prompt_length: Optional[int] = None
-    response_length: Optional[int] = None
+    an upper bound. A run's own steps are planned with their measured lengths (``plan/<phase>_s``).
+    A mean that is set is > 0 and at most its maximum (0 is not "unset": null is; refused at
+    validation, rlhf_hpc/recipe/input_checks.py)."""
+    prompt_length: Optional[int] = None  # in (0, data.max_prompt_length]; null: data.max_prompt_length
+    response_length: Optional[int] = None  # in (0, data.max_response_length]; null: data.max_response_length

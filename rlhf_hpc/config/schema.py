@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from rlhf_hpc.config.job_schema import GlobalProfilerConfig, HardwareConfig, LauncherConfig, PlanConfig
+from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig",
-           "DataConfig", "FSDPConfig", "FilterGroupsConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig",
+           "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig",
            "ModelConfig", "OptimConfig", "OverlongBufferConfig", "RewardModelConfig", "RolloutCorrectionConfig"]
 
 # values of override_config.attn_implementation (verl's key); varlen: rlhf_hpc/models/attention.py
@@ -260,8 +261,8 @@ class RewardModelSubConfig:
     # model, or "tiny://qwen2?..." for a tiny random-weight one built in code (tests, the CPU demo)
     path: str = "~/models/reward-model"
     # differs from verl (default: the actor's model path, i.e. always re-encode): null = the reward
-    # model reads the actor's tokens as they are. Set to the actor's tokenizer when the reward model's
-    # tokenizer/chat template differ: responses are decoded and re-encoded through its chat template.
+    # model reads the actor's tokens as they are where its tokenizer and chat template are the actor's,
+    # and re-encodes where they differ; set (to the actor's tokenizer): always re-encode.
     input_tokenizer: Optional[str] = None
     trust_remote_code: bool = False
     external_lib: Optional[str] = None  # null -> actor_rollout_ref.model's (as verl)
@@ -299,6 +300,7 @@ class RewardModelConfig:
     # naive: the score as it is; dapo: plus overlong_buffer's shaping (rlhf_hpc/rewards/overlong.py)
     reward_manager: Literal["naive", "dapo"] = "naive"
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)  # url: code runs on that service
 
 
 @dataclass
@@ -320,8 +322,9 @@ class RolloutCorrectionConfig:
     """verl's ``algorithm.rollout_correction``: the engine samples from its own distribution
     (pi_rollout: its kernels, its precision), the actor trains another (rlhf_hpc.ops.rollout_correction).
 
-    ``rollout_is``: truncated importance sampling, ``token`` or ``sequence`` weights
-    pi_old / pi_rollout capped at ``rollout_is_threshold``, multiplying the PPO loss per token;
+    ``rollout_is``: importance sampling, ``token`` or ``sequence`` weights pi_old / pi_rollout
+    capped at ``rollout_is_threshold`` (or zeroed outside its ``"lower_upper"`` window: IcePop),
+    multiplying the PPO loss per token;
     ``rollout_is_batch_normalize`` divides them by their batch mean. ``rollout_rs``: rejection
     sampling, a comma-separated list of ``token_k1..k3``, ``seq_sum_k1..k3``, ``seq_mean_k1..k3``,
     ``seq_max_k2/k3`` with ``rollout_rs_threshold`` (``"lower_upper"`` or one value for k1, an
@@ -331,7 +334,7 @@ class RolloutCorrectionConfig:
     correction then compares the current policy with the engine's per micro-batch, and
     ``loss_type: reinforce`` trains -A log pi w instead of the clipped ratio. verl's defaults."""
     rollout_is: Optional[Literal["token", "sequence"]] = None
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: Union[float, str] = 2.0
     rollout_is_batch_normalize: bool = False
     rollout_rs: Optional[str] = None
     rollout_rs_threshold: Optional[Union[float, str]] = None
@@ -451,6 +454,7 @@ class Config:
     global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # untrusted code on the node (rlhf_hpc/tools)
     # not a key: the dotted keys the recipe file (with its bases) set, before overrides and
     # defaults (rlhf_hpc.recipe.load.load_config; a run keeps them in RUN_DIR/recipe.yaml). Advice
     # never asks to change what the recipe chose (rlhf_hpc.observability.profiling.CommHint).

@@ -41,6 +41,8 @@ def read_rows(path: str, split_seed: int = 0) -> list[dict]:
         return synthetic_rows(path, split_seed)
     import pyarrow.parquet as pq
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise DataError(f"{path}: a directory, not a parquet file: name the file in it (e.g. {path}/train.parquet)")
     if not p.is_file():
         raise DataError(f"{path}: no such file")
     try:
@@ -70,12 +72,13 @@ def _check_row(row: dict, where: str, prompt_key: str) -> None:
         raise bad("extra_info", f"expected a mapping, got {type(extra).__name__}")
 
 
-def check_data_files(data: DataConfig) -> int:
+def check_data_files(data: DataConfig) -> tuple[int, set[str]]:
     """Every row of the train and validation files has the columns training needs, checked where
     the launch command runs, before anything starts or is queued. Raises ``DataError`` naming the
-    file, row and column of the first bad row; returns the number of rows checked. Prompt lengths
-    need the tokenizer and are checked by the workers at start-up."""
-    n = 0
+    file, row and column of the first bad row; returns the number of rows checked and the
+    ``data_source`` values they hold (what scores them). Prompt lengths need the tokenizer and are
+    checked by the workers at start-up."""
+    n, sources = 0, set()
     for key in ("train_files", "val_files"):
         value = getattr(data, key)
         for path in [value] if isinstance(value, str) else list(value or []):
@@ -83,8 +86,9 @@ def check_data_files(data: DataConfig) -> int:
                 continue  # built in code / reported by the config check
             for i, row in enumerate(read_rows(path)):
                 _check_row(row, f"{path}, row {i}", data.prompt_key)
+                sources.add(row["data_source"])
                 n += 1
-    return n
+    return n, sources
 
 
 def chat_token_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None) -> list[int]:
@@ -101,8 +105,10 @@ def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_see
     (error | left | right) and ``filter_overlong_prompts``."""
     files = [files] if isinstance(files, str) else list(files)
     out: list[Example] = []
+    read = 0
     for path in files:
         rows = read_rows(path, split_seed)
+        read += len(rows)
         for i, row in enumerate(rows):
             where = f"{path}, row {i}"
             _check_row(row, where, data.prompt_key)
@@ -120,9 +126,12 @@ def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_see
                                extra_info=dict(row.get("extra_info") or {}), index=len(out),
                                messages=list(row[data.prompt_key]),
                                reward_style=str(row["reward_model"].get("style") or "rule")))
-    if not out:
-        raise DataError(f"{', '.join(files)}: no usable rows (all filtered as longer than "
-                        f"data.max_prompt_length={data.max_prompt_length}?)")
+    if not read:
+        raise DataError(f"{', '.join(files)}: no rows (an empty data file)")
+    if not out:  # only data.filter_overlong_prompts drops rows
+        raise DataError(f"{', '.join(files)}: all {read} rows filtered out as longer than data.max_prompt_length="
+                        f"{data.max_prompt_length} tokens (data.filter_overlong_prompts=true): raise "
+                        f"data.max_prompt_length, or set data.truncation=left|right with filter_overlong_prompts=false")
     return out
 
 
@@ -133,7 +142,8 @@ class StatefulSampler:
 
     def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True):
         if batch_size > n:
-            raise DataError(f"data.train_batch_size={batch_size} is larger than the dataset ({n} prompts)")
+            raise DataError(f"data.train_batch_size={batch_size} is larger than the dataset ({n} prompts, counted "
+                            f"after the data.max_prompt_length filter): lower data.train_batch_size or add rows")
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
         self.epoch, self.pos = 0, 0
 

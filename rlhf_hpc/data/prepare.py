@@ -41,8 +41,16 @@ def read_gsm8k(src: str, split: str) -> list[dict]:
     if path.is_dir():
         file = path / f"{split}.jsonl"
         if not file.is_file():
-            raise FileNotFoundError(f"{file}: missing (expected GSM8K's original {split}.jsonl)")
-        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+            raise SystemExit(f"error: {file}: missing (expected GSM8K's original {split}.jsonl)")
+        records = []
+        for n, line in enumerate(file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except ValueError as e:  # json's JSONDecodeError
+                raise SystemExit(f"error: {file}, line {n}: not a JSON record ({e})") from None
+        return records
     try:
         import datasets
     except ImportError:
@@ -66,6 +74,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for split in ("train", "test"):
         rows = gsm8k_rows(read_gsm8k(args.src, split), split)
+        if not rows:  # an empty parquet would only be refused at the launch
+            raise SystemExit(f"error: --src {args.src}: the {split} split has no records; nothing written")
         write_parquet(rows, Path(args.out) / f"{split}.parquet")
         print(f"{split}: {len(rows)} rows -> {Path(args.out) / f'{split}.parquet'}")
     return 0

@@ -26,7 +26,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["MIN_CAPACITY", "SHM_DIR", "SharedMemoryAllReduce"]
+from rlhf_hpc.distributed.heartbeat import ENV_LAUNCH_ID
+
+__all__ = ["MIN_CAPACITY", "SHM_DIR", "SharedMemoryAllReduce", "launch_segments"]
 
 SHM_DIR = Path("/dev/shm")
 DEFAULT_CAPACITY = 32 << 20  # bytes per rank and bucket: 3 buckets for the 19.5M-parameter fp32 actor of #19
@@ -40,6 +42,18 @@ def host_identity() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def _launch_tag(launch_id: Optional[str] = None) -> str:
+    """The launch's part of a segment's name (``run-<id>_``): what it leaves behind if a rank dies
+    before the name is dropped is found by it (``launch_segments``)."""
+    launch_id = launch_id if launch_id is not None else os.environ.get(ENV_LAUNCH_ID, "")
+    return f"run-{launch_id}_" if launch_id else ""
+
+
+def launch_segments(launch_id: str, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """The segments of launch ``launch_id`` still in ``shm_dir``."""
+    return sorted(shm_dir.glob(f"rlhf_hpc_allreduce_*_{_launch_tag(launch_id)}*")) if launch_id else []
 
 
 class SharedMemoryAllReduce:
@@ -103,7 +117,7 @@ class SharedMemoryAllReduce:
         if capacity < MIN_CAPACITY:
             return [None, f"{shm_dir} has {st.f_bavail * st.f_frsize >> 20} MiB free, too little for "
                           f"{2 * size} x {MIN_CAPACITY >> 20} MiB"]
-        path = shm_dir / f"rlhf_hpc_allreduce_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        path = shm_dir / f"rlhf_hpc_allreduce_{os.getpid()}_{_launch_tag()}{uuid.uuid4().hex[:12]}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:

@@ -7,14 +7,16 @@ cluster; never localhost when there are several nodes) on a port derived from th
 
 Stopping (preemption, time limit): Slurm's USR2 reaches every process of the job step, but torchrun
 neither handles nor forwards it, and its default action would kill it. torchrun is therefore
-started with USR2 ignored; the workers install their own handler (``stop.install_signal_handler``).
+started with USR2 ignored (``rank_group``); the workers install their own handler (``stop.install_signal_handler``).
 A stop can also be requested with a file (``stop.request_stop``), which is what the submitit job
 does when its own USR2 handler runs. Either way the ranks agree at the next step boundary, save a
 checkpoint and exit; ``stop.read_stopped`` then says why.
 """
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,11 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.launch.local import worker_env
-from rlhf_hpc.launch.stop import clear, read_stopped, read_user_error
+from rlhf_hpc.distributed.heartbeat import ENV_LAUNCH_ID, beat_interval
+from rlhf_hpc.launch.failure import (BAD_INPUT, FAILED, OK, REQUEUE, Failure, checkpoint_summary, describe_run_end,
+                                     note_in_run_log)
+from rlhf_hpc.launch.local import TORCHRUN_MONITOR, prune_empty_dirs, torchrun_log_dir, worker_env
+from rlhf_hpc.launch.rank_group import Outcome, RankGroup
+from rlhf_hpc.launch.run_lock import RunDirLocked, RunLock
+from rlhf_hpc.launch.stop import clear, read_stopped
+from rlhf_hpc.launch.watchdog import Watchdog
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["NodeRun", "node_info"]
+__all__ = ["JOBS_FILE", "NodeJob", "NodeRun", "node_info", "resume_command"]
 
 
 @dataclass
@@ -90,24 +98,23 @@ def node_torchrun_command(cfg, config_path: str | Path, info: NodeInfo) -> list[
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={info.nnodes}",
            f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={info.master}:{info.port}",
-           f"--rdzv-id={info.job_id}", f"--max-restarts={cfg.launcher.max_restarts}",
+           f"--rdzv-id={info.job_id}", f"--max-restarts={cfg.launcher.max_restarts}", TORCHRUN_MONITOR,
+           f"--log-dir={torchrun_log_dir(Path(config_path).parent)}",
            "-m", "rlhf_hpc.worker", str(config_path)]
     if cfg.launcher.container:
-        import shlex
         cmd = shlex.split(cfg.launcher.container) + cmd
     return cmd
 
 
-def _ignore_usr2() -> None:
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-
-
 class NodeRun:
-    """One torchrun on this node; ``wait`` polls (it must stay interruptible by signal handlers that
-    also wait on it)."""
+    """One torchrun on this node (``rank_group.RankGroup``: USR2 ignored, it dies with this
+    process); ``wait`` polls (it must stay interruptible by signal handlers that also wait on it)."""
 
     def __init__(self, cfg, config_path: str | Path, info: NodeInfo):
+        self.run_dir = Path(config_path).parent
+        self.launch_id = f"{info.job_id}.{info.restart_count}"  # alike on every node of the allocation
         env = worker_env(cfg)
+        env[ENV_LAUNCH_ID] = self.launch_id
         if info.end_time is not None:
             env["RLHF_HPC_JOB_END_TIME"] = str(info.end_time)
         self.cmd = node_torchrun_command(cfg, config_path, info)
@@ -115,7 +122,8 @@ class NodeRun:
         print(f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
               f"{cfg.trainer.n_gpus_per_node} ranks, rendezvous {info.master}:{info.port} "
               f"(id {info.job_id}, restart {info.restart_count})", flush=True)
-        self.proc = subprocess.Popen(self.cmd, env=env, preexec_fn=_ignore_usr2)
+        self.group = RankGroup(self.cmd, env, self.run_dir)
+        self.proc = self.group.proc
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -126,33 +134,82 @@ class NodeRun:
         return self.proc.returncode
 
 
+class NodeJob:
+    """This node's share of a Slurm job, for the submitit job and the plain sbatch script alike:
+    on node 0 the run directory's lock (taken over from an earlier allocation of the same job, so
+    a requeued job resumes), torchrun with the heartbeat watchdog (this node's ranks; node 0 also
+    every other rank's), and how it ended: ``(exit code, the line that says so)``."""
+
+    def __init__(self, cfg, config_path: str | Path, info: NodeInfo):
+        self.cfg, self.config_path, self.info = cfg, str(config_path), info
+        self.run_dir = Path(config_path).parent
+        self.run: Optional[NodeRun] = None
+
+    def __call__(self) -> tuple[int, str]:
+        cfg, info, run_dir = self.cfg, self.info, self.run_dir
+        lock = None
+        if info.node_rank == 0:
+            try:
+                lock = RunLock.acquire(run_dir, 2 * cfg.launcher.heartbeat_timeout_s, job_id=info.job_id)
+            except RunDirLocked as e:
+                return BAD_INPUT, f"error: {e}"
+            clear(run_dir)
+        every = beat_interval(cfg.launcher.heartbeat_timeout_s)
+        try:
+            self.run = NodeRun(cfg, self.config_path, info)
+            watchdog = Watchdog(run_dir, self.run.launch_id, cfg.launcher.heartbeat_timeout_s,
+                                watch_all=info.node_rank == 0)
+            # with torchrun restarting its ranks itself (launcher.max_restarts), a lost rank is its call
+            refresh = (lambda: lock.refresh(every)) if lock else (lambda: None)
+            outcome = self.run.group.supervise(watchdog, refresh=refresh, kill_lost=cfg.launcher.max_restarts == 0)
+        finally:
+            if lock is not None:
+                lock.release()
+            prune_empty_dirs(torchrun_log_dir(run_dir))
+        return self.result(outcome)
+
+    def result(self, outcome: Outcome) -> tuple[int, str]:
+        cfg, info, run_dir = self.cfg, self.info, self.run_dir
+        failure = outcome.failure
+        if failure is not None and failure.code == BAD_INPUT:  # once in the job's log, no requeue
+            return BAD_INPUT, failure.what if info.node_rank == 0 else ""
+        if failure is None and outcome.code != 0:
+            failure = Failure(FAILED, f"torchrun exited with code {outcome.code} (its report is above)",
+                              f"node {info.node_rank} ({socket.gethostname()})")
+        if failure is not None:
+            line = describe_run_end(failure, run_dir, resume_command(run_dir))
+            note_in_run_log(run_dir, f"job {info.job_id} node {info.node_rank}: {line}")
+            return failure.code, line
+        stopped = read_stopped(run_dir)
+        if stopped and info.restart_count >= cfg.launcher.max_requeues:
+            return OK, (f"[rlhf-hpc] stopped ({stopped}) but launcher.max_requeues={cfg.launcher.max_requeues} "
+                        f"is used up; {checkpoint_summary(run_dir)}; resume with: {resume_command(run_dir)}")
+        if stopped and info.node_rank == 0:
+            return REQUEUE, f"[rlhf-hpc] stopped ({stopped}); exit code {REQUEUE} asks the sbatch script to requeue"
+        return OK, ""
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that submitted the run (recorded in ``slurm_jobs.json``), else one that
+    submits its resolved config again."""
+    try:
+        command = json.loads((run_dir / JOBS_FILE).read_text())[-1].get("command")
+    except (OSError, ValueError, IndexError, AttributeError):
+        command = None
+    return command or f"python launch.py recipe={run_dir / 'config.yaml'} cluster=slurm"
+
+
 def main(argv: list[str]) -> int:
     """``python -m rlhf_hpc.launch.node RUN_DIR/config.yaml``: run this node's share (plain sbatch)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's warning is for the workers, not for us
     cfg = load_resolved(argv[0])
-    info = node_info()
-    if info.node_rank == 0:
-        clear(Path(argv[0]).parent)
-    code = NodeRun(cfg, argv[0], info).wait()
-    user_error = read_user_error(Path(argv[0]).parent)
-    if user_error:  # found by the workers (bad data, ...): once in the job's log, no requeue
-        if info.node_rank == 0:
-            print(user_error, file=sys.stderr, flush=True)
-        return 2
-    stopped = read_stopped(Path(argv[0]).parent)
-    if code == 0 and stopped and info.restart_count >= cfg.launcher.max_requeues:
-        print(f"[rlhf-hpc] stopped ({stopped}) but launcher.max_requeues={cfg.launcher.max_requeues} is used up",
-              flush=True)
-        return 0
-    if code == 0 and stopped and info.node_rank == 0:
-        print(f"[rlhf-hpc] stopped ({stopped}); exit code {EXIT_REQUEUE} asks the sbatch script to requeue",
-              flush=True)
-        return EXIT_REQUEUE
+    code, line = NodeJob(cfg, argv[0], node_info())()
+    if line:
+        print(line, file=sys.stderr if code not in (OK, REQUEUE) else sys.stdout, flush=True)
     return code
 
 
-# exit code of a node whose training stopped early (preemption, time limit) and should be requeued
-EXIT_REQUEUE = 85
+JOBS_FILE = "slurm_jobs.json"  # the run's Slurm jobs, written at submission (rlhf_hpc.launch.slurm)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

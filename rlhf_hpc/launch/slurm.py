@@ -25,12 +25,12 @@ import submitit
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.launch import stop
-from rlhf_hpc.launch.node import NodeRun, node_info
+from rlhf_hpc.launch.failure import OK, REQUEUE, launch_command
+from rlhf_hpc.launch.local import check_heartbeat_timeout
+from rlhf_hpc.launch.node import JOBS_FILE, NodeJob, node_info
 from rlhf_hpc.recipe.load import load_resolved
 
 __all__ = ["cancel", "check_cluster", "have_slurm", "job_state", "log_files", "run_jobs", "sbatch_text", "submit"]
-
-JOBS_FILE = "slurm_jobs.json"
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -38,30 +38,25 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def __init__(self, config_path: str):
         self.config_path = str(config_path)
-        self._run = None
+        self._job: Optional[NodeJob] = None
 
     def __call__(self) -> str:
         cfg = load_resolved(self.config_path)
-        run_dir = Path(self.config_path).parent
         info = node_info()
-        if info.node_rank == 0:
-            stop.clear(run_dir)
-        self._run = NodeRun(cfg, self.config_path, info)
-        code = self._run.wait()
-        user_error = stop.read_user_error(run_dir)
-        if user_error:  # found by the workers (bad data, ...): one line in the job's result, no requeue
-            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-            raise RuntimeError(user_error)
-        if code != 0:
-            raise RuntimeError(f"torchrun exited with code {code} on node {info.node_rank} (job {info.job_id})")
-        reason = stop.read_stopped(run_dir)
-        if reason and info.node_rank == 0:
+        self._job = NodeJob(cfg, self.config_path, info)
+        code, line = self._job()
+        if code == REQUEUE:
             # the ranks stopped on their own (allocation ending): requeue through submitit's path
+            print(line, flush=True)
             os.kill(os.getpid(), signal.SIGUSR2)
-            return f"stopped: {reason}"
-        # training is over: a time-limit warning arriving while the job exits must neither requeue
-        # it nor kill it (USR2's default action) and turn a finished job into a failed one
+            return line
+        # training is over (or failed: no requeue): a time-limit warning arriving while the job exits
+        # must neither requeue it nor kill it (USR2's default action) and turn a finished job into a failed one
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        if code != OK:
+            raise RuntimeError(line or f"exit code {code} on node {info.node_rank} (job {info.job_id})")
+        if line:
+            print(line, flush=True)
         return "completed"
 
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
@@ -70,9 +65,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         cfg = load_resolved(self.config_path, check_files=False)
         run_dir = Path(self.config_path).parent
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0))
-        if self._run is not None and self._run.proc.poll() is None:
+        run = self._job.run if self._job is not None else None
+        if run is not None and run.proc.poll() is None:
             stop.request_stop(run_dir, "slurm signal")
-            self._run.wait(timeout=max(30, cfg.launcher.signal_lead_s - 10))
+            run.wait(timeout=max(30, cfg.launcher.signal_lead_s - 10))
         if restarts >= cfg.launcher.max_requeues:
             print(f"[rlhf-hpc] not requeuing: launcher.max_requeues={cfg.launcher.max_requeues} reached", flush=True)
             return None
@@ -173,6 +169,7 @@ def submit(cfgs: list[tuple[Config, Path]]) -> list[str]:
     """Submit one job (or one array job for a sweep); returns the job ids. ``cfgs``: (config,
     written config.yaml path) per element."""
     first_cfg, first_path = cfgs[0]
+    check_heartbeat_timeout(first_cfg)
     folder = first_path.parent / "slurm" if len(cfgs) == 1 else first_path.parent.parent / "slurm-sweep"
     ex = executor_for(first_cfg, folder)
     if len(cfgs) == 1:
@@ -182,7 +179,7 @@ def submit(cfgs: list[tuple[Config, Path]]) -> list[str]:
             jobs = [ex.submit(TrainingJob(str(path))) for _, path in cfgs]
     ids = [j.job_id for j in jobs]
     for (cfg, path), job_id in zip(cfgs, ids):
-        record = {"job_id": job_id, "submitit_folder": str(folder)}
+        record = {"job_id": job_id, "submitit_folder": str(folder), "command": launch_command()}
         jobs_file = path.parent / JOBS_FILE
         history = json.loads(jobs_file.read_text()) if jobs_file.is_file() else []
         jobs_file.write_text(json.dumps(history + [record], indent=1))

@@ -3,7 +3,8 @@
 Every rank calls ``StopCheck.should_stop()`` after each step (a collective): a rank that got USR2,
 a stop-request file in the run directory (written by the submitit job's signal handler), or an
 allocation that ends within ``launcher.time_margin_s`` makes every rank stop together, save a
-checkpoint and exit. ``STOPPED`` in the run directory then tells the launcher why, so it requeues.
+checkpoint and exit. ``STOPPED`` in the run directory then tells the launcher why, so it requeues
+(Slurm) or says where to resume (locally: the launcher's SIGTERM, SIGINT, SIGUSR1 or SIGHUP, ``local``).
 """
 from __future__ import annotations
 
@@ -15,14 +16,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["STOPPED", "StopCheck", "USER_ERROR", "clear", "install_signal_handler", "read_stopped",
-           "read_user_error", "record_user_error", "request_stop"]
+from rlhf_hpc.launch.failure import BAD_INPUT, FAILURE, Failure, record_failure
+
+__all__ = ["STOPPED", "StopCheck", "clear", "install_signal_handler", "read_stopped", "record_user_error",
+           "request_stop"]
 
 STOP_REQUEST = "STOP_REQUESTED"
 STOPPED = "STOPPED"
-# a user error (bad data, a config a checkpoint cannot resume) found by the workers: the launcher
-# prints it once for the job and exits 2, instead of a traceback per rank
-USER_ERROR = "USER_ERROR"
 REASONS = {1: "preempted (signal)", 2: "stop requested", 3: "allocation time limit near"}
 
 _signal_received = False
@@ -46,20 +46,15 @@ def request_stop(run_dir: str | Path, reason: str) -> None:
 
 
 def clear(run_dir: str | Path) -> None:
-    for name in (STOP_REQUEST, STOPPED, USER_ERROR):
+    """Before the ranks start: no stop, no failure of an earlier launch."""
+    for name in (STOP_REQUEST, STOPPED, FAILURE):
         (Path(run_dir) / name).unlink(missing_ok=True)
 
 
 def record_user_error(run_dir: str | Path, message: str) -> None:
-    path = Path(run_dir) / USER_ERROR
-    tmp = path.with_name(f".{USER_ERROR}.tmp-{os.getpid()}")
-    tmp.write_text(message)
-    os.replace(tmp, path)
-
-
-def read_user_error(run_dir: str | Path) -> Optional[str]:
-    path = Path(run_dir) / USER_ERROR
-    return path.read_text().strip() if path.is_file() else None
+    """A user error (bad data, a config a checkpoint cannot resume) found by the workers: the
+    launcher prints it once for the job and exits 2, instead of a traceback per rank."""
+    record_failure(run_dir, Failure(BAD_INPUT, message))
 
 
 def read_stopped(run_dir: str | Path) -> Optional[str]:
@@ -89,6 +84,10 @@ class StopCheck:
         code = int(self.all_reduce_max(torch.tensor([float(self._local_code(step_seconds))]))[0].item())
         if code:
             self.reason = REASONS[code]
+            try:  # who asked: "signal SIGTERM" (the local launcher), "slurm signal" (the submitit job)
+                self.reason += f" ({(self.run_dir / STOP_REQUEST).read_text().strip()})" if code == 2 else ""
+            except OSError:
+                pass
         return bool(code)
 
     def mark_stopped(self) -> None:

@@ -10,14 +10,17 @@ and the hf engine load them like any checkpoint's.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import nn
 
+from rlhf_hpc.models.weights import safetensors_shapes
+
 __all__ = ["AdapterDisabled", "VLLM_LORA_RANKS", "adapter_config", "adapter_file_name", "adapter_rank",
-           "apply_lora", "base_name", "is_adapter", "lora_enabled", "lora_scaling", "merged_state_dict",
-           "merged_weights", "vllm_lora_rank"]
+           "adapter_shape_problems", "apply_lora", "base_name", "is_adapter", "lora_enabled", "lora_scaling",
+           "merged_state_dict", "merged_weights", "saved_adapter", "unmatched_target_modules", "vllm_lora_rank"]
 
 # PEFT's names inside a LoRA-wrapped model: the wrapper prefix, the frozen linear, the adapter's
 _PEFT_PREFIX = "base_model.model."
@@ -34,9 +37,61 @@ def adapter_rank(model_cfg) -> int:
     """The adapter's rank: ``lora_rank``, or the rank stored with ``lora_adapter_path``."""
     path = getattr(model_cfg, "lora_adapter_path", None)
     if path is not None:
-        from peft import LoraConfig
-        return LoraConfig.from_pretrained(path).r
+        return saved_adapter(path).r
     return model_cfg.lora_rank
+
+
+def saved_adapter(path: str):
+    """The ``LoraConfig`` stored with a PEFT adapter directory (its ``adapter_config.json``)."""
+    from peft import LoraConfig  # (peft imports in seconds: only LoRA runs pay for it)
+    return LoraConfig.from_pretrained(str(Path(path).expanduser()))
+
+
+def unmatched_target_modules(model: nn.Module, target_modules: Union[str, list[str]]) -> list[str]:
+    """The names of a ``target_modules`` list that match no module of ``model`` by PEFT's rule (the
+    module's full name, or its last dotted parts); PEFT would adapt the others and ignore these, or
+    fail when none matches. A string (a regex, ``all-linear``) is PEFT's to judge (``apply_lora``)."""
+    if isinstance(target_modules, str):
+        return []
+    names = [n for n, _ in model.named_modules() if n]
+    return [t for t in target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+
+
+def adapter_shape_problems(model: nn.Module, adapter_dir: str, limit: int = 3) -> list[str]:
+    """What keeps the PEFT adapter in ``adapter_dir`` from loading into ``model`` (the base model,
+    built on the meta device; it gets the adapter's structure): PEFT finds none of its target
+    modules, or its ``adapter_model.safetensors`` holds tensors of modules the model lacks or of
+    other shapes (an adapter made for another model). Read from the headers: no tensor is loaded."""
+    directory = Path(adapter_dir).expanduser()
+    config = saved_adapter(str(directory))
+    try:
+        peft = apply_lora(model, _AdapterKeys(str(directory)), seed=0)
+    except ValueError as e:  # PEFT's NoMatchingPeftModuleError and its other refusals of a target
+        return [f"its target modules {sorted(config.target_modules or [])} are not in this model ({e})"]
+    weights = directory / "adapter_model.safetensors"
+    if not weights.is_file():
+        return []  # (adapter_model.bin: PyTorch's format, not readable without loading it)
+    expected = {adapter_file_name(n): tuple(p.shape) for n, p in peft.named_parameters() if is_adapter(n)}
+    found = safetensors_shapes([weights])
+    foreign = [k for k in found if k not in expected]
+    wrong = [f"{k} is {list(found[k])}, this model makes {list(expected[k])}" for k in found
+             if k in expected and found[k] != expected[k]]
+    problems = []
+    if foreign:
+        problems.append(f"{len(foreign)} of its {len(found)} tensors are for modules this model lacks "
+                        f"({', '.join(foreign[:limit])}{' ...' if len(foreign) > limit else ''})")
+    if wrong:
+        problems.append(f"its tensors have other shapes than this model's layers make ({'; '.join(wrong[:limit])}"
+                        f"{f' and {len(wrong) - limit} more' if len(wrong) > limit else ''}): an adapter of another "
+                        f"model")
+    return problems
+
+
+class _AdapterKeys:
+    """Model keys that say only ``lora_adapter_path``: ``apply_lora`` builds that adapter's structure."""
+
+    def __init__(self, path: str):
+        self.lora_adapter_path, self.lora_rank = path, 0
 
 
 # the ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks)
@@ -61,7 +116,7 @@ def apply_lora(model: nn.Module, model_cfg, seed: int, task_type: Optional[str] 
     initialised from ``seed`` (``lora_B`` is zero: the adapter starts as the identity), so ranks
     that build a tiny model each get the same adapter.
     """
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model  # (peft imports in seconds: only LoRA runs pay for it)
     adapter_path = getattr(model_cfg, "lora_adapter_path", None)
     on_meta = next(model.parameters()).device.type == "meta"
     with torch.random.fork_rng(devices=[]):

@@ -7,11 +7,12 @@ model (its vocabulary fits ``vocab_size=64``) and needing no files.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.models.hf import local_path
 
-__all__ = ["build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path"]
+__all__ = ["build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path", "tokenizer_problems"]
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
@@ -49,6 +50,52 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, chat_template: Op
     if chat_template is not None:
         tok.chat_template = chat_template
     return tok
+
+
+# what the dry run asks of a tokenizer (tokenizer_problems): a prompt as the data holds them (chat messages)
+SAMPLE_PROMPT = [{"role": "user", "content": "what is 12 + 30? answer with the number."}]
+MIN_VOCAB = 16  # fewer tokens is no real tokenizer (transformers builds one of 1 from a model directory without files)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model", "tekken.json")
+
+
+def tokenizer_problems(path: str, trust_remote_code: bool = False, chat_template: Optional[str] = None,
+                       template_kwargs: Optional[dict] = None, vocab_size: Optional[int] = None) -> list[str]:
+    """What keeps the tokenizer at ``path`` (as ``load_tokenizer`` loads it, ``chat_template``
+    replacing its own) from encoding the run's prompts: it does not load; it has under
+    ``MIN_VOCAB`` tokens or encodes a sample prompt to none; it has no chat template (every prompt
+    is chat messages), or its template fails or renders the sample to no tokens (with
+    ``template_kwargs``, ``data.apply_chat_template_kwargs``); it has more tokens than the model's
+    ``vocab_size`` embedding rows."""
+    local = Path(local_path(path))
+    no_files = (f"; {local} has none of a tokenizer's files ({', '.join(TOKENIZER_FILES[:3])}, ...)"
+                if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) else "")
+    try:
+        tok = load_tokenizer(path, trust_remote_code, chat_template)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises for files it cannot use
+        return [f"the tokenizer does not load ({type(e).__name__}: {' '.join(str(e).split())[:300]}){no_files}"]
+    text = SAMPLE_PROMPT[0]["content"]
+    n_text = len(tok.encode(text, add_special_tokens=False))
+    if len(tok) < MIN_VOCAB or n_text == 0:
+        return [f"the tokenizer is empty: {len(tok)} token(s), '{text}' encodes to {n_text}{no_files}"
+                + (": transformers builds an empty tokenizer from a model directory without them" if no_files else "")]
+    problems = []
+    if tok.chat_template is None:
+        problems.append("the tokenizer has no chat template, and every prompt is chat messages: set "
+                        "actor_rollout_ref.model.custom_chat_template, or use a tokenizer that has one")
+    else:
+        try:
+            ids = tok.apply_chat_template(SAMPLE_PROMPT, add_generation_prompt=True, tokenize=True,
+                                          **(template_kwargs or {}))
+            n_chat = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        except Exception as e:  # noqa: BLE001 - a Jinja template fails in many ways
+            problems.append(f"the tokenizer's chat template fails on a one-message prompt ({type(e).__name__}: {e})")
+        else:
+            if n_chat == 0:
+                problems.append("the tokenizer's chat template renders a one-message prompt to 0 tokens")
+    if vocab_size is not None and len(tok) > vocab_size:
+        problems.append(f"the tokenizer has {len(tok)} tokens, more than the model's {vocab_size} embedding rows "
+                        f"(vocab_size): token ids from {vocab_size} on index past the embedding")
+    return problems
 
 
 def tokenizer_path(cfg) -> str:

@@ -1,14 +1,16 @@
 """Correcting the rollout/actor mismatch: truncated importance sampling (IS) and rejection sampling
 (RS) of the engine's samples, with verl's formulas, keys and metric names
-(``algorithm.rollout_correction``; verl's ``rollout_corr_helper.py`` at b178a3c).
+(``algorithm.rollout_correction``; verl's ``rollout_corr_helper.py`` as of 0.9.1).
 
 The engine samples from pi_rollout (its own kernels, its own precision); the actor trains pi_old.
 With ``log_ratio = log pi_old - log pi_rollout`` per response token (B, R):
 
-- IS (``rollout_is``): ``token``: w_t = min(exp(clip(r_t, -20, 20)), C); ``sequence``: the row's
-  exp(clip(sum_t r_t, -20, 20)) broadcast over its tokens, capped at C the same way
-  (``rollout_is_threshold``); zero off the mask, detached; ``rollout_is_batch_normalize`` divides by
-  the batch mean after the cap. The weights multiply the per-token PPO loss after clipping.
+- IS (``rollout_is``): the raw weight, ``token``: exp(clip(r_t, -20, 20)); ``sequence``: the row's
+  exp(clip(sum_t r_t, -20, 20)) broadcast over its tokens. ``rollout_is_threshold`` C caps it at C
+  (truncated IS), or ``"lower_upper"`` zeroes it outside [lower, upper] (IcePop). Zero off the
+  mask, detached; ``rollout_is_batch_normalize`` divides by the batch mean of the applied weights.
+  The weights multiply the per-token PPO loss after clipping. The metrics describe the applied
+  weights, except the fractions above/below the bounds, which count the raw ones (verl 0.9.1).
 - RS (``rollout_rs``, a comma-separated list, every option must pass): statistics of
   k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r per token (``token_*``) or per row (``seq_sum_*``,
   ``seq_mean_*``, ``seq_max_*``); a rejected token (or row) leaves the response mask, so it drops out
@@ -16,7 +18,8 @@ With ``log_ratio = log pi_old - log pi_rollout`` per response token (B, R):
   lower 1/u) compared in log space with k1, as verl does: kept when log(lower) <= k1 <= log(upper).
   k2/k3 take one upper bound.
 
-IS and RS are computed from the same ratios and the original mask, independently. Every statistic
+IS and RS are computed from the same ratios and the original mask, independently. What padding
+holds (NaN, -inf) never reaches a figure: masked sums select with ``torch.where``. Every statistic
 is global over ranks (``all_reduce_sum``/``all_reduce_max``): N ranks give the numbers one process
 gives on the whole batch, as verl's driver computes them.
 """
@@ -28,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["RS_OPTIONS", "parse_rejection", "rollout_correction"]
+__all__ = ["RS_OPTIONS", "parse_is_threshold", "parse_rejection", "rollout_correction"]
 
 SAFETY_BOUND = 20.0
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -45,6 +48,26 @@ class RejectionOption:
     @property
     def token_level(self) -> bool:
         return self.name.startswith("token_")
+
+
+def parse_is_threshold(threshold) -> tuple[float, Optional[float]]:
+    """``rollout_is_threshold`` -> (upper, lower): one number caps the weights at it (lower None);
+    ``"lower_upper"`` is IcePop's window. ValueError naming what is wrong (verl's rules)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+        raise ValueError(f"rollout_is_threshold={threshold!r}: give a number (a cap, e.g. 2.0) or "
+                         f"'lower_upper' (IcePop's window, e.g. 0.5_2.0)")
+    spec = str(threshold).strip()
+    try:
+        lower, upper = (float(x) for x in spec.split("_", 1)) if "_" in spec else (None, float(spec))
+    except ValueError:
+        raise ValueError(f"rollout_is_threshold='{spec}' is not a number or 'lower_upper' (e.g. 2.0 or 0.5_2.0)") \
+            from None
+    if upper <= 0 or (lower is not None and lower <= 0):
+        raise ValueError(f"rollout_is_threshold='{spec}': bounds must be > 0 (verl's default 2.0; 2-5 is usual)")
+    if lower is not None and lower > upper:
+        raise ValueError(f"rollout_is_threshold='{spec}': lower {lower} is above upper {upper}, a window that keeps "
+                         f"no weight; write it lower_upper (e.g. {upper}_{lower})")
+    return upper, lower
 
 
 def parse_rejection(rollout_rs: Optional[str], threshold) -> list[RejectionOption]:
@@ -90,6 +113,10 @@ def parse_rejection(rollout_rs: Optional[str], threshold) -> list[RejectionOptio
                              + (" or 'lower_upper'" if name.endswith("k1") else "")) from None
         if upper <= 0 or (lower is not None and lower <= 0):
             raise ValueError(f"rollout_rs_threshold '{spec}' for {name}: bounds must be positive")
+        if lower is not None and lower > upper:
+            raise ValueError(f"rollout_rs_threshold '{spec}' for {name}: lower {lower:g} is above upper {upper:g}, "
+                             f"a window that keeps no token; write it lower_upper with lower <= upper"
+                             + ("" if "_" in spec else " (one value u means the window [1/u, u]: give u >= 1)"))
         options.append(RejectionOption(name, upper, lower))
     return options
 
@@ -117,7 +144,7 @@ class _Global:
         return -self.max(-x, keep)
 
     def masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        s, n = self.sum(x * mask, mask)
+        s, n = self.sum(_masked(x, mask), mask)
         return s / (n + 1e-8)
 
     def mean(self, x: torch.Tensor) -> float:
@@ -130,29 +157,36 @@ class _Global:
         return math.sqrt(max(0.0, (s2 - s * s / n) / (n - 1))) if n > 1 else 0.0
 
     def clamped_std(self, x: torch.Tensor, mask: torch.Tensor, lo: float, hi: float) -> float:
-        c = x.clamp(min=lo, max=hi)
-        s, s2, n = self.sum(c * mask, c * c * mask, mask)
+        c = _masked(x.clamp(min=lo, max=hi), mask)
+        s, s2, n = self.sum(c, c * c, mask)
         if n <= 1:
             return 0.0
         mean = s / (n + 1e-8)
         return math.sqrt(max(0.0, s2 / (n + 1e-8) - mean * mean))
 
 
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x * mask, with whatever sits off the mask (NaN, inf) replaced by 0 first: 0 * NaN is NaN."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)) * mask
+
+
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum(-1)
+    return _masked(x, mask).sum(-1)
 
 
 def _masked_row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    return _masked(x, mask).sum(-1) / (mask.sum(-1) + 1e-8)
 
 
 # ------------------------------------------------------------------------------ IS weights
-def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float,
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold,
                        batch_normalize: bool = False, g: Optional[_Global] = None,
                        with_metrics: bool = True) -> tuple[torch.Tensor, dict]:
-    """Truncated IS weights (B, R), detached and zero off the mask, and their metrics (verl's
-    ``rollout_is_*``, measured before the cap). ``level``: ``token`` or ``sequence``."""
+    """IS weights (B, R), truncated at ``threshold`` or IcePop's ``"lower_upper"`` window, detached
+    and zero off the mask, and their metrics (verl's ``rollout_is_*``). ``level``: ``token`` or
+    ``sequence``."""
     g = g or _Global(None, None)
+    upper, lower = parse_is_threshold(threshold)
     if level == "token":
         for_metrics = log_ratio
         w = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
@@ -161,9 +195,16 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, 
         w = torch.exp(for_metrics.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
     else:
         raise ValueError(f"rollout_is must be 'token' or 'sequence', got {level!r}")
-    w = w * mask
-    metrics = _importance_metrics(w, for_metrics, mask, level, threshold, g) if with_metrics else {}
-    w = w.clamp(max=threshold).detach()
+    raw = _masked(w, mask)
+    if lower is None:
+        w = raw.clamp(max=upper)
+    else:
+        outside = (raw < lower) | (raw > upper)
+        w = torch.where(outside, torch.zeros_like(raw), raw)
+    metrics = _importance_metrics(w, raw, for_metrics, mask, level, upper, lower, g) if with_metrics else {}
+    if with_metrics and lower is not None:
+        metrics["rollout_is_oob_ratio"] = g.masked_mean(outside.double(), mask)
+    w = w.detach()
     if batch_normalize:
         if level == "token":
             mean = g.masked_mean(w, mask)
@@ -177,9 +218,11 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, 
     return w, metrics
 
 
-def _importance_metrics(w: torch.Tensor, for_metrics: torch.Tensor, mask: torch.Tensor, level: str,
-                        threshold: float, g: _Global) -> dict:
-    lower = 1.0 / threshold
+def _importance_metrics(w: torch.Tensor, raw: torch.Tensor, for_metrics: torch.Tensor, mask: torch.Tensor,
+                        level: str, threshold: float, lower: Optional[float], g: _Global) -> dict:
+    """Of the applied weights ``w``; the fractions beyond the bounds count the ``raw`` ones (a capped
+    weight never exceeds the cap)."""
+    lower = 1.0 / threshold if lower is None else lower
     m: dict = {"rollout_is_mean": g.masked_mean(w, mask)}
     if level == "sequence":
         rows = torch.ones(for_metrics.shape[0], dtype=torch.bool, device=for_metrics.device)
@@ -190,12 +233,12 @@ def _importance_metrics(w: torch.Tensor, for_metrics: torch.Tensor, mask: torch.
         m["rollout_is_ratio_fraction_low"] = g.mean((r < math.log(lower)).double())
     else:
         keep = mask.bool()
-        m["rollout_is_ratio_fraction_high"] = g.masked_mean((w > threshold).double(), mask)
-        m["rollout_is_ratio_fraction_low"] = g.masked_mean((w < lower).double(), mask)
+        m["rollout_is_ratio_fraction_high"] = g.masked_mean((raw > threshold).double(), mask)
+        m["rollout_is_ratio_fraction_low"] = g.masked_mean((raw < lower).double(), mask)
         m["rollout_is_max"] = g.max(w, keep)
         m["rollout_is_min"] = g.min(w, keep)
-    m["rollout_is_std"] = g.clamped_std(w, mask, lower, threshold)
-    clamped = w.clamp(min=lower, max=threshold)
+    m["rollout_is_std"] = g.clamped_std(w, mask, 0.0, threshold)
+    clamped = w.clamp(min=0.0, max=threshold)
     normalised = clamped / (g.masked_mean(clamped, mask) + 1e-8)
     m["rollout_is_eff_sample_size"] = 1.0 / g.masked_mean(normalised * normalised, mask)
     seq = _masked_row_mean(w, mask)
@@ -205,8 +248,9 @@ def _importance_metrics(w: torch.Tensor, for_metrics: torch.Tensor, mask: torch.
     m["rollout_is_seq_max"] = g.max(seq, rows)
     m["rollout_is_seq_min"] = g.min(seq, rows)
     m["rollout_is_seq_max_deviation"] = g.max((seq - 1.0).abs(), rows)
-    m["rollout_is_seq_fraction_high"] = g.mean((seq > threshold).double())
-    m["rollout_is_seq_fraction_low"] = g.mean((seq < lower).double())
+    raw_seq = _masked_row_mean(raw, mask)
+    m["rollout_is_seq_fraction_high"] = g.mean((raw_seq > threshold).double())
+    m["rollout_is_seq_fraction_low"] = g.mean((raw_seq < lower).double())
     return m
 
 
@@ -332,8 +376,9 @@ def rollout_correction(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: t
     if mask.dtype == torch.bool:
         mask = mask.to(train_lp.dtype)
     g = _Global(all_reduce_sum, all_reduce_max)
-    train_lp, rollout_lp = train_lp.detach().double(), rollout_lp.detach().double()
     mask64 = mask.double()
+    # what padding holds (NaN, -inf from an engine) must not reach a weight, a statistic or a mask
+    train_lp, rollout_lp = (_masked(x.detach().double(), mask64) for x in (train_lp, rollout_lp))
     log_ratio = train_lp - rollout_lp
     weights, metrics = None, {}
     if cfg.rollout_is is not None:

@@ -7,6 +7,11 @@ it, so they cannot disagree on what a phase processes.
 Rows: ``data.train_batch_size`` prompts x ``rollout.n`` responses, spread evenly over the ranks
 (``rlhf_hpc.distributed.rows``); an update cuts a rank's rows into mini-batches of
 ``ppo_mini_batch_size x n / ranks`` rows (rounded down), each into micro-batches.
+
+pi_old, the PPO ratio's anchor (``old_log_prob_source``): the actor's old-log-prob pass; or, when
+the update is on-policy (one epoch of one mini-batch) and nothing reads pi_old before it, the
+update's own first forward, detached: the same numbers without a second forward over the batch
+(TRL's GRPO does the same); or in rollout correction's bypass mode the engine's log-probs.
 """
 from __future__ import annotations
 
@@ -16,11 +21,29 @@ from typing import Optional
 
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.ops.batching import per_rank_mini_batch
+from rlhf_hpc.ops.estimators import ADV_ESTIMATORS
 
-__all__ = ["FORWARD_PHASES", "PhaseShape", "StepShape", "UPDATE_PHASES", "micro_tokens", "step_shape"]
+__all__ = ["FORWARD_PHASES", "PhaseShape", "StepShape", "UPDATE_PHASES", "micro_tokens", "old_log_prob_source",
+           "step_shape"]
 
 FORWARD_PHASES = ("old_log_prob", "ref", "values", "reward_model")
 UPDATE_PHASES = ("update_actor", "update_critic")
+
+
+def old_log_prob_source(cfg: Config) -> str:
+    """Where a step's pi_old comes from: ``engine`` (``rollout_correction.bypass_mode``), ``update``
+    (one epoch, one mini-batch, the actor trains every step, and neither the KL in the reward, the
+    decoupled rollout correction nor an estimator reads pi_old before the update), else ``pass``."""
+    arr, alg = cfg.actor_rollout_ref, cfg.algorithm
+    rc, actor = alg.rollout_correction, arr.actor
+    if rc.bypass_mode:
+        return "engine"
+    est = ADV_ESTIMATORS.get(alg.adv_estimator)
+    read_before_update = (alg.use_kl_in_reward or rc.rollout_is is not None or rc.rollout_rs is not None
+                          or actor.calculate_sum_pi_squared or (est is not None and est.needs_sum_pi_squared))
+    one_update = (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+                  and cfg.trainer.critic_warmup == 0)
+    return "update" if one_update and not read_before_update else "pass"
 
 
 def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
@@ -79,6 +102,7 @@ class StepShape:
     reward_model: PhaseShape
     update_actor: PhaseShape
     update_critic: PhaseShape
+    old_log_probs: str = "pass"  # old_log_prob_source: pass, update or engine
 
     @property
     def rows(self) -> int:
@@ -127,4 +151,5 @@ def step_shape(cfg: Config) -> StepShape:
         reward_model=PhaseShape("reward_model", rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
                                 rm.forward_max_token_len_per_gpu, 1, remove_padding=rm.model.use_remove_padding),
         update_actor=update("update_actor", actor, arr.model.use_remove_padding),
-        update_critic=update("update_critic", critic, critic.model.use_remove_padding))
+        update_critic=update("update_critic", critic, critic.model.use_remove_padding),
+        old_log_probs=old_log_prob_source(cfg))

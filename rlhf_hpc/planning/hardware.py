@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,10 @@ from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
 
-__all__ = ["DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU", "calibration_path",
-           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "hardware_of", "hardware_problems", "preset_for_device",
-           "read_calibration", "register_hardware"]
+__all__ = ["CALIBRATION_KEYS", "DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU",
+           "calibration_path", "calibration_problems", "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb",
+           "hardware_of", "hardware_problems", "preset_for_device", "read_calibration", "register_hardware",
+           "write_calibration"]
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,6 @@ register_hardware("h200", Hardware("H200 SXM 141GB", 989, 67, 4800, 141, 450, 40
                                    source=_NVIDIA + "H200 Tensor Core GPU datasheet (SXM), DGX H200 user guide"),
                   ("H200",))
 # NVLink 3: 600 GB/s both directions; DGX A100: 8 x 200 Gb/s HDR per node; PCIe Gen4 x16
-# (an A100 40GB is planned as this one: set hardware.hbm_gb=40)
 register_hardware("a100_80gb_sxm", Hardware("A100 SXM 80GB", 312, 19.5, 2039, 80, 300, 200, 32,
                                             source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 user guide"),
                   ("A100",))
@@ -123,6 +124,15 @@ register_hardware("a100_80gb_pcie", Hardware("A100 PCIe 80GB", 312, 19.5, 1935, 
                                              source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB PCIe); PCIe Gen4 x16 "
                                                               "between GPUs"),
                   ("A100 80GB PCIe",))
+# the 40 GB parts: HBM2 1555 GB/s, the same compute; torch names them "A100-SXM4-40GB" / "A100-PCIE-40GB"
+register_hardware("a100_40gb_sxm", Hardware("A100 SXM 40GB", 312, 19.5, 1555, 40, 300, 200, 32,
+                                            source=_NVIDIA + "A100 Tensor Core GPU datasheet (40GB SXM), DGX A100 user "
+                                                             "guide"),
+                  ("A100-SXM4-40GB",))
+register_hardware("a100_40gb_pcie", Hardware("A100 PCIe 40GB", 312, 19.5, 1555, 40, 32, 25, 32,
+                                             source=_NVIDIA + "A100 Tensor Core GPU datasheet (40GB PCIe); PCIe Gen4 x16 "
+                                                              "between GPUs"),
+                  ("A100-PCIE-40GB",))
 # 362 dense (733 with sparsity), GDDR6 864 GB/s, no NVLink; 200 Gb/s per node is common
 register_hardware("l40s", Hardware("L40S 48GB", 362, 91.6, 864, 48, 32, 25, 32,
                                    source=_NVIDIA + "L40S GPU datasheet; PCIe Gen4 x16 between GPUs"),
@@ -181,20 +191,99 @@ def calibration_path() -> Path:
     return Path(os.environ.get("RLHF_HPC_CACHE", "~/.cache/rlhf-hpc")).expanduser() / "calibration" / "cpu.json"
 
 
+# The calibration file: one JSON object of Hardware's figures by name (each optional: a missing one
+# keeps the nominal CPU's) and "measured" (when and how: ranks, threads, cores, torch, date).
+# Rates the plan divides by must be > 0; overheads, latencies and ratios >= 0 (a bench can measure
+# nothing beside a pass); null only where Hardware's figure is Optional (not measured).
+_RATE_ENDINGS = ("_tflops", "_gb_s", "_params_s")
+CALIBRATION_KEYS: dict[str, str] = {
+    f.name: ("bool" if f.type == "bool" else
+             ("rate" if f.name.endswith(_RATE_ENDINGS) or f.name == "train_efficiency" else "nonnegative")
+             + ("?" if f.type.startswith("Optional") else ""))
+    for f in dataclasses.fields(Hardware) if f.name not in ("name", "source")}  # (the reader names the source)
+CALIBRATION_KEYS["measured"] = "mapping"
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+               int: "a number", float: "a number"}
+
+
+def calibration_problems(figures, where: str) -> list[str]:
+    """What is wrong with ``figures`` (a calibration file's parsed JSON) as the time plan reads them,
+    one message per key, each starting with ``where`` (the key and the file)."""
+    if not isinstance(figures, dict):
+        return [f"{where} holds {_JSON_TYPES.get(type(figures), type(figures).__name__)}, not an object of named "
+                f"figures ({{\"fp32_tflops\": 0.05, ...}})"]
+    out = []
+    for k, v in figures.items():
+        kind = CALIBRATION_KEYS.get(k)
+        try:
+            shown = json.dumps(v)
+        except (TypeError, ValueError):  # not JSON (figures about to be written)
+            shown = repr(v)
+        given = f"{shown} ({_JSON_TYPES.get(type(v), type(v).__name__)})"
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if kind is None:
+            out.append(f"{where}: unknown figure '{k}'{did_you_mean(k, CALIBRATION_KEYS)}")
+        elif kind == "mapping" and not isinstance(v, dict):
+            out.append(f"{where}: '{k}' is {given}; expected an object (ranks, threads_per_rank, cores, torch, date)")
+        elif kind == "bool" and not isinstance(v, bool):
+            out.append(f"{where}: '{k}' is {given}; expected true or false")
+        elif kind in ("mapping", "bool") or (kind.endswith("?") and v is None):
+            continue
+        elif kind.startswith("rate") and not (number and v > 0):
+            out.append(f"{where}: '{k}' is {given}; a rate the plan divides by must be a number > 0")
+        elif kind.startswith("nonnegative") and not (number and v >= 0):
+            out.append(f"{where}: '{k}' is {given}; expected a number >= 0")
+    return out
+
+
 def read_calibration(path: Optional[str] = None) -> Hardware:
     """The CPU figures of a calibration file (``path``; default ``calibration_path()``), per rank of
-    one thread; the uncalibrated ones where no file is."""
+    one thread; the uncalibrated ones where no file is. A file that is not JSON, not an object, or
+    holds an unknown key or a figure of the wrong type or sign is refused (ConfigError naming the
+    file and the key, and how to write it again)."""
     p = Path(path).expanduser() if path else calibration_path()
+    key = "hardware.calibration" + ("" if path else " (null: the default file)")
+    fix = (f"write it again with python -m rlhf_hpc.bench.calibrate --out {p}" +
+           ("" if path else ", or delete it (the CPU plan then uses nominal figures)"))
     if not p.is_file():
         if path:
-            raise ConfigError(f"hardware.calibration: no file {p}; write it with python -m rlhf_hpc.bench.calibrate "
-                              f"--out {p}")
+            raise ConfigError(f"hardware.calibration: no file {p}"
+                              f"{' (a directory)' if p.is_dir() else ''}; write it with python -m "
+                              f"rlhf_hpc.bench.calibrate --out {p}")
         return UNCALIBRATED_CPU
-    figures = json.loads(p.read_text())
-    known = {f.name for f in dataclasses.fields(Hardware)}
-    return dataclasses.replace(UNCALIBRATED_CPU, **{k: v for k, v in figures.items() if k in known},
+    try:
+        figures = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: json's JSONDecodeError
+        raise ConfigError(f"{key}: {p} is not a JSON file ({type(e).__name__}: {e}); {fix}") from None
+    problems = calibration_problems(figures, f"{key}: {p}")
+    if problems:
+        raise ConfigError([f"{m}; {fix}" for m in problems])
+    return dataclasses.replace(UNCALIBRATED_CPU, **{k: v for k, v in figures.items() if k != "measured"},
                                name=f"CPU rank ({figures.get('measured', {}).get('date', 'calibrated')} calibration)",
                                source=f"measured by rlhf_hpc.bench.calibrate: {p}")
+
+
+def write_calibration(path: str | Path, figures: dict) -> Path:
+    """Write ``figures`` where ``read_calibration`` reads them, refused (ConfigError) if it would
+    refuse them. Atomic: the JSON goes to a temporary file in the same directory, flushed to disk,
+    then renamed over ``path``, so a launch reading it meanwhile sees the old file or the new one,
+    never a part (a write that fails leaves the old file as it was)."""
+    p = Path(path).expanduser()
+    problems = calibration_problems(figures, f"calibration figures for {p}")
+    if problems:
+        raise ConfigError(problems)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(figures, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)  # (gone after the rename; a failed write's part)
+    return p
 
 
 def cpu_threads_per_rank(ranks_per_node: int) -> int:
@@ -246,7 +335,8 @@ def gpu_memory_gb(cfg) -> tuple[float, str]:
 
 
 def hardware_problems(cfg) -> list[str]:
-    """A preset that is not known, a figure that is not positive, a calibration on a GPU run."""
+    """A preset that is not known, a figure that is not positive, a calibration on a GPU run, a
+    CPU run's calibration file that cannot be read (``read_calibration``)."""
     hw = cfg.hardware
     out = []
     if hw.preset is not None and hw.preset not in PRESETS and hw.preset != "cpu":
@@ -257,6 +347,12 @@ def hardware_problems(cfg) -> list[str]:
         v = getattr(hw, k)
         if v is not None and v <= 0:
             out.append(f"hardware.{k}={v}: must be positive")
-    if hw.calibration and (hw.preset or ("cpu" if cfg.trainer.device != "cuda" else "")) != "cpu":
+    cpu_plan = (hw.preset or ("cpu" if cfg.trainer.device != "cuda" else "")) == "cpu"
+    if hw.calibration and not cpu_plan:
         out.append("hardware.calibration is the CPU's calibration file: it needs hardware.preset=cpu (a CPU run)")
+    elif cpu_plan:  # the file the CPU plan reads: checked before the plan, not a traceback in it
+        try:
+            read_calibration(hw.calibration)
+        except ConfigError as e:
+            out += e.errors
     return out

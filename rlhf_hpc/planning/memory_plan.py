@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rlhf_hpc.config.engines import planned_engine
+from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.models.hf import is_tiny
 from rlhf_hpc.models.lora import lora_enabled
@@ -188,6 +189,17 @@ def update_bytes(s: ModelShape, params: int, fsdp: FSDPConfig, world: int, token
             "logits": float(logits_bytes(response_tokens, head_vocab, b, with_grad=True)) if head_vocab else tokens * 8.0}
 
 
+def _adapter_params(key: str, path: str, lora_cfg, override: dict, trust_remote_code: bool) -> int:
+    """``adapter_params``, with PEFT's refusal of the adapter (no module matches ``target_modules``,
+    an adapter of another model) as a ConfigError naming the key, not a traceback."""
+    try:
+        return adapter_params(path, lora_cfg, override, trust_remote_code)
+    except ValueError as e:  # PEFT's NoMatchingPeftModuleError and its other refusals of a target
+        where = (f"{key}.lora_adapter_path={lora_cfg.lora_adapter_path}" if getattr(lora_cfg, "lora_adapter_path", None)
+                 else f"{key}.target_modules={lora_cfg.target_modules}")
+        raise ConfigError(f"{where}: {' '.join(str(e).split())}") from None
+
+
 def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None,
                rm_shape: Optional[ModelShape] = None) -> MemoryPlan:
     """The plan of ``cfg``: its phases in step order (``PlanBuilder``), the host's line, notes."""
@@ -218,10 +230,12 @@ class PlanBuilder:
         self.critic_params = self.cs.params - self.cs.head_params + self.cs.hidden + 1 if self.use_critic else 0
         self.use_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # LoRA: gradients and Adam state of the adapters only; the reference is the actor, adapter off
-        self.actor_trainable = (adapter_params(arr.model.path, arr.model, arr.model.override_config,
-                                               arr.model.trust_remote_code) if lora_enabled(arr.model) else None)
-        self.critic_trainable = (adapter_params(cfg.critic.model.path or arr.model.path, cfg.critic.model,
-                                                cfg.critic.model.override_config, bool(cfg.critic.model.trust_remote_code))
+        self.actor_trainable = (_adapter_params("actor_rollout_ref.model", arr.model.path, arr.model,
+                                                arr.model.override_config, arr.model.trust_remote_code)
+                                if lora_enabled(arr.model) else None)
+        self.critic_trainable = (_adapter_params("critic.model", cfg.critic.model.path or arr.model.path,
+                                                 cfg.critic.model, cfg.critic.model.override_config,
+                                                 bool(cfg.critic.model.trust_remote_code))
                                  + self.cs.hidden + 1 if self.use_critic and lora_enabled(cfg.critic.model) else None)
         self.ref_in_actor = self.use_ref and lora_enabled(arr.model)
         layouts = resolved_fsdp_configs(cfg)  # null layouts chosen from the model size (rlhf_hpc.planning.layout)
@@ -247,9 +261,10 @@ class PlanBuilder:
         arr, tr, critic, rm = cfg.actor_rollout_ref, cfg.trainer, cfg.critic, cfg.reward_model
         rollout = arr.rollout
         self.gen_phase()
-        self.forward_phase("old_log_prob", s, self.afs, s.vocab,
-                           ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"])
+        if self.step.old_log_probs == "pass":  # (else no old-log-prob pass runs: ops.step_shape)
+            self.forward_phase("old_log_prob", s, self.afs, s.vocab,
+                               ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"])
         if self.use_ref:
             self.forward_phase("ref", s, self.rfs, s.vocab,
                                ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",

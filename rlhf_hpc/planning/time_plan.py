@@ -92,8 +92,10 @@ def workload_of(cfg: Config) -> Workload:
     """The dry run's workload: ``plan.prompt_length`` / ``plan.response_length``, or the maxima."""
     d, p = cfg.data, cfg.plan
     rows = step_shape(cfg).rows
-    prompt, response = p.prompt_length or d.max_prompt_length, p.response_length or d.max_response_length
-    given = [k for k in ("prompt_length", "response_length") if getattr(p, k)]
+    # (null: unset; a value is in (0, its maximum], rlhf_hpc.recipe.input_checks.plan_problems)
+    given = [k for k in ("prompt_length", "response_length") if getattr(p, k) is not None]
+    prompt = d.max_prompt_length if p.prompt_length is None else p.prompt_length
+    response = d.max_response_length if p.response_length is None else p.response_length
     source = (f"means from plan.{' and plan.'.join(given)}" if given else
               "the maxima (set plan.prompt_length / plan.response_length to the data's means)")
     return Workload(rows, float(prompt), float(response), d.max_response_length,
@@ -211,7 +213,7 @@ class TimeModel:
         actor, critic, rm, step = arr.actor, cfg.critic, cfg.reward_model, self.step
         rows = w.rows / self.world
         out = [self.weight_sync(), self.generation(w)]
-        if not cfg.algorithm.rollout_correction.bypass_mode:
+        if step.old_log_probs == "pass":  # (else the engine's log-probs, or the on-policy update's forward)
             out.append(self.forward(step.old_log_prob, self.s, self.layouts["actor"], w, rows, self.s.vocab))
         if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             out.append(self.forward(step.ref, self.s, self.layouts["actor" if self.lora else "ref"], w, rows,

@@ -103,6 +103,12 @@ class Actor:
         """The rollout correction when it runs inside the update (verl's bypass mode), else None."""
         return self.correction if self.correction is not None and self.correction.bypass else None
 
+    @property
+    def in_update(self) -> Optional[RolloutCorrection]:
+        """The rollout correction when the engine check runs on the update's forward (bypass mode,
+        or on-policy: that forward is pi_old), else None."""
+        return self.correction if self.correction is not None and self.correction.in_update else None
+
     # ------------------------------------------------------------------------------ forward only
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, micro_batch_size: int, use_dynamic_bsz: bool = False,
@@ -141,26 +147,29 @@ class Actor:
         In verl's bypass mode (no old-log-prob pass ran) the rollout correction (``self.correction``)
         corrects each micro-batch, keeps the first mini-batch's log-probs (its forward still sees the
         pre-update weights) for its engine check, and that mini-batch reports ``actor/entropy``.
+        On-policy (one epoch, one mini-batch; no pass ran either) each micro-batch's own forward,
+        detached, is its pi_old, and is kept the same way.
         Returns metrics averaged over mini-batches and ranks (the same on every rank).
         """
         with optimizer_state_on(self.optimizer, next(self.model.parameters()).device, self.spec.optimizer_offload):
             return self._update_policy(batch, mini_batch_rows, seed)
 
     def _update_policy(self, batch: Batch, mini_batch_rows: int, seed: int = 0) -> dict[str, float]:
-        cfg, bypass = self.cfg, self.bypass
-        if bypass is not None:
-            bypass.begin_update()
+        cfg, bypass, in_update = self.cfg, self.bypass, self.in_update
+        sp_rank = self.sp.rank if self.sp is not None else 0
+        if in_update is not None:
+            batch = in_update.begin_update(batch, sp_rank)
 
         def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
             # the entropy only where the loss uses it (else actor/entropy comes from the old-log-prob
-            # pass; in bypass mode, without a gradient, from the first mini-batch)
-            sample = bypass is not None and bypass.keeps_pre_update(metrics.n_mini)
+            # pass; in bypass mode and on-policy, without a gradient, from the first mini-batch)
+            sample = in_update is not None and in_update.keeps_pre_update(metrics.n_mini)
             with_entropy = cfg.entropy_coeff != 0 or sample
             lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
                                          with_entropy=with_entropy, entropy_grad=cfg.entropy_coeff != 0, sp=self.sp)
             mask = micro["response_mask"]
             if sample and weight:
-                bypass.keep_pre_update(micro, lp)
+                in_update.keep_pre_update(micro, lp, sp_rank)
                 if cfg.entropy_coeff == 0:
                     metrics.token_mean("actor/entropy", algos.masked_mean(ent, mask), mask.sum())
             pg_loss, pgm = self.policy_loss(micro, lp, mask, weight, kw)
@@ -191,9 +200,12 @@ class Actor:
         the rollout correction's IS weights where there are any (decoupled mode: ``rollout_is_weights``
         of the batch). In bypass mode the correction is computed here, current policy against the
         engine's log-probs: rejected tokens leave this loss (its normalisation stays the mini-batch's
-        sampled tokens), and ``loss_type: reinforce`` trains -A log pi w instead (verl's)."""
+        sampled tokens), and ``loss_type: reinforce`` trains -A log pi w instead (verl's). On-policy,
+        pi_old is ``lp`` itself, detached (the ratio is exactly 1, its gradient the policy gradient)."""
         cfg, bypass = self.cfg, self.bypass
         is_weights = micro.get("rollout_is_weights")
+        if self.correction is not None and self.correction.on_policy:
+            return self.loss_fn(lp.detach(), lp, micro["advantages"], mask, cfg, is_weights=is_weights, **kw)
         if bypass is not None:
             is_weights, mask = bypass.micro_batch(micro, lp, mask, weight)
             if bypass.cfg.loss_type == "reinforce":

@@ -7,12 +7,16 @@ Layout under the run directory (the reference system's)::
         critic/       same, when there is a critic
         extra.pt      trainer state: schedulers, KL controller, sampler, step (rank 0)
         rng/rank_R.pt RNG states of each rank (restored only on the same world size)
-        COMPLETE      written last, before the directory gets its final name
+        COMPLETE      written last, before the directory gets its final name: the manifest, every
+                      file's size and SHA-256 (rlhf_hpc.ppo.checkpoint_manifest)
     latest_checkpointed_iteration.txt   N of the newest complete checkpoint
 
 A checkpoint is written under ``.tmp-global_step_N`` and renamed when every rank has finished;
 ``latest_checkpointed_iteration.txt`` is replaced (not rewritten in place) after that. A crash at
-any moment leaves the previous checkpoint complete and ``latest`` pointing at it.
+any moment leaves the previous checkpoint complete and ``latest`` pointing at it. A resume checks
+the newest checkpoint's files against its manifest and loads it; damage found either way (a file
+missing, truncated, or of other content; a load that fails on any rank) sends it to the previous
+complete checkpoint, with one line naming the file or component (``resume``).
 """
 from __future__ import annotations
 
@@ -37,12 +41,13 @@ from rlhf_hpc.config.tree import flatten, parse_yaml, to_dict
 from rlhf_hpc.distributed.loading import materialize
 from rlhf_hpc.models.hf import build_causal_lm, local_path, torch_dtype
 from rlhf_hpc.models.lora import apply_lora, is_adapter, lora_enabled
+from rlhf_hpc.ppo.checkpoint_manifest import CHECKSUM, gather_manifest, verify_manifest
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["COMPLETE", "LATEST", "LORA_ADAPTER_DIR", "RESUME_KEYS", "check_resume_compatible", "check_run_dir",
-           "choose_resume", "export_hf", "find_resume_checkpoint", "full_model_state", "incompatible_keys",
-           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_latest", "rng_state",
-           "save_checkpoint", "set_rng_state", "step_dir", "verify_checkpoint"]
+__all__ = ["COMPLETE", "CheckpointLoadError", "LATEST", "LORA_ADAPTER_DIR", "RESUME_KEYS", "check_resume_compatible",
+           "check_run_dir", "choose_resume", "export_hf", "find_resume_checkpoint", "full_model_state",
+           "incompatible_keys", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_latest", "resume",
+           "rng_state", "save_checkpoint", "set_rng_state", "step_dir", "verify_checkpoint"]
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
@@ -122,11 +127,13 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
         if config_text is not None:
             (tmp / "config.yaml").write_text(config_text)
     _barrier()
+    # the manifest (every file's size and SHA-256, each rank hashing the files it wrote) lets a resume
+    # detect a damaged checkpoint before loading it
+    sizes, digests = gather_manifest(tmp)
     if _rank() == 0:
-        # the manifest (every file's size) lets a resume detect a damaged checkpoint before loading it
-        manifest = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         _write_atomic(tmp / COMPLETE, json.dumps({"step": step, "world_size": _world(), "good": good,
-                                                  "components": sorted(components), "files": manifest}))
+                                                  "components": sorted(components), "files": sizes,
+                                                  CHECKSUM: digests}))
         if final.exists():  # an older save of the same step (e.g. re-run after a rollback)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -161,20 +168,16 @@ def list_checkpoints(root: str | Path) -> list[int]:
     return sorted(steps)
 
 
-def verify_checkpoint(path: str | Path) -> Optional[str]:
-    """None if every file the manifest lists is there with its size, else what is wrong."""
+def verify_checkpoint(path: str | Path, content: bool = True) -> Optional[str]:
+    """None if every file the manifest lists is there with its size and (``content``) its SHA-256,
+    else what is wrong. Collective in a process group (the ranks share the reading: rlhf_hpc.ppo.
+    checkpoint_manifest). A checkpoint written before checksums is checked by size."""
     path = Path(path)
     try:
         meta = json.loads((path / COMPLETE).read_text())
     except (OSError, ValueError) as e:
-        return f"no readable {COMPLETE} marker ({e})"
-    for rel, size in meta.get("files", {}).items():
-        f = path / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        if f.stat().st_size != size:
-            return f"{rel} has {f.stat().st_size} bytes, {size} were written"
-    return None
+        meta = f"no readable {COMPLETE} marker ({e})"
+    return verify_manifest(path, meta, content)
 
 
 def latest_checkpoint(root: str | Path) -> Optional[Path]:
@@ -191,17 +194,56 @@ def latest_checkpoint(root: str | Path) -> Optional[Path]:
 def load_checkpoint(path: str | Path, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
                     restore_rng: bool = True) -> dict[str, Any]:
     """Collective: load shards into the (already sharded) models and optimizers, resharding when
-    the world size or mesh differs from the one that saved. Returns the ``extra`` dict."""
+    the world size or mesh differs from the one that saved. Returns the ``extra`` dict. A failure
+    on any rank raises ``CheckpointLoadError`` on every rank, naming the part (component, extra.pt)."""
     path = Path(path)
     for name, (model, optimizer) in components.items():
-        model_sd, optim_sd = _state(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd} if optimizer is not None else {"model": model_sd}
-        dcp.load(state, checkpoint_id=str(path / name))
-        if optimizer is None:
-            set_model_state_dict(model, state["model"], options=_options(model))
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=_options(model))
+        _agreed(name, lambda: _load_component(path / name, model, optimizer))
+    return _agreed("extra.pt / rng", lambda: _load_extra(path, restore_rng))
+
+
+class CheckpointLoadError(RuntimeError):
+    """Loading a checkpoint failed on some rank (every rank raises it, with the same message)."""
+
+
+def _agreed(part: str, load: Callable[[], Any]) -> Any:
+    """``load()`` on every rank, then the ranks agree whether it failed anywhere (collective): all
+    raise ``CheckpointLoadError`` naming the part and the first failure, or all go on. A rank never
+    leaves the others waiting in the next part's collectives."""
+    error = None
+    try:
+        result, problem = load(), None
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - whatever damage raises (DCP's: a BaseException)
+        result, problem, error = None, _one_line(e), e
+    if _world() > 1:
+        problems = [None] * _world()
+        dist.all_gather_object(problems, problem)
+        problem = next((f"rank {r}: {p}" for r, p in enumerate(problems) if p), None)
+    if problem:
+        raise CheckpointLoadError(f"{part}: {problem}") from error
+    return result
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: DCP's CheckpointException carries each rank's exception and traceback."""
+    if isinstance(e, dcp.CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]  # (exception, traceback) of the first rank that failed
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def _load_component(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    model_sd, optim_sd = _state(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd} if optimizer is not None else {"model": model_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizer is None:
+        set_model_state_dict(model, state["model"], options=_options(model))
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=_options(model))
+
+
+def _load_extra(path: Path, restore_rng: bool) -> dict[str, Any]:
     meta = json.loads((path / COMPLETE).read_text())
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if restore_rng and meta["world_size"] == _world() and rng_file.is_file():
@@ -280,22 +322,38 @@ def incompatible_keys(saved_config_text: str, cfg) -> list[str]:
         if not old and all(default.get(k) == v for k, v in new.items()):
             continue  # a key newer than the checkpoint, at its default: the run it wrote had that value
         if old != new:
-            out.append(f"{key}: {old.get(key, old) or '{}'} -> {new.get(key, new) or '{}'}")
+            out.append(f"{key}: {_shown(old, key)} -> {_shown(new, key)}")
     return out
 
 
-def choose_resume(root: str | Path, log=print, at_most: Optional[int] = None) -> Optional[Path]:
-    """The newest complete, undamaged checkpoint under ``root``: ``latest`` first; a damaged one
-    (a file missing or truncated against the manifest) is skipped, and the log says so.
-    ``at_most``: only checkpoints of that step or earlier (a rollback past a suspect one)."""
-    root = Path(root)
+def _shown(values: dict, key: str) -> str:
+    """One side of a changed key as an override writes it (``0``, ``false``, ``null``, ``[]``), its
+    sub-keys (a mapping), or ``(absent)`` (a config from before the key)."""
+    if key not in values:
+        return str({k[len(key) + 1:]: v for k, v in values.items()}) if values else "(absent)"
+    value = values[key]
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value) if value == "" else str(value)
+
+
+def _candidates(root: Path, at_most: Optional[int] = None) -> list[Path]:
+    """The complete checkpoints under ``root`` in the order a resume tries them: ``latest`` first,
+    then the others newest first; ``at_most``: only those of that step or earlier."""
     latest = latest_checkpoint(root)
     order = ([latest] if latest else []) + [step_dir(root, s) for s in reversed(list_checkpoints(root))
                                             if latest is None or step_dir(root, s) != latest]
-    if at_most is not None:
-        order = [p for p in order if int(p.name.split("_")[-1]) <= at_most]
-    for path in order:
-        problem = verify_checkpoint(path)
+    return [p for p in order if at_most is None or int(p.name.split("_")[-1]) <= at_most]
+
+
+def choose_resume(root: str | Path, log=print, at_most: Optional[int] = None, content: bool = True
+                  ) -> Optional[Path]:
+    """The newest complete, undamaged checkpoint under ``root``: ``latest`` first; a damaged one
+    (a file missing, truncated, or with ``content`` of another checksum than the manifest's) is
+    skipped, and the log says so. ``at_most``: only checkpoints of that step or earlier (a rollback
+    past a suspect one). Collective in a process group (``verify_checkpoint``)."""
+    for path in _candidates(Path(root), at_most):
+        problem = verify_checkpoint(path, content)
         if problem is None:
             return path
         log(f"[rlhf-hpc] checkpoint {path} is damaged ({problem}); falling back to the previous one")
@@ -314,7 +372,10 @@ def check_resume_compatible(path: Path, cfg) -> None:
     saved = path / "config.yaml"
     if not saved.is_file():
         return
-    diff = incompatible_keys(saved.read_text(), cfg)
+    try:
+        diff = incompatible_keys(saved.read_text(), cfg)
+    except Exception:  # noqa: BLE001 - damaged bytes: the resume's content check names the file and falls back
+        return
     if diff:
         raise ConfigError([f"cannot resume from {path}: the run's config changed in keys that define it"] + diff +
                           ["use a new trainer.default_local_dir, or trainer.resume_mode=disable to start over"])
@@ -339,17 +400,63 @@ def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
 
 def find_resume_checkpoint(cfg: Config, run_dir: Path, log=print) -> Optional[Path]:
     """The checkpoint a run continues from, by ``trainer.resume_mode`` (``disable``, ``auto``: the
-    newest good one under ``run_dir``, or a path), checked against the run's config; None to start."""
+    newest good one under ``run_dir``, or a path), checked against the run's config; None to start.
+    (``resume`` also loads it, falling back from one that does not load.)"""
     mode = cfg.trainer.resume_mode
     if mode == "disable":
         return None
     if mode == "auto":
         path = choose_resume(run_dir, log)
     else:
-        path = Path(mode).expanduser()
-        problem = verify_checkpoint(path)
-        if problem:
-            raise RuntimeError(f"trainer.resume_mode: {path} is not a usable checkpoint: {problem}")
+        path = _named_checkpoint(mode)
     if path is not None:
         check_resume_compatible(path, cfg)
     return path
+
+
+def _named_checkpoint(mode: str) -> Path:
+    path = Path(mode).expanduser()
+    problem = verify_checkpoint(path)
+    if problem:
+        raise RuntimeError(f"trainer.resume_mode: {path} is not a usable checkpoint: {problem}")
+    return path
+
+
+def resume(cfg: Config, run_dir: Path, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
+           log=print, apply: Optional[Callable[[dict], None]] = None) -> tuple[Optional[Path], Optional[dict]]:
+    """Collective: (checkpoint, its extra) a run continues from, loaded into ``components`` and given
+    to ``apply`` (the trainer's own state); (None, None) to start. ``trainer.resume_mode=auto``: the
+    newest checkpoint whose files match its manifest and that loads on every rank; one that does
+    not is skipped with a line naming the file or the part that failed. A path: that one, or an
+    error. Every checkpoint tried is checked against the run's config first."""
+    mode = cfg.trainer.resume_mode
+    if mode == "disable":
+        return None, None
+    if mode != "auto":
+        path = _named_checkpoint(mode)
+        check_resume_compatible(path, cfg)
+        try:
+            return path, _load_and_apply(path, components, apply)
+        except CheckpointLoadError as e:
+            raise RuntimeError(f"trainer.resume_mode: {path} could not be loaded ({e})") from e
+    failed = None
+    for path in _candidates(Path(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            check_resume_compatible(path, cfg)
+            try:
+                return path, _load_and_apply(path, components, apply)
+            except CheckpointLoadError as e:
+                problem, failed = f"loading failed: {e}", path
+        log(f"[rlhf-hpc] checkpoint {path} is damaged ({problem}); falling back to the previous one")
+    if failed is not None:  # the models hold part of a checkpoint: starting over from them would be wrong
+        raise RuntimeError(f"no checkpoint under {run_dir} loads (the last tried: {failed}); set "
+                           f"trainer.resume_mode=disable to start over, or to a checkpoint's path")
+    return None, None
+
+
+def _load_and_apply(path: Path, components, apply: Optional[Callable[[dict], None]]) -> dict:
+    extra = load_checkpoint(path, components)
+    if apply is not None:
+        _agreed("trainer state (extra.pt)", lambda: apply(extra))
+    return extra

@@ -99,9 +99,9 @@ def collect_groups(generate_batch: Callable[[int], tuple[list[int], list[Rollout
         if 0 < max_num_gen_batches <= num_gen_batches:
             raise ValueError(f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}: "
                              f"{len(prompts)} of data.train_batch_size={train_batch_size} prompts have responses "
-                             f"that differ in algorithm.filter_groups.metric. Generated too many. Please check if "
-                             f"your data are too difficult. You could also try set max_num_gen_batches=0 to enable "
-                             f"endless trials.")
+                             f"that differ in algorithm.filter_groups.metric (verl stops here too): the other groups' "
+                             f"responses all score alike, the prompts too hard or, once the model has learned them, "
+                             f"too easy; use harder data, a larger rollout.n, or max_num_gen_batches=0 (no limit)")
     metrics = {"train/num_gen_batches": float(num_gen_batches), "dynamic_sampling/prompts_generated": float(generated),
                "dynamic_sampling/prompts_kept": float(len(prompts))}
     return Collected(prompts[:train_batch_size], [r for r in rows if r.prompt_pos < train_batch_size], metrics)

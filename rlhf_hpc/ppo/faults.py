@@ -11,6 +11,10 @@ configured each hook does nothing. Nothing here replaces module attributes.
 - ``wrong_weights``: the weight sync before that step's generation (step 0: the preflight's)
   sends every tensor x1.5 (a broken sync: the engine samples from other weights than the
   actor's, which the log-prob check must catch);
+- ``raise``: this rank raises a RuntimeError after generation, first attempt only (a bug in one
+  rank: the others wait in their next collective);
+- ``hang``: this rank stops itself (SIGSTOP) after generation, first attempt only: a hung rank,
+  which only the launcher's heartbeat watchdog finds before ``trainer.dist_timeout_s``;
 - ``slow``: from that step on, every step of this rank (all ranks by default) takes
   ``SLOW_STEP_S`` longer (a slow node): a run whose length does not depend on how fast the
   machine is, for the tests of time limits.
@@ -20,13 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from typing import Callable, Optional
 
 __all__ = ["DEFAULT_RANK", "FaultInjector", "KINDS", "SLOW_STEP_S", "first_attempt", "parse_fault"]
 
-KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save", "wrong_weights", "slow")
-DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0, "wrong_weights": None, "slow": None}
+KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save", "wrong_weights", "raise", "hang", "slow")
+DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0, "wrong_weights": None, "raise": 1,
+                "hang": 1, "slow": None}
 SLOW_STEP_S = 1.0
 
 
@@ -62,6 +68,10 @@ class FaultInjector:
     def after_generation(self, step: int) -> None:
         if self._mine("kill", step) and first_attempt():
             os._exit(17)  # a worker dies in the middle of a step
+        if self._mine("raise", step) and first_attempt():
+            raise RuntimeError(f"fault injected: trainer.inject_fault=raise@{step} (rank {self.rank})")
+        if self._mine("hang", step) and first_attempt():
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, the heartbeat's too
         slow_from = self.fault.get("slow")
         if slow_from is not None and step >= slow_from and self.rank == self.fault.get("rank", self.rank):
             time.sleep(SLOW_STEP_S)

@@ -25,10 +25,16 @@ from typing import Optional
 
 from rlhf_hpc.config.schema import GuardConfig
 
-__all__ = ["StabilityGuard", "WATCHED_FINITE", "value_loss_floor"]
+__all__ = ["GuardStop", "StabilityGuard", "WATCHED_FINITE", "value_loss_floor"]
 
 WATCHED_FINITE = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "actor/kl_loss",
                   "actor/entropy", "critic/score/mean", "actor/ref_kl_mean")
+
+
+class GuardStop(RuntimeError):
+    """The guard's final stop: training diverged again after ``max_rollbacks`` rollbacks (or with no
+    good checkpoint to go back to). Every rank raises it at the same step; the launcher ends the run
+    with one line and exit code 3 (``rlhf_hpc.launch.failure.GUARD_STOP``)."""
 
 
 def value_loss_floor(m: dict[str, float]) -> float:
@@ -114,8 +120,8 @@ class StabilityGuard:
         """Count a rollback and tighten the knobs; raises after ``max_rollbacks``."""
         self.rollbacks += 1
         if self.rollbacks > self.cfg.max_rollbacks:
-            raise RuntimeError(f"stability guard: {reason}; stopping after {self.cfg.max_rollbacks} rollbacks "
-                               f"(trainer.guard.max_rollbacks). Lower the learning rate or raise the KL coefficient.")
+            raise GuardStop(f"stability guard: {reason}; stopping after {self.cfg.max_rollbacks} rollbacks "
+                            f"(trainer.guard.max_rollbacks). Lower the learning rate or raise the KL coefficient.")
         self.lr_scale *= self.cfg.lr_decay
         self.kl_scale *= self.cfg.kl_coef_mult
         self._kl_run, self._vf, self._entropy, self._kl = 0, [], [], []

@@ -10,9 +10,12 @@ corrects the mismatch in one of two modes (the tensor math: ``rlhf_hpc.ops.rollo
   each micro-batch of the actor update corrects the current policy against them
   (``micro_batch``).
 
-Either way the standing rollout/actor log-prob check (``rollout.base.LogprobCheck``) runs once a
-step on the same sampled tokens: after the old-log-prob pass, or in bypass mode on the update's
-first mini-batch, whose forward still sees the pre-update weights.
+Without a correction, an on-policy update (``ops.step_shape.old_log_prob_source``: one epoch of
+one mini-batch) also runs no old-log-prob pass: pi_old is the update's own forward, detached.
+
+The standing rollout/actor log-prob check (``rollout.base.LogprobCheck``) runs once a step on the
+same sampled tokens: after the old-log-prob pass, or (bypass, on-policy) on the update's first
+mini-batch, whose forward still sees the pre-update weights.
 
 The trainer calls one method per phase: ``after_old_log_probs`` (3), ``before_advantages`` (6),
 ``after_update`` (8); the actor's update calls ``begin_update``, ``keeps_pre_update``,
@@ -29,6 +32,7 @@ from rlhf_hpc.config.schema import Config, RolloutCorrectionConfig
 from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
 from rlhf_hpc.ops.batching import Batch
 from rlhf_hpc.ops.rollout_correction import rollout_correction
+from rlhf_hpc.ops.step_shape import old_log_prob_source
 from rlhf_hpc.rollout.base import LogprobCheck, logprob_mismatch
 
 __all__ = ["RolloutCorrection"]
@@ -39,17 +43,22 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 class RolloutCorrection:
     """``cfg``: ``algorithm.rollout_correction``; ``engine_check``: the stop rule of the standing
     log-prob check; ``all_reduce_sum``/``all_reduce_max``: over the data-parallel ranks (every
-    figure is global); ``log``: where the check's warnings go (the main rank's log)."""
+    figure is global); ``log``: where the check's warnings go (the main rank's log); ``anchor``:
+    where pi_old comes from (``old_log_prob_source``: pass, update or engine)."""
 
     def __init__(self, cfg: RolloutCorrectionConfig, engine_check: LogprobCheck,
                  all_reduce_sum: Reduce = all_reduce_sum, all_reduce_max: Reduce = all_reduce_max,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, anchor: Optional[str] = None):
         self.cfg, self.bypass = cfg, cfg.bypass_mode
+        self.anchor = anchor or ("engine" if cfg.bypass_mode else "pass")
+        self.on_policy = self.anchor == "update"
+        self.in_update = self.bypass or self.on_policy  # the engine check runs on the update's forward
         self.engine_check, self.log = engine_check, log
         self.all_reduce_sum, self.all_reduce_max = all_reduce_sum, all_reduce_max
-        # bypass mode, during one update: (engine log-probs, log-probs, mask) of the first mini-batch's
-        # micro-batches (pre-update weights), and (log-probs, engine log-probs, mask) of every one trained
-        self.pre_update: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # bypass mode and on-policy, during one update: (engine log-probs, log-probs, mask, row index)
+        # of the first mini-batch's micro-batches (pre-update weights); bypass mode: (log-probs, engine
+        # log-probs, mask) of every one trained
+        self.pre_update: list[tuple[torch.Tensor, ...]] = []
         self.trained: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     @classmethod
@@ -58,15 +67,16 @@ class RolloutCorrection:
         actor's precision."""
         arr = cfg.actor_rollout_ref
         check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
-        return cls(cfg.algorithm.rollout_correction, check, log=log)
+        return cls(cfg.algorithm.rollout_correction, check, log=log, anchor=old_log_prob_source(cfg))
 
     # ------------------------------------------------------------------- the trainer's phases
     def after_old_log_probs(self, batch: dict, step: int, metrics: dict) -> None:
         """Phase 3. Bypass mode: the engine's log-probs become ``old_log_probs`` (no pass ran);
-        else the engine check of the pass's ``old_log_probs``."""
+        on-policy: nothing yet (the update's forward gives them); else the engine check of the pass's
+        ``old_log_probs``."""
         if self.bypass:
             batch["old_log_probs"] = batch["engine_log_probs"].clone()
-        else:
+        elif not self.on_policy:
             self.check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"], step,
                               metrics)
 
@@ -74,9 +84,10 @@ class RolloutCorrection:
         """Phase 6, decoupled mode, over the whole step (global over ranks): IS weights pi_old /
         pi_rollout (``rollout_is_weights``, (B, R), into the actor's loss), the response mask after
         rejection sampling (the mask as sampled kept as ``sampled_response_mask``), and the
-        ``rollout_corr/`` metrics. Nothing in bypass mode (the update corrects each micro-batch)."""
+        ``rollout_corr/`` metrics. Nothing in bypass mode (the update corrects each micro-batch) nor
+        on-policy (no correction is set; pi_old exists after the update: ``after_update``)."""
         rc = self.cfg
-        if rc.bypass_mode:
+        if rc.bypass_mode or self.on_policy:
             return
         weights, mask, corr = rollout_correction(batch["old_log_probs"], batch["engine_log_probs"],
                                                  batch["response_mask"], rc, self.all_reduce_sum, self.all_reduce_max)
@@ -91,12 +102,28 @@ class RolloutCorrection:
             batch["rollout_is_weights"] = weights
         metrics.update(corr)
 
-    def after_update(self, step: int, metrics: dict) -> None:
-        """Phase 8, after the actor's update. Bypass mode: the engine check on the first
-        mini-batch's forward (the pre-update weights)."""
-        if self.bypass:
-            pre_update, self.pre_update = self.pre_update, []
-            self.check_engine(*(torch.cat(t) for t in zip(*pre_update)), step, metrics)
+    def after_update(self, batch: dict, step: int, metrics: dict) -> None:
+        """Phase 8, after the actor's update. Bypass mode and on-policy: the engine check on the
+        first mini-batch's forward (the pre-update weights). On-policy, that forward also becomes
+        the batch's ``old_log_probs`` (in row order) for what reads them after the update, and gives
+        the off-policy ``rollout_corr/`` figures the decoupled mode computes before the advantages."""
+        if not self.in_update:
+            return
+        pre_update, self.pre_update = self.pre_update, []
+        engine_lp, lp, mask, rows = (torch.cat(t) for t in zip(*pre_update))
+        if not self.on_policy:
+            self.check_engine(engine_lp, lp, mask, step, metrics)
+            return
+        own = rows >= 0  # (with sequence parallelism a rank also computed its group's rows)
+        old = torch.zeros_like(batch["engine_log_probs"])
+        if int(own.sum()) != old.shape[0]:
+            raise RuntimeError(f"on-policy update: its first mini-batch held {int(own.sum())} of this rank's "
+                               f"{old.shape[0]} rows; pi_old of the others is unknown")
+        old[rows[own]] = lp[own]
+        batch["old_log_probs"] = old
+        self.check_engine(batch["engine_log_probs"], old, batch["response_mask"], step, metrics)
+        metrics.update(rollout_correction(old, batch["engine_log_probs"], batch["response_mask"], self.cfg,
+                                          self.all_reduce_sum, self.all_reduce_max)[2])
 
     def check_engine(self, engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor, step: int,
                      metrics: dict) -> None:
@@ -107,18 +134,27 @@ class RolloutCorrection:
         if warning:
             self.log(f"[rlhf-hpc] WARNING {warning}")
 
-    # ------------------------------------------------------- inside the actor's update (bypass)
-    def begin_update(self) -> None:
+    # -------------------------------------------- inside the actor's update (bypass, on-policy)
+    def begin_update(self, batch: Batch, sp_rank: int = 0) -> Batch:
+        """The batch the update trains on: on-policy, each row tagged with its index and this rank
+        (``row_index``, ``row_owner``), so the update's forward can be put back in row order."""
         self.pre_update, self.trained = [], []
+        if not self.on_policy:
+            return batch
+        rows = batch["responses"].shape[0]
+        return {**batch, "row_index": torch.arange(rows), "row_owner": torch.full((rows,), sp_rank)}
 
     def keeps_pre_update(self, n_mini: int) -> bool:
         """Whether the micro-batches of the update's ``n_mini``-th mini-batch feed the engine check
-        (bypass mode, the first: its forward sees the pre-update weights)."""
-        return self.bypass and n_mini == 1
+        (bypass mode and on-policy, the first: its forward sees the pre-update weights)."""
+        return self.in_update and n_mini == 1
 
-    def keep_pre_update(self, micro: Batch, lp: torch.Tensor) -> None:
-        """A micro-batch of the first mini-batch, for ``after_update``'s engine check (host tensors)."""
-        self.pre_update.append((micro["engine_log_probs"].cpu(), lp.detach().cpu(), micro["response_mask"].cpu()))
+    def keep_pre_update(self, micro: Batch, lp: torch.Tensor, sp_rank: int = 0) -> None:
+        """A micro-batch of the first mini-batch, for ``after_update`` (host tensors)."""
+        rows = (torch.where(micro["row_owner"] == sp_rank, micro["row_index"], -1).cpu() if self.on_policy
+                else torch.full((lp.shape[0],), -1))
+        self.pre_update.append((micro["engine_log_probs"].cpu(), lp.detach().cpu(), micro["response_mask"].cpu(),
+                                rows))
 
     def micro_batch(self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float
                     ) -> tuple[Optional[torch.Tensor], torch.Tensor]:

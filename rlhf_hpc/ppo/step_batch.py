@@ -70,13 +70,13 @@ def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
 def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], rows: list[RolloutRow],
                     batch: dict) -> torch.Tensor:
     """(B,) rule/custom scores of the decoded responses."""
-    scores = []
+    calls = []
     for i, row in enumerate(rows):
         n = int(batch["response_mask"][i].sum())
         text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
         ex = train[row.example]
-        scores.append(reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index))
-    return torch.tensor(scores, dtype=torch.float32)
+        calls.append((ex.data_source, text, ex.ground_truth, ex.extra_info, ex.index))
+    return torch.tensor(reward_fn.score_all(calls), dtype=torch.float32)
 
 
 def scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

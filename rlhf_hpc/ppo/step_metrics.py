@@ -13,8 +13,9 @@ from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max, all_
 from rlhf_hpc.observability.perf import Timer, memory_metrics, model_flops, peak_flops
 from rlhf_hpc.ops import algos
 from rlhf_hpc.planning.time_plan import TimeModel
+from rlhf_hpc.tools.metrics import METRIC_NAMES, SANDBOX_METRICS
 
-__all__ = ["data_metrics", "perf_metrics", "reduce_stats", "time_model"]
+__all__ = ["data_metrics", "perf_metrics", "reduce_stats", "sandbox_metrics", "time_model"]
 
 
 def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -30,6 +31,26 @@ def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
     for i, n in enumerate(names):
         out[f"{n}/mean"] = (sums[i, 0] / max(sums[i, 1], 1.0)).item()
         out[f"{n}/max"], out[f"{n}/min"] = maxs[i].item(), mins[i].item()
+    return out
+
+
+def sandbox_metrics() -> dict[str, float]:
+    """The programs the ranks ran in the sandbox since the last step (a code reward's; the counts of
+    ``rlhf_hpc.tools.metrics``), summed over ranks: ``sandbox/runs``, one count per outcome
+    (``sandbox/timeouts``, ...), ``sandbox/seconds_mean``/``_max``. Nothing when none ran."""
+    mine = SANDBOX_METRICS.take_metrics()
+    runs = mine.get("sandbox/runs", 0.0)
+    names = list(METRIC_NAMES.values())
+    totals = torch.tensor([runs, runs * mine.get("sandbox/seconds_mean", 0.0), *(mine.get(n, 0.0) for n in names)],
+                          dtype=torch.float64)
+    longest = torch.tensor([mine.get("sandbox/seconds_max", 0.0)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        totals, longest = all_reduce_sum(totals), all_reduce_max(longest)
+    if totals[0] == 0:
+        return {}
+    out = {"sandbox/runs": totals[0].item(), "sandbox/seconds_mean": (totals[1] / totals[0]).item(),
+           "sandbox/seconds_max": longest[0].item()}
+    out.update({n: totals[2 + i].item() for i, n in enumerate(names)})
     return out
 
 
@@ -52,6 +73,7 @@ def data_metrics(batch: dict, entropy: Optional[torch.Tensor], use_critic: bool)
                                            float(len(resp_len))], dtype=torch.float64))
     out["response_length/clip_ratio"] = (clipped[0] / clipped[2]).item()
     out["prompt_length/clip_ratio"] = (clipped[1] / clipped[2]).item()
+    out.update(sandbox_metrics())
     if use_critic:
         # explained variance of the returns by the values (1 = perfect value function)
         ret, val = batch["returns"][mask].double(), batch["values"][mask].double()

@@ -48,7 +48,7 @@ from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.planning.layout import describe as describe_layouts
 from rlhf_hpc.planning.memory_plan import check_plan, oom_message
-from rlhf_hpc.ppo.guard import StabilityGuard
+from rlhf_hpc.ppo.guard import GuardStop, StabilityGuard
 from rlhf_hpc.ops.batching import select_rows
 from rlhf_hpc.ppo.step_batch import (make_step_batch, rollout_rows, sampling_for, score_responses,
                                      scores_on_last_token, step_seed)
@@ -101,7 +101,7 @@ class PPOTrainer:
         tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
         self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
         self.kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
-        self.reward_fn = RewardFunction(cfg.custom_reward_function)
+        self.reward_fn = RewardFunction(cfg.custom_reward_function, (cfg.sandbox, cfg.reward_model.sandbox_fusion))
         self.reward_model = build_reward_model(cfg, ctx, self.tokenizer) if cfg.reward_model.enable else None
         self.guard = StabilityGuard(tr.guard)
         self.faults = FaultInjector(tr.inject_fault, ctx.rank)
@@ -112,9 +112,9 @@ class PPOTrainer:
         self.overlong = cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.overlong_buffer.enable
 
         self.step, wandb_id, mlflow_id = 0, None, None
-        self.resumed_from = ckpt.find_resume_checkpoint(cfg, self.run_dir, log=print if ctx.is_main else (lambda *_: None))
+        self.resumed_from, extra = ckpt.resume(cfg, self.run_dir, self.models.checkpoint_components(),
+                                               print if ctx.is_main else (lambda *_: None), self.load_state_dict)
         if self.resumed_from is not None:
-            extra = self.restore(self.resumed_from)
             self.step, wandb_id, mlflow_id = extra["global_step"], extra.get("wandb_run_id"), extra.get("mlflow_run_id")
             if "guard" in extra:
                 self.guard.load_state_dict(extra["guard"])
@@ -190,7 +190,7 @@ class PPOTrainer:
         # (a check on the rollouts judges the previous update: the checkpoint saved after it is not good)
         target = ckpt.choose_resume(self.run_dir, self.tracker.log_line, at_most=at_step - 1 - self.guard.lag)
         if target is None:
-            raise RuntimeError(f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
+            raise GuardStop(f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
                                f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)")
         extra = self.restore(target)
         ckpt.mark_latest(self.run_dir, target)
@@ -421,7 +421,7 @@ class PPOTrainer:
         ``values`` where there is a reference and a critic. Returns the rollout's entropy (or None)."""
         models, shape = self.models, self.shape
         entropy = None
-        if not models.actor.correction.bypass:
+        if models.actor.correction.anchor == "pass":  # (else the engine's, or the on-policy update's forward)
             with timer("old_log_prob"):
                 batch["old_log_probs"], entropy, *sum_pi_squared = models.actor.compute_log_prob(
                     batch, shape.old_log_prob.micro_rows, shape.old_log_prob.dynamic, shape.old_log_prob.token_budget,
@@ -481,7 +481,7 @@ class PPOTrainer:
         with timer("update_actor"), self.faults.around_actor_update(step, models.actor.optimizer, batch):
             metrics.update(models.actor.update_policy(batch, self.shape.update_actor.mini_rows, seed=step))
             metrics["actor/kl_coef"] = models.actor.kl_loss_coef
-        models.actor.correction.after_update(step, metrics)  # bypass: the engine check on the pre-update forward
+        models.actor.correction.after_update(batch, step, metrics)  # bypass, on-policy: the check on that forward
 
 
 # ----------------------------------------------------------------------------------- pieces

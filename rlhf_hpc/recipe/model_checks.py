@@ -1,40 +1,56 @@
-"""Checks of the models a config names, by topic: LoRA keys, sequence parallelism against the
-models' heads, architectures, the reward model's keys (``recipe.checks.validate`` collects them)."""
+"""Checks of the models a config names, by topic: LoRA keys (and the adapter against the model),
+sequence parallelism against the models' heads, architectures, the model directories' weights and
+tokenizers, the reward model's keys (``recipe.checks.validate`` collects them)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
+from torch import nn
 
 from rlhf_hpc.config.engines import ENGINES
-from rlhf_hpc.config.schema import Config, FSDPConfig, RewardModelConfig
+from rlhf_hpc.config.schema import Config, CriticModelConfig, FSDPConfig, ModelConfig, RewardModelConfig
 from rlhf_hpc.config.tree import flatten, get_key, to_dict
 from rlhf_hpc.distributed.sequence_parallel import heads_problem
 from rlhf_hpc.models.architectures import architecture_problems
-from rlhf_hpc.models.hf import is_tiny, model_config
-from rlhf_hpc.models.lora import lora_enabled
-from rlhf_hpc.models.tokenizer import tokenizer_path
+from rlhf_hpc.models.hf import build_causal_lm, build_critic, build_token_scorer, is_tiny, local_path, model_config
+from rlhf_hpc.models.lora import (adapter_shape_problems, apply_lora, lora_enabled, saved_adapter,
+                                  unmatched_target_modules)
+from rlhf_hpc.models.tokenizer import tokenizer_path, tokenizer_problems
+from rlhf_hpc.models.weights import weights_problems
 
-__all__ = ["lora_problems", "lora_warnings", "model_architecture_problems", "reward_model_problems",
-           "sequence_parallel_problems"]
+__all__ = ["lora_problems", "lora_warnings", "model_architecture_problems", "model_file_problems",
+           "reward_model_problems", "sequence_parallel_problems"]
 
 
 def lora_problems(cfg: Config) -> list[str]:
-    """LoRA keys (verl's) that cannot work, or would change nothing in this config."""
+    """LoRA keys (verl's) that cannot work, or would change nothing in this config; where the model's
+    config is readable here, ``target_modules`` and ``lora_adapter_path`` against the model."""
     arr, errors = cfg.actor_rollout_ref, []
     for key, m in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model)):
         if m.lora_rank < 0 or m.lora_alpha <= 0:
             errors.append(f"{key}.lora_rank={m.lora_rank} / lora_alpha={m.lora_alpha}: the rank must be >= 0 "
                           f"(0: no LoRA) and alpha > 0")
+        elif not lora_enabled(m):
+            errors += _lora_keys_without_lora(key, m)
     path = arr.model.lora_adapter_path
+    adapter = None
     if path is not None and not (Path(path).expanduser() / "adapter_config.json").is_file():
         errors.append(f"actor_rollout_ref.model.lora_adapter_path={path}: no adapter_config.json there (a PEFT "
                       f"adapter directory, e.g. an export's lora_adapter/)")
+    elif path is not None:
+        adapter, adapter_errors = _saved_adapter_against_keys(arr.model)
+        errors += adapter_errors
     engine = ENGINES.get(arr.rollout.name)
-    if engine is not None and engine.adapter_max_rank is not None and arr.model.lora_rank > engine.adapter_max_rank:
-        errors.append(f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: the {engine.name} engine serves "
-                      f"adapters up to rank {engine.adapter_max_rank}")
+    rank = adapter.r if adapter is not None else arr.model.lora_rank
+    if engine is not None and engine.adapter_max_rank is not None and rank > engine.adapter_max_rank:
+        whose = " (the adapter at lora_adapter_path)" if adapter is not None else ""
+        errors.append(f"actor_rollout_ref.model.lora_rank={rank}{whose}: the {engine.name} engine serves adapters up "
+                      f"to rank {engine.adapter_max_rank}")
     if lora_enabled(cfg.critic.model) and not cfg.critic.enable:
         errors.append(f"critic.model.lora_rank={cfg.critic.model.lora_rank} has no effect: there is no critic "
                       f"(critic.enable={cfg.critic.enable}, algorithm.adv_estimator={cfg.algorithm.adv_estimator})")
@@ -47,7 +63,90 @@ def lora_problems(cfg: Config) -> list[str]:
             errors.append(f"{', '.join(changed)} has no effect with LoRA: the reference is the actor with its adapter "
                           f"off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config); leave it "
                           f"at its default or the actor's value")
+    if not errors and lora_enabled(arr.model):  # (the keys are sound: now against the model, where it is readable)
+        errors += _lora_against_model("actor_rollout_ref.model", arr.model, adapter is not None)
+    if not errors and cfg.critic.enable and lora_enabled(cfg.critic.model):
+        errors += _lora_against_model("critic.model", cfg.critic.model, False, critic=True)
     return errors
+
+
+def _lora_keys_without_lora(key: str, m) -> list[str]:
+    """LoRA keys set on a model without LoRA (rank 0, no adapter): they would be accepted and ignored."""
+    default = ModelConfig() if isinstance(m, ModelConfig) else CriticModelConfig()
+    names = [n for n in ("lora_alpha", "target_modules", "exclude_modules")
+             if getattr(m, n, None) != getattr(default, n, None)]
+    return [f"{key}.{n}={getattr(m, n)} has no effect: LoRA is off ({key}.lora_rank=0"
+            + (", no lora_adapter_path" if isinstance(m, ModelConfig) else "")
+            + f"); set {key}.lora_rank > 0, or remove the key" for n in names]
+
+
+def _saved_adapter_against_keys(m: ModelConfig) -> tuple[Optional[object], list[str]]:
+    """(the adapter's LoraConfig, the LoRA keys that contradict it): with ``lora_adapter_path`` the
+    adapter's own rank, alpha and target modules are what trains; a key saying otherwise is refused."""
+    key = "actor_rollout_ref.model"
+    try:
+        adapter = saved_adapter(m.lora_adapter_path)
+    except Exception as e:  # noqa: BLE001 - an unreadable adapter_config.json, in whatever way
+        return None, [f"{key}.lora_adapter_path={m.lora_adapter_path}: adapter_config.json does not read as a PEFT "
+                      f"LoRA config ({type(e).__name__}: {e})"]
+    default, errors = ModelConfig(), []
+    said = f"the adapter at {key}.lora_adapter_path={m.lora_adapter_path} has"
+    if m.lora_rank > 0 and m.lora_rank != adapter.r:
+        errors.append(f"{key}.lora_rank={m.lora_rank}, but {said} rank {adapter.r}, which is what trains; set "
+                      f"{key}.lora_rank={adapter.r}, or 0 to take the adapter's")
+    if m.lora_alpha != default.lora_alpha and m.lora_alpha != adapter.lora_alpha:
+        errors.append(f"{key}.lora_alpha={m.lora_alpha}, but {said} lora_alpha={adapter.lora_alpha}, which is what "
+                      f"trains; set {key}.lora_alpha={adapter.lora_alpha}, or remove the key")
+    targets = adapter.target_modules
+    targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else targets
+    wanted = sorted(m.target_modules) if isinstance(m.target_modules, list) else m.target_modules
+    if m.target_modules != default.target_modules and wanted != targets:
+        errors.append(f"{key}.target_modules={m.target_modules}, but {said} target_modules={targets}, which are what "
+                      f"train; remove the key")
+    return adapter, errors
+
+
+def _lora_against_model(key: str, m, from_adapter: bool, critic: bool = False) -> list[str]:
+    """``target_modules`` (each name matches a module; PEFT accepts the set) or the saved adapter
+    (its modules and shapes) against the model's meta-device build (the critic's: its backbone),
+    where its config is readable here."""
+    path, override, trust = m.path, m.override_config, bool(m.trust_remote_code)
+    if _readable_model_config(path, override) is None:
+        return []
+
+    def check() -> list[str]:
+        model = (build_critic(path, torch.float32, "meta", override, trust_remote_code=trust).model if critic else
+                 build_causal_lm(path, torch.float32, "meta", override, trust_remote_code=trust))  # (structure only)
+        if from_adapter:
+            return [f"{key}.lora_adapter_path={m.lora_adapter_path}: {p}"
+                    for p in adapter_shape_problems(model, m.lora_adapter_path)]
+        unmatched = unmatched_target_modules(model, m.target_modules)
+        if unmatched:
+            return [f"{key}.target_modules: {', '.join(unmatched)} match{'es' if len(unmatched) == 1 else ''} no "
+                    f"module of {type(model).__name__} ({path}); its linear layers: {', '.join(_linear_names(model))}"]
+        try:
+            apply_lora(model, m, seed=0, task_type=None)
+        except ValueError as e:  # PEFT's NoMatchingPeftModuleError and its other refusals of a target
+            return [f"{key}.target_modules={m.target_modules}: {' '.join(str(e).split())}"]
+        return []
+    return _memo(("lora", key, path, override, trust, m.lora_rank, m.lora_alpha, m.target_modules,
+                  getattr(m, "exclude_modules", None), m.lora_adapter_path if from_adapter else None), check)
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, nn.Linear)})
+
+
+_memos: dict[str, list[str]] = {}
+
+
+def _memo(key: tuple, compute: Callable[[], list[str]]) -> list[str]:
+    """``compute()`` once per process for ``key``: validate runs again for every candidate the time
+    plan's advice tries, and these checks build models and read files."""
+    text = json.dumps(key, sort_keys=True, default=str)
+    if text not in _memos:
+        _memos[text] = compute()
+    return list(_memos[text])
 
 
 # ref.fsdp_config keys verl's LoRA scripts carry over from full fine-tuning (verl ignores them the
@@ -144,6 +243,60 @@ def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
             errors += e
             warnings += w
     return errors, warnings
+
+
+def model_file_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the model directories and the tokenizer a config names, where they are on
+    this machine (a hub name is resolved where the job runs): each model's weights are there and of
+    the shapes its config.json makes (rlhf_hpc.models.weights); the tokenizer encodes a chat prompt
+    (rlhf_hpc.models.tokenizer.tokenizer_problems), with the chat template the run uses."""
+    arr, rm, errors = cfg.actor_rollout_ref, cfg.reward_model, []
+    models = [("actor_rollout_ref.model.path", arr.model.path, arr.model.override_config, arr.model.trust_remote_code,
+               "causal_lm")]
+    if cfg.critic.enable and cfg.critic.model.path != arr.model.path:
+        models.append(("critic.model.path", cfg.critic.model.path, cfg.critic.model.override_config,
+                       bool(cfg.critic.model.trust_remote_code), "backbone"))
+    if rm.enable:
+        models.append(("reward_model.model.path", rm.model.path, rm.model.override_config,
+                       bool(rm.model.trust_remote_code), "token_scorer"))
+    for key, path, override, trust, kind in models:
+        if path and not is_tiny(path) and _readable_model_config(path, override) is not None:
+            errors += [f"{key}={path}: {p}" for p in _memo(("weights", path, override, trust, kind),
+                                                           lambda: _weights_problems(path, override, trust, kind))]
+    errors += _tokenizer_problems(cfg)
+    return errors, []
+
+
+def _weights_problems(path: str, override: dict, trust: bool, kind: str) -> list[str]:
+    try:  # the structure the config makes: the model the weights must fill (on the meta device, no memory)
+        if kind == "causal_lm":
+            model = build_causal_lm(path, torch.float32, "meta", override, trust_remote_code=trust)
+        elif kind == "backbone":
+            model = build_critic(path, torch.float32, "meta", override, trust_remote_code=trust).model
+        else:
+            model = build_token_scorer(path, torch.float32, override, trust_remote_code=trust, device="meta")
+    except Exception:  # noqa: BLE001 - a config transformers cannot build: other checks (architectures) say so
+        model = None
+    return weights_problems(local_path(path), model)
+
+
+def _tokenizer_problems(cfg: Config) -> list[str]:
+    """The run's tokenizer (data.tokenizer, else the model's tokenizer_path, else its path), where it
+    is built in (tiny://chars) or a directory here."""
+    m, d = cfg.actor_rollout_ref.model, cfg.data
+    path = tokenizer_path(cfg)
+    key = "data.tokenizer" if d.tokenizer else "actor_rollout_ref.model.tokenizer_path" if m.tokenizer_path else \
+        "actor_rollout_ref.model.path"
+    if not (is_tiny(path) or os.path.isdir(local_path(path))):
+        return []
+    config = _readable_model_config(m.path, m.override_config)
+    vocab = getattr(config, "vocab_size", None) if config is not None else None
+    problems = _memo(("tokenizer", path, m.trust_remote_code, m.custom_chat_template, d.apply_chat_template_kwargs,
+                      vocab), lambda: tokenizer_problems(path, m.trust_remote_code, m.custom_chat_template,
+                                                         d.apply_chat_template_kwargs, vocab))
+    template_key = "actor_rollout_ref.model.custom_chat_template"
+    return [f"{template_key}: {p}" if m.custom_chat_template is not None and "chat template" in p
+            else f"{key}={path}: {p}" for p in problems]
 
 
 def reward_model_problems(cfg: Config) -> list[str]:

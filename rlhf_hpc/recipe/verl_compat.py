@@ -39,7 +39,6 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
     ("reward_model.use_reward_loop", (False,), "the reward loop (reward models served by their own rollout)"),
     ("reward_model.rollout.", None, "the reward loop (reward models served by their own rollout)"),
     ("reward_model.num_workers", None, "the reward loop (reward models served by their own rollout)"),
-    ("reward_model.sandbox_fusion.", None, "sandbox fusion (rewards from executing code)"),
     ("reward_model.micro_batch_size", (None,),
      "the deprecated global micro-batch size: use reward_model.micro_batch_size_per_gpu"),
     ("reward_model.enable_resource_pool", (False,),
@@ -216,8 +215,8 @@ SAME_EFFECT: list[tuple[str, tuple, str, bool]] = [
      "adapter) by the weight sync before its first generation, so what it would load from disk is never used",
      False),
     ("data.return_raw_chat", (True,),
-     "the prompts here are the chat template applied to the raw messages, as verl's agent loop makes them, and no "
-     "reward model reads the raw chat in this configuration", False),
+     "the prompts here are the chat template applied to the raw messages, as verl's agent loop makes them (with a "
+     "reward model the conversation is re-encoded for it: reward_model.model.input_tokenizer)", False),
     *[(f"{model}.use_shm", (True,), "the model is read from its path, not copied to /dev/shm first (the same "
        "weights; only the loading time differs)", True) for model in ("actor_rollout_ref.model", "reward_model.model")],
     ("actor_rollout_ref.rollout.multi_stage_wake_up", (True, False),
@@ -241,20 +240,21 @@ OUT_OF_SCOPE_VALUES: list[tuple[str, tuple, str]] = [
 ]
 
 
-def _raw_chat_refusal(flat: dict) -> Optional[str]:
-    """``data.return_raw_chat=True``: verl's agent loop applies the chat template to the raw messages,
-    which is what the prompts here are; only a reward model re-encoding the conversation reads it."""
-    rm = flat.get("reward_model.enable")
-    if (rm is True or str(rm).lower() == "true") and not flat.get("reward_model.model.input_tokenizer"):
-        return ("with reward_model.enable=true verl re-encodes the conversation for the reward model with its own "
-                "chat template; here that is reward_model.model.input_tokenizer (set it to the actor's tokenizer), "
-                "or remove data.return_raw_chat if the reward model reads the actor's tokens")
-    return None
-
-
-# SAME_EFFECT keys whose value is the same effect only in some configurations: key -> (flat tree -> the
-# reason the rest of the tree refuses it, or None)
-IN_CONTEXT = {"data.return_raw_chat": _raw_chat_refusal}
+def _raw_chat_for_reward_model(tree: dict, flat: dict, said: list[str]) -> dict:
+    """``data.return_raw_chat=True`` with a reward model: verl re-encodes each conversation with the
+    reward model's own chat template; here that is ``reward_model.model.input_tokenizer`` set to the
+    actor's tokenizer (the responses are decoded with it), which this fills in where it is unset."""
+    rm, raw = flat.get("reward_model.enable"), flat.get("data.return_raw_chat")
+    on = [v is True or str(v).lower() == "true" for v in (rm, raw)]
+    if not all(on) or flat.get("reward_model.model.input_tokenizer"):
+        return tree
+    actor = (flat.get("data.tokenizer") or flat.get("actor_rollout_ref.model.tokenizer_path")
+             or "${actor_rollout_ref.model.path}")
+    tree = _copy(tree)
+    _set(tree, "reward_model.model.input_tokenizer".split("."), actor)
+    said.append(f"data.return_raw_chat=True with a reward model: each conversation is re-encoded with the reward "
+                f"model's chat template (reward_model.model.input_tokenizer={actor}, as verl does)")
+    return tree
 
 
 def _same_effect(key: str, value: Any) -> Optional[tuple[str, tuple, str, bool]]:
@@ -296,6 +296,7 @@ def drop_out_of_scope_keys(tree: dict, known: set[str], notes: Optional[list[str
     errors, drop, said = [], [], []
     tree = _per_gpu_micro_batches(tree, flatten(tree), errors, said)
     tree = _dapo_reward_kwargs(tree, flatten(tree), errors)
+    tree = _raw_chat_for_reward_model(tree, flatten(tree), said)
     flat = flatten(tree)
     for key, value in flat.items():
         if key in known:
@@ -304,11 +305,6 @@ def drop_out_of_scope_keys(tree: dict, known: set[str], notes: Optional[list[str
                 errors.append(f"{key}={value!r}: {feature} is not available in rlhf-hpc")
             continue
         same = _same_effect(key, value)
-        context = IN_CONTEXT.get(key) if same is not None else None
-        refusal = context(flat) if context is not None else None
-        if refusal is not None:
-            errors.append(f"{key}={value!r}: {refusal}")
-            continue
         if same is not None:
             drop.append(key)
             if same[3]:

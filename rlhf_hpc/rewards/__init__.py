@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from rlhf_hpc.config.registry import Registry
+from rlhf_hpc.rewards.code import CODE_SOURCES, code_score, configure_code_reward
 from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE, addition_score, copy_score
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
@@ -42,6 +44,7 @@ register_rule_reward("gsm8k", lambda src: "gsm8k" in src)(gsm8k_score)
 register_rule_reward("copy", lambda src: src == COPY_SOURCE)(copy_score)
 register_rule_reward("add", lambda src: src == ADD_SOURCE)(addition_score)
 register_rule_reward("math", lambda src: "math" in src or "aime" in src)(boxed_score)
+register_rule_reward("code", lambda src: src in CODE_SOURCES)(code_score)  # runs the program: rlhf_hpc/tools
 
 
 def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: dict) -> float:
@@ -50,7 +53,8 @@ def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: d
     rule = next((r for r in RULE_REWARDS.values() if r.matches(src)), None)
     if rule is None:
         raise ValueError(f"no rule reward for data_source '{data_source}' (built in: "
-                         f"{', '.join(RULE_REWARDS)}: openai/gsm8k, *math*/*aime*, {COPY_SOURCE}, {ADD_SOURCE}); "
+                         f"{', '.join(RULE_REWARDS)}: openai/gsm8k, *math*/*aime*, {COPY_SOURCE}, {ADD_SOURCE}, "
+                         f"{'/'.join(CODE_SOURCES)}); "
                          f"set custom_reward_function.path to score it")
     return rule.score(response, str(ground_truth))
 
@@ -71,11 +75,16 @@ def load_custom_function(path: str, name: str) -> ScoreFn:
 
 class RewardFunction:
     """Scores one response: ``custom_reward_function``'s (its config section) or the rule rewards;
-    errors name the row so a bad ground truth is easy to find."""
+    errors name the row so a bad ground truth is easy to find. ``sandbox``: the run's ``(sandbox,
+    reward_model.sandbox_fusion)`` sections, where the code reward runs programs (None: its defaults)."""
 
-    def __init__(self, crf):
+    def __init__(self, crf, sandbox: Any = None):
         self.fn: ScoreFn = load_custom_function(crf.path, crf.name) if crf.path else rule_score
         self.name = f"{crf.path}:{crf.name}" if crf.path else "rule"
+        self.parallel = 1
+        if sandbox is not None:
+            configure_code_reward(*sandbox)
+            self.parallel = max(1, sandbox[0].max_parallel)
 
     def __call__(self, data_source: str, response: str, ground_truth: Any, extra_info: dict, row: int = -1) -> float:
         try:
@@ -84,3 +93,11 @@ class RewardFunction:
         except Exception as e:
             raise RuntimeError(f"reward function {self.name} failed on prompt row {row} "
                                f"(data_source {data_source!r}): {type(e).__name__}: {e}") from e
+
+    def score_all(self, calls: list[tuple]) -> list[float]:
+        """``self(*call)`` for each call, in order; ``sandbox.max_parallel`` at once (a code reward's
+        programs wait on their sandbox, not on this process's CPU)."""
+        if self.parallel == 1 or len(calls) < 2:
+            return [self(*c) for c in calls]
+        with ThreadPoolExecutor(self.parallel) as pool:
+            return list(pool.map(lambda c: self(*c), calls))

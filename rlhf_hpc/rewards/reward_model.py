@@ -12,7 +12,9 @@ Input: the step batch's ``input_ids`` / ``attention_mask`` / ``position_ids`` (`
 prompt left-padded, response right-padded) when the reward model reads the actor's tokens; or,
 with ``reward_model.model.input_tokenizer`` set, each response decoded with the actor's tokenizer,
 appended to its prompt's chat messages as the assistant turn and re-encoded through the reward
-model's chat template (cut on the right to ``reward_model.max_length``), as verl does.
+model's chat template (cut on the right to ``reward_model.max_length``), as verl does. A reward
+model whose tokenizer differs from the actor's (vocabulary or chat template) is re-encoded for
+even with ``input_tokenizer`` unset: its own tokens are the only ones it can read.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from rlhf_hpc.distributed.loading import build_sharded
 from rlhf_hpc.distributed.process_group import all_reduce_max_int
 from rlhf_hpc.models.tokenizer import load_tokenizer
 
-__all__ = ["RewardModel", "build_reward_model"]
+__all__ = ["RewardModel", "build_reward_model", "needs_reencoding"]
 
 
 def last_token_scores(model: nn.Module, batch: Batch, remove_padding: bool) -> torch.Tensor:
@@ -107,10 +109,18 @@ class RewardModel:
         return restore_order(outs, kept)
 
 
+def needs_reencoding(rm_tokenizer, actor_tokenizer) -> bool:
+    """Whether the reward model cannot read the actor's token ids as they are: another vocabulary,
+    or another chat template around the same conversation."""
+    return (rm_tokenizer.get_vocab() != actor_tokenizer.get_vocab()
+            or getattr(rm_tokenizer, "chat_template", None) != getattr(actor_tokenizer, "chat_template", None))
+
+
 def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
     """The reward model of ``cfg.reward_model`` sharded over the training mesh (collective; its
-    checkpoint is read by rank 0 only, rlhf_hpc.distributed.loading). ``input_tokenizer``: the actor's tokenizer
-    (used only when ``reward_model.model.input_tokenizer`` is set)."""
+    checkpoint is read by rank 0 only, rlhf_hpc.distributed.loading). ``input_tokenizer``: the actor's
+    tokenizer (responses are re-encoded when ``reward_model.model.input_tokenizer`` is set, or when
+    the reward model's own tokenizer differs: ``needs_reencoding``)."""
     rm = cfg.reward_model
     m = rm.model
     import_external_libs(m.external_lib)
@@ -119,9 +129,13 @@ def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
                                                             m.override_config, cfg.trainer.seed + 2,
                                                             m.trust_remote_code, attn, device),
                           m.fsdp_config, ctx, False, not is_tiny(m.path), frozen=True)  # inference only
-    reencode = m.input_tokenizer is not None
-    tokenizer = load_tokenizer("tiny://chars" if m.path.startswith("tiny://") else m.path,
-                               m.trust_remote_code) if reencode else None
-    return RewardModel(model, rm, tokenizer=tokenizer, input_tokenizer=input_tokenizer if reencode else None,
+    tokenizer = load_tokenizer("tiny://chars" if m.path.startswith("tiny://") else m.path, m.trust_remote_code)
+    reencode = m.input_tokenizer is not None or needs_reencoding(tokenizer, input_tokenizer)
+    if reencode and m.input_tokenizer is None and ctx.is_main:
+        print("[rlhf-hpc] the reward model's tokenizer differs from the actor's (vocabulary or chat template): each "
+              "conversation is re-encoded through the reward model's chat template, as verl does by default "
+              "(reward_model.model.input_tokenizer)", flush=True)
+    return RewardModel(model, rm, tokenizer=tokenizer if reencode else None,
+                       input_tokenizer=input_tokenizer if reencode else None,
                        max_length=rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length,
                        sync_max=lambda k: all_reduce_max_int(k, ctx.device), device=ctx.device)

@@ -17,6 +17,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import tempfile
 from typing import Iterable, Optional
 
@@ -32,7 +33,7 @@ from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
 from rlhf_hpc.planning.memory_plan import oom_message
 
-__all__ = ["ReloadVerdicts", "VLLMEngine", "VLLM_BELOW", "VLLM_MIN", "check_vllm_version"]
+__all__ = ["ReloadVerdicts", "VLLMEngine", "VLLM_BELOW", "VLLM_MIN", "check_vllm_version", "quiet_vllm_logging"]
 
 log = logging.getLogger("rlhf_hpc.rollout")
 
@@ -107,27 +108,28 @@ class ReloadVerdicts(logging.Handler):
             logging.getLogger(name).setLevel(level)
 
 
-# Warnings vLLM prints that say nothing is wrong here (logger -> message prefixes):
-# - "RotaryEmbedding: Failed to load weights", on every weight reload: its cos/sin cache is a
+# Warnings vLLM prints that say nothing is wrong here (logger -> patterns a message starts with):
+# - "<...>RotaryEmbedding: Failed to load weights" (RotaryEmbedding, Llama3RotaryEmbedding,
+#   YaRNScalingRotaryEmbedding, ...: the class's name), on every weight reload: its cos/sin cache is a
 #   buffer computed from the config, never in a checkpoint, so an in-place reload finds no weights
 #   for it and puts back the cache it had (vllm/model_executor/model_loader/reload/layerwise.py).
 # - "Using None for EOS token id ...", "Chat template warmup failed" (with a traceback, at start):
 #   the engine runs without a tokenizer (skip_tokenizer_init); prompts arrive as token ids and
 #   every request carries its stop token ids (rlhf_hpc.ppo.step_batch.sampling_for).
 HARMLESS_VLLM_WARNINGS = {
-    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
-    "vllm.renderers.base": ("Using None for EOS token id because tokenizer is not initialized",
-                            "Chat template warmup failed"),
+    "vllm.model_executor.model_loader.reload.layerwise": (r"\w*RotaryEmbedding: Failed to load weights",),
+    "vllm.renderers.base": (r"Using None for EOS token id because tokenizer is not initialized",
+                            r"Chat template warmup failed"),
 }
 
 
 class _DropHarmless(logging.Filter):
-    def __init__(self, prefixes: tuple[str, ...]):
+    def __init__(self, patterns: tuple[str, ...]):
         super().__init__()
-        self.prefixes = prefixes
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
+        return self.pattern.match(record.getMessage()) is None
 
 
 def quiet_vllm_logging() -> None:
