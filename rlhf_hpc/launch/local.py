@@ -90,14 +90,17 @@ def check_heartbeat_timeout(cfg: Config) -> float:
 
 
 def prune_empty_dirs(root: Path) -> None:
-    """Remove the empty directories under ``root`` (torchrun's per-launch folders), then ``root`` if empty."""
-    if not root.is_dir():
-        return
-    for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+    """Remove the empty directories under ``root`` (torchrun's per-launch folders), then ``root`` if empty.
+    The nodes of a job share the run directory and prune it at once: a folder another node removed
+    is no error."""
+    dirs = []
+    for parent, children, _ in os.walk(root):  # (os.walk skips what vanishes under it; Path.rglob raises)
+        dirs += [Path(parent) / c for c in children]
+    for path in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
         try:
             path.rmdir()
         except OSError:
-            pass  # not empty: something was written there
+            pass  # not empty (something was written there), or gone already
     try:
         root.rmdir()
     except OSError:

@@ -129,8 +129,14 @@ def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
                                                             m.override_config, cfg.trainer.seed + 2,
                                                             m.trust_remote_code, attn, device),
                           m.fsdp_config, ctx, False, not is_tiny(m.path), frozen=True)  # inference only
-    tokenizer = load_tokenizer("tiny://chars" if m.path.startswith("tiny://") else m.path, m.trust_remote_code)
-    reencode = m.input_tokenizer is not None or needs_reencoding(tokenizer, input_tokenizer)
+    try:
+        tokenizer = load_tokenizer("tiny://chars" if m.path.startswith("tiny://") else m.path, m.trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError):  # (what transformers raises for missing files varies)
+        if m.input_tokenizer is not None:  # re-encoding asked for: it needs the reward model's own
+            raise
+        tokenizer = None  # a checkpoint without tokenizer files: it can only read the actor's tokens
+    comparable = tokenizer is not None and input_tokenizer is not None
+    reencode = m.input_tokenizer is not None or (comparable and needs_reencoding(tokenizer, input_tokenizer))
     if reencode and m.input_tokenizer is None and ctx.is_main:
         print("[rlhf-hpc] the reward model's tokenizer differs from the actor's (vocabulary or chat template): each "
               "conversation is re-encoded through the reward model's chat template, as verl does by default "
