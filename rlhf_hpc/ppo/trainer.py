@@ -191,7 +191,7 @@ class PPOTrainer:
         target = ckpt.choose_resume(self.run_dir, self.tracker.log_line, at_most=at_step - 1 - self.guard.lag)
         if target is None:
             raise GuardStop(f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
-                               f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)")
+                            f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)")
         extra = self.restore(target)
         ckpt.mark_latest(self.run_dir, target)
         # the reward's KL coefficient as saved, times the rollbacks' scale since that checkpoint
