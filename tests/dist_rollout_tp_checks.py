@@ -37,7 +37,10 @@ def main(out: Path, path: str) -> None:
     temperature = 0.8
     actor = sharded_fp32_actor(cfg, world, temperature, path)
     engine = make_engine(cfg, path, CPU, build_rollout_tp_group(2, 2))
-    res: dict = {"rank": rank, "dp_rank": engine.dp_rank, "shm_segments": list(engine._shm_segments)}
+    # vLLM's CPU build has its shared-memory communicator only in the AVX-512 kernels (_C); on an
+    # AVX2-only CPU (_C_AVX2) tensor parallelism all-reduces through torch.distributed, no segments
+    res: dict = {"rank": rank, "dp_rank": engine.dp_rank, "shm_segments": list(engine._shm_segments),
+                 "shm_manager": hasattr(torch.ops._C, "init_shm_manager")}
 
     state = full_model_state(actor.model)
     states = [None] * world

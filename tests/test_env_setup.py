@@ -44,3 +44,98 @@ def test_unknown_profile_is_refused(tmp_path):
     assert out.returncode == 1
     assert "unknown profile 'tpu'; use one of: cpu, gpu, auto" in out.stderr
     assert not (tmp_path / "venv").exists()
+
+
+# ---------------------------------------------------------------- the gpu profile's driver branches
+def _fake_nvidia_smi(bin_dir: Path, driver: str | None) -> None:
+    """An ``nvidia-smi`` that answers as a node with one H100 and the given driver (None: no GPU)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    listing = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)" if driver else ""
+    smi.write_text("#!/bin/sh\n"
+                   f'case "$*" in *driver_version*) echo "{driver or ""}" ;; *-L*) echo "{listing}" ;; esac\n')
+    smi.chmod(0o755)
+
+
+def _plan(tmp_path: Path, driver: str | None, profile: str = "gpu", **env_vars: str):
+    """``env/setup.sh PROFILE --print-plan`` on a PATH whose nvidia-smi is the fake one (or none)."""
+    bin_dir = tmp_path / "bin"
+    if driver is not None:
+        _fake_nvidia_smi(bin_dir, driver)
+    path = os.pathsep.join([str(bin_dir)] + [p for p in os.environ["PATH"].split(os.pathsep)
+                                             if not (Path(p) / "nvidia-smi").exists()])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_HPC_")}
+    env.update(PATH=path, RLHF_HPC_VENV=str(tmp_path / "venv"), **env_vars)
+    out = subprocess.run(["bash", str(SETUP), profile, "--print-plan"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert not (tmp_path / "venv").exists()  # a plan installs nothing
+    return out
+
+
+def test_a_driver_of_r580_or_newer_gets_the_cuda13_build(tmp_path):
+    out = _plan(tmp_path, "580.95.05")
+    assert out.returncode == 0, out.stderr
+    assert "driver 580.95.05 -> CUDA 13.0 build of vLLM 0.33.0 (cu130)" in out.stdout
+    assert "plan: pip install vllm==0.33.0" in out.stdout
+    assert "download.pytorch.org" not in out.stdout and "minor-version" not in out.stdout
+
+
+def test_drivers_r525_to_r579_get_the_cuda12_build(tmp_path):
+    for driver, compat in (("575.57.08", False), ("570.133.20", False), ("535.104.05", True), ("525.60.13", True)):
+        out = _plan(tmp_path, driver)
+        assert out.returncode == 0, out.stderr
+        assert f"driver {driver} -> CUDA 12.8 build of vLLM 0.33.0 (cu128)" in out.stdout
+        assert "vllm-0.33.0+cu128-cp38-abi3" in out.stdout
+        assert "--extra-index-url https://download.pytorch.org/whl/cu128" in out.stdout
+        assert ("minor-version compatibility" in out.stdout) is compat, (driver, out.stdout)
+
+
+def test_a_driver_older_than_r525_stops_with_the_fix(tmp_path):
+    out = _plan(tmp_path, "470.256.02")
+    assert out.returncode == 1 and "plan:" not in out.stdout
+    assert "NVIDIA driver 470.256.02 supports CUDA 12.0 at most" in out.stderr
+    assert "Ask the site for driver R525+" in out.stderr
+
+
+def test_no_driver_stops_unless_the_build_is_named(tmp_path):
+    out = _plan(tmp_path, None)
+    assert out.returncode == 1 and "nvidia-smi not found" in out.stderr and "RLHF_HPC_CUDA=12.8" in out.stderr
+    out = _plan(tmp_path, "")  # nvidia-smi present, no GPU listed
+    assert out.returncode == 1 and "lists no GPU" in out.stderr
+    out = _plan(tmp_path, None, RLHF_HPC_CUDA="12.8")  # the container build
+    assert out.returncode == 0, out.stderr
+    assert "RLHF_HPC_CUDA=12.8 -> CUDA 12.8 build" in out.stdout and "driver not asked" in out.stdout
+    out = _plan(tmp_path, "580.95.05", RLHF_HPC_CUDA="12.4")
+    assert out.returncode == 1 and "RLHF_HPC_CUDA='12.4': use 12.8 or 13.0" in out.stderr
+
+
+def test_flash_attn_is_opt_in(tmp_path):
+    out = _plan(tmp_path, "580.95.05")
+    assert "flash-attn: not installed (set RLHF_HPC_FLASH_ATTN=1" in out.stdout and "varlen" in out.stdout
+    assert "plan: pip install --no-build-isolation" not in out.stdout
+    out = _plan(tmp_path, "580.95.05", RLHF_HPC_FLASH_ATTN="1")
+    assert "plan: pip install --no-build-isolation 'flash-attn>=2.7'" in out.stdout
+
+
+def test_auto_profile_follows_the_driver(tmp_path):
+    out = _plan(tmp_path, "570.133.20", profile="auto")
+    assert out.returncode == 0 and "auto-detected profile: gpu" in out.stdout and "(cu128)" in out.stdout
+    out = _plan(tmp_path / "nogpu", None, profile="auto")
+    assert out.returncode == 0 and "auto-detected profile: cpu" in out.stdout and "torch==2.13.0+cpu" in out.stdout
+
+
+def test_the_container_and_the_profile_name_the_same_cuda():
+    """The image builds the CUDA 12.8 variant against its own nvcc 12.8 (flash-attn compiles with it)."""
+    definition = (REPO / "env" / "rlhf-hpc-gpu.def").read_text()
+    assert "From: nvidia/cuda:12.8" in definition and "RLHF_HPC_CUDA=12.8" in definition
+    assert "module load cuda/12.8" in (REPO / "slurm" / "clusters" / "example-gpu.yaml").read_text()
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
+    assert f"vllm>={VLLM_MIN},<{VLLM_BELOW}" in cfg["options.extras_require"]["gpu"]
+    assert "flash-attn" not in cfg["options.extras_require"]["gpu"]
+    setup = SETUP.read_text()
+    vllm_gpu = next(line.split("=")[1] for line in setup.splitlines() if line.startswith("VLLM_GPU="))
+    from packaging.version import Version
+    assert Version(VLLM_MIN) <= Version(vllm_gpu) < Version(VLLM_BELOW)
