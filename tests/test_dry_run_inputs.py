@@ -221,3 +221,52 @@ def test_prepare_refuses_an_empty_split_and_a_bad_record(tmp_path):
     with pytest.raises(SystemExit, match="the train split has no records; nothing written"):
         prepare(["gsm8k", "--src", str(src), "--out", str(out)])
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ bf16 on a CPU without native bf16
+ZEN3 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma bmi2\nprocessor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma bmi2\n"
+SAPPHIRE_RAPIDS = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+NEOVERSE_V1 = "Features\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    from rlhf_hpc.planning.hardware import cpu_has_native_bf16
+    assert cpu_has_native_bf16(ZEN3) is False
+    assert cpu_has_native_bf16(SAPPHIRE_RAPIDS) is True
+    assert cpu_has_native_bf16(NEOVERSE_V1) is True
+    assert cpu_has_native_bf16("model name\t: something\n") is None  # no flags line: unknown, nothing said
+
+
+def test_the_bf16_keys_are_the_models_the_run_has():
+    from rlhf_hpc.planning.hardware import cpu_bf16_keys
+    from rlhf_hpc.recipe.load import load_config
+    mp = "fsdp_config.mixed_precision.param_dtype"
+    grpo, _ = load_config("smollm2_add_grpo", [], check_files=False)
+    assert cpu_bf16_keys(grpo) == [f"actor_rollout_ref.actor.{mp}", "actor_rollout_ref.rollout.dtype",
+                                   f"actor_rollout_ref.ref.{mp}"]
+    lora, _ = load_config("smollm2_add_grpo", ["actor_rollout_ref.model.lora_rank=8"], check_files=False)
+    assert f"actor_rollout_ref.ref.{mp}" not in cpu_bf16_keys(lora)  # the reference is the actor, adapter off
+    klppo, _ = load_config("qwen7b_klppo", ["trainer.device=cpu"], check_files=False)
+    assert f"critic.model.{mp}" in cpu_bf16_keys(klppo)
+    tiny, _ = load_config("tiny_klppo", [], check_files=False)
+    assert cpu_bf16_keys(tiny) == []  # fp32 throughout
+
+
+def test_the_dry_run_says_bf16_is_slow_here_exactly_without_native_bf16(capsys, tmp_path):
+    """The warning names every bf16 key and the float32 overrides; with them applied nothing is said;
+    a GPU run is never warned about the login node's CPU."""
+    from rlhf_hpc.planning.hardware import cpu_bf16_keys, cpu_dtype_warnings, cpu_has_native_bf16
+    from rlhf_hpc.recipe.load import load_config
+    cfg, _ = load_config("smollm2_add_grpo", [], check_files=False)
+    (w,) = cpu_dtype_warnings(cfg, native_bf16=False)
+    fix = " ".join(f"{k}=float32" for k in cpu_bf16_keys(cfg))
+    assert w.startswith("this CPU has no native bf16") and w.endswith(f"to run in float32 add: {fix}")
+    assert cpu_dtype_warnings(cfg, native_bf16=True) == []
+    fixed, _ = load_config("smollm2_add_grpo", fix.split(), check_files=False)
+    assert cpu_dtype_warnings(fixed, native_bf16=False) == []
+    gpu, _ = load_config("qwen7b_klppo", [], check_files=False)
+    assert gpu.trainer.device != "cpu" and cpu_dtype_warnings(gpu, native_bf16=False) == []
+    # the dry run itself, on this machine
+    assert launch(["recipe=smollm2_add_grpo", f"trainer.default_local_dir={tmp_path}/run", "--dry-run"]) == 0
+    said = "this CPU has no native bf16" in capsys.readouterr().err
+    assert said is (cpu_has_native_bf16() is False)

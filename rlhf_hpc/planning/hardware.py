@@ -27,7 +27,8 @@ from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
 
 __all__ = ["CALIBRATION_KEYS", "DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU",
-           "calibration_path", "calibration_problems", "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb",
+           "calibration_path", "calibration_problems", "cpu_bf16_keys", "cpu_dtype_warnings", "cpu_has_native_bf16",
+           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb",
            "hardware_of", "hardware_problems", "preset_for_device", "read_calibration", "register_hardware",
            "write_calibration"]
 
@@ -356,3 +357,58 @@ def hardware_problems(cfg) -> list[str]:
         except ConfigError as e:
             out += e.errors
     return out
+
+
+# ------------------------------------------------------------------------------ bf16 on a CPU
+# CPU feature flags (/proc/cpuinfo) of native bf16 arithmetic: x86 AVX-512 BF16 or AMX, Arm's BF16.
+# Without them torch emulates bf16 matmuls (measured 5-25x slower than fp32: BENCHMARKS.md).
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> Optional[bool]:
+    """Whether this CPU computes bf16 natively, from the flags in ``cpuinfo`` (the text of
+    /proc/cpuinfo; read when None). None where the flags cannot be read (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, Arm
+            flags.update(value.split())
+    if not flags:
+        return None
+    return any(f in flags for f in NATIVE_BF16_FLAGS)
+
+
+def cpu_bf16_keys(cfg) -> list[str]:
+    """The config keys of the models this run computes in bf16 (the actor, the engine, and the
+    reference, critic and reward model where the run has them)."""
+    arr = cfg.actor_rollout_ref
+    keys = {"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": arr.actor.fsdp_config.mixed_precision.param_dtype,
+            "actor_rollout_ref.rollout.dtype": arr.rollout.dtype}
+    if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not (arr.model.lora_rank or arr.model.lora_adapter_path):
+        # (with LoRA the reference is the actor with its adapter off: no model of its own)
+        keys["actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype"] = arr.ref.fsdp_config.mixed_precision.param_dtype
+    if cfg.critic.enable:
+        keys["critic.model.fsdp_config.mixed_precision.param_dtype"] = cfg.critic.model.fsdp_config.mixed_precision.param_dtype
+    if cfg.reward_model.enable:
+        keys["reward_model.model.fsdp_config.mixed_precision.param_dtype"] = (
+            cfg.reward_model.model.fsdp_config.mixed_precision.param_dtype)
+    return [k for k, v in keys.items() if v == "bfloat16"]
+
+
+def cpu_dtype_warnings(cfg, native_bf16: Optional[bool] = None) -> list[str]:
+    """A CPU run computing in bf16 on a CPU without native bf16 (``cpu_has_native_bf16``; read here
+    when None): the keys, and the float32 overrides that run it at full speed."""
+    if cfg.trainer.device != "cpu":
+        return []
+    native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+    keys = cpu_bf16_keys(cfg)
+    if native is not False or not keys:
+        return []
+    return [f"this CPU has no native bf16 (no avx512_bf16/amx_bf16 in /proc/cpuinfo): torch emulates it, 5-25x "
+            f"slower than float32 (BENCHMARKS.md). The run computes in bf16 through {', '.join(keys)}; to run in "
+            f"float32 add: {' '.join(k + '=float32' for k in keys)}"]

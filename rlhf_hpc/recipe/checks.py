@@ -14,7 +14,7 @@ from rlhf_hpc.recipe.algorithm_checks import algorithm_problems, algorithm_warni
 from rlhf_hpc.recipe.defaults import deprecated_key_warnings
 from rlhf_hpc.recipe.model_checks import (lora_problems, lora_warnings, model_architecture_problems,
                                           model_file_problems, reward_model_problems, sequence_parallel_problems)
-from rlhf_hpc.planning.hardware import hardware_problems
+from rlhf_hpc.planning.hardware import cpu_dtype_warnings, hardware_problems
 from rlhf_hpc.recipe.input_checks import input_problems
 from rlhf_hpc.recipe.packages import config_package_problems
 
@@ -104,6 +104,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     warnings += lora_warnings(cfg)
     warnings += strategy_warnings(cfg)
     warnings += deprecated_key_warnings(cfg)
+    warnings += cpu_dtype_warnings(cfg)
     files = missing_files(cfg)
     if check_files:
         errors += files
