@@ -113,6 +113,8 @@ def test_submitted_job_completes(slurm, tmp_path):
     assert "step 4/4 | score" in logs.stdout
     # the job's log has the layout (the submit's console is elsewhere) and names the libraries' logs
     assert logs.stdout.count("[rlhf-hpc] FSDP layout of actor, ref, critic") == 1
+    # the job step has the CPUs the profile asks for (launcher.cpus_per_task=2, restated on srun)
+    assert "torchrun with 2 ranks on 2 CPUs" in logs.stdout and "launcher.cpus_per_task asks for" not in logs.stdout
     assert f"warnings, by rank: {run}/logs/libraries.rank0.log, {run}/logs/libraries.rank1.log" in logs.stdout
 
 
@@ -220,6 +222,25 @@ def test_bad_requests_are_refused_before_submission(slurm, tmp_path, override, m
     assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == before
 
 
+def test_the_steps_restate_the_jobs_cpus(tmp_path):
+    """Both job scripts give srun the job's --cpus-per-task (Slurm 22.05-23.11 steps do not inherit it)."""
+    out = run_launch(*TINY, "--dry-run", f"trainer.default_local_dir={tmp_path}/run")
+    assert out.returncode == 0, out.stderr
+    (srun,) = [line for line in out.stdout.splitlines() if line.startswith("srun ")]
+    assert "--cpus-per-task=2" in srun.split()  # slurm/clusters/local.yaml: cpus_per_task 2
+    plain = (REPO / "slurm" / "klppo.sbatch").read_text()
+    (srun,) = [line for line in plain.splitlines() if line.startswith("srun ")]
+    assert '${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}' in srun
+
+
+def test_a_step_with_fewer_cpus_than_asked_is_said():
+    from rlhf_hpc.planning.hardware import step_cpu_warning
+    said = step_cpu_warning(64, 1, None)
+    assert said.startswith("this node's job step can use 1 of the 64 CPUs launcher.cpus_per_task asks for "
+                           "(SLURM_CPUS_PER_TASK=unset)") and "--cpus-per-task" in said
+    assert step_cpu_warning(64, 64, "64") is None and step_cpu_warning(None, 1, None) is None
+
+
 def test_plain_sbatch_runs_the_same_job(slurm, tmp_path):
     run = tmp_path / "run"
     out = subprocess.run(["sbatch", "--parsable", "--cpus-per-task=2", f"--output={tmp_path}/job-%j.out",
@@ -231,4 +252,6 @@ def test_plain_sbatch_runs_the_same_job(slurm, tmp_path):
     job = out.stdout.strip().split(";")[0]
     assert wait_done(job) == "COMPLETED", (tmp_path / f"job-{job}.out").read_text()[-3000:]
     assert raw_steps(run) == [1, 2]
-    assert "step 2/2 | score" in (tmp_path / f"job-{job}.out").read_text()
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert "step 2/2 | score" in log
+    assert "torchrun with 2 ranks on 2 CPUs" in log  # sbatch --cpus-per-task=2, restated on its srun

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config
+from rlhf_hpc.planning.hardware import cpu_threads_per_rank
 from rlhf_hpc.distributed.heartbeat import ENV_INTERVAL, ENV_LAUNCH_ID, HEARTBEAT_DIR, beat_interval
 from rlhf_hpc.distributed.host_allocator import malloc_tunables
 from rlhf_hpc.launch.failure import (BAD_INPUT, FAILED, OK, RESTARTABLE, Failure, checkpoint_summary,
@@ -64,7 +65,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     if cfg.trainer.device == "cpu":
         if "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node))
+            env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(cfg.trainer.n_gpus_per_node))
         tunables, _ = malloc_tunables(env)
         if tunables:
             env["GLIBC_TUNABLES"] = tunables

@@ -34,6 +34,7 @@ from rlhf_hpc.launch.rank_group import Outcome, RankGroup
 from rlhf_hpc.launch.run_lock import RunDirLocked, RunLock
 from rlhf_hpc.launch.stop import clear, read_stopped
 from rlhf_hpc.launch.watchdog import Watchdog
+from rlhf_hpc.planning.hardware import step_cpu_warning, usable_cpus
 from rlhf_hpc.recipe.load import load_resolved
 
 __all__ = ["JOBS_FILE", "NodeJob", "NodeRun", "node_info", "resume_command"]
@@ -119,9 +120,13 @@ class NodeRun:
             env["RLHF_HPC_JOB_END_TIME"] = str(info.end_time)
         self.cmd = node_torchrun_command(cfg, config_path, info)
         # one line per node in its own log: where it runs and where the ranks meet
+        cpus = usable_cpus()
         print(f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
-              f"{cfg.trainer.n_gpus_per_node} ranks, rendezvous {info.master}:{info.port} "
+              f"{cfg.trainer.n_gpus_per_node} ranks on {cpus} CPUs, rendezvous {info.master}:{info.port} "
               f"(id {info.job_id}, restart {info.restart_count})", flush=True)
+        warning = step_cpu_warning(cfg.launcher.cpus_per_task, cpus, os.environ.get("SLURM_CPUS_PER_TASK"))
+        if warning:
+            print(f"[rlhf-hpc] warning: {warning}", flush=True)
         self.group = RankGroup(self.cmd, env, self.run_dir)
         self.proc = self.group.proc
 

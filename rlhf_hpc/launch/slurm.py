@@ -98,6 +98,8 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
         params["partition"] = la.partition
     if la.cpus_per_task:
         params["cpus_per_task"] = la.cpus_per_task
+        # restated on the step: from Slurm 22.05 to 23.11 srun does not inherit the job's value
+        params["srun_args"] = [f"--cpus-per-task={la.cpus_per_task}"]
     if la.mem_gb:
         params["mem"] = f"{la.mem_gb}GB"
     if la.gpu_request == "gpus-per-node":

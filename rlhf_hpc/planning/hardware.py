@@ -28,7 +28,7 @@ from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
 
 __all__ = ["CALIBRATION_KEYS", "DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU",
            "calibration_path", "calibration_problems", "cpu_bf16_keys", "cpu_dtype_warnings", "cpu_has_native_bf16",
-           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb",
+           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "step_cpu_warning", "usable_cpus",
            "hardware_of", "hardware_problems", "preset_for_device", "read_calibration", "register_hardware",
            "write_calibration"]
 
@@ -287,9 +287,29 @@ def write_calibration(path: str | Path, figures: dict) -> Path:
     return p
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a Slurm step bound to its cores, a
+    cgroup), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
 def cpu_threads_per_rank(ranks_per_node: int) -> int:
     """OMP threads a local CPU rank gets (rlhf_hpc.launch.local)."""
-    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(ranks_per_node, 1)))
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, usable_cpus() // max(ranks_per_node, 1)))
+
+
+def step_cpu_warning(cpus_per_task: Optional[int], usable: int, slurm_cpus_per_task: Optional[str]) -> Optional[str]:
+    """A node's job step that can use fewer CPUs than ``launcher.cpus_per_task`` asked for: its
+    ranks, the engine's and NCCL's threads would share them."""
+    if not cpus_per_task or usable >= cpus_per_task:
+        return None
+    return (f"this node's job step can use {usable} of the {cpus_per_task} CPUs launcher.cpus_per_task asks for "
+            f"(SLURM_CPUS_PER_TASK={slurm_cpus_per_task or 'unset'}): the ranks, vLLM's and NCCL's threads share "
+            f"them. The step's srun must restate --cpus-per-task (Slurm 22.05-23.11 steps do not inherit it); "
+            f"the launcher's sbatch and slurm/klppo.sbatch do, so a site setting or a wrapper binds it smaller")
 
 
 def preset_for_device(device_name: str) -> Optional[str]:
