@@ -73,5 +73,29 @@ def test_gpu_ranks_get_nccl_without_cumem_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     assert worker_env(cfg)["NCCL_CUMEM_ENABLE"] == "0"
     assert "NCCL_CUMEM_ENABLE" not in worker_env(load_config("tiny_klppo")[0])  # CPU ranks: no NCCL
+    auto, _ = load_config("qwen7b_klppo", ["trainer.device=auto"], check_files=False)
+    assert worker_env(auto)["NCCL_CUMEM_ENABLE"] == "0"  # auto: GPU ranks wherever there is a GPU
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
     assert worker_env(cfg)["NCCL_CUMEM_ENABLE"] == "1"  # the user's choice stays
+
+
+def test_a_tensor_parallel_engine_with_sleep_mode_all_reduces_through_nccl_only(monkeypatch):
+    """vLLM's disable_custom_all_reduce leaves its symmetric-memory and FlashInfer all-reduces on
+    (both default on); under sleep mode with TP > 1 the ranks turn them off, unless the user chose."""
+    names = ("VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    tp = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    two, _ = load_config("qwen7b_klppo", [f"{tp}=2"], check_files=False)
+    assert all(worker_env(two)[n] == "0" for n in names)
+    one, _ = load_config("qwen7b_klppo", [f"{tp}=1"], check_files=False)
+    awake, _ = load_config("qwen7b_klppo", [f"{tp}=2", "actor_rollout_ref.rollout.free_cache_engine=false"],
+                           check_files=False)
+    assert not any(n in worker_env(one) or n in worker_env(awake) for n in names)
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_FLASHINFER", "1")
+    assert worker_env(two)["VLLM_ALLREDUCE_USE_FLASHINFER"] == "1"
+    try:  # the names are vLLM's (a rename would leave them without effect)
+        from vllm import envs
+    except ImportError:
+        return
+    assert all(n in envs.environment_variables for n in names)

@@ -121,27 +121,38 @@ def test_logprob_check_warns_then_stops_after_consecutive_steps():
 
 
 def test_generation_rng_is_per_dp_rank_and_leaves_the_training_rng_alone():
+    """torch, Python and numpy (vLLM's V2 model runner draws request seeds from numpy): the ranks of
+    one tensor-parallel group draw alike, whatever their training states; training's are untouched."""
     import random
+
+    import numpy as np
     from rlhf_hpc.rollout.rng import GenerationRNG
     cpu = torch.device("cpu")
     torch.manual_seed(5)
-    expected = torch.rand(3)
+    np.random.seed(5)
+    expected, expected_np = torch.rand(3), np.random.random(3)
     torch.manual_seed(5)
+    np.random.seed(5)
     a, a2, b = GenerationRNG(1, 0, cpu), GenerationRNG(1, 0, cpu), GenerationRNG(1, 1, cpu)
+    assert torch.equal(torch.rand(3), expected) and (np.random.random(3) == expected_np).all()  # made aside
     draws = {}
     for name, rng in (("a", a), ("a2", a2), ("b", b)):
         torch.manual_seed(100 + len(name))  # training states differ between "ranks"
+        np.random.seed(100 + len(name))
         with rng.active():
-            draws[name] = (torch.rand(3), random.random())
-    assert torch.equal(draws["a"][0], draws["a2"][0]) and draws["a"][1] == draws["a2"][1]  # same dp rank
-    assert not torch.equal(draws["a"][0], draws["b"][0])
+            draws[name] = (torch.rand(3), random.random(), np.random.randint(0, 2**31, 4).tolist())
+    assert torch.equal(draws["a"][0], draws["a2"][0]) and draws["a"][1:] == draws["a2"][1:]  # same dp rank
+    assert not torch.equal(draws["a"][0], draws["b"][0]) and draws["a"][2] != draws["b"][2]
     with a.active():  # the stream continues where it stopped
-        again = torch.rand(3)
-    assert not torch.equal(again, draws["a"][0])
+        again, again_np = torch.rand(3), np.random.randint(0, 2**31, 4).tolist()
+    assert not torch.equal(again, draws["a"][0]) and again_np != draws["a"][2]
     torch.manual_seed(5)
+    np.random.seed(5)
     with a2.active():
         torch.rand(10)
-    assert torch.equal(torch.rand(3), expected)  # generation did not move the training stream
+        np.random.random(10)
+    # generation did not move the training streams
+    assert torch.equal(torch.rand(3), expected) and (np.random.random(3) == expected_np).all()
 
 
 def test_step_seed_depends_on_the_dp_rank_only():

@@ -61,7 +61,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
     """Environment for the ranks. CPU ranks share the cores: without a cap on OpenMP threads each
     rank would start one thread per core and they would all fight over them. They also get glibc
     malloc settings that keep freed tensor memory (``rlhf_hpc.distributed.host_allocator``) unless the user set
-    their own. GPU ranks get NCCL without cuMem (see below). A variable the user set is kept."""
+    their own. GPU ranks get NCCL without cuMem, and a tensor-parallel vLLM with sleep mode NCCL's
+    all-reduce only (see below). A variable the user set is kept."""
     env = dict(os.environ)
     if cfg.trainer.device == "cpu":
         if "OMP_NUM_THREADS" not in env:
@@ -72,11 +73,18 @@ def worker_env(cfg: Config) -> dict[str, str]:
         # torch's C++ warnings go straight to stderr (rlhf_hpc.observability.library_logs cannot route them); on
         # CPU ranks they are vLLM's thread and NUMA binding notes
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    elif cfg.trainer.device == "cuda":
+    else:  # cuda, or auto (GPU ranks wherever a GPU is found)
         # NCCL's buffers off the CUDA virtual-memory API (cuMem): vLLM's sleep mode frees and remaps
         # memory through that API in the same process, and NCCL buffers allocated through it have
         # crashed colocated engines on wake (verl sets the same for its colocated vLLM)
         env.setdefault("NCCL_CUMEM_ENABLE", "0")
+        rollout = cfg.actor_rollout_ref.rollout
+        if rollout.name == "vllm" and rollout.tensor_model_parallel_size > 1 and rollout.free_cache_engine:
+            # NCCL only for the engine's tensor-parallel all-reduce under sleep mode: vLLM's
+            # disable_custom_all_reduce (set by the engine) leaves its symmetric-memory and FlashInfer
+            # all-reduces on, which keep their own buffers across sleep/wake like the custom one
+            env.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
+            env.setdefault("VLLM_ALLREDUCE_USE_FLASHINFER", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
     env[ENV_INTERVAL] = str(beat_interval(cfg.launcher.heartbeat_timeout_s))
     return env

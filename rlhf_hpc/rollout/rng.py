@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import random
 
+import numpy as np
 import torch
 
 __all__ = ["GenerationRNG", "preserved_rng"]
 
 
 def _capture(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    # numpy too: vLLM's V2 model runner (GPU builds with triton) draws each request's seed from it
+    state = {"cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -30,6 +32,7 @@ def _capture(device: torch.device) -> dict:
 def _restore(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
@@ -45,7 +48,7 @@ def preserved_rng(device: torch.device):
 
 
 class GenerationRNG:
-    """The global torch (CPU and ``device``) and Python RNG states generation runs with.
+    """The global torch (CPU and ``device``), Python and numpy RNG states generation runs with.
     ``dp_rank`` is the rollout data-parallel rank: equal on the ranks of one tensor-parallel group."""
 
     def __init__(self, seed: int, dp_rank: int, device: torch.device):
@@ -53,6 +56,7 @@ class GenerationRNG:
         with preserved_rng(device):
             torch.manual_seed(seed + dp_rank)  # seeds CUDA too
             random.seed(seed + dp_rank)
+            np.random.seed(seed + dp_rank)
             self._state = _capture(device)
 
     @contextlib.contextmanager
