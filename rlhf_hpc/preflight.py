@@ -33,7 +33,8 @@ import torch.distributed as dist
 from rlhf_hpc.config.engines import ENGINES
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_min, all_reduce_sum,
-                                                build_rollout_tp_group, build_train_mesh, mesh_shape)
+                                                build_rollout_tp_group, build_train_mesh, device_memory_gb,
+                                                mesh_shape)
 from rlhf_hpc.planning.sizing import GiB
 from rlhf_hpc.data.dataset import load_examples
 from rlhf_hpc.distributed import sequence_parallel
@@ -120,7 +121,7 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
     for check in bandwidth_checks(cfg, ctx, hosts):
         add(check)
 
-    plan, _, _ = check_plan(cfg)
+    plan, _, _ = check_plan(cfg, device_memory_gb(ctx.device))
     faults = FaultInjector(tr.inject_fault, ctx.rank)
     tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
     models = build_training_models(cfg, ctx, total_steps=1)
@@ -314,8 +315,10 @@ def sleep_check(cfg: Config, ctx: DistContext, rollout, plan, state: dict) -> Ch
     ok = share is None or freed >= 0.8 * share
     return Check("sleep/wake", ok, f"sleep freed {freed / GiB:.1f} GiB (plan: vLLM's share {(share or 0) / GiB:.1f} GiB, "
                  f"gpu_memory_utilization={arr.rollout.gpu_memory_utilization})",
-                 "vLLM did not free its memory: training would run beside it; check the vLLM version "
-                 "(env/setup.sh gpu) and actor_rollout_ref.rollout.free_cache_engine")
+                 f"vLLM freed less than its share of the plan's {(plan.capacity if plan else 0) / GiB:.0f} GiB GPU "
+                 f"({(plan.capacity_source if plan else '') or 'the 80 GiB default'}): if the GPU is smaller, set "
+                 f"hardware.hbm_gb; else training would run beside vLLM: check the vLLM version (env/setup.sh gpu) "
+                 f"and actor_rollout_ref.rollout.free_cache_engine")
 
 
 def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> Check:

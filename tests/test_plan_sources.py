@@ -4,6 +4,7 @@ engine's memory model, and the deprecated keys that point to the ones that stay.
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import Qwen2Config
 
 from rlhf_hpc.config.engines import ENGINES, EngineSpec
@@ -93,6 +94,22 @@ def test_deprecated_keys_are_copied_with_a_warning_and_refused_when_they_disagre
     cfg, _ = load_config("qwen7b_klppo", ["trainer.gpu_memory_gb=40"], check_files=False)
     plan = build_plan(cfg)
     assert plan.capacity == 40 * 2**30 and plan.capacity_source == "hardware.hbm_gb"
+
+
+def test_a_gpu_rank_plans_with_its_own_gpus_memory_where_the_config_names_none():
+    """On a 40 GB A100 the ranks' plan (preflight's sleep check, the trainer's measured-vs-plan line)
+    is of 40 GiB, not the 80 GiB a plan made away from the GPUs assumes; a size the config gives wins."""
+    from rlhf_hpc.planning.memory_plan import check_plan
+    cfg, _ = load_config("qwen7b_klppo", [], check_files=False)
+    away = build_plan(cfg)
+    assert away.capacity == 80 * 2**30 and "GPU memory assumed 80 GiB" in away.render()
+    on_a100_40 = check_plan(cfg, device_gb=39.4)[0]
+    assert on_a100_40.capacity == 39.4 * 2**30 and on_a100_40.capacity_source == "this GPU's memory"
+    assert "GPU memory assumed" not in on_a100_40.render()
+    given, _ = load_config("qwen7b_klppo", ["hardware.hbm_gb=141"], check_files=False)
+    assert build_plan(given, device_gb=39.4).capacity == 141 * 2**30
+    from rlhf_hpc.distributed.process_group import device_memory_gb
+    assert device_memory_gb(torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("recipe,overrides", [

@@ -7,6 +7,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -14,7 +16,7 @@ from rlhf_hpc.config.schema import Config
 from rlhf_hpc.distributed.comm import collective
 
 __all__ = ["DistContext", "all_reduce_max", "all_reduce_max_int", "all_reduce_min", "all_reduce_sum",
-           "build_rollout_tp_group", "build_train_mesh", "exit_process", "init_distributed", "mesh_shape",
+           "build_rollout_tp_group", "build_train_mesh", "device_memory_gb", "exit_process", "init_distributed", "mesh_shape",
            "on_exit_process", "process_group_backend"]
 
 
@@ -41,6 +43,13 @@ def pick_device(requested: str) -> torch.device:
                                "(use trainer.device=cpu, or check the CUDA build of torch)")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def device_memory_gb(device: torch.device) -> Optional[float]:
+    """GiB of this rank's GPU (None on the CPU): the memory plan's size where the config names none."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
 
 
 def host_collectives_needed(cfg: Config) -> bool:

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.engines import planned_engine
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.planning.hardware import cpu_threads_per_rank
 from rlhf_hpc.distributed.heartbeat import ENV_INTERVAL, ENV_LAUNCH_ID, HEARTBEAT_DIR, beat_interval
@@ -79,7 +80,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
         # crashed colocated engines on wake (verl sets the same for its colocated vLLM)
         env.setdefault("NCCL_CUMEM_ENABLE", "0")
         rollout = cfg.actor_rollout_ref.rollout
-        if rollout.name == "vllm" and rollout.tensor_model_parallel_size > 1 and rollout.free_cache_engine:
+        if (planned_engine(rollout.name).package == "vllm" and rollout.tensor_model_parallel_size > 1
+                and rollout.free_cache_engine):
             # NCCL only for the engine's tensor-parallel all-reduce under sleep mode: vLLM's
             # disable_custom_all_reduce (set by the engine) leaves its symmetric-memory and FlashInfer
             # all-reduces on, which keep their own buffers across sleep/wake like the custom one

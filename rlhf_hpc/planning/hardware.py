@@ -344,14 +344,17 @@ def hardware_of(cfg, device_name: Optional[str] = None) -> Hardware:
     return hw
 
 
-def gpu_memory_gb(cfg) -> tuple[float, str]:
+def gpu_memory_gb(cfg, device_gb: Optional[float] = None) -> tuple[float, str]:
     """(GiB of one GPU for the memory plan, where the figure comes from): ``hardware.hbm_gb`` (where
     the deprecated ``trainer.gpu_memory_gb`` is copied, rlhf_hpc.recipe.defaults), else a named
-    preset's, else 80 (H100 / A100 80GB)."""
+    preset's, else the GPU's own (``device_gb``: what a GPU rank reads from its device), else 80
+    (H100 / A100 80GB: a plan made away from the GPUs)."""
     if cfg.hardware.hbm_gb:
         return cfg.hardware.hbm_gb, "hardware.hbm_gb"
     if cfg.hardware.preset in PRESETS:
         return PRESETS[cfg.hardware.preset].hbm_gb, f"hardware.preset={cfg.hardware.preset}"
+    if device_gb:
+        return device_gb, "this GPU's memory"
     return DEFAULT_GPU_MEMORY_GB, ""
 
 

@@ -201,9 +201,10 @@ def _adapter_params(key: str, path: str, lora_cfg, override: dict, trust_remote_
 
 
 def build_plan(cfg: Config, shape: Optional[ModelShape] = None, critic_shape: Optional[ModelShape] = None,
-               rm_shape: Optional[ModelShape] = None) -> MemoryPlan:
-    """The plan of ``cfg``: its phases in step order (``PlanBuilder``), the host's line, notes."""
-    return PlanBuilder(cfg, shape, critic_shape, rm_shape).build()
+               rm_shape: Optional[ModelShape] = None, device_gb: Optional[float] = None) -> MemoryPlan:
+    """The plan of ``cfg``: its phases in step order (``PlanBuilder``), the host's line, notes.
+    ``device_gb``: the GPU's own memory, where a GPU rank plans (``hardware.gpu_memory_gb``)."""
+    return PlanBuilder(cfg, shape, critic_shape, rm_shape, device_gb).build()
 
 
 class PlanBuilder:
@@ -211,14 +212,14 @@ class PlanBuilder:
     one method per kind of phase: generation, a forward pass, an update."""
 
     def __init__(self, cfg: Config, shape: Optional[ModelShape], critic_shape: Optional[ModelShape],
-                 rm_shape: Optional[ModelShape]):
+                 rm_shape: Optional[ModelShape], device_gb: Optional[float] = None):
         arr, tr = cfg.actor_rollout_ref, cfg.trainer
         self.cfg, self.world = cfg, cfg.world_size
         self.s = shape or model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
         self.on_gpu = tr.device == "cuda"
         self.capacity_source = ""
         if self.on_gpu:
-            gb, self.capacity_source = gpu_memory_gb(cfg)
+            gb, self.capacity_source = gpu_memory_gb(cfg, device_gb)
             self.capacity = gb * GiB
         else:  # informational: the host's memory shared by the ranks of a node
             self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
@@ -379,12 +380,12 @@ class PlanBuilder:
                                  + (", gradient checkpointing" if recompute else "")))
 
 
-def check_plan(cfg: Config) -> tuple[Optional[MemoryPlan], list[str], list[str]]:
+def check_plan(cfg: Config, device_gb: Optional[float] = None) -> tuple[Optional[MemoryPlan], list[str], list[str]]:
     """(plan, errors, warnings) for ``cfg``: a GPU phase that cannot fit, or a node's host memory
     above ``launcher.mem_gb``, is an error; host memory above this machine's (a local run) a
-    warning. No plan where the model's shape is unknown."""
+    warning. No plan where the model's shape is unknown. ``device_gb``: as ``build_plan``."""
     try:
-        plan = build_plan(cfg)
+        plan = build_plan(cfg, device_gb=device_gb)
     except FileNotFoundError as e:
         return None, [], [f"memory plan skipped: {e}"]
     return plan, plan.failures(), plan.warnings()

@@ -40,7 +40,8 @@ from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.data.dataset import StatefulSampler, load_examples
-from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max, all_reduce_sum, build_rollout_tp_group
+from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_sum, build_rollout_tp_group,
+                                                device_memory_gb)
 from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows
 from rlhf_hpc.ppo.training_models import build_training_models
 from rlhf_hpc.ppo.faults import FaultInjector
@@ -213,7 +214,7 @@ class PPOTrainer:
             self.save(0)  # the starting point: what a divergence in the first steps rolls back to
         if tr.val_before_train and self.val_set and self.step == 0:
             self.tracker.log(self.run_validation(), self.step)
-        plan = check_plan(cfg)[0] if self.ctx.is_main else None  # its phases against this run's peaks (once)
+        plan = check_plan(cfg, device_memory_gb(self.ctx.device))[0] if self.ctx.is_main else None  # its phases against this run's peaks (once)
         first_step = self.step
         timed = False  # the time plan's line: once, at the run's second step (its first warms up)
         while self.step < self.total_steps:
