@@ -255,3 +255,45 @@ def test_host_replica_computes_as_fsdp2_mixed_precision(world_of_one, tied, chec
         torch.testing.assert_close(grads[n], expected, rtol=0, atol=atol, msg=n)
     assert dict(plain.named_parameters()) == params  # the same Parameter objects, not the bf16 casts
     assert all(p.dtype == torch.float32 and isinstance(p, torch.nn.Parameter) for p in params.values())
+
+
+@pytest.mark.parametrize("fsdp_size", [1, -1], ids=["replicated", "sharded"])
+def test_a_frozen_reference_kept_in_bf16_computes_what_its_fp32_copy_computes_in_bf16(world_of_one, fsdp_size):
+    """The reference's default storage is its compute dtype (verl keeps frozen models in bf16): the
+    same log-probs, bit for bit, as an fp32 copy computing in bf16 (FSDP2's param_dtype, or the
+    replica's casts), from half the memory; an explicit model_dtype is kept."""
+    from rlhf_hpc.distributed.process_group import DistContext
+    from rlhf_hpc.ppo.training_models import build_training_models
+    from rlhf_hpc.recipe.load import load_config
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    ref = "actor_rollout_ref.ref.fsdp_config."
+    base = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.use_kl_loss=true", f"{ref}fsdp_size={fsdp_size}",
+            f"{ref}mixed_precision.param_dtype=bfloat16", "actor_rollout_ref.model.path=tiny://qwen2?tie_word_embeddings=true"]
+    refs, sizes = {}, {}
+    for name, extra in (("default", []), ("fp32", [f"{ref}model_dtype=float32"])):
+        cfg, _ = load_config("tiny_klppo", base + extra)
+        assert cfg.actor_rollout_ref.ref.fsdp_config.model_dtype == ("bfloat16" if name == "default" else "float32")
+        refs[name] = build_training_models(cfg, ctx, total_steps=10).ref.model
+        sizes[name] = sum(p.numel() * p.element_size() for p in refs[name].parameters())
+    b = skewed_batch(seed=3)
+    with torch.no_grad():
+        want, got = (per_token_logprobs(refs[n], b, 0.7, remove_padding=True)[0] for n in ("fp32", "default"))
+    assert torch.equal(got, want)
+    assert sizes["default"] * 2 == sizes["fp32"]
+
+
+def test_a_section_keeps_the_default_its_parent_gives_when_one_key_is_set():
+    """The critic's optimizer defaults to lr 1e-5 (verl's), the reference's FSDP config to its compute
+    dtype: setting another key of the section keeps them (it used to fall back to the class's defaults,
+    lr 1e-6 and float32)."""
+    from rlhf_hpc.recipe.load import load_config
+    base = ["data.train_files=synthetic://x", "data.val_files=null", "actor_rollout_ref.model.path=tiny://qwen2",
+            "trainer.device=cpu", "trainer.n_gpus_per_node=2"]
+    cfg, _ = load_config(None, base + ["critic.optim.lr_warmup_steps=3", "actor_rollout_ref.ref.fsdp_config.param_offload=true"],
+                         check_files=False)
+    assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.lr_warmup_steps == 3
+    assert cfg.actor_rollout_ref.ref.fsdp_config.model_dtype == "bfloat16"  # verl's param_dtype default
+    assert cfg.actor_rollout_ref.actor.fsdp_config.model_dtype == "float32"  # a trained model's master copy
+    lora, _ = load_config(None, base + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.use_kl_loss=true"],
+                          check_files=False)
+    assert lora.actor_rollout_ref.ref.fsdp_config.model_dtype == "float32"  # the reference is the actor, adapter off

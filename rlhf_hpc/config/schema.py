@@ -92,8 +92,10 @@ class FSDPConfig:
     # null: chosen with fsdp_size (rlhf_hpc.planning.layout): free after forward when sharded; prefetch on GPUs
     reshard_after_forward: Optional[bool] = None
     forward_prefetch: Optional[bool] = None
-    # dtype the master weights are kept in (the optimizer's view)
-    model_dtype: Dtype = "float32"
+    # dtype the weights are kept in (a trained model's master copy, the optimizer's view); null (the
+    # reference's and reward model's default) -> the model's compute dtype (mixed_precision.param_dtype):
+    # a frozen model needs no master copy (verl keeps frozen models in bf16)
+    model_dtype: Optional[Dtype] = "float32"
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
 
 
@@ -203,7 +205,7 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype=None))
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None  # null -> actor.use_dynamic_bsz (as verl)
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
@@ -269,7 +271,7 @@ class RewardModelSubConfig:
     override_config: dict[str, Any] = field(default_factory=dict)
     # differs from verl (false): packed rows like the actor's (no compute on padding)
     use_remove_padding: bool = True
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp_config: FSDPConfig = field(default_factory=lambda: FSDPConfig(model_dtype=None))
 
 
 @dataclass

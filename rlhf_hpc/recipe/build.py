@@ -107,19 +107,25 @@ def _coerce(tp: Any, value: Any, key: str, errors: list[str]) -> tuple[bool, Any
     return False, None
 
 
-def _build(cls: type, data: dict, prefix: str, errors: list[str]) -> Any:
+def _build(cls: type, data: dict, prefix: str, errors: list[str], base: Any = None) -> Any:
+    """``cls`` from ``data``; keys not given keep ``base``'s values (a section's default as its parent
+    makes it, e.g. the reference's FSDP config), else the class defaults."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
+        if k not in fields:
             errors.append(_unknown_key_message(key))
+            continue
+        factory = fields[k].default_factory
+        if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict) and factory is not dataclasses.MISSING:
+            kwargs[k] = _build(hints[k], v, key, errors, base=factory())
             continue
         ok, conv = _coerce(hints[k], v, key, errors)
         if ok:
             kwargs[k] = conv
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:

@@ -109,6 +109,15 @@ def resolve(cfg: Config) -> Config:
             setattr(section, key, getattr(source, key))
     if critic.forward_max_token_len_per_gpu is None:
         critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
+    # frozen models are kept in their compute dtype (verl: bf16); with LoRA the reference is the actor
+    # (adapter off), so it is the actor's
+    ref_fsdp = arr.ref.fsdp_config
+    if ref_fsdp.model_dtype is None:
+        ref_fsdp.model_dtype = (actor.fsdp_config.model_dtype if arr.model.lora_rank or arr.model.lora_adapter_path
+                                else ref_fsdp.mixed_precision.param_dtype)
+    for trained in (actor.fsdp_config, critic.model.fsdp_config):
+        if trained.model_dtype is None:
+            trained.model_dtype = "float32"  # a trained model's master weights
     if arr.ref.ulysses_sequence_parallel_size is None:
         arr.ref.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size
     # the reward model's keys are filled only when it runs: while disabled, a key set is a key ignored
@@ -117,7 +126,8 @@ def resolve(cfg: Config) -> Config:
     if rm.enable:
         for section, key, value in ((rm, "use_dynamic_bsz", critic.use_dynamic_bsz),
                                     (rm, "forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu),
-                                    (rm.model, "external_lib", arr.model.external_lib)):
+                                    (rm.model, "external_lib", arr.model.external_lib),
+                                    (rm.model.fsdp_config, "model_dtype", rm.model.fsdp_config.mixed_precision.param_dtype)):
             if getattr(section, key) is None:
                 setattr(section, key, value)
     for section in (arr.rollout, arr.ref):
