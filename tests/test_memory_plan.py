@@ -170,3 +170,21 @@ def test_the_host_line_counts_offloaded_state_and_the_copy_rank0_reads():
 def test_a_tiny_random_model_has_nothing_to_read():
     plan, _, _ = check_plan(load_config("tiny_klppo", [], check_files=False)[0])
     assert plan.host.loading == 0 and plan.host.per_rank == {"largest phase": plan.peak}
+
+
+def test_a_lora_actors_sleeping_engine_is_in_the_host_line():
+    """vLLM sleeps at level 1 for a LoRA actor (the base must survive): each rank's share of the engine
+    weights goes to pinned host memory at every sleep, ~14 GiB at 7B with TP 1 in bf16."""
+    from rlhf_hpc.planning.sizing import GiB
+    per_rank = {}
+    for name, recipe, extra in (("tp1", "qwen7b_lora_klppo", []),
+                                ("tp2", "qwen7b_lora_klppo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
+                                ("full", "qwen7b_klppo", [])):
+        cfg, _ = load_config(recipe, extra, check_files=False)
+        plan, _, _ = check_plan(cfg)
+        per_rank[name] = plan.host.per_rank
+        params = plan.shape.params
+    assert per_rank["tp1"]["engine weights asleep (LoRA)"] == pytest.approx(2 * params)
+    assert per_rank["tp2"]["engine weights asleep (LoRA)"] == pytest.approx(params)
+    assert 14 < per_rank["tp1"]["engine weights asleep (LoRA)"] / GiB < 15
+    assert "engine weights asleep (LoRA)" not in per_rank["full"]  # level 2 discards them

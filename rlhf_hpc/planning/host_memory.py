@@ -9,7 +9,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rlhf_hpc.config.engines import planned_engine
 from rlhf_hpc.config.schema import Config, FSDPConfig
+from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.distributed.host_allocator import TUNABLES, VALUE, malloc_tunables
 from rlhf_hpc.planning.layout import shard_count
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB
@@ -71,7 +73,7 @@ def host_plan(cfg: Config, actor_params: int, peak: float, largest_pretrained: i
               rm_params: int, layouts: dict[str, Optional[FSDPConfig]], trainable: Optional[dict] = None) -> HostPlan:
     """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
     to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
-    the moments between updates); CPU runs: the per-rank plan's largest phase (``peak``), which is host memory
+    the moments between updates), and a LoRA actor's engine weights while it sleeps; CPU runs: the per-rank plan's largest phase (``peak``), which is host memory
     already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters). ``trainable``:
     a LoRA model's adapter parameters by model name (gradients and moments are of those only)."""
     tr, world = cfg.trainer, cfg.world_size
@@ -94,6 +96,14 @@ def host_plan(cfg: Config, actor_params: int, peak: float, largest_pretrained: i
             elif trains and fsdp.optimizer_offload:
                 per_rank[f"{name} Adam moments"] = 8 * t
                 shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
+        rollout = cfg.actor_rollout_ref.rollout
+        if lora_enabled(cfg.actor_rollout_ref.model) and planned_engine(rollout.name).paged and rollout.free_cache_engine:
+            # a LoRA actor's engine sleeps at level 1 (rlhf_hpc.rollout.vllm_engine: the base weights must
+            # survive): its share of the weights is copied to pinned host memory at every sleep
+            per_rank["engine weights asleep (LoRA)"] = (actor_params * DTYPE_BYTES[rollout.dtype]
+                                                        / rollout.tensor_model_parallel_size)
+            shrink.append("actor_rollout_ref.rollout.tensor_model_parallel_size (each rank's engine holds 1/TP of "
+                          "the weights)")
     else:
         per_rank = {"largest phase": peak}
     loading = float(largest_pretrained * DTYPE_BYTES[cfg.actor_rollout_ref.actor.fsdp_config.model_dtype])
