@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.planning.hardware import PRESETS, UNCALIBRATED_CPU, hardware_of, read_calibration
+from rlhf_hpc.planning.hardware import PRESETS, UNCALIBRATED_CPU, hardware_of, read_calibration, uncalibrated_cpu
 from rlhf_hpc.planning.memory_plan import build_plan
 from rlhf_hpc.planning.sizing import forward_flops, model_shape
 from rlhf_hpc.planning.time_plan import TimeModel, Workload, build_time_plan
@@ -76,7 +76,7 @@ def test_the_cpu_figures_come_from_the_calibration_file(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_HPC_CACHE", str(tmp_path))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     cfg, _ = load_config("tiny_klppo", [], check_files=False)
-    assert hardware_of(cfg) == UNCALIBRATED_CPU  # no file yet: nominal, and it says so
+    assert hardware_of(cfg) == uncalibrated_cpu()  # no file yet: nominal, and it says so
     (tmp_path / "calibration").mkdir()
     (tmp_path / "calibration" / "cpu.json").write_text(json.dumps({"fp32_tflops": 0.07, "hbm_gb_s": 20.0,
                                                                     "measured": {"date": "2026-12-01"}}))
@@ -195,3 +195,13 @@ def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
     hw = read_calibration(str(out))
     assert hw.fp32_tflops == figures["fp32_tflops"] and str(out) in hw.source
     assert dataclasses.replace(hw, source="") != dataclasses.replace(UNCALIBRATED_CPU, source="")
+
+
+def test_the_nominal_cpu_computes_bf16_by_the_cpus_flags():
+    """Without a calibration file the bf16 rate follows the CPU: ~2x fp32 with native bf16 (measured
+    2.2x), the nominal fp32/5 without (measured 5-40x slower by product: BENCHMARKS.md)."""
+    native, emulated = uncalibrated_cpu(native_bf16=True), uncalibrated_cpu(native_bf16=False)
+    assert native.bf16_tflops == 2 * native.fp32_tflops and "native bf16" in native.source
+    assert emulated == UNCALIBRATED_CPU and emulated.bf16_tflops < emulated.fp32_tflops
+    assert dataclasses.replace(native, bf16_tflops=emulated.bf16_tflops, source="") == \
+        dataclasses.replace(emulated, source="")  # nothing else differs

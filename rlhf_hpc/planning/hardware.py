@@ -28,7 +28,7 @@ from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
 
 __all__ = ["CALIBRATION_KEYS", "DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU",
            "calibration_path", "calibration_problems", "cpu_bf16_keys", "cpu_dtype_warnings", "cpu_has_native_bf16",
-           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "step_cpu_warning", "usable_cpus",
+           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "step_cpu_warning", "uncalibrated_cpu", "usable_cpus",
            "hardware_of", "hardware_problems", "preset_for_device", "read_calibration", "register_hardware",
            "write_calibration"]
 
@@ -182,6 +182,19 @@ UNCALIBRATED_CPU = Hardware("CPU (uncalibrated)", 0.01, 0.05, 10, 0, 5, 1, 10, d
                             overlap_comm=False, source="nominal figures: no calibration file (run "
                                                        "python -m rlhf_hpc.bench.calibrate)")
 
+
+
+def uncalibrated_cpu(native_bf16: Optional[bool] = None) -> Hardware:
+    """The nominal figures of a CPU without a calibration file, bf16 by the CPU's flags
+    (``cpu_has_native_bf16``): with native bf16 it computes ~2x fp32 (BENCHMARKS.md, "bf16 on a CPU
+    without native bf16"), without it the nominal fp32/5."""
+    native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+    if not native:
+        return UNCALIBRATED_CPU
+    return dataclasses.replace(UNCALIBRATED_CPU, bf16_tflops=2 * UNCALIBRATED_CPU.fp32_tflops,
+                               source=UNCALIBRATED_CPU.source + "; bf16 2x fp32: this CPU has native bf16")
+
+
 FIGURES = ("bf16_tflops", "fp32_tflops", "hbm_gb_s", "hbm_gb", "intra_node_gb_s", "inter_node_gb_s",
            "host_link_gb_s", "disk_gb_s")
 
@@ -251,7 +264,7 @@ def read_calibration(path: Optional[str] = None) -> Hardware:
             raise ConfigError(f"hardware.calibration: no file {p}"
                               f"{' (a directory)' if p.is_dir() else ''}; write it with python -m "
                               f"rlhf_hpc.bench.calibrate --out {p}")
-        return UNCALIBRATED_CPU
+        return uncalibrated_cpu()
     try:
         figures = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: json's JSONDecodeError
