@@ -454,10 +454,14 @@ def build_time_plan(cfg: Config, workload: Optional[Workload] = None,
 def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object], keep: int = 4,
                min_gain: float = 0.03) -> list[str]:
     """The changes (``candidate_changes``) that ``validate`` accepts, whose memory plan still fits
-    and whose step is at least ``min_gain`` faster, best first, each naming its keys; the 20%
-    rule's line when communication passes it."""
-    found = []
+    and whose step is at least ``min_gain`` faster, best first, each naming its keys; first, when
+    communication passes the 20% rule, a line saying whether the plan finds Ulysses (the rule's
+    remedy) faster, so the rule never advises what the plan shows does not help."""
+    ulysses = "ulysses_sequence_parallel_size"
+    found, tried_ulysses = [], False
     for changes, why in candidate_changes(cfg, plan.comm_share):
+        is_ulysses = any(k.endswith(ulysses) for k, _ in changes)
+        tried_ulysses |= is_ulysses
         other = cfg
         for key, value in changes:
             other = with_value(other, key, value)
@@ -473,13 +477,18 @@ def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object]
         if gain >= min_gain:
             keys = " ".join(f"{k}={value_text(v)}" for k, v in changes[:1]) + (" (and the ref's and critic's)"
                                                                           if len(changes) > 1 else "")
-            found.append((gain, f"{keys}: step {plan.step_s:.3g} -> {faster.step_s:.3g} s (-{gain:.0%}; {why}; "
-                                f"the memory plan fits, peak {memory.peak / 2**30:.1f} GiB)"))
+            found.append((gain, is_ulysses, f"{keys}: step {plan.step_s:.3g} -> {faster.step_s:.3g} s (-{gain:.0%}; "
+                                            f"{why}; the memory plan fits, peak {memory.peak / 2**30:.1f} GiB)"))
     found.sort(key=lambda g: -g[0])
-    lines = [text for _, text in found[:keep]]
+    lines = [text for _, _, text in found[:keep]]
     if plan.comm_share > COMM_RULE:
-        lines.insert(0, f"communication is {plan.comm_share:.0%} of the step, above the reference design's "
-                        f"{COMM_RULE:.0%}: change the layout (Ulysses sequence parallelism, "
-                        f"actor_rollout_ref.actor.ulysses_sequence_parallel_size, where it fits; the lines below "
-                        f"are what the plan measures)")
+        rule = (f"communication is {plan.comm_share:.0%} of the step, above the reference design's {COMM_RULE:.0%}: ")
+        if any(u for _, u, _ in found[:keep]):
+            rule += "Ulysses sequence parallelism shortens it (below), with the other changes the plan finds faster"
+        elif tried_ulysses:
+            rule += (f"the plan finds Ulysses sequence parallelism ({ulysses}=2) no faster here or not fitting"
+                     + ("; what it finds faster is below" if lines else "; no change it tries is faster"))
+        else:
+            rule += "what the plan finds faster is below" if lines else "no change the plan tries is faster"
+        lines.insert(0, rule)
     return lines
