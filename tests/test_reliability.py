@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import pickle
 from pathlib import Path
 
@@ -294,8 +295,10 @@ def test_damaged_checkpoints_are_skipped_on_resume_by_every_rank(tmp_path, unint
     out = train(run, "trainer.total_training_steps=6")
     assert (f"checkpoint {run}/global_step_8 is damaged (actor/.metadata does not match its sha256 checksum (same "
             f"size, other content)); falling back to the previous one") in out.stdout
-    assert (f"checkpoint {run}/global_step_6 is damaged (loading failed: extra.pt / rng: rank 1: UnpicklingError"
-            in out.stdout), out.stdout[-3000:]
+    # (random bytes fail torch.load with UnpicklingError ~93% of the time, else IndexError, UnicodeDecodeError
+    # or KeyError: whichever, rank 1 alone names it)
+    assert re.search(rf"checkpoint {re.escape(str(run))}/global_step_6 is damaged \(loading failed: extra.pt / rng: "
+                     rf"rank 1: [A-Za-z_.]*(Error|Exception): ", out.stdout), out.stdout[-3000:]
     assert f"resumed from {run}/global_step_4 (step 4)" in out.stdout and "Traceback" not in out.stdout + out.stderr
     same_steps(uninterrupted, run, (5, 6))
 
