@@ -112,8 +112,8 @@ def test_two_node_job_spans_two_hosts_and_equals_a_one_node_run(tmp_path, tmp_pa
     first, second = subprocess.run(["scontrol", "show", "hostnames", sacct_fields(job, "NodeList")[0]],
                                    capture_output=True, text=True).stdout.split()
     port = 29500 + int(job) % 16000
-    assert f"node 0/2 on {first}: torchrun with 1 ranks, rendezvous {first}:{port} (id {job}" in logs[0]
-    assert f"node 1/2 on {second}: torchrun with 1 ranks, rendezvous {first}:{port} (id {job}" in logs[1]
+    assert f"node 0/2 on {first}: torchrun with 1 ranks on 2 CPUs, rendezvous {first}:{port} (id {job}" in logs[0]
+    assert f"node 1/2 on {second}: torchrun with 1 ranks on 2 CPUs, rendezvous {first}:{port} (id {job}" in logs[1]
     (group,) = hosts_by_rank(logs[0] + logs[1])
     assert sorted(group) == [first, second]  # the process group spans both hosts
     assert raw_steps(run) == list(range(1, STEPS + 1))
