@@ -167,9 +167,13 @@ def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm
     run = tmp_path / "run"
     # every step takes at least 1 s (trainer.inject_fault=slow@1): 32 steps cannot fit in one 1-minute
     # allocation (less its start-up and the 15 s margin) however fast the machine is; on a loaded
-    # machine an allocation may fit only 3 steps after start-up, so requeues are allowed generously
+    # machine an allocation may fit only 3 steps after start-up, so requeues are allowed generously.
+    # Slurm sends --signal up to its event loop's period early (sbatch(1): up to 60 s; here 26-30 s,
+    # in every allocation): with USR2@20 each 1-minute allocation got USR2 10-14 s in, one step each,
+    # and 15 requeues ended the run at step 18. USR2@5 comes after the trainer's own stop (15 s margin)
+    # or at most ~30 s early, 25 s in.
     out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=32",
-                     "trainer.save_freq=100", "launcher.time_min=1", "launcher.signal_lead_s=20",
+                     "trainer.save_freq=100", "launcher.time_min=1", "launcher.signal_lead_s=5",
                      "launcher.time_margin_s=15", "launcher.max_requeues=15", "actor_rollout_ref.rollout.name=hf",
                      "trainer.inject_fault=slow@1")
     assert out.returncode == 0, out.stderr
