@@ -6,7 +6,6 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
-
 from typing import Optional
 
 import torch

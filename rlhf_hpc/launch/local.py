@@ -19,9 +19,9 @@ from pathlib import Path
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.engines import planned_engine
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.planning.hardware import cpu_threads_per_rank
 from rlhf_hpc.distributed.heartbeat import ENV_INTERVAL, ENV_LAUNCH_ID, HEARTBEAT_DIR, beat_interval
 from rlhf_hpc.distributed.host_allocator import malloc_tunables
+from rlhf_hpc.planning.hardware import cpu_threads_per_rank
 from rlhf_hpc.launch.failure import (BAD_INPUT, FAILED, OK, RESTARTABLE, Failure, checkpoint_summary,
                                      describe_run_end, interrupted_code, launch_command, note_in_run_log)
 from rlhf_hpc.launch.rank_group import Outcome, RankGroup

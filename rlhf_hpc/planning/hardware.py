@@ -24,13 +24,14 @@ from typing import Optional
 
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
+from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
 
 __all__ = ["CALIBRATION_KEYS", "DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU",
            "calibration_path", "calibration_problems", "cpu_bf16_keys", "cpu_dtype_warnings", "cpu_has_native_bf16",
-           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "step_cpu_warning", "uncalibrated_cpu", "usable_cpus",
-           "hardware_of", "hardware_problems", "preset_for_device", "read_calibration", "register_hardware",
-           "write_calibration"]
+           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "hardware_of", "hardware_problems",
+           "preset_for_device", "read_calibration", "register_hardware", "step_cpu_warning", "uncalibrated_cpu",
+           "usable_cpus", "write_calibration"]
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,6 @@ UNCALIBRATED_CPU = Hardware("CPU (uncalibrated)", 0.01, 0.05, 10, 0, 5, 1, 10, d
                             sync_overhead_s=1e-2, collective_latency_s=1e-4, engine_load_gb_s=1.0,
                             overlap_comm=False, source="nominal figures: no calibration file (run "
                                                        "python -m rlhf_hpc.bench.calibrate)")
-
 
 
 def uncalibrated_cpu(native_bf16: Optional[bool] = None) -> Hardware:
@@ -397,7 +397,8 @@ def hardware_problems(cfg) -> list[str]:
 
 # ------------------------------------------------------------------------------ bf16 on a CPU
 # CPU feature flags (/proc/cpuinfo) of native bf16 arithmetic: x86 AVX-512 BF16 or AMX, Arm's BF16.
-# Without them torch emulates bf16 matmuls (measured 5-25x slower than fp32: BENCHMARKS.md).
+# Without them torch emulates bf16 matmuls (measured 18-20x slower than fp32 through a forward and
+# backward pass: BENCHMARKS.md).
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
@@ -425,7 +426,7 @@ def cpu_bf16_keys(cfg) -> list[str]:
     arr = cfg.actor_rollout_ref
     keys = {"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": arr.actor.fsdp_config.mixed_precision.param_dtype,
             "actor_rollout_ref.rollout.dtype": arr.rollout.dtype}
-    if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not (arr.model.lora_rank or arr.model.lora_adapter_path):
+    if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora_enabled(arr.model):
         # (with LoRA the reference is the actor with its adapter off: no model of its own)
         keys["actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype"] = arr.ref.fsdp_config.mixed_precision.param_dtype
     if cfg.critic.enable:
@@ -445,6 +446,6 @@ def cpu_dtype_warnings(cfg, native_bf16: Optional[bool] = None) -> list[str]:
     keys = cpu_bf16_keys(cfg)
     if native is not False or not keys:
         return []
-    return [f"this CPU has no native bf16 (no avx512_bf16/amx_bf16 in /proc/cpuinfo): torch emulates it, 5-25x "
-            f"slower than float32 (BENCHMARKS.md). The run computes in bf16 through {', '.join(keys)}; to run in "
+    return [f"this CPU has no native bf16 (no avx512_bf16/amx_bf16 in /proc/cpuinfo): torch emulates it, 18-20x "
+            f"slower than float32 through a forward and backward pass (BENCHMARKS.md). The run computes in bf16 through {', '.join(keys)}; to run in "
             f"float32 add: {' '.join(k + '=float32' for k in keys)}"]

@@ -11,8 +11,8 @@ from typing import Optional
 
 from rlhf_hpc.config.engines import planned_engine
 from rlhf_hpc.config.schema import Config, FSDPConfig
-from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.distributed.host_allocator import TUNABLES, VALUE, malloc_tunables
+from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.planning.layout import shard_count
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB
 
@@ -73,8 +73,8 @@ def host_plan(cfg: Config, actor_params: int, peak: float, largest_pretrained: i
               rm_params: int, layouts: dict[str, Optional[FSDPConfig]], trainable: Optional[dict] = None) -> HostPlan:
     """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
     to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
-    the moments between updates), and a LoRA actor's engine weights while it sleeps; CPU runs: the per-rank plan's largest phase (``peak``), which is host memory
-    already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters). ``trainable``:
+    the moments between updates), and a LoRA actor's engine weights while it sleeps; CPU runs: the
+    per-rank plan's largest phase (``peak``), which is host memory already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters). ``trainable``:
     a LoRA model's adapter parameters by model name (gradients and moments are of those only)."""
     tr, world = cfg.trainer, cfg.world_size
     params = {"actor": actor_params, "ref": actor_params, "critic": critic_params, "reward_model": rm_params}

@@ -214,7 +214,8 @@ class PPOTrainer:
             self.save(0)  # the starting point: what a divergence in the first steps rolls back to
         if tr.val_before_train and self.val_set and self.step == 0:
             self.tracker.log(self.run_validation(), self.step)
-        plan = check_plan(cfg, device_memory_gb(self.ctx.device))[0] if self.ctx.is_main else None  # its phases against this run's peaks (once)
+        # its phases against this run's peaks (once)
+        plan = check_plan(cfg, device_memory_gb(self.ctx.device))[0] if self.ctx.is_main else None
         first_step = self.step
         timed = False  # the time plan's line: once, at the run's second step (its first warms up)
         while self.step < self.total_steps:

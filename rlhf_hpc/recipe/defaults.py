@@ -13,6 +13,7 @@ from typing import Any
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.ops.batching import per_rank_mini_batch
 from rlhf_hpc.ops.estimators import ADV_ESTIMATORS
 from rlhf_hpc.recipe.build import all_keys
@@ -113,7 +114,7 @@ def resolve(cfg: Config) -> Config:
     # (adapter off), so it is the actor's
     ref_fsdp = arr.ref.fsdp_config
     if ref_fsdp.model_dtype is None:
-        ref_fsdp.model_dtype = (actor.fsdp_config.model_dtype if arr.model.lora_rank or arr.model.lora_adapter_path
+        ref_fsdp.model_dtype = (actor.fsdp_config.model_dtype if lora_enabled(arr.model)
                                 else ref_fsdp.mixed_precision.param_dtype)
     for trained in (actor.fsdp_config, critic.model.fsdp_config):
         if trained.model_dtype is None:
