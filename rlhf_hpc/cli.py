@@ -23,6 +23,7 @@ from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.recipe.checks import validate
 from rlhf_hpc.rewards.code import CODE_SOURCES
 from rlhf_hpc.tools.checks import sandbox_problems
+from rlhf_hpc.tools.tool_config import run_tools
 
 __all__ = ["main"]
 
@@ -211,12 +212,12 @@ class BadData(ConfigError):
 def check_data(cfg) -> None:
     """Bad rows are found here, on the launching machine in about a second, not after the queue
     and the workers' start-up; one line names the file, the row and the column. Rows scored by
-    running their code (``rewards.code``) need a sandbox: checked here too, with the fix."""
+    running their code (``rewards.code``) and a code tool need a sandbox: checked here too, with the fix."""
     try:
         _, sources = check_data_files(cfg.data)
     except DataError as e:
         raise BadData(str(e)) from None
-    if sources & set(CODE_SOURCES):
+    if sources & set(CODE_SOURCES) or any(t.sandbox for t in run_tools(cfg)):
         errors, warnings = sandbox_problems(cfg)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)

@@ -54,6 +54,7 @@ from rlhf_hpc.ppo.training_models import build_training_models
 from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch
 from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
+from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 
 __all__ = ["BUSBW_FLOOR_GBPS", "Check", "PreflightFailed", "interconnect", "run_preflight", "write_report"]
 
@@ -268,7 +269,8 @@ def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) 
     """A few of the recipe's own prompts, GEN_TOKENS tokens each; the actor scores the engine's
     tokens and the mean difference must stay within the stop rule's limit for these dtypes."""
     arr = cfg.actor_rollout_ref
-    examples = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed)
+    examples = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed,
+                             tools=tool_schemas(run_tools(cfg)) or None)  # (the prompts as the run shows them)
     dp = getattr(rollout, "dp_rank", ctx.rank)
     mine = [examples[(dp * GEN_PROMPTS + i) % len(examples)] for i in range(GEN_PROMPTS)]
     sampling = sampling_for(cfg, tokenizer, seed=cfg.trainer.seed)

@@ -230,6 +230,7 @@ def test_generate_filtered_builds_the_step_batch_of_the_kept_groups():
     from rlhf_hpc.models.tokenizer import load_tokenizer
     from rlhf_hpc.observability.perf import Timer
     from rlhf_hpc.ppo.faults import FaultInjector
+    from rlhf_hpc.ppo.generation import Generator
     from rlhf_hpc.ppo.step_batch import score_responses
     from rlhf_hpc.ppo.trainer import PPOTrainer
     from rlhf_hpc.rewards import RewardFunction
@@ -243,6 +244,7 @@ def test_generate_filtered_builds_the_step_batch_of_the_kept_groups():
     t.sampler = StatefulSampler(len(t.train_set), 8, cfg.data.seed, True)
     t.rollout, t.reward_fn, t.faults, t.overlong = ScriptedEngine(), RewardFunction(cfg.custom_reward_function), \
         FaultInjector(cfg.trainer.inject_fault, 0), False
+    t.generator = Generator(cfg, t.rollout, t.tokenizer, [])  # single-turn: the engine itself
     metrics: dict = {}
     batch, rows, prompts = t.generate_filtered(3, Timer(), metrics)
     assert len(prompts) == 8 and batch["uid"].tolist() == [r.prompt_pos for r in rows]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from rlhf_hpc.config.job_schema import GlobalProfilerConfig, HardwareConfig, LauncherConfig, PlanConfig
+from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig",
@@ -200,6 +201,7 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None  # null -> actor.use_dynamic_bsz (as verl)
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tools between turns (agent loop)
 
 
 @dataclass

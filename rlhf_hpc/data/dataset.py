@@ -91,18 +91,23 @@ def check_data_files(data: DataConfig) -> tuple[int, set[str]]:
     return n, sources
 
 
-def chat_token_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None) -> list[int]:
+def chat_token_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None,
+                   tools: Optional[list[dict]] = None) -> list[int]:
     """Token ids of the chat-formatted prompt, generation prompt appended; ``template_kwargs``
-    (``data.apply_chat_template_kwargs``) go to the template, e.g. ``enable_thinking``."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
+    (``data.apply_chat_template_kwargs``) go to the template, e.g. ``enable_thinking``; ``tools``
+    (a multi-turn run's tool schemas) too, as the template shows them to the model."""
+    extra = dict(template_kwargs or {}, **({"tools": tools} if tools else {}))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
 
 
-def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_seed: int = 0) -> list[Example]:
-    """Read, check and tokenise every row; apply ``max_prompt_length`` with ``truncation``
-    (error | left | right) and ``filter_overlong_prompts``."""
+def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_seed: int = 0,
+                  tools: Optional[list[dict]] = None) -> list[Example]:
+    """Read, check and tokenise every row (``tools``: the schemas a multi-turn run shows the
+    model); apply ``max_prompt_length`` with ``truncation`` (error | left | right) and
+    ``filter_overlong_prompts``."""
     files = [files] if isinstance(files, str) else list(files)
     out: list[Example] = []
     read = 0
@@ -112,7 +117,7 @@ def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_see
         for i, row in enumerate(rows):
             where = f"{path}, row {i}"
             _check_row(row, where, data.prompt_key)
-            ids = chat_token_ids(tokenizer, row[data.prompt_key], data.apply_chat_template_kwargs)
+            ids = chat_token_ids(tokenizer, row[data.prompt_key], data.apply_chat_template_kwargs, tools)
             if len(ids) > data.max_prompt_length:
                 if data.filter_overlong_prompts:
                     continue

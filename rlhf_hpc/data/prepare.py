@@ -1,6 +1,11 @@
 """Write train/test parquet in the reference format from a dataset's original files.
 
     python -m rlhf_hpc.data.prepare gsm8k --src DIR_OR_HF_NAME --out DIR
+    python -m rlhf_hpc.data.prepare gsm8k_multiturn --src DIR_OR_HF_NAME --out DIR
+
+``gsm8k_multiturn`` writes the rows of verl's ``gsm8k_multiturn_w_tool.py``: a system prompt asking
+for the ``calc_gsm8k_reward`` tool, and each row's ground truth as that tool's ``create_kwargs``
+(``extra_info.tools_kwargs``), for a multi-turn run with verl's GSM8K tool config.
 
 ``--src`` is a directory holding GSM8K's original ``train.jsonl``/``test.jsonl`` (``question``,
 ``answer`` ending in ``#### N``) or a Hugging Face datasets name (``openai/gsm8k``; needs the
@@ -15,7 +20,7 @@ from pathlib import Path
 
 from rlhf_hpc.rewards.gsm8k import ground_truth_from_answer
 
-__all__ = ["gsm8k_rows", "main"]
+__all__ = ["gsm8k_multiturn_rows", "gsm8k_rows", "main"]
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -33,6 +38,27 @@ def gsm8k_rows(records: list[dict], split: str) -> list[dict]:
                      "ability": "math",
                      "reward_model": {"style": "rule", "ground_truth": truth},
                      "extra_info": {"split": split, "index": i, "answer": rec["answer"], "question": rec["question"]}})
+    return rows
+
+
+# the system prompt of verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (data: the same prompts)
+GSM8K_TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+                     "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after "
+                     "step by step solving the question, before generate final answer at least once and refine your "
+                     "answer if necessary. Put your final answer in the format of `#### <answer>`.")
+GSM8K_TOOL_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
+
+
+def gsm8k_multiturn_rows(records: list[dict], split: str) -> list[dict]:
+    """``gsm8k_rows`` for the multi-turn example: verl's system prompt and instruction, the tool's arguments."""
+    rows = gsm8k_rows(records, split)
+    for row, rec in zip(rows, records):
+        truth = row["reward_model"]["ground_truth"]
+        row["prompt"] = [{"role": "system", "content": GSM8K_TOOL_SYSTEM},
+                         {"role": "user", "content": rec["question"] + " " + GSM8K_TOOL_INSTRUCTION}]
+        row["extra_info"].update(need_tools_kwargs=True,
+                                 tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                                 interaction_kwargs={"query": rec["question"], "ground_truth": truth})
     return rows
 
 
@@ -68,12 +94,13 @@ def write_parquet(rows: list[dict], out: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.data.prepare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("dataset", choices=["gsm8k"])
+    ap.add_argument("dataset", choices=["gsm8k", "gsm8k_multiturn"])
     ap.add_argument("--src", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     for split in ("train", "test"):
-        rows = gsm8k_rows(read_gsm8k(args.src, split), split)
+        records = read_gsm8k(args.src, split)
+        rows = gsm8k_rows(records, split) if args.dataset == "gsm8k" else gsm8k_multiturn_rows(records, split)
         if not rows:  # an empty parquet would only be refused at the launch
             raise SystemExit(f"error: --src {args.src}: the {split} split has no records; nothing written")
         write_parquet(rows, Path(args.out) / f"{split}.parquet")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ class RolloutRow:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    mask: Optional[list[int]] = None  # 0 on tool turns (the agent loop); None: all the model's
 
     @property
     def num_tokens(self) -> int:

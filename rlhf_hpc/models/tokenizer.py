@@ -12,22 +12,36 @@ from typing import Optional
 
 from rlhf_hpc.models.hf import local_path
 
-__all__ = ["build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path", "tokenizer_problems"]
+__all__ = ["build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path", "tokenizer_problems",
+           "tool_template_problems", "tool_turn_text"]
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
+# appended after the rest (earlier ids unchanged): what a hermes tool call and its JSON need; the tags
+# are single tokens, as in Qwen2's vocabulary (added tokens that are not special)
+TINY_TOOL_CHARS = list('{}"_[]\'()')  # (64 tokens in all: the demo's vocab_size)
+TINY_TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# ChatML; with tools, a system block naming them, and tool results as one user turn of
+# <tool_response> blocks (Qwen2.5's layout, its long tool prose left out)
 TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% if tools %}{{ '<|im_start|>system\ntools:' }}{% for tool in tools %}{{ ' ' + tool['function']['name'] }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def build_tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
-    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + TINY_CHARS)}
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS + TINY_CHARS + TINY_TOOL_CHARS + TINY_TOOL_TAGS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()
+    tok.add_tokens([AddedToken(t, normalized=False) for t in TINY_TOOL_TAGS])  # matched before the split
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"], padding_side="left")
     fast.chat_template = TINY_CHAT_TEMPLATE
@@ -59,13 +73,14 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt
 
 
 def tokenizer_problems(path: str, trust_remote_code: bool = False, chat_template: Optional[str] = None,
-                       template_kwargs: Optional[dict] = None, vocab_size: Optional[int] = None) -> list[str]:
+                       template_kwargs: Optional[dict] = None, vocab_size: Optional[int] = None,
+                       tools: Optional[list[dict]] = None) -> list[str]:
     """What keeps the tokenizer at ``path`` (as ``load_tokenizer`` loads it, ``chat_template``
     replacing its own) from encoding the run's prompts: it does not load; it has under
     ``MIN_VOCAB`` tokens or encodes a sample prompt to none; it has no chat template (every prompt
     is chat messages), or its template fails or renders the sample to no tokens (with
     ``template_kwargs``, ``data.apply_chat_template_kwargs``); it has more tokens than the model's
-    ``vocab_size`` embedding rows."""
+    ``vocab_size`` embedding rows; with ``tools`` (a multi-turn run's), ``tool_template_problems``."""
     local = Path(local_path(path))
     no_files = (f"; {local} has none of a tokenizer's files ({', '.join(TOKENIZER_FILES[:3])}, ...)"
                 if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) else "")
@@ -92,9 +107,57 @@ def tokenizer_problems(path: str, trust_remote_code: bool = False, chat_template
         else:
             if n_chat == 0:
                 problems.append("the tokenizer's chat template renders a one-message prompt to 0 tokens")
+    if tools and tok.chat_template is not None:
+        problems += tool_template_problems(tok, tools, template_kwargs)
     if vocab_size is not None and len(tok) > vocab_size:
         problems.append(f"the tokenizer has {len(tok)} tokens, more than the model's {vocab_size} embedding rows "
                         f"(vocab_size): token ids from {vocab_size} on index past the embedding")
+    return problems
+
+
+_MARK = "\u2063ASSISTANT\u2063"  # stands for an assistant turn's text where the template's own wrapping is read
+_PROBE = "tool-answer-probe-7"
+
+
+def tool_turn_text(tokenizer, tool_messages: list[dict], template_kwargs: dict) -> str:
+    """The text that follows a model turn ending in its EOS token, up to and including the next
+    assistant header: what the template writes after the EOS when it closes an assistant message
+    (Qwen: a newline), the tool messages as it renders them, and the generation prompt. Read from
+    the template on a stand-in conversation, so a full re-encoding of the conversation matches."""
+    def render(messages, generation):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False,
+                                             **template_kwargs)
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+    closed, full = render(base, False), render(base + tool_messages, True)
+    if not full.startswith(closed):
+        raise ValueError("the chat template renders a conversation differently once tool messages follow "
+                         "(set actor_rollout_ref.model.custom_chat_template to one that appends them)")
+    close = closed[closed.rindex(_MARK) + len(_MARK):]
+    eos = tokenizer.eos_token or ""
+    after_eos = close[len(eos):] if eos and close.startswith(eos) else close
+    return after_eos + full[len(closed):]
+
+
+
+def tool_template_problems(tokenizer, tools: Optional[list[dict]], template_kwargs: Optional[dict] = None
+                           ) -> list[str]:
+    """What keeps a multi-turn run's chat template from serving its tools: it drops tool messages
+    (the model would never read a tool's answer), or shows the model none of the tools' names."""
+    fix = "set actor_rollout_ref.model.custom_chat_template to a template with tool support (Qwen2.5's, hermes)"
+    kwargs = dict(template_kwargs or {})
+    try:
+        turn = tool_turn_text(tokenizer, [{"role": "tool", "content": _PROBE}], kwargs)
+    except Exception as e:  # noqa: BLE001 - a Jinja template fails in many ways
+        return [f"the chat template fails on a tool message ({type(e).__name__}: {e}): {fix}"]
+    problems = [] if _PROBE in turn else [f"the chat template drops tool messages: the model would never read a "
+                                          f"tool's answer; {fix}"]
+    if tools:
+        shown = tokenizer.apply_chat_template(SAMPLE_PROMPT, tools=tools, add_generation_prompt=True, tokenize=False,
+                                              **kwargs)
+        missing = [t["function"]["name"] for t in tools if t["function"]["name"] not in shown]
+        if missing:
+            problems.append(f"the chat template does not show the model its tools ({', '.join(missing)} not in the "
+                            f"prompt it renders with tools=); {fix}")
     return problems
 
 

@@ -16,15 +16,16 @@ from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.base import Sampling
 
-__all__ = ["make_step_batch", "rollout_rows", "sampling_for", "score_responses", "scores_on_last_token",
-           "step_seed"]
+__all__ = ["make_step_batch", "response_spans", "rollout_rows", "sampling_for", "score_responses",
+           "scores_on_last_token", "step_seed"]
 
 
 def rollout_rows(train: list[Example], prompts: list[int], mine: range, responses) -> list[RolloutRow]:
     """This rank's generated responses as rows: ``responses[i]`` answers prompt ``mine[i]`` of the
     step (``prompts`` holds the step's dataset indices)."""
     return [RolloutRow(prompt_pos=pos, example=prompts[pos], prompt_ids=train[prompts[pos]].prompt_ids,
-                       token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason)
+                       token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason,
+                       mask=r.mask)
             for pos, group in zip(mine, responses) for r in group]
 
 
@@ -54,7 +55,9 @@ def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation:
 
 
 def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
-    """This rank's rows -> the padded step batch; ``uid`` is the prompt's position in the step."""
+    """This rank's rows -> the padded step batch; ``uid`` is the prompt's position in the step. A
+    multi-turn row's tool turns stay in ``attention_mask`` (the model reads them) and leave
+    ``response_mask`` (nothing trains on them)."""
     P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
     batch = make_padded_batch([r.prompt_ids for r in rows], [r.token_ids[:R] for r in rows],
                               tokenizer.pad_token_id or 0, P, R)
@@ -62,6 +65,8 @@ def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
     for i, r in enumerate(rows):
         lp = r.logprobs[:R]
         engine_lp[i, :len(lp)] = torch.tensor(lp)
+        if r.mask is not None:
+            batch["response_mask"][i, :len(lp)] = torch.tensor(r.mask[:R], dtype=batch["response_mask"].dtype)
     batch["engine_log_probs"] = engine_lp
     batch["uid"] = torch.tensor([r.prompt_pos for r in rows])
     return batch
@@ -71,18 +76,27 @@ def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], 
                     batch: dict) -> torch.Tensor:
     """(B,) rule/custom scores of the decoded responses."""
     calls = []
+    span = response_spans(batch)
     for i, row in enumerate(rows):
-        n = int(batch["response_mask"][i].sum())
+        n = int(span[i])
         text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
         ex = train[row.example]
         calls.append((ex.data_source, text, ex.ground_truth, ex.extra_info, ex.index))
     return torch.tensor(reward_fn.score_all(calls), dtype=torch.float32)
 
 
+def response_spans(batch: dict) -> torch.Tensor:
+    """(B,) tokens after each row's prompt, tool turns included (the text a reward reads, as verl)."""
+    R = batch["responses"].shape[1]
+    return batch["attention_mask"][:, -R:].sum(-1)
+
+
 def scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) scores -> (B, R) with each score on its row's last valid response token."""
+    """(B,) scores -> (B, R) with each score on its row's last valid response token (the model's
+    last token: a multi-turn row may end in a tool turn, which the mask leaves out)."""
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-    lengths = response_mask.sum(-1).long()
-    has = lengths > 0
-    token_scores[has.nonzero().squeeze(-1), (lengths[has] - 1)] = scores[has]
+    positions = torch.arange(1, response_mask.shape[1] + 1).expand_as(response_mask)
+    last = (positions * (response_mask > 0)).max(-1).values  # 1-based, 0: no valid token
+    has = last > 0
+    token_scores[has.nonzero().squeeze(-1), (last[has] - 1)] = scores[has]
     return token_scores

@@ -45,6 +45,7 @@ from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all
 from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows
 from rlhf_hpc.ppo.training_models import build_training_models
 from rlhf_hpc.ppo.faults import FaultInjector
+from rlhf_hpc.ppo.generation import Generator
 from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.planning.layout import describe as describe_layouts
@@ -67,6 +68,7 @@ from rlhf_hpc.rewards.reward_model import build_reward_model
 from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.observability.tracking import Tracker
+from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 
 __all__ = ["PPOTrainer", "fit", "out_of_memory_report"]
 
@@ -90,9 +92,12 @@ class PPOTrainer:
         self.run_dir = Path(tr.default_local_dir).expanduser()
         torch.manual_seed(tr.seed)
         self.tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
-        self.train_set = load_examples(cfg.data.train_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed)
-        self.val_set = (load_examples(cfg.data.val_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed + 1)
-                        if cfg.data.val_files else [])
+        tools = run_tools(cfg)  # (a multi-turn run's prompts show the model its tools)
+        schemas = tool_schemas(tools) or None
+        self.train_set = load_examples(cfg.data.train_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed,
+                                       tools=schemas)
+        self.val_set = (load_examples(cfg.data.val_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed + 1,
+                                      tools=schemas) if cfg.data.val_files else [])
         self.sampler = StatefulSampler(len(self.train_set), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.total_steps = tr.total_training_steps or self.sampler.batches_per_epoch * tr.total_epochs
         self.shape = step_shape(cfg)  # rows per rank, mini/micro-batches per phase (as the plans see them)
@@ -101,6 +106,7 @@ class PPOTrainer:
         self.models = build_training_models(cfg, ctx, self.total_steps, log=lambda line: self.tracker.log_line(line))
         tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
         self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
+        self.generator = Generator(cfg, self.rollout, self.tokenizer, tools)  # the engine, or the agent loop around it
         self.kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.reward_fn = RewardFunction(cfg.custom_reward_function, (cfg.sandbox, cfg.reward_model.sandbox_fusion))
         self.reward_model = build_reward_model(cfg, ctx, self.tokenizer) if cfg.reward_model.enable else None
@@ -265,13 +271,15 @@ class PPOTrainer:
                 self.tracker.log_line(f"[rlhf-hpc] stopping after step {step}: {self.stopper.reason}; checkpoint saved")
                 break
         self.tracker.close()
+        self.generator.close()
         self.rollout.close()
 
     def run_validation(self) -> dict[str, float]:
         """The validation's metrics; its generations (``trainer.log_val_generations``) go to the tracker."""
         generations: list[dict] = []
         metrics = run_validation(self.cfg, self.ctx, self.models, self.rollout, self.val_set, self.tokenizer,
-                                 self.reward_fn, generations=generations)
+                                 self.reward_fn, generations=generations, generate=self.generator)
+        self.generator.discard_metrics()
         self.tracker.log_generations(generations, self.step)
         return metrics
 
@@ -354,14 +362,15 @@ class PPOTrainer:
         prompts = self.sampler.next_batch()
         mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
         with timer("gen"):
-            responses = self.rollout.generate([self.train_set[prompts[p]].prompt_ids for p in mine],
-                                              sampling_for(cfg, self.tokenizer,
-                                                           seed=step_seed(tr.seed, step, self.rollout.dp_rank)))
+            responses = self.generator([self.train_set[prompts[p]] for p in mine],
+                                       sampling_for(cfg, self.tokenizer, seed=step_seed(tr.seed, step,
+                                                                                        self.rollout.dp_rank)))
         if self.greedy_baseline:  # verl's "gen_max": the greedy response to each of this rank's prompts
             with timer("gen_max"):
-                greedy = self.rollout.generate([self.train_set[prompts[p]].prompt_ids for p in mine],
-                                               sampling_for(cfg, self.tokenizer, greedy=True))
+                greedy = self.generator([self.train_set[prompts[p]] for p in mine],
+                                        sampling_for(cfg, self.tokenizer, greedy=True))
             self.greedy_rows = rollout_rows(self.train_set, prompts, mine, greedy)
+        metrics.update(self.generator.metrics())
         self.rollout.release()
         self.faults.after_generation(step)
         rows, balance = redistribute_rows(rollout_rows(self.train_set, prompts, mine, responses), ctx.world_size,
@@ -383,8 +392,8 @@ class PPOTrainer:
             mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
             seed = gen_seed(tr.seed, step, k, self.rollout.dp_rank, step_seed(tr.seed, step, self.rollout.dp_rank))
             with timer("gen"):
-                responses = self.rollout.generate([self.train_set[prompts[p]].prompt_ids for p in mine],
-                                                  sampling_for(cfg, self.tokenizer, seed=seed))
+                responses = self.generator([self.train_set[prompts[p]] for p in mine],
+                                           sampling_for(cfg, self.tokenizer, seed=seed))
             return prompts, rollout_rows(self.train_set, prompts, mine, responses)
 
         def metric_values(rows: list[RolloutRow]) -> torch.Tensor:
@@ -399,6 +408,7 @@ class PPOTrainer:
 
         collected = collect_groups(generate_batch, metric_values, cfg.data.train_batch_size,
                                    cfg.actor_rollout_ref.rollout.n, fg.max_num_gen_batches, all_reduce_sum)
+        metrics.update(self.generator.metrics())
         self.rollout.release()
         self.faults.after_generation(step)
         rows, balance = redistribute_rows(collected.rows, ctx.world_size, ctx.rank, tr.balance_batch)

@@ -3,7 +3,7 @@
 them (``select_val_generations``)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,8 @@ def select_val_generations(inputs: list[str], n: int, count: int) -> list[tuple[
 
 
 def run_validation(cfg: Config, ctx: DistContext, models: TrainingModels, rollout, val: list[Example], tokenizer,
-                   reward_fn: RewardFunction, generations: Optional[list[dict]] = None) -> dict[str, float]:
+                   reward_fn: RewardFunction, generations: Optional[list[dict]] = None,
+                   generate: Optional[Callable] = None) -> dict[str, float]:
     """Generate for the whole validation set (``rollout.val_kwargs``; greedy by default) and report
     the mean score per data source as ``val-core/<data_source>/reward/mean@<n>``. As in verl,
     ``data.val_batch_size`` only sets how many prompts go to the engine at once (all at once when
@@ -48,8 +49,10 @@ def run_validation(cfg: Config, ctx: DistContext, models: TrainingModels, rollou
     ``generations``: with ``trainer.log_val_generations`` > 0, rank 0 appends the rows
     ``select_val_generations`` picks, gathered from the ranks that generated them, as
     ``{"input", "output", "score", "data_source"}`` (texts decoded without special tokens, as verl's
-    table); other ranks append nothing."""
+    table); other ranks append nothing. ``generate(rows, sampling)``: what generates (the trainer's
+    ``Generator``: the agent loop in a multi-turn run); None: the engine on the rows' prompts."""
     arr = cfg.actor_rollout_ref
+    generate = generate or (lambda rows, sampling: rollout.generate([e.prompt_ids for e in rows], sampling))
     n = arr.rollout.val_kwargs.n
     count = cfg.trainer.log_val_generations if generations is not None else 0
     wanted: dict[tuple[int, int], int] = {}
@@ -68,7 +71,7 @@ def run_validation(cfg: Config, ctx: DistContext, models: TrainingModels, rollou
         mine = [part[i] for i in share]
         sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, rollout.dp_rank),
                                 validation=True)
-        outs = rollout.generate([e.prompt_ids for e in mine], sampling)
+        outs = generate(mine, sampling)
         for pos, ex, group in zip(share, mine, outs):
             for j, r in enumerate(group):
                 text = tokenizer.decode(r.token_ids, skip_special_tokens=True)

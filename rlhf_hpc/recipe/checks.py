@@ -16,6 +16,7 @@ from rlhf_hpc.recipe.model_checks import (lora_problems, lora_warnings, model_ar
                                           model_file_problems, reward_model_problems, sequence_parallel_problems)
 from rlhf_hpc.planning.hardware import cpu_dtype_warnings, hardware_problems
 from rlhf_hpc.recipe.input_checks import input_problems
+from rlhf_hpc.recipe.multi_turn_checks import multi_turn_problems
 from rlhf_hpc.recipe.packages import config_package_problems
 
 __all__ = ["validate"]
@@ -100,6 +101,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors += lora_problems(cfg)
     errors += hardware_problems(cfg)
     errors += input_problems(cfg)  # plan.*, the data files on this machine
+    errors += multi_turn_problems(cfg, check_files)
     warnings += algorithm_warnings(cfg)
     warnings += lora_warnings(cfg)
     warnings += strategy_warnings(cfg)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rlhf_hpc.config.engines import ENGINES
+from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config, CriticModelConfig, FSDPConfig, ModelConfig, RewardModelConfig
 from rlhf_hpc.config.tree import flatten, get_key, to_dict
 from rlhf_hpc.distributed.sequence_parallel import heads_problem
@@ -22,6 +23,7 @@ from rlhf_hpc.models.lora import (adapter_shape_problems, apply_lora, lora_enabl
                                   unmatched_target_modules)
 from rlhf_hpc.models.tokenizer import tokenizer_path, tokenizer_problems
 from rlhf_hpc.models.weights import weights_problems
+from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 
 __all__ = ["lora_problems", "lora_warnings", "model_architecture_problems", "model_file_problems",
            "reward_model_problems", "sequence_parallel_problems"]
@@ -291,9 +293,14 @@ def _tokenizer_problems(cfg: Config) -> list[str]:
         return []
     config = _readable_model_config(m.path, m.override_config)
     vocab = getattr(config, "vocab_size", None) if config is not None else None
+    try:  # a multi-turn run's tools: its template must show them and the tools' answers
+        tools = tool_schemas(run_tools(cfg)) or None
+    except ConfigError:  # (the tool config's own problems: multi_turn_checks)
+        tools = None
     problems = _memo(("tokenizer", path, m.trust_remote_code, m.custom_chat_template, d.apply_chat_template_kwargs,
-                      vocab), lambda: tokenizer_problems(path, m.trust_remote_code, m.custom_chat_template,
-                                                         d.apply_chat_template_kwargs, vocab))
+                      vocab, json.dumps(tools, sort_keys=True)),
+                     lambda: tokenizer_problems(path, m.trust_remote_code, m.custom_chat_template,
+                                                d.apply_chat_template_kwargs, vocab, tools))
     template_key = "actor_rollout_ref.model.custom_chat_template"
     return [f"{template_key}: {p}" if m.custom_chat_template is not None and "chat template" in p
             else f"{key}={path}: {p}" for p in problems]

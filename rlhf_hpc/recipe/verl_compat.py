@@ -31,9 +31,6 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
     ("actor_rollout_ref.rollout.mode", ("sync",),
      "asynchronous rollout (verl's agent-loop rollout server); generation here runs synchronously inside "
      "every trainer rank (colocated vLLM)"),
-    ("actor_rollout_ref.rollout.multi_turn.enable", (False,), "multi-turn rollout with tools"),
-    ("actor_rollout_ref.rollout.multi_turn.format", ("hermes",), "multi-turn rollout with tools"),
-    ("actor_rollout_ref.rollout.multi_turn.", None, "multi-turn rollout with tools"),
     ("actor_rollout_ref.rollout.agent.", None, "the agent loop (asynchronous multi-turn rollout)"),
     ("data.return_raw_chat", (False,), "raw chat prompts for the asynchronous / multi-turn rollout"),
     ("reward_model.use_reward_loop", (False,), "the reward loop (reward models served by their own rollout)"),
@@ -205,8 +202,8 @@ def _per_gpu_micro_batches(tree: dict, flat: dict, errors: list[str], said: list
 # -- values that ask for what this project does anyway, in its own way
 SAME_EFFECT: list[tuple[str, tuple, str, bool]] = [
     ("actor_rollout_ref.rollout.mode", ("async",),
-     "generation runs in the colocated engine inside every trainer rank (the same samples, no rollout server)",
-     True),
+     "generation runs in the colocated engine inside every trainer rank (the same samples, no rollout server); "
+     "with multi_turn.enable it is the agent loop there, turn by turn, tools run between turns", True),
     ("actor_rollout_ref.rollout.calculate_log_probs", (True, False),
      "the engine always returns the sampled tokens' log-probs here (rollout correction and bypass mode read them)",
      False),

@@ -38,6 +38,9 @@ class Response:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens)
+    # 1 where the model sampled the token, 0 where a tool's answer was inserted (the agent loop; its
+    # log-prob there is 0 and nothing trains on it); None: every token is the model's
+    mask: Optional[list[int]] = None
 
 
 class RolloutEngine(Protocol):

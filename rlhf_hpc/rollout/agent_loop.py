@@ -1,0 +1,246 @@
+"""Multi-turn generation with tools over any rollout engine (``actor_rollout_ref.rollout.multi_turn``).
+
+Every conversation of this rank moves turn by turn: the engine continues every open one (one
+``generate`` call per turn, each conversation its own request), the model's turn is parsed for tool
+calls (``multi_turn.format``), the calls of all conversations run at once in threads (each under
+``multi_turn.tool_timeout_s``), and their answers go back through the model's chat template as a
+tool turn. A conversation ends when a turn makes no call, at ``max_assistant_turns`` /
+``max_user_turns``, or when the response budget (``data.max_response_length``, the whole
+conversation after the prompt, as verl) runs out: a turn cut there ends it, and so does a tool turn
+that does not fit (it is not appended, as verl).
+
+The response is every token after the prompt; its ``mask`` is 1 on the model's tokens and 0 on the
+tool turns, which carry log-prob 0 and are neither trained on nor counted in KL or entropy. The
+ranks of a tensor-parallel vLLM group generate together (the engine gathers their requests), so
+they go through the same number of turns with the same sampling: the open count and the budget are
+agreed over the group each turn.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
+from rlhf_hpc.models.tokenizer import tool_template_problems, tool_turn_text
+from rlhf_hpc.rollout.base import Response, RolloutEngine, Sampling
+from rlhf_hpc.tools.tool_calls import TOOL_CALL_FORMATS, ToolCall
+from rlhf_hpc.tools.tool import Tool, ToolOutput
+
+__all__ = ["AgentLoop", "Conversation", "truncate_tool_text"]
+
+MAX_TOOL_THREADS = 16  # tool calls running at once on a rank (a code tool also has sandbox.max_parallel)
+
+
+@dataclass
+class Conversation:
+    prompt_ids: list[int]
+    messages: list[dict]  # the prompt's messages, then each turn's (the tokenization check)
+    tools_kwargs: dict = field(default_factory=dict)  # the row's extra_info.tools_kwargs
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    finish_reason: str = "stop"
+    done: bool = False
+
+    def add(self, ids: list[int], logprobs: Optional[list[float]]) -> None:
+        self.token_ids += ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+
+
+def truncate_tool_text(text: str, limit: int, side: str) -> str:
+    """verl's cut of a tool answer longer than ``limit`` characters (its marker texts)."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return text[:limit] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
+
+
+class AgentLoop:
+    """``generate(examples, sampling)`` as an engine's, the prompts' rows given (their messages and
+    ``extra_info.tools_kwargs``); ``take_metrics()`` the counts since the last call."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, tools: dict[str, Tool], tool_schemas: list[dict],
+                 cfg: MultiTurnConfig, max_response_length: int, template_kwargs: Optional[dict] = None,
+                 log=print):
+        self.engine, self.tokenizer, self.tools, self.cfg = engine, tokenizer, tools, cfg
+        self.schemas = tool_schemas
+        self.R = max_response_length
+        self.template_kwargs = dict(template_kwargs or {})
+        self.parse = TOOL_CALL_FORMATS[cfg.format]
+        problems = tool_template_problems(tokenizer, tool_schemas, self.template_kwargs)
+        if problems:  # (the dry run says so too)
+            raise ValueError("; ".join(problems))
+        self.group = getattr(engine, "tp_group", None)
+        self.pool = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="tool")
+        self.log = log
+        self.counts: dict[str, float] = {}
+        self.turns: list[int] = []
+        self.tool_seconds = 0.0
+
+    # ----------------------------------------------------------------------------- one batch
+    def generate(self, prompt_ids: list[list[int]], examples: list, sampling: Sampling) -> list[list[Response]]:
+        """For each prompt (its row in ``examples``), ``sampling.n`` conversations."""
+        convs = [Conversation(list(p), list(ex.messages), dict(ex.extra_info.get("tools_kwargs") or {}))
+                 for p, ex in zip(prompt_ids, examples) for _ in range(sampling.n)]
+        turn = 0
+        while True:
+            open_ = [c for c in convs if not c.done]
+            budget = max((self.R - len(c.token_ids) for c in open_), default=0)
+            active, budget = self._agree(len(open_), budget)
+            if not active:
+                break
+            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=max(budget, 1),
+                                                seed=None if sampling.seed is None else
+                                                (sampling.seed + 7919 * turn) & 0x7FFFFFFF)
+            outs = self.engine.generate([c.prompt_ids + c.token_ids for c in open_], turn_sampling)
+            pending: list[tuple[Conversation, list[ToolCall]]] = []
+            for c, group in zip(open_, outs):
+                calls = self._model_turn(c, group[0])
+                if calls:
+                    pending.append((c, calls))
+            t0 = time.perf_counter()
+            answers = self._run_calls(pending)
+            self.tool_seconds += time.perf_counter() - t0
+            for (c, _), outputs in zip(pending, answers):
+                self._tool_turn(c, outputs)
+            turn += 1
+        for c in convs:
+            self.turns.append(c.assistant_turns + c.user_turns + 1)  # verl's num_turns
+            self._count("tokens_model", sum(c.mask))
+            self._count("tokens_tool", len(c.mask) - sum(c.mask))
+            if self.cfg.tokenization_sanity_check_mode != "disable" and not self._tokens_match(c):
+                self._count("tokenization_mismatches")
+        n = sampling.n
+        return [[Response(c.token_ids, c.logprobs, c.finish_reason, mask=c.mask) for c in convs[i * n:(i + 1) * n]]
+                for i in range(len(prompt_ids))]
+
+    def _agree(self, active: int, budget: int) -> tuple[int, int]:
+        """(open conversations, budget) agreed over the tensor-parallel group (its ranks generate together)."""
+        if self.group is None:
+            return active, budget
+        t = torch.tensor([active, budget], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t[0]), int(t[1])
+
+    def _model_turn(self, c: Conversation, r: Response) -> list[ToolCall]:
+        """Append the model's turn; the calls to run, [] where the conversation ends here."""
+        room = self.R - len(c.token_ids)
+        ids, lps = list(r.token_ids[:room]), list(r.logprobs[:room])
+        c.add(ids, lps)
+        c.assistant_turns += 1
+        text = self.tokenizer.decode(ids[:-1] if r.finish_reason == "stop" and len(ids) == len(r.token_ids)
+                                     else ids, skip_special_tokens=False)
+        c.messages.append({"role": "assistant", "content": text})
+        if r.finish_reason != "stop" or len(r.token_ids) > room or len(c.token_ids) >= self.R:
+            c.done, c.finish_reason = True, "length"
+            return []
+        if (self.cfg.max_assistant_turns and c.assistant_turns >= self.cfg.max_assistant_turns) or \
+                (self.cfg.max_user_turns and c.user_turns >= self.cfg.max_user_turns):
+            c.done = True
+            return []
+        parsed = self.parse(text)
+        self._count("malformed_calls", parsed.malformed)
+        if not parsed.calls:
+            c.done = True
+            return []
+        self._count("dropped_calls", max(0, len(parsed.calls) - self.cfg.max_parallel_calls))
+        return parsed.calls[:self.cfg.max_parallel_calls]
+
+    def _tool_turn(self, c: Conversation, outputs: list[ToolOutput]) -> None:
+        messages = [{"role": "tool", "content": truncate_tool_text(o.text, self.cfg.max_tool_response_length,
+                                                                  self.cfg.tool_response_truncate_side)}
+                    for o in outputs]
+        ids = self.tokenizer.encode(tool_turn_text(self.tokenizer, messages, self.template_kwargs),
+                                    add_special_tokens=False)
+        if len(c.token_ids) + len(ids) >= self.R:  # no room left for the model's next turn (verl: terminated)
+            c.done, c.finish_reason = True, "length"
+            return
+        c.add(ids, None)
+        c.messages += messages
+        c.user_turns += 1
+
+    # ------------------------------------------------------------------------------- tools
+    def _run_calls(self, pending: list[tuple[Conversation, list[ToolCall]]]) -> list[list[ToolOutput]]:
+        """Every call of this turn at once; each answers within ``tool_timeout_s`` or with an error."""
+        futures = [[self.pool.submit(self._call, call, c.tools_kwargs) for call in calls] for c, calls in pending]
+        deadline = time.monotonic() + self.cfg.tool_timeout_s
+        out = []
+        for conv_futures in futures:
+            answers = []
+            for f in conv_futures:
+                try:
+                    answer = f.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    answer = ToolOutput(f"Error when executing tool: no answer within {self.cfg.tool_timeout_s:g} s",
+                                        status="timeout")
+                self._count("tool_calls")
+                self._count({"ok": "tool_ok", "error": "tool_errors", "timeout": "tool_timeouts"}[answer.status])
+                self._count("tool_reward", answer.reward)
+                answers.append(answer)
+            out.append(answers)
+        return out
+
+    def _call(self, call: ToolCall, tools_kwargs: dict) -> ToolOutput:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolOutput(f"Error when executing tool: no tool named {call.name!r} (tools: "
+                              f"{', '.join(self.tools) or 'none'})", status="error")
+        try:
+            out = tool.execute(call.arguments, dict((tools_kwargs.get(call.name) or {}).get("create_kwargs") or {}))
+        except Exception as e:  # noqa: BLE001 - whatever a tool raises is the model's error message
+            return ToolOutput(f"Error when executing tool: {type(e).__name__}: {e}", status="error")
+        return out if isinstance(out, ToolOutput) else ToolOutput(str(out))
+
+    # ------------------------------------------------------------------- the tokenization check
+    def _tokens_match(self, c: Conversation) -> bool:
+        """verl's sanity check: the tokens as built turn by turn against the whole conversation
+        rendered by the template and encoded at once (the model's last turn may stop short of the
+        template's closing text)."""
+        ours = c.prompt_ids + c.token_ids
+        rendered = self.tokenizer.apply_chat_template(c.messages, tools=self.schemas or None, tokenize=False,
+                                                      add_generation_prompt=False, **self.template_kwargs)
+        whole = self.tokenizer.encode(rendered, add_special_tokens=False)
+        if self.cfg.tokenization_sanity_check_mode == "strict":
+            return whole[:len(ours)] == ours
+        text = "".join(self.tokenizer.decode(ours, skip_special_tokens=False).split())
+        return "".join(rendered.split()).startswith(text)
+
+    # ----------------------------------------------------------------------------- metrics
+    def _count(self, key: str, value: float = 1.0) -> None:
+        self.counts[key] = self.counts.get(key, 0.0) + value
+
+    def take_metrics(self, all_reduce_sum=None, all_reduce_max=None) -> dict[str, float]:
+        """The step's figures, summed over ranks with the reducers (collective then): verl's
+        ``num_turns/*``, ``tools/*`` counts, tokens by source, ``timing_s/tools`` (the slowest rank)."""
+        keys = ("tool_calls", "tool_ok", "tool_errors", "tool_timeouts", "tool_reward", "malformed_calls",
+                "dropped_calls", "tokens_model", "tokens_tool", "tokenization_mismatches")
+        sums = torch.tensor([self.counts.get(k, 0.0) for k in keys] + [float(sum(self.turns)), float(len(self.turns))],
+                            dtype=torch.float64)
+        peak = torch.tensor([float(max(self.turns, default=0)), -float(min(self.turns, default=0)),
+                             self.tool_seconds], dtype=torch.float64)
+        if all_reduce_sum is not None:
+            sums, peak = all_reduce_sum(sums), all_reduce_max(peak)
+        self.counts, self.turns, self.tool_seconds = {}, [], 0.0
+        rows = max(sums[-1].item(), 1.0)
+        out = {f"tools/{k}": sums[i].item() for i, k in enumerate(keys)}
+        out["tools/tool_reward"] = sums[keys.index("tool_reward")].item() / max(sums[0].item(), 1.0)
+        out.update({"num_turns/mean": sums[-2].item() / rows, "num_turns/max": peak[0].item(),
+                    "num_turns/min": -peak[1].item(), "timing_s/tools": peak[2].item()})
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+

@@ -1,0 +1,133 @@
+"""verl's tool-config file (``multi_turn.tool_config_path``): ``tools:`` a list of ``{class_name,
+config, tool_schema}``, ``tool_schema`` an OpenAI function. Read and checked at the dry run, built
+on every rank.
+
+``class_name`` is one of verl's classes that has an equivalent here (``TOOL_CLASSES``: its GSM8K
+tool, its SandboxFusion code tool), a name of that registry, or the dotted path of the user's own
+class implementing ``rlhf_hpc.tools.tool.Tool``; anything else is refused with what is available."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.registry import Registry
+from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
+from rlhf_hpc.config.schema import Config
+from rlhf_hpc.tools.tool import Tool
+
+__all__ = ["TOOL_CLASSES", "ToolEntry", "ToolSpec", "build_tools", "read_tool_config", "run_tools", "tool_schemas"]
+
+KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A built-in tool: ``entry`` its class (``module:Class``, imported when built), ``verl_class``
+    verl's class it stands for, ``sandbox``: it runs code (the dry run checks the sandbox)."""
+    name: str
+    entry: str
+    verl_class: str
+    sandbox: bool = False
+
+
+TOOL_CLASSES: Registry[ToolSpec] = Registry("tool class", f"{KEY}: class_name")
+for _spec in (ToolSpec("gsm8k", "rlhf_hpc.rewards.gsm8k_tool:Gsm8kTool", "verl.tools.gsm8k_tool.Gsm8kTool"),
+              ToolSpec("code_interpreter", "rlhf_hpc.tools.code_interpreter:CodeInterpreterTool",
+                       "verl.tools.sandbox_fusion_tools.SandboxFusionTool", sandbox=True)):
+    TOOL_CLASSES.register(_spec.name, _spec)
+
+
+@dataclass
+class ToolEntry:
+    """One checked entry: ``cls`` the class to build, ``sandbox`` whether it runs code."""
+    name: str
+    cls: type
+    config: dict = field(default_factory=dict)
+    schema: dict = field(default_factory=dict)
+    sandbox: bool = False
+
+
+def _import(entry: str) -> type:
+    module, _, name = entry.partition(":") if ":" in entry else entry.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _resolve(class_name: str, where: str) -> tuple[type, bool]:
+    spec = next((s for s in TOOL_CLASSES.values() if s.verl_class == class_name), None) or TOOL_CLASSES.get(class_name)
+    if spec is not None:
+        return _import(spec.entry), spec.sandbox
+    builtin = ", ".join(f"{s.name} (verl's {s.verl_class})" for s in TOOL_CLASSES.values())
+    if class_name.startswith("verl."):
+        raise ConfigError(f"{where}: class_name {class_name}: verl's class has no equivalent here; built in: "
+                          f"{builtin}, or name your own class implementing rlhf_hpc.tools.tool.Tool")
+    try:
+        cls = _import(class_name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{where}: class_name {class_name} does not import ({type(e).__name__}: {e}); built in: "
+                          f"{builtin}") from None
+    if not (inspect.isclass(cls) and issubclass(cls, Tool)) or inspect.iscoroutinefunction(cls.execute):
+        raise ConfigError(f"{where}: class_name {class_name} is not a tool here: subclass rlhf_hpc.tools.tool.Tool "
+                          f"and implement execute(arguments, create_kwargs) (a plain method, not async)")
+    return cls, False
+
+
+def read_tool_config(path: str) -> list[ToolEntry]:
+    """The file's tools, each checked (a ConfigError names the file, the entry and the fix)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{KEY}={path}: no such file")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{KEY}={path}: not YAML ({' '.join(str(e).split())[:200]})") from None
+    tools = doc.get("tools") if isinstance(doc, dict) else None
+    if not isinstance(tools, list) or not tools:
+        raise ConfigError(f"{KEY}={path}: expected 'tools:' with a list of {{class_name, config, tool_schema}}")
+    out, errors = [], []
+    for i, item in enumerate(tools):
+        where = f"{path}, tools[{i}]"
+        try:
+            if not isinstance(item, dict) or not isinstance(item.get("class_name"), str):
+                raise ConfigError(f"{where}: no class_name")
+            schema, config = item.get("tool_schema"), item.get("config") or {}
+            name = (schema or {}).get("function", {}).get("name") if isinstance(schema, dict) else None
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{where}: tool_schema.function.name missing (an OpenAI function schema: "
+                                  f"type: function, function: {{name, description, parameters}})")
+            kind = config.get("type", "native") if isinstance(config, dict) else None
+            if kind != "native":
+                raise ConfigError(f"{where}: config.type={kind!r}: only native tools run here (verl's mcp tools "
+                                  f"need an MCP server)")
+            cls, sandbox = _resolve(item["class_name"], where)
+            if any(e.name == name for e in out):
+                raise ConfigError(f"{where}: a second tool named {name!r}")
+            out.append(ToolEntry(name, cls, dict(config), schema, sandbox))
+        except ConfigError as e:
+            errors += e.errors
+    if errors:
+        raise ConfigError(errors)
+    return out
+
+
+def run_tools(cfg: Config) -> list[ToolEntry]:
+    """The run's tools (none for a single-turn run, or a multi-turn one without a tool config)."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    return read_tool_config(mt.tool_config_path) if mt.enable and mt.tool_config_path else []
+
+
+def tool_schemas(entries: list[ToolEntry]) -> list[dict]:
+    """The schemas the chat template shows the model (``tools=``)."""
+    return [e.schema for e in entries]
+
+
+def build_tools(entries: list[ToolEntry], sandbox: Optional[SandboxConfig] = None,
+                sandbox_fusion: Optional[SandboxFusionConfig] = None) -> dict[str, Tool]:
+    """name -> the built tool; a code tool gets the run's sandbox limits and service."""
+    return {e.name: (e.cls(e.config, e.schema, sandbox, sandbox_fusion) if e.sandbox else e.cls(e.config, e.schema))
+            for e in entries}

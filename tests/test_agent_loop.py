@@ -1,0 +1,282 @@
+"""The agent loop in one process (rlhf_hpc/rollout/agent_loop.py): a tiny model taught to call a
+tool, through the hf engine; the tool-call parser, verl's tool configs, the tool turn's tokens
+against the whole conversation encoded at once (tiny and the real Qwen2 tokenizer), tools that fail."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
+from rlhf_hpc.data.dataset import Example, chat_token_ids
+from rlhf_hpc.models.tokenizer import build_tiny_tokenizer, tool_template_problems, tool_turn_text
+from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.rewards.gsm8k_tool import Gsm8kTool
+from rlhf_hpc.rollout.agent_loop import AgentLoop, truncate_tool_text
+from rlhf_hpc.rollout.base import Sampling
+from rlhf_hpc.rollout.factory import make_engine
+from rlhf_hpc.tools.code_interpreter import CodeInterpreterTool
+from rlhf_hpc.tools.tool import Tool, ToolOutput
+from rlhf_hpc.tools.tool_calls import hermes_calls
+from rlhf_hpc.tools.tool_config import read_tool_config
+from tests import tool_model
+from tests.conftest import require
+
+GSM8K_TOOL = {"type": "function", "function": {"name": "calc_gsm8k_reward", "description": "the reward of gsm8k",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "answer": {"type": "string", "description": "digits"}},
+                                                   "required": ["answer"]}}}
+
+
+# ------------------------------------------------------------------------------- pieces
+def test_hermes_calls_parse_what_qwen_writes_and_skip_what_is_not_a_call():
+    text = ('let me check <tool_call>\n{"name": "lookup", "arguments": {"key": "ab"}}\n</tool_call>'
+            '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+            '<tool_call>{"name": "g", "arguments": {broken</tool_call><tool_call>["not", "a call"]</tool_call>')
+    parsed = hermes_calls(text)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("lookup", {"key": "ab"}), ("f", {"x": 1})]
+    assert parsed.malformed == 2
+    assert hermes_calls("no call here, </tool_call> alone").calls == []
+
+
+def test_tool_answers_are_cut_as_verl_cuts_them():
+    text = "0123456789" * 3
+    assert truncate_tool_text(text, 30, "middle") == text
+    assert truncate_tool_text(text, 10, "left") == "0123456789...(truncated)"
+    assert truncate_tool_text(text, 10, "right") == "(truncated)...0123456789"
+    assert truncate_tool_text(text, 10, "middle") == "01234...(truncated)...56789"
+
+
+def conversation_tokens_match(tok, messages: list[dict], tools: list[dict]) -> None:
+    """Tokens built turn by turn (prompt, the model's turns ending in EOS, each tool turn from
+    tool_turn_text) == the whole conversation rendered and encoded at once."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids = chat_token_ids(tok, messages[:first], tools=tools)
+    i = first
+    while i < len(messages):
+        if messages[i]["role"] == "assistant":
+            ids += tok.encode(messages[i]["content"], add_special_tokens=False) + [tok.eos_token_id]
+            i += 1
+        else:
+            j = i
+            while j < len(messages) and messages[j]["role"] == "tool":
+                j += 1
+            ids += tok.encode(tool_turn_text(tok, messages[i:j], {}), add_special_tokens=False)
+            i = j
+    whole = tok.encode(tok.apply_chat_template(messages, tools=tools, tokenize=False), add_special_tokens=False)
+    assert whole[:len(ids)] == ids
+    assert all(m["content"] in tok.decode(ids) for m in messages if m["role"] == "tool")
+    assert tok.decode(whole[len(ids):]).strip() == ""  # only the template's closing newline after the last EOS
+
+
+def test_tool_turns_tokenize_as_the_whole_conversation_tiny():
+    tok = build_tiny_tokenizer()
+    messages = [*tool_model.question("ab"), {"role": "assistant", "content": tool_model.call_text("ab")},
+                {"role": "tool", "content": "4"}, {"role": "tool", "content": "error: (x)"},
+                {"role": "assistant", "content": "#### 4"}]
+    conversation_tokens_match(tok, messages, [tool_model.SCHEMA])
+
+
+def test_tool_turns_tokenize_as_the_whole_conversation_qwen2(shared_dir):
+    from transformers import AutoTokenizer
+    path = shared_dir / "assets" / "qwen2-tokenizer"
+    require("the Qwen2 tokenizer", path.is_dir(), str(path))
+    tok = AutoTokenizer.from_pretrained(path)
+    # its own template (Qwen2's) renders no tool message: refused, with the fix
+    assert tool_template_problems(tok, [GSM8K_TOOL]) == [
+        "the chat template drops tool messages: the model would never read a tool's answer; set "
+        "actor_rollout_ref.model.custom_chat_template to a template with tool support (Qwen2.5's, hermes)",
+        "the chat template does not show the model its tools (calc_gsm8k_reward not in the prompt it renders with "
+        "tools=); set actor_rollout_ref.model.custom_chat_template to a template with tool support (Qwen2.5's, hermes)"]
+    tok.chat_template = tool_model.HERMES_TEMPLATE
+    assert tool_template_problems(tok, [GSM8K_TOOL]) == []
+    call = '<tool_call>\n{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}\n</tool_call>'
+    messages = [{"role": "system", "content": "You are a math expert."},
+                {"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half "
+                                            "as many clips in May. How many clips did Natalia sell altogether?"},
+                {"role": "assistant", "content": "48 + 24 = 72.\n" + call},
+                {"role": "tool", "content": "Current parsed answer='72' reward=1.0"},
+                {"role": "assistant", "content": "#### 72"}]
+    conversation_tokens_match(tok, messages, [GSM8K_TOOL])
+
+
+def test_verl_tool_configs_map_to_the_tools_here(tmp_path):
+    gsm8k = tmp_path / "gsm8k_tool_config.yaml"
+    gsm8k.write_text(json.dumps({"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool",
+                                            "config": {"type": "native"}, "tool_schema": GSM8K_TOOL}]}))
+    [entry] = read_tool_config(str(gsm8k))
+    assert (entry.name, entry.cls, entry.sandbox) == ("calc_gsm8k_reward", Gsm8kTool, False)
+    code = tmp_path / "sandbox_fusion_tool_config.yaml"
+    code.write_text(json.dumps({"tools": [{"class_name": "verl.tools.sandbox_fusion_tools.SandboxFusionTool",
+                                           "config": {"sandbox_fusion_url": None, "num_workers": 10,
+                                                      "default_timeout": 30, "memory_limit_mb": 1024, "type": "native"},
+                                           "tool_schema": {"type": "function", "function": {"name": "code_interpreter"}}}]}))
+    [entry] = read_tool_config(str(code))
+    assert (entry.cls, entry.sandbox) == (CodeInterpreterTool, True)
+    # verl's text, its reward rule (flexible: the last number), the row's ground truth
+    tool = Gsm8kTool({}, GSM8K_TOOL)
+    assert tool.execute({"answer": "72"}, {"ground_truth": "72"}).text == "Current parsed answer='72' reward=1.0"
+    assert tool.execute({"answer": 7}, {"ground_truth": "72"}).text == "Current parsed answer='7' reward=0.0"
+
+    def refused(entry: dict, match: str) -> None:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(json.dumps({"tools": [entry]}))
+        with pytest.raises(ConfigError, match=match):
+            read_tool_config(str(bad))
+    refused({"class_name": "verl.tools.search_tool.SearchTool", "tool_schema": GSM8K_TOOL},
+            r"bad.yaml, tools\[0\]: class_name verl.tools.search_tool.SearchTool: verl's class has no equivalent "
+            r"here; built in: gsm8k .*code_interpreter")
+    refused({"class_name": "tests.tool_model.LookupTool", "config": {"type": "mcp"}, "tool_schema": GSM8K_TOOL},
+            "only native tools")
+    refused({"class_name": "tests.tool_model.question", "tool_schema": GSM8K_TOOL}, "is not a tool here")
+    refused({"class_name": "tests.tool_model.LookupTool", "tool_schema": {"type": "function"}},
+            "tool_schema.function.name missing")
+    refused({"class_name": "no.such.module.Tool", "tool_schema": GSM8K_TOOL}, "does not import")
+
+
+# ------------------------------------------------------------------- the loop, end to end
+class SlowTool(Tool):
+    def execute(self, arguments, create_kwargs):
+        time.sleep(3)
+        return ToolOutput("late")
+
+
+class BrokenTool(Tool):
+    def execute(self, arguments, create_kwargs):
+        raise RuntimeError("the tool broke")
+
+
+@pytest.fixture(scope="module")
+def taught(tmp_path_factory):
+    """(the hf engine holding the taught model, the model, its tokenizer)."""
+    from transformers import AutoModelForCausalLM
+    path = tool_model.teach(tmp_path_factory.mktemp("tool-model"), steps=200)
+    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=float32",
+                                        f"actor_rollout_ref.model.path={path}",
+                                        "actor_rollout_ref.model.tokenizer_path=tiny://chars"])
+    engine = make_engine(cfg, str(path), torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    engine.update_weights(iter(list(model.named_parameters())))
+    return engine, model, build_tiny_tokenizer()
+
+
+def rows(tok, keys, tools=(tool_model.SCHEMA,)) -> tuple[list[list[int]], list[Example]]:
+    examples = [Example(prompt_ids=chat_token_ids(tok, tool_model.question(k), tools=list(tools)), data_source="t",
+                        ground_truth=str(tool_model.code_of(k)), messages=tool_model.question(k)) for k in keys]
+    return [e.prompt_ids for e in examples], examples
+
+
+def loop(engine, tok, tools: dict, schemas, R=96, **mt) -> AgentLoop:
+    return AgentLoop(engine, tok, tools, schemas, MultiTurnConfig(enable=True, **mt), R)
+
+
+def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_trained(taught):
+    engine, model, tok = taught
+    agent = loop(engine, tok, {"lookup": tool_model.LookupTool({}, tool_model.SCHEMA)}, [tool_model.SCHEMA])
+    keys = ["ab", "cd", "ef", "gh"]
+    prompts, examples = rows(tok, keys)
+    out = agent.generate(prompts, examples, Sampling(n=2, temperature=1.0, max_tokens=96,
+                                                     stop_token_ids=[tok.eos_token_id], seed=3))
+    assert [len(g) for g in out] == [2] * len(keys)
+    called = 0
+    for prompt, group in zip(prompts, out):
+        for r in group:
+            text = tok.decode(r.token_ids)
+            # turn 1: the call (the model's; sampled, so of some key), the tool's answer to it (not the
+            # model's), turn 2: the model's answer. A sample may miss the format: one turn, all the model's
+            calls = hermes_calls(text.split("<|im_end|>")[0]).calls
+            if not calls:
+                assert r.mask == [1] * len(r.token_ids)
+                continue
+            called += 1
+            [call] = calls
+            first = tool_model.call_text(call.arguments["key"]) + "<|im_end|>"
+            assert text.startswith(first), text
+            answer = (f"\n<|im_start|>user\n<tool_response>\n{tool_model.code_of(call.arguments['key'])}\n"
+                      f"</tool_response><|im_end|>\n<|im_start|>assistant\n")
+            assert text[len(first):].startswith(answer)
+            start = len(tok.encode(first, add_special_tokens=False))
+            n_tool = len(tok.encode(answer, add_special_tokens=False))
+            assert r.mask == [1] * start + [0] * n_tool + [1] * (len(r.token_ids) - start - n_tool)
+            assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.mask) if not m)
+            # the engine's log-probs of the model's tokens == the model's own over the whole conversation
+            ids = torch.tensor([prompt + r.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            actor = logp.gather(-1, torch.tensor(r.token_ids)[:, None]).squeeze(-1)
+            keep = torch.tensor(r.mask).bool()
+            assert (actor[keep] - torch.tensor(r.logprobs)[keep]).abs().max() < 1e-3
+    assert called >= 6  # of 8 samples at temperature 1
+    m = agent.take_metrics()
+    assert m["tools/tool_calls"] == called and m["tools/tool_ok"] == called and m["tools/tool_errors"] == 0
+    # verl counts the prompt as a turn: prompt, call, tool, answer
+    assert m["num_turns/max"] == 4 and m["tools/tokenization_mismatches"] == 0
+    assert m["tools/tokens_tool"] == sum(len(r.mask) - sum(r.mask) for g in out for r in g)
+    assert agent.take_metrics()["tools/tool_calls"] == 0  # taken: counting starts again
+
+
+def test_tools_that_fail_time_out_or_are_unknown_answer_with_an_error_and_the_loop_goes_on(taught):
+    engine, _, tok = taught
+    sampling = Sampling(n=1, temperature=0.0, do_sample=False, max_tokens=96, stop_token_ids=[tok.eos_token_id])
+    prompts, examples = rows(tok, ["ab", "cd"])
+    cases = {"broken": (BrokenTool, "Error when executing tool: RuntimeError: the tool broke", "tools/tool_errors"),
+             "slow": (SlowTool, "Error when executing tool: no answer within 0.5 s", "tools/tool_timeouts")}
+    for name, (cls, said, metric) in cases.items():
+        agent = loop(engine, tok, {"lookup": cls({}, tool_model.SCHEMA)}, [tool_model.SCHEMA], R=200,
+                     tool_timeout_s=0.5, max_assistant_turns=2)
+        t0 = time.perf_counter()
+        out = agent.generate(prompts, examples, sampling)
+        assert time.perf_counter() - t0 < 2.5  # the slow tool's calls wait together, not one after the other
+        for group in out:  # (as the tiny vocabulary spells it: no capitals)
+            assert tok.decode(tok.encode(said, add_special_tokens=False)) in tok.decode(group[0].token_ids)
+        m = agent.take_metrics()
+        assert m[metric] == 2 and m["tools/tool_calls"] == 2 and m["num_turns/max"] == 4
+    # a call to a tool the run does not have: the model is told which tools there are
+    agent = loop(engine, tok, {"other": tool_model.LookupTool({}, {"function": {"name": "other"}})},
+                 [tool_model.SCHEMA], R=200, max_assistant_turns=2)
+    out = agent.generate(prompts, examples, sampling)
+    assert "no tool named 'lookup' (tools: other)" in tok.decode(out[0][0].token_ids)
+    assert agent.take_metrics()["tools/tool_errors"] == 2
+
+
+def test_the_budget_and_the_turn_limits_end_a_conversation(taught):
+    engine, _, tok = taught
+    sampling = Sampling(n=1, temperature=0.0, do_sample=False, max_tokens=96, stop_token_ids=[tok.eos_token_id])
+    prompts, examples = rows(tok, ["ab"])
+    tools = {"lookup": tool_model.LookupTool({}, tool_model.SCHEMA)}
+    # one model turn allowed: the call is made but not run
+    [[r]] = loop(engine, tok, tools, [tool_model.SCHEMA], max_assistant_turns=1).generate(prompts, examples, sampling)
+    assert r.mask == [1] * len(r.token_ids) and r.finish_reason == "stop"
+    # a budget that ends inside the first turn: cut there, "length"
+    [[r]] = loop(engine, tok, tools, [tool_model.SCHEMA], R=20).generate(prompts, examples, sampling)
+    assert len(r.token_ids) == 20 and r.finish_reason == "length" and sum(r.mask) == 20
+    # room for the call but not for the tool's answer and a next turn: ends after the call (verl)
+    call = len(tok.encode(tool_model.call_text("ab") + "<|im_end|>", add_special_tokens=False))
+    [[r]] = loop(engine, tok, tools, [tool_model.SCHEMA], R=call + 10).generate(prompts, examples, sampling)
+    assert len(r.token_ids) == call and r.finish_reason == "length"
+
+
+def test_the_code_interpreter_answers_with_the_output_or_the_sandboxs_verdict():
+    from rlhf_hpc.config.sandbox_schema import SandboxConfig
+    from rlhf_hpc.tools.sandbox import SandboxUnavailable, sandbox_backend
+    limits = SandboxConfig(timeout_s=1.5, memory_mb=256, max_processes=16, max_file_mb=8, max_output_kb=64)
+    try:
+        sandbox_backend(limits)
+    except SandboxUnavailable as e:
+        require("a sandbox (bwrap with namespaces)", False, str(e))
+    schema = {"type": "function", "function": {"name": "code_interpreter"}}
+    tool = CodeInterpreterTool({"default_timeout": 1.5, "type": "native"}, schema, limits)
+    assert tool.execute({"code": "print(6 * 7)"}, {}) == ToolOutput("42\n")
+    cases = {"while True:\n    pass": "timeout",
+             "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)": "error",
+             "open('/root/x', 'w').write('x')": "error",
+             "import os\nwhile True:\n    os.fork()": "error"}
+    for code, status in cases.items():
+        out = tool.execute({"code": code}, {})
+        assert out.status == status and "Error: " in out.text, (code, out)
+    assert tool.execute({}, {}).status == "error"  # no code in the call
+    with pytest.raises(ValueError, match="only python runs here"):
+        CodeInterpreterTool({"default_language": "cpp"}, schema)

@@ -1,0 +1,210 @@
+"""Multi-turn training with tools (``actor_rollout_ref.rollout.multi_turn``): verl's multi-turn
+command lines dry-run with their tool configs, what the agent loop does not serve is refused by
+name, and a run of the trainer with a model that calls a tool (tests/tool_model.py) through vLLM,
+tensor-parallel over 2 ranks: tools answered, their tokens out of the loss, the engine and the
+actor agreeing on the model's tokens, validation through the loop, and a resume that replays it."""
+from __future__ import annotations
+
+import shlex
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_hpc.cli import main as cli_main
+from rlhf_hpc.observability.tracking import read_metrics
+from tests import tool_model
+from tests.conftest import REPO, engine_available, run_launch
+
+# verl b178a3c's examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh, with its
+# config file's keys (gsm8k_multiturn_grpo.yaml: return_raw_chat, multi_turn.enable,
+# max_assistant_turns) on the command line and `python3 -m verl.trainer.main_ppo` -> launch.py
+# (its duplicate `use_kl_loss=${use_kl_loss}`, an unset shell variable, left out)
+VERL_GSM8K_MULTITURN = """
+    data.return_raw_chat=True actor_rollout_ref.rollout.multi_turn.enable=True
+    actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5
+    actor_rollout_ref.rollout.name=vllm algorithm.adv_estimator=grpo data.train_batch_size=32
+    data.max_prompt_length=1024 data.max_response_length=1024 data.filter_overlong_prompts=True
+    data.truncation='error' data.return_raw_chat=True actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=32
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.n=8
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.9 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8
+    algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.project_name='gsm8k_async_rl'
+    trainer.experiment_name='qwen2.5-3b_function_rm-gsm8k-sgl-multi-w-tool-verify-n16' trainer.n_gpus_per_node=16
+    trainer.nnodes=1 trainer.save_freq=-1 trainer.test_freq=20 trainer.logger='["console"]'
+    data.train_files=$HOME/data/gsm8k/train.parquet data.val_files=$HOME/data/gsm8k/test.parquet
+    trainer.total_epochs=15 actor_rollout_ref.rollout.trace.token2text=False actor_rollout_ref.rollout.mode=async
+    actor_rollout_ref.rollout.multi_turn.enable=true actor_rollout_ref.rollout.enforce_eager=True
+    actor_rollout_ref.actor.use_torch_compile=False
+    actor_rollout_ref.rollout.multi_turn.tool_config_path="$HOME/gsm8k_tool_config.yaml"
+    actor_rollout_ref.rollout.free_cache_engine=True
+"""
+# verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as data
+GSM8K_TOOL_CONFIG = {"tools": [{"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "config": {"type": "native"},
+                                "tool_schema": {"type": "function", "function": {
+                                    "name": "calc_gsm8k_reward",
+                                    "description": "A tool for calculating the reward of gsm8k.",
+                                    "parameters": {"type": "object", "properties": {"answer": {
+                                        "type": "string", "description": "The model's answer, must be a digits"}},
+                                        "required": ["answer"]}}}}]}
+# its sandbox_fusion_tool_config.yaml (ReTool's code interpreter), the service's URL left out: the
+# sandbox on the node runs the code
+CODE_TOOL_CONFIG = {"tools": [{"class_name": "verl.tools.sandbox_fusion_tools.SandboxFusionTool", "config": {
+    "num_workers": 10, "enable_global_rate_limit": True, "rate_limit": 10, "default_timeout": 30,
+    "default_language": "python", "memory_limit_mb": 1024, "type": "native"},
+    "tool_schema": {"type": "function", "function": {"name": "code_interpreter", "description": "executes code",
+                                                     "parameters": {"type": "object", "properties": {
+                                                         "code": {"type": "string"}}, "required": ["code"]}}}}]}
+
+
+def verl_args(home: Path) -> list[str]:
+    (home / "gsm8k_tool_config.yaml").write_text(yaml.safe_dump(GSM8K_TOOL_CONFIG))
+    return shlex.split(textwrap.dedent(VERL_GSM8K_MULTITURN).replace("$HOME", str(home)))
+
+
+def dry_run(args: list[str], capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = cli_main([*args, "cluster=local", "--dry-run"])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_verls_gsm8k_multi_turn_command_line_dry_runs_with_its_tool_config(tmp_path, capsys):
+    rc, out, err = dry_run(verl_args(tmp_path), capsys)
+    assert rc == 0, err
+    mt = yaml.safe_load(out.partition("# command (cluster=local)\n")[0])["actor_rollout_ref"]["rollout"]["multi_turn"]
+    assert (mt["enable"], mt["max_assistant_turns"], mt["format"]) == (True, 5, "hermes")
+    assert mt["tool_config_path"] == str(tmp_path / "gsm8k_tool_config.yaml")
+    assert "with multi_turn.enable it is the agent loop there" in err
+
+
+def test_the_code_interpreter_config_dry_runs_and_checks_the_sandbox(tmp_path, capsys):
+    (tmp_path / "code.yaml").write_text(yaml.safe_dump(CODE_TOOL_CONFIG))
+    args = verl_args(tmp_path) + [f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'code.yaml'}"]
+    rc, _, err = dry_run(args, capsys)
+    assert rc == 0, err
+    rc, _, err = dry_run(args + ["sandbox.backend=nonexistent"], capsys)  # the sandbox is checked for a code tool
+    assert rc == 2 and "sandbox.backend: unknown sandbox backend 'nonexistent'" in err, err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["actor_rollout_ref.rollout.multi_turn.interaction_config_path=interaction.yaml"],
+     "multi_turn.interaction_config_path='interaction.yaml': verl's interactions (a simulated user answering between "
+     "turns) are not available in rlhf-hpc"),
+    (["actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=True"],
+     "re-rendering its turns through the chat template is not available"),
+    (["actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=2"], "use actor_rollout_ref.rollout.n"),
+    (["actor_rollout_ref.rollout.multi_turn.format=llama3_json"],
+     "unknown tool-call format 'llama3_json'; registered: hermes"),
+    (["actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0"], "multi_turn.max_parallel_calls=0: must be at "
+                                                                     "least 1"),
+    (["reward_model.enable=True", "reward_model.model.path=Qwen/Qwen2.5-3B-Instruct"],
+     "a reward model scoring multi-turn conversations is not available"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=False"],
+     "multi_turn.tool_config_path is set but actor_rollout_ref.rollout.multi_turn.enable=false"),
+    (["actor_rollout_ref.rollout.multi_turn.tool_config_path=/no/such.yaml"],
+     "multi_turn.tool_config_path=/no/such.yaml: no such file"),
+])
+def test_what_the_agent_loop_does_not_serve_is_refused_by_name(extra, message, tmp_path, capsys):
+    rc, _, err = dry_run(verl_args(tmp_path) + extra, capsys)
+    assert rc == 2 and message in err, err
+
+
+# ------------------------------------------------------------------------ the trainer, end to end
+def launch(run: Path, data: Path, steps: int, *extra: str):
+    return run_launch(
+        "recipe=tiny_klppo", f"trainer.default_local_dir={run}", f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'val.parquet'}", "data.max_prompt_length=64", "data.max_response_length=128",
+        "data.train_batch_size=8", f"actor_rollout_ref.model.path={data / 'model'}",
+        "actor_rollout_ref.model.tokenizer_path=tiny://chars", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={data / 'tools.yaml'}",
+        f"custom_reward_function.path={REPO / 'tests' / 'tool_model.py'}", "custom_reward_function.name=compute_score",
+        "actor_rollout_ref.actor.optim.lr=1e-5", "critic.optim.lr=1e-4", f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=2", "trainer.test_freq=2", "trainer.logger=[console]", *extra,
+        timeout=600, env={"PYTHONPATH": str(REPO)})
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory):
+    """(a 3-step run, the same resumed from its step-2 checkpoint in a new directory, the data folder)."""
+    engine_available("vllm")
+    data = tmp_path_factory.mktemp("tool-task")
+    tool_model.teach(data / "model", steps=200)
+    tool_model.write_rows(data / "train.parquet", tool_model.KEYS * 2)
+    tool_model.write_rows(data / "val.parquet", tool_model.KEYS[:4])
+    tool_model.write_tool_config(data / "tools.yaml")
+    full = launch(data / "full", data, 3)
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    resumed = launch(data / "resumed", data, 3, f"trainer.resume_mode={data / 'full' / 'global_step_2'}")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return read_metrics(data / "full"), read_metrics(data / "resumed"), data
+
+
+def test_tools_answer_and_only_the_models_tokens_are_trained(tool_runs):
+    full, _, _ = tool_runs
+    assert [m["training/global_step"] for m in full] == [1, 2, 3]
+    for m in full:
+        rows = 8 * 2  # prompts x rollout.n
+        assert m["tools/tool_calls"] >= rows * 3 // 4 and m["tools/tool_ok"] == m["tools/tool_calls"]
+        assert m["tools/tool_errors"] == m["tools/tool_timeouts"] == m["tools/tokenization_mismatches"] == 0
+        assert m["num_turns/max"] == 4 and 2 <= m["num_turns/min"] and m["tools/tokens_tool"] > 0
+        # the lengths the trainer logs are the model's tokens (verl: the response mask's), not the tool's
+        assert m["response_length/mean"] * rows == pytest.approx(m["tools/tokens_model"])
+        # the engine's log-probs of the model's tokens == the actor's (float32), the tool's tokens between them
+        assert m["rollout/logprob_diff_max"] < 1e-3
+        assert m["timing_s/tools"] >= 0 and m["critic/score/mean"] > 0.5  # the taught model mostly answers right
+    assert "val-core/lookup/reward/mean@1" in full[1]
+
+
+def test_a_resume_replays_the_agent_loop_exactly(tool_runs):
+    full, resumed, _ = tool_runs
+    last = resumed[-1]
+    assert last["training/global_step"] == 3
+    for key in ("tools/tool_calls", "tools/tokens_model", "tools/tokens_tool", "num_turns/mean", "critic/score/mean",
+                "rollout/logprob_diff_mean", "actor/pg_loss"):
+        assert last[key] == full[2][key], key
+
+
+def test_prepare_writes_verls_multi_turn_gsm8k_rows_and_the_prompts_show_the_tool(shared_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from rlhf_hpc.config.schema import DataConfig
+    from rlhf_hpc.data.dataset import load_examples
+    from rlhf_hpc.tools.tool_config import read_tool_config, tool_schemas
+    out = subprocess.run([sys.executable, "-m", "rlhf_hpc.data.prepare", "gsm8k_multiturn", "--src",
+                          str(shared_dir / "data" / "gsm8k"), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    tok = AutoTokenizer.from_pretrained(shared_dir / "assets" / "qwen2-tokenizer")
+    tok.chat_template = tool_model.HERMES_TEMPLATE  # (its own has no tool support: tests/test_agent_loop.py)
+    tools = tool_schemas(read_tool_config(str(REPO / "recipes" / "tools" / "gsm8k_tool_config.yaml")))
+    [first, *_] = load_examples(str(tmp_path / "test.parquet"), tok, DataConfig(max_prompt_length=1024), tools=tools)
+    assert first.extra_info["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "18"}}}
+    assert [m["role"] for m in first.messages] == ["system", "user"] and "calc_gsm8k_reward" in first.messages[0]["content"]
+    prompt = tok.decode(first.prompt_ids)
+    # Qwen2.5's template puts the tool's schema in the system turn, then the row's messages
+    assert prompt.startswith("<|im_start|>system\nYou are a math expert.") and "<tools>" in prompt
+    assert '"name": "calc_gsm8k_reward"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_a_chat_template_without_tool_support_is_refused_at_the_dry_run(shared_dir, tmp_path, capsys):
+    tokenizer = shared_dir / "assets" / "qwen2-tokenizer"
+    tool_model.write_tool_config(tmp_path / "tools.yaml")
+    args = ["recipe=tiny_klppo", "actor_rollout_ref.rollout.multi_turn.enable=true", f"data.tokenizer={tokenizer}",
+            "actor_rollout_ref.model.path=tiny://qwen2?vocab_size=151936", f"actor_rollout_ref.rollout.multi_turn.tool_config_path="
+            f"{tmp_path / 'tools.yaml'}"]
+    rc, _, err = dry_run(args, capsys)
+    assert rc == 2 and f"data.tokenizer={tokenizer}: the chat template drops tool messages" in err, err
+    recipe = tmp_path / "with_template.yaml"  # (a template is easier to give in a recipe than on a command line)
+    recipe.write_text(yaml.safe_dump({"base": "tiny_klppo", "actor_rollout_ref": {"model": {
+        "custom_chat_template": tool_model.HERMES_TEMPLATE}}}))
+    rc, _, err = dry_run([f"recipe={recipe}", *args[1:]], capsys)
+    assert rc == 0, err
