@@ -143,6 +143,11 @@ def test_the_assumed_lengths_and_a_runs_own_lengths_set_the_workload():
     step = model.plan_step({"prompt_length/mean": 100.0, "response_length/mean": 200.0, "response_length/max": 512.0},
                            padded=612)
     assert step.workload == Workload(1024, 100.0, 200.0, 512, 612, "this step's lengths")
+    # a multi-turn step: its tool turns (tools/tokens_tool over the step's rows) are in every pass too
+    turns = model.plan_step({"prompt_length/mean": 100.0, "response_length/mean": 200.0, "response_length/max": 500.0,
+                             "tools/tokens_tool": 1024 * 30.0}, padded=612)
+    assert turns.workload == Workload(1024, 100.0, 230.0, 512, 612, "this step's lengths")
+    assert turns.phase("update_actor").seconds > step.phase("update_actor").seconds
     assert set(step.metrics()) >= {"plan/gen_s", "plan/update_actor_s", "plan/step_s", "plan/tokens_per_s_per_gpu"}
     line = step.render_measured({"timing_s/gen": 2 * step.phase("gen").seconds, "timing_s/step": step.step_s})
     assert "gen" in line and "(2.00x)" in line and "step" in line

@@ -1,8 +1,9 @@
 """Tokenizers: a Hugging Face tokenizer by path/name, or ``tiny://chars`` built in code.
 
 ``tiny://chars`` is a character-level tokenizer (digits, lowercase letters, a little punctuation)
-with Qwen2's chat-format special tokens and a ChatML chat template: small enough for the tiny demo
-model (its vocabulary fits ``vocab_size=64``) and needing no files.
+with Qwen2's chat-format special tokens, its tool-call tags and a ChatML chat template that renders
+tools and tool answers as Qwen2.5's does: small enough for the tiny demo model (its vocabulary fits
+``vocab_size=64``) and needing no files.
 """
 from __future__ import annotations
 

@@ -408,10 +408,14 @@ class TimeModel:
         """The plan of a step a run just took, with its own lengths (``prompt_length/mean``,
         ``response_length/mean`` and ``/max`` of its metrics; ``padded``: its rows' padded length)."""
         d = self.cfg.data
+        # a multi-turn step's tool turns are in every training pass but not in response_length (the
+        # model's tokens, as verl logs it): counted in, as if decoded (an engine prefills them, faster)
+        tool = metrics.get("tools/tokens_tool", 0.0) / max(self.step.rows, 1)
         return self.plan(Workload(self.step.rows,
                                   metrics.get("prompt_length/mean", d.max_prompt_length),
-                                  metrics.get("response_length/mean", d.max_response_length),
-                                  int(metrics.get("response_length/max", d.max_response_length)), padded,
+                                  metrics.get("response_length/mean", d.max_response_length) + tool,
+                                  min(d.max_response_length,
+                                      int(metrics.get("response_length/max", d.max_response_length) + tool)), padded,
                                   "this step's lengths", metrics.get("train/num_gen_batches")))
 
 

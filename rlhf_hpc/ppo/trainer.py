@@ -52,7 +52,7 @@ from rlhf_hpc.planning.layout import describe as describe_layouts
 from rlhf_hpc.planning.memory_plan import check_plan, oom_message
 from rlhf_hpc.ppo.guard import GuardStop, StabilityGuard
 from rlhf_hpc.ops.batching import select_rows
-from rlhf_hpc.ppo.step_batch import (make_step_batch, rollout_rows, sampling_for, score_responses,
+from rlhf_hpc.ppo.step_batch import (make_step_batch, response_spans, rollout_rows, sampling_for, score_responses,
                                      scores_on_last_token, step_seed)
 from rlhf_hpc.ppo.step_metrics import data_metrics, perf_metrics, reduce_stats, time_model
 from rlhf_hpc.ppo.validation import run_validation
@@ -292,6 +292,7 @@ class PPOTrainer:
         else:
             self.tracker.log_line("[rlhf-hpc] trainer.val_only: no validation set to evaluate; no training")
         self.tracker.close()
+        self.generator.close()
         self.rollout.close()
 
     # -------------------------------------------------------------------------------- one step
@@ -421,7 +422,8 @@ class PPOTrainer:
         """(B,) the scores plus the dapo reward manager's overlong penalty (``reward_model.overlong_buffer``;
         ``rewards/overlong.py``), logged where ``overlong_buffer.log`` and ``metrics`` say so (collective)."""
         ob = self.cfg.reward_model.overlong_buffer
-        penalty = overlong_reward(batch["response_mask"].sum(-1), self.cfg.data.max_response_length, ob.len,
+        # (the whole response, tool turns included, as verl's dapo manager measures it)
+        penalty = overlong_reward(response_spans(batch), self.cfg.data.max_response_length, ob.len,
                                   ob.penalty_factor)
         if ob.log and metrics is not None:
             metrics.update(overlong_metrics(penalty, all_reduce_sum))
