@@ -467,6 +467,7 @@ def test_remax_trainer_generates_and_scores_one_greedy_response_per_prompt():
     from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
     from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
     from rlhf_hpc.observability.perf import Timer
+    from rlhf_hpc.ppo.generation import Generator
     from rlhf_hpc.ppo.trainer import PPOTrainer
     from rlhf_hpc.recipe.load import load_config
     from rlhf_hpc.rewards import RewardFunction
@@ -481,6 +482,7 @@ def test_remax_trainer_generates_and_scores_one_greedy_response_per_prompt():
                            ground_truth="1", index=i) for i in range(4)]
     t.sampler = SimpleNamespace(next_batch=lambda: [2, 0, 3])
     t.rollout, t.faults = FakeEngine(tok), SimpleNamespace(after_generation=lambda step: None)
+    t.generator = Generator(config, t.rollout, tok, [])  # single-turn: the engine itself
     t.reward_fn, t.reward_model = RewardFunction(config.custom_reward_function), None
     t.overlong = False  # (no dapo reward manager)
     t.greedy_baseline, t.greedy_rows = True, None

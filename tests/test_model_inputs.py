@@ -99,7 +99,7 @@ def test_a_custom_chat_template_does_not_hide_a_missing_tokenizer_and_is_itself_
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(capsys):
     rc, err = dry_run(capsys, f"{KEY}.path=tiny://qwen2?vocab_size=32")
-    assert rc == 2 and (f"{KEY}.path=tiny://chars: the tokenizer has 51 tokens, more than the model's 32 embedding "
+    assert rc == 2 and (f"{KEY}.path=tiny://chars: the tokenizer has 64 tokens, more than the model's 32 embedding "
                         f"rows (vocab_size)") in err, err
 
 

@@ -13,6 +13,11 @@ what RL needs to start from: SmolLM2-135M-Instruct answers single-digit sums rig
 in five at temperature 1 (BENCHMARKS.md). Options: ``synthetic://add?max=9&size=512`` (largest
 operand, number of rows).
 
+``lookup``: "code of ab?"; the code is a digit only the ``lookup`` tool returns (a multi-turn run,
+``actor_rollout_ref.rollout.multi_turn``); the reward is 1 when the model ends with ``#### <code>``.
+Keys are two lowercase letters. Options: ``synthetic://lookup?size=512``. A model that makes the
+calls: ``python -m rlhf_hpc.data.tool_warm_start`` (rlhf_hpc/data/tool_warm_start.py).
+
 Rows come out in the reference data format, so they go through the same pipeline as parquet data.
 """
 from __future__ import annotations
@@ -20,20 +25,27 @@ from __future__ import annotations
 import random
 from urllib.parse import parse_qsl, urlparse
 
-from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE as DATA_SOURCE
+from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE as DATA_SOURCE, LOOKUP_SOURCE
+from rlhf_hpc.tools.lookup_tool import lookup_code
 
-__all__ = ["addition_rows", "synthetic_rows"]
+__all__ = ["LOOKUP_KEYS", "addition_rows", "lookup_question", "lookup_rows", "synthetic_rows"]
+
+LOOKUP_KEYS = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
 
 
 def synthetic_rows(url: str, split_seed: int) -> list[dict]:
     """Rows for ``synthetic://copy[?...]`` or ``synthetic://add[?...]``; ``split_seed`` tells
     train from val."""
     parsed = urlparse(url)
-    if parsed.netloc not in ("copy", "add"):
-        raise ValueError(f"unknown synthetic task '{url}'; the built-in ones are synthetic://copy and synthetic://add")
+    if parsed.netloc not in ("copy", "add", "lookup"):
+        raise ValueError(f"unknown synthetic task '{url}'; the built-in ones are synthetic://copy, synthetic://add "
+                         f"and synthetic://lookup")
     opts = dict(parse_qsl(parsed.query))
     if parsed.netloc == "add":
         return addition_rows(int(opts.get("max", 9)), int(opts.get("size", 512)), split_seed)
+    if parsed.netloc == "lookup":
+        rng = random.Random(split_seed)
+        return lookup_rows([rng.choice(LOOKUP_KEYS) for _ in range(int(opts.get("size", 512)))])
     targets = opts.get("targets", "0123")
     size = int(opts.get("size", 512))
     rng = random.Random(split_seed)
@@ -59,3 +71,14 @@ def addition_rows(largest: int, size: int, seed: int) -> list[dict]:
                      "reward_model": {"style": "rule", "ground_truth": str(a + b)},
                      "extra_info": {"index": i}})
     return rows
+
+
+def lookup_question(key: str) -> list[dict]:
+    return [{"role": "user", "content": f"code of {key}?"}]
+
+
+def lookup_rows(keys: list[str]) -> list[dict]:
+    return [{"data_source": LOOKUP_SOURCE, "prompt": lookup_question(key), "ability": "tools",
+             "reward_model": {"style": "rule", "ground_truth": str(lookup_code(key))},
+             "extra_info": {"index": i, "tools_kwargs": {"lookup": {"create_kwargs": {"key": key}}}}}
+            for i, key in enumerate(keys)]

@@ -18,14 +18,14 @@ __all__ = ["Generator"]
 class Generator:
     """``generator(rows, sampling)``: ``sampling.n`` responses per row, as ``RolloutEngine.generate``."""
 
-    def __init__(self, cfg: Config, engine: RolloutEngine, tokenizer, tools: list[ToolEntry], log=print):
+    def __init__(self, cfg: Config, engine: RolloutEngine, tokenizer, tools: list[ToolEntry]):
         self.engine = engine
         mt = cfg.actor_rollout_ref.rollout.multi_turn
         self.agent: Optional[AgentLoop] = None
         if mt.enable:
             self.agent = AgentLoop(engine, tokenizer, build_tools(tools, cfg.sandbox, cfg.reward_model.sandbox_fusion),
                                    tool_schemas(tools), mt, cfg.data.max_response_length,
-                                   cfg.data.apply_chat_template_kwargs, log=log)
+                                   cfg.data.apply_chat_template_kwargs)
 
     def __call__(self, rows: list[Example], sampling: Sampling) -> list[list[Response]]:
         prompts = [r.prompt_ids for r in rows]

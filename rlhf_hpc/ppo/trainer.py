@@ -11,7 +11,7 @@ the same decisions.
 The step batch (one dict of tensors, rows = this rank's responses):
 
     input_ids, attention_mask, position_ids   (B, P + R)  prompt left-padded, response right-padded
-    responses, response_mask                  (B, R)
+    responses, response_mask                  (B, R)  the mask 0 on padding and on a multi-turn row's tool turns
     engine_log_probs                          (B, R)  from the rollout engine (sampling dist.)
     uid                                       (B,)    the prompt's position in the step (its group)
     old_log_probs, ref_log_prob, values       (B, R)  actor / reference / critic before the update

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.rewards.code import CODE_SOURCES, code_score, configure_code_reward
-from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE, addition_score, copy_score
+from rlhf_hpc.rewards.synthetic import (ADD_SOURCE, COPY_SOURCE, LOOKUP_SOURCE, addition_score, copy_score,
+                                        lookup_score)
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
 
@@ -43,6 +44,7 @@ def register_rule_reward(name: str, matches: Callable[[str], bool]):
 register_rule_reward("gsm8k", lambda src: "gsm8k" in src)(gsm8k_score)
 register_rule_reward("copy", lambda src: src == COPY_SOURCE)(copy_score)
 register_rule_reward("add", lambda src: src == ADD_SOURCE)(addition_score)
+register_rule_reward("lookup", lambda src: src == LOOKUP_SOURCE)(lookup_score)
 register_rule_reward("math", lambda src: "math" in src or "aime" in src)(boxed_score)
 register_rule_reward("code", lambda src: src in CODE_SOURCES)(code_score)  # runs the program: rlhf_hpc/tools
 
@@ -54,6 +56,7 @@ def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: d
     if rule is None:
         raise ValueError(f"no rule reward for data_source '{data_source}' (built in: "
                          f"{', '.join(RULE_REWARDS)}: openai/gsm8k, *math*/*aime*, {COPY_SOURCE}, {ADD_SOURCE}, "
+                         f"{LOOKUP_SOURCE}, "
                          f"{'/'.join(CODE_SOURCES)}); "
                          f"set custom_reward_function.path to score it")
     return rule.score(response, str(ground_truth))

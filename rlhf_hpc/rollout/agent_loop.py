@@ -73,8 +73,7 @@ class AgentLoop:
     ``extra_info.tools_kwargs``); ``take_metrics()`` the counts since the last call."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, tools: dict[str, Tool], tool_schemas: list[dict],
-                 cfg: MultiTurnConfig, max_response_length: int, template_kwargs: Optional[dict] = None,
-                 log=print):
+                 cfg: MultiTurnConfig, max_response_length: int, template_kwargs: Optional[dict] = None):
         self.engine, self.tokenizer, self.tools, self.cfg = engine, tokenizer, tools, cfg
         self.schemas = tool_schemas
         self.R = max_response_length
@@ -85,7 +84,6 @@ class AgentLoop:
             raise ValueError("; ".join(problems))
         self.group = getattr(engine, "tp_group", None)
         self.pool = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="tool")
-        self.log = log
         self.counts: dict[str, float] = {}
         self.turns: list[int] = []
         self.tool_seconds = 0.0

@@ -29,17 +29,19 @@ KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 @dataclass(frozen=True)
 class ToolSpec:
     """A built-in tool: ``entry`` its class (``module:Class``, imported when built), ``verl_class``
-    verl's class it stands for, ``sandbox``: it runs code (the dry run checks the sandbox)."""
+    verl's class it stands for (None: this project's own), ``sandbox``: it runs code (the dry run
+    checks the sandbox)."""
     name: str
     entry: str
-    verl_class: str
+    verl_class: Optional[str] = None
     sandbox: bool = False
 
 
 TOOL_CLASSES: Registry[ToolSpec] = Registry("tool class", f"{KEY}: class_name")
 for _spec in (ToolSpec("gsm8k", "rlhf_hpc.rewards.gsm8k_tool:Gsm8kTool", "verl.tools.gsm8k_tool.Gsm8kTool"),
               ToolSpec("code_interpreter", "rlhf_hpc.tools.code_interpreter:CodeInterpreterTool",
-                       "verl.tools.sandbox_fusion_tools.SandboxFusionTool", sandbox=True)):
+                       "verl.tools.sandbox_fusion_tools.SandboxFusionTool", sandbox=True),
+              ToolSpec("lookup", "rlhf_hpc.tools.lookup_tool:LookupTool")):  # (the built-in tool task's)
     TOOL_CLASSES.register(_spec.name, _spec)
 
 
@@ -62,7 +64,7 @@ def _resolve(class_name: str, where: str) -> tuple[type, bool]:
     spec = next((s for s in TOOL_CLASSES.values() if s.verl_class == class_name), None) or TOOL_CLASSES.get(class_name)
     if spec is not None:
         return _import(spec.entry), spec.sandbox
-    builtin = ", ".join(f"{s.name} (verl's {s.verl_class})" for s in TOOL_CLASSES.values())
+    builtin = ", ".join(f"{s.name} (verl's {s.verl_class})" if s.verl_class else s.name for s in TOOL_CLASSES.values())
     if class_name.startswith("verl."):
         raise ConfigError(f"{where}: class_name {class_name}: verl's class has no equivalent here; built in: "
                           f"{builtin}, or name your own class implementing rlhf_hpc.tools.tool.Tool")
