@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rlhf_hpc.distributed.process_group import exit_process, init_distributed
 from rlhf_hpc.distributed.host_allocator import describe_malloc_settings
 from rlhf_hpc.observability.library_logs import library_log_path, route_library_logs
+from rlhf_hpc.observability.startup import StartupClock
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.recipe.load import load_resolved
 from rlhf_hpc.data.dataset import DataError
@@ -36,6 +37,8 @@ def main(argv: list[str]) -> int:
         print("usage: python -m rlhf_hpc.worker RUN_DIR/config.yaml", file=sys.stderr)
         return 2
     run_dir = Path(argv[0]).parent
+    clock = StartupClock()  # (from the process's start: the interpreter and the imports)
+    clock.mark("imports")
     try:
         cfg = load_resolved(argv[0])
     except ConfigError as e:
@@ -46,7 +49,8 @@ def main(argv: list[str]) -> int:
         die_with_parent()  # torchrun gone (its launcher was killed): this rank must not train on
         beat.start()
     try:
-        return run_rank(cfg, run_dir)
+        clock.mark("config")
+        return run_rank(cfg, run_dir, clock)
     except BaseException as e:  # noqa: BLE001 - every end of a rank is classified (a DCP error is a BaseException)
         return rank_failed(e, run_dir, beat)
     finally:
@@ -54,7 +58,7 @@ def main(argv: list[str]) -> int:
             beat.set_state("exited")
 
 
-def run_rank(cfg, run_dir: Path) -> int:
+def run_rank(cfg, run_dir: Path, clock: StartupClock) -> int:
     install_signal_handler()  # Slurm's USR2, the local launcher's stop: finish the step, save, stop
     route_library_logs(run_dir, int(os.environ.get("RANK", "0")))  # before vLLM is imported
     ctx = init_distributed(cfg)
@@ -73,10 +77,11 @@ def run_rank(cfg, run_dir: Path) -> int:
         if ctx.device.type == "cpu":
             print(f"[rlhf-hpc] host memory: {describe_malloc_settings()}", flush=True)
         print(f"[rlhf-hpc] vLLM's and torch's warnings: {library_log_path(run_dir, '*')}", flush=True)
+    clock.mark("process group")
     if cfg.trainer.preflight:
         preflight(cfg, ctx, run_dir)
     else:
-        fit(cfg, ctx)
+        fit(cfg, ctx, clock)
     if dist.is_initialized():  # a vLLM engine's shutdown already ended the group
         dist.destroy_process_group()
     return 0

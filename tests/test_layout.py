@@ -1,23 +1,47 @@
-"""The FSDP layout chosen for models whose recipe leaves it open (rlhf_hpc/planning/layout.py): replicated
-when the whole training state is small against a rank's memory, sharded inside a node otherwise;
-explicit keys win; the memory plan and the log say what was chosen and why. That the engine
-builds the chosen mesh and trains like one process on it: tests/test_engine_dist.py
+"""The FSDP layout chosen for models whose recipe leaves it open (rlhf_hpc/planning/layout.py and
+layout_search.py): the fastest shard group by the time plan whose memory plan fits, ties to the
+smaller group; explicit keys win; the memory plan and the log say what was chosen and why. That
+the engine builds the chosen mesh and trains like one process on it: tests/test_engine_dist.py
 (``actor_4x1``) and the demo's log (tests/test_train_e2e.py)."""
 from __future__ import annotations
 
-from rlhf_hpc.planning.layout import choose_layouts, describe, resolved_fsdp_configs, training_state_bytes
-from rlhf_hpc.planning.memory_plan import build_plan
+from rlhf_hpc.planning.layout import choose_layouts, describe, resolved_fsdp_configs
+from rlhf_hpc.planning.layout_search import TIE_SHARE, candidate_sizes, margined_peak, plan_candidates
+from rlhf_hpc.planning.memory_plan import build_plan, check_plan
 from rlhf_hpc.planning.sizing import GiB, model_shape
 from rlhf_hpc.recipe.load import load_config
+
+OPEN = ["actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.model.fsdp_config"]
+
+
+def assert_fastest_that_fits(cfg) -> int:
+    """The chosen size fits, and no fitting candidate is faster by more than the tie share; the
+    ones left out are named in the reason."""
+    size = choose_layouts(cfg)["actor"].fsdp_size
+    candidates, no_time = plan_candidates(cfg, OPEN)
+    assert no_time == ""
+    chosen = next(c for c in candidates if c.fsdp_size == size)
+    assert chosen.problem == ""
+    for c in candidates:
+        if not c.problem:
+            assert chosen.step_s <= c.step_s * (1 + TIE_SHARE), (c, chosen)
+            if c.fsdp_size < size:  # a smaller group that fits is left only for a slower step
+                assert c.step_s > chosen.step_s
+    line = next(line for line in describe(cfg) if line.startswith("FSDP layout of actor"))
+    for c in candidates:
+        if c.fsdp_size != size:
+            assert f"fsdp_size={c.fsdp_size}" + (" does not fit" if c.problem else ":") in line
+    return size
 
 
 def test_a_small_model_is_replicated_and_the_reason_is_given():
     cfg = load_config("tiny_klppo")[0]
     layouts = choose_layouts(cfg)
     assert {(lay.fsdp_size, lay.reshard_after_forward, lay.forward_prefetch) for lay in layouts.values()} == {(1, False, False)}
+    assert assert_fastest_that_fits(cfg) == 1
     line = describe(cfg)[0]
     assert line.startswith("FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false")
-    assert "fits in 20% of" in line and "replicated on every rank" in line
+    assert "replicated on every rank (fsdp_size=1): the fastest layout the time plan finds that fits the memory plan" in line
     # the plan is built on the chosen layout and prints the choice
     plan = build_plan(cfg)
     assert line in plan.notes
@@ -32,10 +56,12 @@ def test_a_7b_model_is_sharded_inside_the_node_and_explicit_keys_win():
     assert fsdp["actor"].fsdp_size == 8 and fsdp["actor"].reshard_after_forward is True
     assert fsdp["actor"].forward_prefetch is True  # set in the recipe: kept
     assert fsdp["critic"].forward_prefetch is False
-    state = training_state_bytes(cfg, 7_615_616_512)
-    assert state > 0.2 * 80 * GiB
-    assert any("needs more than 20% of 80 GiB per rank: sharded inside a node (fsdp_size=8)" in line
-               for line in describe(cfg))
+    assert assert_fastest_that_fits(cfg) == 8
+    line = describe(cfg)[0]
+    # 1 and 2 ranks exceed an 80 GiB GPU; 4 would fill it to within the plan's margin
+    assert "sharded over 8 ranks (fsdp_size=8)" in line and "of 80 GiB per rank" in line
+    assert "fsdp_size=1 does not fit (peak" in line
+    assert "fsdp_size=4 does not fit (peak 79.9 GiB, 94.0 with the margin, over 80)" in line
     # explicit values win over the choice, and are not reported as chosen
     tiny = load_config("tiny_klppo", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
                                       "critic.model.fsdp_config.reshard_after_forward=true"])[0]
@@ -50,14 +76,40 @@ def test_a_7b_model_is_sharded_inside_the_node_and_explicit_keys_win():
 
 
 def test_the_choice_follows_the_memory_a_rank_has():
-    small_gpu = ["trainer.device=cuda", "hardware.hbm_gb=1"]
     big = load_config("tiny_klppo", ["trainer.device=cuda", "hardware.hbm_gb=80"])[0]
     assert choose_layouts(big)["actor"].fsdp_size == 1
     model = "actor_rollout_ref.model.path=tiny://qwen2?vocab_size=64&hidden_size=1024&num_hidden_layers=8"
-    cfg = load_config("tiny_klppo", [*small_gpu, model])[0]
-    state = training_state_bytes(cfg, model_shape(cfg.actor_rollout_ref.model.path).params)
-    assert state > 0.2 * GiB  # ~100M parameters: over a fifth of 1 GiB
-    assert choose_layouts(cfg)["actor"].fsdp_size == cfg.trainer.n_gpus_per_node
+    cfg = load_config("tiny_klppo", ["trainer.device=cuda", "hardware.hbm_gb=4", model])[0]
+    # ~100M parameters with a critic and a reference: a 4 GiB GPU holds them sharded, not replicated
+    assert assert_fastest_that_fits(cfg) == cfg.trainer.n_gpus_per_node == 2
+    assert "fsdp_size=1 does not fit" in describe(cfg)[0]
+
+
+def test_32b_and_70b_on_64_gpus_get_a_layout_that_fits():
+    """The layout chooser of a fixed share picked fsdp_size=8 (a node) for these, which fails the
+    memory plan; the plans' chooser shards over nodes."""
+    for model, tp, size in (("Qwen/Qwen2.5-32B-Instruct", 4, 32), ("meta-llama/Llama-3.1-70B-Instruct", 8, 64)):
+        cfg = load_config("llama8b_grpo", [f"actor_rollout_ref.model.path={model}", "trainer.nnodes=8",
+                                           f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                                           "actor_rollout_ref.model.enable_gradient_checkpointing=true"],
+                          check_files=False)[0]
+        assert candidate_sizes(64, 8) == [1, 2, 4, 8, 16, 32, 64]
+        assert assert_fastest_that_fits(cfg) == size, model
+        plan, errors, _ = check_plan(cfg)
+        assert errors == [] and margined_peak(plan) <= plan.capacity / GiB
+        assert "fsdp_size=8 does not fit" in describe(cfg)[0]
+    # nothing fits (no activation checkpointing): the smallest peak, and the memory plan says what to shrink
+    cfg = load_config("llama8b_grpo", ["actor_rollout_ref.model.path=meta-llama/Llama-3.1-70B-Instruct",
+                                       "trainer.nnodes=8"], check_files=False)[0]
+    assert choose_layouts(cfg)["actor"].fsdp_size == 64
+    assert "no layout fits the memory plan; the smallest peak" in describe(cfg)[0]
+    assert "enable_gradient_checkpointing" in check_plan(cfg)[1][0]
+
+
+def test_a_model_of_unknown_size_is_sharded_inside_a_node():
+    cfg = load_config("qwen7b_klppo", ["actor_rollout_ref.model.path=/nowhere/some-model"], check_files=False)[0]
+    layout = choose_layouts(cfg)["actor"]
+    assert layout.fsdp_size == 8 and "the model's size is unknown here" in layout.reason
 
 
 def test_activation_checkpointing_is_chosen_from_the_micro_batch_activations():

@@ -172,26 +172,34 @@ def test_the_layout_and_memory_plan_match_the_run(gsm8k_run_dir):
     from rlhf_hpc.planning.memory_plan import check_plan
     from rlhf_hpc.planning.sizing import GiB
     engine, run, stdout, dry, args = gsm8k_run_dir
-    layout = ("# FSDP layout of actor, ref, critic: fsdp_size=2, reshard_after_forward=true, "
-              "forward_prefetch=false; the training state (4.5 GiB, 0.13B parameters) needs more than 20%")
-    assert layout in dry and stdout.count(layout) == 1  # the dry run said what the run says, once
+    # the plans' choice (rlhf_hpc.planning.layout_search): the vLLM engine's CPU runtime leaves too
+    # little room to replicate (planned peak 10.2 GiB of 11.8 per rank, over the 85% margin); hf replicates
+    layout = next(line for line in dry.splitlines() if line.startswith("# FSDP layout of actor, ref, critic:"))
+    size = {"vllm": 2, "hf": 1}[engine]
+    assert layout.startswith(f"# FSDP layout of actor, ref, critic: fsdp_size={size}, reshard_after_forward="
+                             f"{str(size > 1).lower()}"), layout
+    assert "the fastest layout the time plan finds that fits the memory plan" in layout
+    assert ("fsdp_size=1 does not fit (peak" if size == 2 else "fsdp_size=2: ") in layout
+    assert stdout.count(layout) == 1  # the dry run said what the run says, once
     cfg, _ = load_config(args[0].split("=", 1)[1], args[1:] + [f"trainer.default_local_dir={run}"])
     plan, errors, _ = check_plan(cfg)
     assert errors == []
     measured = max(json.loads(line)["perf/max_memory_allocated_gb"] for line in (run / "metrics.jsonl").open())
     ratio = measured * GiB / plan.peak
-    # peak RSS against the plan, measured: hf 7.33 / 6.31 GiB (1.16), vllm 9.24-9.64 / 7.81 GiB (1.18-1.23)
-    assert 0.85 <= ratio <= 1.3, (engine, measured, plan.peak / GiB)
+    # peak RSS against the plan, measured: sharded vllm 9.24-9.64 / 7.81 GiB (1.18-1.23); hf sharded
+    # 7.33 / 6.31 (1.16), replicated (the layout chosen now) 7.41 / 8.71 (0.85)
+    assert 0.8 <= ratio <= 1.3, (engine, measured, plan.peak / GiB)
     # every phase: its peak RSS in step 1 against the plan's figure for it. Step 1, because peak RSS
     # only ratchets up (malloc keeps freed heap): from step 2 on every phase reads the first step's
     # peak. The ratchet shows within step 1 too, so later phases read high; measured (gen, old_log_prob,
-    # ref, values, update_critic, update_actor): vllm 1.07 1.12 1.19 1.29 1.37 1.17, hf 1.10 1.13 1.21
-    # 1.35 1.43 1.15. (On a GPU, gpu_check's memory-per-phase case: max_memory_allocated, no ratchet.)
+    # ref, values, update_critic, update_actor): vllm (sharded) 1.07 1.12 1.19 1.29 1.37 1.17, hf sharded
+    # 1.10 1.13 1.21 1.35 1.43 1.15, hf replicated 0.92 ~0.9 0.84 0.84 0.86 0.85: the replicated plan
+    # is high (BENCHMARKS.md). (On a GPU, gpu_check's memory-per-phase case: max_memory_allocated, no ratchet.)
     first = json.loads((run / "metrics.jsonl").open().readline())
     rows = plan.against_measured(first)
     assert [name for name, _, _ in rows] == [p.name for p in plan.phases], (rows, sorted(first))
     ratios = {name: measured / planned for name, planned, measured in rows}
-    assert all(0.85 <= r <= 1.55 for r in ratios.values()), (engine, plan.render_measured(first))
+    assert all(0.8 <= r <= 1.55 for r in ratios.values()), (engine, plan.render_measured(first))
     assert stdout.count("[rlhf-hpc] memory per phase, measured") == 1, stdout[-3000:]
 
 

@@ -93,9 +93,29 @@ def test_checkpoints_and_console(demo_run):
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "60"
     assert (run / "config.yaml").is_file()
     assert "step 60/60 | score" in stdout and "ETA" in stdout
-    # the tiny models are replicated (rlhf_hpc.planning.layout), and the plan says why, once
+    # the tiny models are replicated (rlhf_hpc.planning.layout_search), and the plan says why, once
     assert stdout.count("FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false") == 1
     assert "# FSDP layout of actor, ref, critic" in stdout
+
+
+def test_the_start_up_is_timed_phase_by_phase_once(demo_run):
+    """Where a rank's start-up goes (rlhf_hpc.observability.startup): one line, and the same phases in
+    the first step's metrics only; they add up to the time from the process's start to step 1."""
+    _, run, stdout, _ = demo_run
+    (line,) = [x for x in stdout.splitlines() if x.startswith("[rlhf-hpc] start-up ")]
+    phases = ["imports", "config", "process group", "data", "models", "engine", "rewards", "resume",
+              "trackers and plans"]
+    named = re.findall(r"(?:: |, )([a-z ]+) (\d+\.\d)", line)
+    assert [name for name, _ in named] == phases, line
+    records = read_metrics(run)
+    first = records[0]
+    startup = {k: v for k, v in first.items() if k.startswith("timing_s/startup/")}
+    assert sorted(startup) == sorted([f"timing_s/startup/{p.replace(' ', '_')}" for p in phases] + ["timing_s/startup/total"])
+    assert all(v >= 0 for v in startup.values())
+    assert startup["timing_s/startup/total"] == pytest.approx(sum(v for k, v in startup.items() if k != "timing_s/startup/total"))
+    assert startup["timing_s/startup/imports"] > 1.0  # counted from the process's start: torch's import alone takes seconds
+    assert startup["timing_s/startup/total"] == pytest.approx(float(line.split("start-up ")[1].split(" s:")[0]), abs=0.06)
+    assert not any(k.startswith("timing_s/startup/") for r in records[1:] for k in r)
 
 
 def test_each_step_is_planned_beside_what_it_took(demo_run):

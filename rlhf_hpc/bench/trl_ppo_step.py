@@ -25,7 +25,7 @@ from pathlib import Path
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
-TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0", "transformers==5.19.0"]
+TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0", "transformers==5.19.0", "requests"]  # (GRPOTrainer imports requests)
 
 
 def setup(venv: Path) -> None:

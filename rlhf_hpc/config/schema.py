@@ -82,10 +82,10 @@ class MixedPrecisionConfig:
 
 @dataclass
 class FSDPConfig:
-    # differs from verl: null (the default) is chosen from the model size and the memory per rank
-    # (rlhf_hpc.planning.layout): 1 (replicate: no all-gathers) when the whole training state fits easily,
-    # else "GPUs per node", i.e. HYBRID_SHARD (shard inside a node, replicate across nodes), which
-    # keeps the big all-gathers on NVLink; -1 = FULL_SHARD over the whole world (verl's default).
+    # differs from verl: null (the default) is chosen by the plans (rlhf_hpc.planning.layout_search):
+    # the fastest shard group the time plan finds whose memory plan fits, e.g. 1 (replicate: no
+    # all-gathers) for a small model, "GPUs per node" (HYBRID_SHARD: shard inside a node, replicate
+    # across nodes) for a 7B; -1 = FULL_SHARD over the whole world (verl's default).
     fsdp_size: Optional[int] = None
     param_offload: bool = False
     optimizer_offload: bool = False

@@ -1,23 +1,24 @@
 """The FSDP layout of each trained model, and its activation checkpointing, when the recipe
 leaves them open.
 
-``fsdp_size``, ``reshard_after_forward`` and ``forward_prefetch`` default to null: chosen here from
-the models' size, the world and the memory a rank has; a value set in the recipe always wins.
+``fsdp_size``, ``reshard_after_forward`` and ``forward_prefetch`` default to null: chosen here; a
+value set in the recipe always wins.
 
-- Small models (the actor's, critic's and reference's whole training state, unsharded, within
-  ``REPLICATE_SHARE`` of a rank's memory): replicate on every rank (``fsdp_size=1``). Sharding
+- ``fsdp_size``: by the plans (rlhf_hpc.planning.layout_search), the fastest shard group the time
+  plan finds whose memory plan fits. A small model comes out replicated (``fsdp_size=1``): sharding
   buys no memory that is needed and costs an all-gather per layer in every forward and backward;
   replicated, a forward pass has no collective at all and an update one gradient all-reduce
-  (BENCHMARKS.md, issue #19: "FSDP layout from the model size"). The
-  unsharded parameters are kept between forward and backward (``reshard_after_forward=false``):
-  nothing to gather again, and the memory is there.
-- Larger models: shard inside a node, replicate across nodes (HSDP, ``fsdp_size`` = ranks per
-  node): the all-gathers stay on the node's fast links. Parameters are freed after the forward
-  (they come back for the backward). Explicit ``forward_prefetch`` stays off unless set: FSDP2
-  already issues each all-gather ahead of the compute that waits for it on a GPU, and on the CPU
-  (gloo) the collectives take the same cores as the compute.
+  (BENCHMARKS.md, "FSDP layout from the model size"). A large one comes out sharded, inside a node
+  where that fits (HSDP), over several nodes where it does not. Where a model's size is unknown (no
+  config here): inside a node.
+- ``reshard_after_forward``: sharded, the parameters are freed after the forward (they come back
+  for the backward); replicated, they are kept between forward and backward (nothing to gather).
+- ``forward_prefetch`` stays off unless set: FSDP2 already issues each all-gather ahead of the
+  compute that waits for it on a GPU, and on the CPU (gloo) the collectives take the same cores as
+  the compute.
 
-Every rank and the launching machine decide alike (the same config, the same model config); the
+Every rank and the launching machine decide alike (the same config, model config and hardware
+figures; the ranks check it, rlhf_hpc.ppo.training_models); the
 choice and its reason are printed with the memory plan and in the run's log.
 """
 from __future__ import annotations
@@ -25,21 +26,18 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable
 
 from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.config.tree import get_key
 from rlhf_hpc.distributed.process_group import mesh_shape
-from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.planning.hardware import gpu_memory_gb
-from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB, activation_bytes, adapter_params, logits_bytes, model_shape
+from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB, activation_bytes, logits_bytes, model_shape
 
-__all__ = ["CHECKPOINT_SHARE", "Layout", "REPLICATE_SHARE", "SECTIONS", "choose_checkpointing", "choose_layouts",
-           "describe", "rank_memory_bytes", "resolved_fsdp_configs", "shard_count", "training_state_bytes"]
+__all__ = ["CHECKPOINT_SHARE", "Layout", "SECTIONS", "SizeSearch", "choose_checkpointing", "choose_layouts", "describe",
+           "rank_memory_bytes", "resolved_fsdp_configs", "shard_count", "use_size_search"]
 
-# share of a rank's memory the models' whole training state may take before sharding is chosen
-REPLICATE_SHARE = 0.2
 # share of a rank's memory one micro-batch's activations may take before checkpointing is chosen
 CHECKPOINT_SHARE = 0.1
 
@@ -67,61 +65,15 @@ def rank_memory_bytes(cfg: Config) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(cfg.trainer.n_gpus_per_node, 1)
 
 
-def training_state_bytes(cfg: Config, params: int, critic_params: Optional[int] = None) -> float:
-    """Unsharded bytes of everything the models keep between steps: the actor's (and critic's)
-    master weights, gradients and Adam moments (a LoRA model's: of its adapter only), the
-    reference's weights (none with a LoRA actor: the reference is the actor, adapter off)."""
-    arr = cfg.actor_rollout_ref
-
-    def trained(n: int, fsdp: FSDPConfig, model_cfg, path: str) -> float:
-        trainable = adapter_params(path, model_cfg, model_cfg.override_config, bool(model_cfg.trust_remote_code)) \
-            if lora_enabled(model_cfg) else n
-        return n * DTYPE_BYTES[fsdp.model_dtype] + trainable * (DTYPE_BYTES[fsdp.model_dtype] + 8)
-
-    total = trained(params, arr.actor.fsdp_config, arr.model, arr.model.path)
-    if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora_enabled(arr.model):
-        total += params * DTYPE_BYTES[arr.ref.fsdp_config.model_dtype]
-    if cfg.critic.enable:
-        total += trained(critic_params if critic_params is not None else params, cfg.critic.model.fsdp_config,
-                         cfg.critic.model, cfg.critic.model.path or arr.model.path)
-    return total
-
-
-def _model_params(cfg: Config) -> tuple[Optional[int], Optional[int], str]:
-    """(actor params, critic params, "") from the models' configs, or (None, None, why not)."""
-    arr = cfg.actor_rollout_ref
-    try:
-        s = model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
-        c = s
-        if cfg.critic.enable and cfg.critic.model.path != arr.model.path:
-            c = model_shape(cfg.critic.model.path, cfg.critic.model.override_config, cfg.critic.model.trust_remote_code)
-    except (FileNotFoundError, OSError, ValueError) as e:
-        return None, None, f"the model's size is unknown here ({e})"
-    return s.params, c.params - c.head_params + c.hidden + 1, ""
-
-
 def choose_layouts(cfg: Config) -> dict[str, Layout]:
     """The layout of ``actor``, ``ref`` and ``critic`` (each section's explicit values kept)."""
     world, per_node = cfg.world_size, cfg.trainer.n_gpus_per_node
-    params, critic_params, unknown = _model_params(cfg)
-    memory = rank_memory_bytes(cfg)
-    replicate = False
-    if unknown:
-        why = f"{unknown}: sharded inside a node (fsdp_size={per_node})"
-    else:
-        state = training_state_bytes(cfg, params, critic_params)
-        replicate = state <= REPLICATE_SHARE * memory
-        where = f"{memory / GiB:.0f} GiB per rank"
-        if replicate:
-            why = (f"the whole training state ({state / GiB:.2f} GiB, {params / 1e6:.1f}M parameters) fits in "
-                   f"{REPLICATE_SHARE:.0%} of {where}: replicated on every rank (fsdp_size=1), no all-gathers")
-        else:
-            why = (f"the training state ({state / GiB:.1f} GiB, {params / 1e9:.2f}B parameters) needs more than "
-                   f"{REPLICATE_SHARE:.0%} of {where}: sharded inside a node (fsdp_size={per_node})")
+    open_keys = [key for key in SECTIONS.values() if get_key(cfg, key).fsdp_size is None]
+    chosen, why = (_chosen_size(cfg, open_keys) if open_keys else (per_node, ""))
     out = {}
     for name, key in SECTIONS.items():
         fsdp = get_key(cfg, key)
-        size = fsdp.fsdp_size if fsdp.fsdp_size is not None else (1 if replicate else per_node)
+        size = fsdp.fsdp_size if fsdp.fsdp_size is not None else chosen
         shard = world if size == -1 else size
         auto = [k for k in ("fsdp_size", "reshard_after_forward", "forward_prefetch") if getattr(fsdp, k) is None]
         reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else shard > 1
@@ -133,6 +85,33 @@ def choose_layouts(cfg: Config) -> dict[str, Layout]:
             reason = why if auto else ""
         out[name] = Layout(size, reshard, prefetch, reason)
     return out
+
+
+# How a null fsdp_size is chosen: rlhf_hpc.planning.layout_search plans every size and hands its
+# search here (use_size_search) when the package rlhf_hpc.planning is imported. It imports the
+# memory and time plans, which import this module for the layouts they plan: the search cannot be
+# imported from here.
+SizeSearch = Callable[[Config, list[str]], tuple[int, str]]
+_size_search: list[SizeSearch] = []
+_chosen: dict[str, tuple[int, str]] = {}
+
+
+def use_size_search(search: SizeSearch) -> None:
+    _size_search[:] = [search]
+
+
+def _chosen_size(cfg: Config, keys: list[str]) -> tuple[int, str]:
+    """(fsdp_size, why) for the sections ``keys`` left at null: by the plans (the size search),
+    remembered per config; sharded inside a node where a model's size is unknown."""
+    key = repr((cfg, keys, os.environ.get("RLHF_HPC_CACHE")))
+    if key not in _chosen:
+        try:
+            _chosen[key] = _size_search[0](cfg, keys)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            per_node = cfg.trainer.n_gpus_per_node
+            _chosen[key] = (per_node, f"the model's size is unknown here ({e}): sharded inside a node "
+                                      f"(fsdp_size={per_node})")
+    return _chosen[key]
 
 
 def resolved_fsdp_configs(cfg: Config) -> dict[str, FSDPConfig]:

@@ -60,6 +60,7 @@ from rlhf_hpc.models.hf import model_config, torch_dtype
 from rlhf_hpc.distributed.fsdp import describe_gradient_reduction
 from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.observability.profiling import StepProfiler
+from rlhf_hpc.observability.startup import StartupClock
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rewards.overlong import overlong_metrics, overlong_reward
@@ -73,9 +74,10 @@ from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 __all__ = ["PPOTrainer", "fit", "out_of_memory_report"]
 
 
-def fit(cfg: Config, ctx: DistContext) -> None:
-    """Train until ``trainer.total_training_steps`` (or ``total_epochs``) on every rank."""
-    PPOTrainer(cfg, ctx).train()
+def fit(cfg: Config, ctx: DistContext, clock: Optional[StartupClock] = None) -> None:
+    """Train until ``trainer.total_training_steps`` (or ``total_epochs``) on every rank; ``clock``:
+    the worker's start-up phases so far (rlhf_hpc.observability.startup)."""
+    PPOTrainer(cfg, ctx, clock).train()
 
 
 class PPOTrainer:
@@ -86,9 +88,10 @@ class PPOTrainer:
     models' own (``TrainingModels.checkpoint_components``). The guard's scales are trainer state: applied to
     the actor's LR schedule and KL-loss coefficient, never written into the config."""
 
-    def __init__(self, cfg: Config, ctx: DistContext):
+    def __init__(self, cfg: Config, ctx: DistContext, clock: Optional[StartupClock] = None):
         tr, arr = cfg.trainer, cfg.actor_rollout_ref
         self.cfg, self.ctx = cfg, ctx
+        self.clock = clock or StartupClock()
         self.run_dir = Path(tr.default_local_dir).expanduser()
         torch.manual_seed(tr.seed)
         self.tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
@@ -101,15 +104,19 @@ class PPOTrainer:
         self.sampler = StatefulSampler(len(self.train_set), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.total_steps = tr.total_training_steps or self.sampler.batches_per_epoch * tr.total_epochs
         self.shape = step_shape(cfg)  # rows per rank, mini/micro-batches per phase (as the plans see them)
+        self.clock.mark("data")
 
         # (the tracker comes later: it continues the run ids of the checkpoint the models resume from)
         self.models = build_training_models(cfg, ctx, self.total_steps, log=lambda line: self.tracker.log_line(line))
+        self.clock.mark("models")
         tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
         self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
         self.generator = Generator(cfg, self.rollout, self.tokenizer, tools)  # the engine, or the agent loop around it
+        self.clock.mark("engine")
         self.kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.reward_fn = RewardFunction(cfg.custom_reward_function, (cfg.sandbox, cfg.reward_model.sandbox_fusion))
         self.reward_model = build_reward_model(cfg, ctx, self.tokenizer) if cfg.reward_model.enable else None
+        self.clock.mark("rewards")
         self.guard = StabilityGuard(tr.guard)
         self.faults = FaultInjector(tr.inject_fault, ctx.rank)
         # verl's ReMax: one greedy response per prompt each step, its score the baseline (phases 2 and 4)
@@ -128,6 +135,7 @@ class PPOTrainer:
                 self.apply_guard_scales()
         else:
             torch.manual_seed(tr.seed + ctx.rank)  # the training RNG; generation has its own (rollout/rng.py)
+        self.clock.mark("resume")
         self.tracker = Tracker(cfg, self.run_dir, ctx.is_main, self.total_steps, wandb_id=wandb_id, mlflow_id=mlflow_id)
         self.profiler = StepProfiler(cfg, ctx.rank, ctx.device, self.run_dir)
         self.time_model, self.step_plan = time_model(cfg, ctx) if ctx.is_main else None, None
@@ -144,6 +152,8 @@ class PPOTrainer:
         config = self.run_dir / "config.yaml"
         self.config_text = config.read_text() if config.is_file() else None
         self.model_cfg = model_config(arr.model.path, arr.model.override_config)  # for the FLOP count
+        self.clock.mark("trackers and plans")
+        self.tracker.log_line(f"[rlhf-hpc] {self.clock.line()}")  # (once; its figures in the first step's metrics)
 
     def say_layout(self) -> None:
         """The layout lines (unless the local launch printed them with the memory plan) and how each
@@ -228,6 +238,8 @@ class PPOTrainer:
             self.step += 1
             step = self.step
             metrics = self.train_step(step)
+            if step == first_step + 1:
+                metrics.update(self.clock.metrics())
             # the plan checked by this run. GPU: at its second step (the first has no optimizer state
             # yet). CPU: at its first, as peak RSS only ratchets up (malloc keeps freed heap): later
             # steps show every phase at the first step's peak

@@ -58,7 +58,11 @@ def build_training_models(cfg: Config, ctx: DistContext, total_steps: int,
     if actor_cfg.ulysses_sequence_parallel_size > 1 or arr.ref.ulysses_sequence_parallel_size > 1:
         attn = "varlen"  # the implementation that exchanges heads (rlhf_hpc.distributed.sequence_parallel)
     sync_max = lambda k: all_reduce_max_int(k, ctx.device)  # noqa: E731
-    fsdp = resolved_fsdp_configs(cfg)  # the layouts left at null, chosen from the model size
+    fsdp = resolved_fsdp_configs(cfg)  # the layouts left at null, chosen by the plans
+    size = fsdp["actor"].fsdp_size
+    if sync_max(size) != size or -sync_max(-size) != size:  # (the plans read each node's memory and figures)
+        raise RuntimeError(f"the ranks chose different FSDP layouts (this rank fsdp_size={size}): set "
+                           f"actor_rollout_ref.actor.fsdp_config.fsdp_size (and the ref's and critic's) in the recipe")
     recompute = {name: on for name, (on, _) in choose_checkpointing(cfg).items()}  # likewise checkpointing
     norm_const = float(cfg.data.max_response_length)
     placement = Placement(dp_size=ctx.world_size, all_reduce=all_reduce_sum, sync_max=sync_max, device=ctx.device)
