@@ -78,19 +78,19 @@ def plan_candidates(cfg: Config, keys: list[str]) -> tuple[list[Candidate], str]
         plan, errors, warnings = check_plan(c)
         if plan is None:
             raise FileNotFoundError("; ".join(warnings))
-        peak, capacity = plan.peak / GiB, plan.capacity / GiB
+        peak, capacity, margined = plan.peak / GiB, plan.capacity / GiB, margined_peak(plan)
         if peak > capacity:
             problem = f"peak {peak:.1f} GiB, over {capacity:.0f}"
         elif errors or warnings:  # (the KV cache, the host memory: the plan's own words, to the first clause)
             problem = (errors or warnings)[0].removeprefix("memory plan: ").split(";")[0]
-        elif margined_peak(plan) > capacity:
-            problem = f"peak {peak:.1f} GiB, {margined_peak(plan):.1f} with the margin, over {capacity:.0f}"
+        elif margined > capacity:
+            problem = f"peak {peak:.1f} GiB, {margined:.1f} with the margin, over {capacity:.0f}"
         else:
             problem = ""
         step = None
         if not no_time:
             try:
-                step = build_time_plan(c).step_s
+                step = build_time_plan(c, memory=plan).step_s
             except (ConfigError, ValueError) as e:
                 no_time = str(e)
         out.append(Candidate(size, peak, capacity, step, problem))

@@ -52,7 +52,7 @@ from rlhf_hpc.ops.step_shape import PhaseShape, step_shape
 from rlhf_hpc.planning.advice import COMM_RULE, candidate_changes, value_text, with_value
 from rlhf_hpc.planning.hardware import Hardware, hardware_of
 from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs, shard_count
-from rlhf_hpc.planning.memory_plan import build_plan, check_plan
+from rlhf_hpc.planning.memory_plan import MemoryPlan, build_plan, check_plan
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, forward_flops, model_shape
 
 __all__ = ["PhaseTime", "TimeModel", "TimePlan", "Workload", "advice_for", "build_time_plan", "generation_batches",
@@ -177,7 +177,8 @@ class TimePlan:
 class TimeModel:
     """The phases of one step on ``hw`` for ``cfg`` (one method per kind of phase)."""
 
-    def __init__(self, cfg: Config, hw: Optional[Hardware] = None, device_name: Optional[str] = None):
+    def __init__(self, cfg: Config, hw: Optional[Hardware] = None, device_name: Optional[str] = None,
+                 memory: Optional[MemoryPlan] = None):
         arr = cfg.actor_rollout_ref
         self.cfg, self.hw = cfg, hw or hardware_of(cfg, device_name)
         self.step = step_shape(cfg)
@@ -189,7 +190,7 @@ class TimeModel:
                    if cfg.critic.enable and cfg.critic.model.path and cfg.critic.model.path != arr.model.path else self.s)
         self.layouts = resolved_fsdp_configs(cfg)
         self.recompute = {n: on for n, (on, _) in choose_checkpointing(cfg).items()}
-        self.memory = build_plan(cfg)
+        self.memory = memory or build_plan(cfg)  # (``memory``: the caller's plan of this same cfg)
         self.lora = lora_enabled(arr.model)
         self.adapter = adapter_params(arr.model.path, arr.model, arr.model.override_config,
                                       arr.model.trust_remote_code) if self.lora else 0
@@ -443,11 +444,13 @@ def generation_batches(cfg: Config, measured: Optional[float] = None) -> tuple[f
 
 
 def build_time_plan(cfg: Config, workload: Optional[Workload] = None,
-                    advise: Optional[Callable[[Config], object]] = None) -> TimePlan:
+                    advise: Optional[Callable[[Config], object]] = None, memory: Optional[MemoryPlan] = None
+                    ) -> TimePlan:
     """The time plan of ``cfg`` for ``workload`` (default: the dry run's, ``workload_of``), with
     advice (``advice_for``) when ``advise`` is given: the config check a candidate must pass
-    (rlhf_hpc.recipe.checks.validate, which raises ConfigError)."""
-    plan = TimeModel(cfg).plan(workload or workload_of(cfg))
+    (rlhf_hpc.recipe.checks.validate, which raises ConfigError). ``memory``: the memory plan of
+    ``cfg`` where the caller has it (else built here)."""
+    plan = TimeModel(cfg, memory=memory).plan(workload or workload_of(cfg))
     if advise is not None:
         plan.advice = advice_for(cfg, plan, advise)
     return plan
@@ -474,7 +477,7 @@ def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object]
             memory, errors, _ = check_plan(other)
             if errors or memory is None:
                 continue
-            faster = build_time_plan(other, plan.workload)
+            faster = build_time_plan(other, plan.workload, memory=memory)
         except (ConfigError, ValueError):  # a change the config refuses is no advice
             continue
         gain = 1 - faster.step_s / plan.step_s
