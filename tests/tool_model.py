@@ -18,7 +18,7 @@ KEYS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 
 
 def teach(out_dir: Path, steps: int = 200) -> Path:
-    return teach_task(out_dir, keys=KEYS, copy_share=1.0, steps=steps)
+    return teach_task(out_dir, keys=KEYS, steps=steps)
 
 
 def write_rows(path: Path, keys: list[str]) -> Path:
