@@ -302,6 +302,30 @@ def test_the_code_reward_runs_the_last_python_block_against_the_cases(small_limi
     assert rule_score("taco", solution.replace("return [seen[target - x], i]", "return [i]"), str(calls), {}) == 0.0
 
 
+def test_the_built_in_programming_set_is_scored_by_running_the_programs(small_limits, mode):
+    """synthetic://code: every kind of problem, a right program passes all 3 cases in the sandbox and
+    one off by one passes none."""
+    from rlhf_hpc.data.synthetic import CODE_TASKS, synthetic_rows
+    expressions = {"prints n + {k}": "n + {k}", "prints n * {k}": "n * {k}", "prints n - {k}": "n - {k}",
+                   "remainder of n divided by {k}": "n % {k}", "prints n squared plus {k}": "n * n + {k}",
+                   "larger of n and {k}": "max(n, {k})"}
+    assert len(expressions) == len(CODE_TASKS)
+    rows = synthetic_rows("synthetic://code?size=24", 1)
+    assert synthetic_rows("synthetic://code?size=24", 1) == rows != synthetic_rows("synthetic://code?size=24", 2)
+    seen = set()
+    SANDBOX_METRICS.take_metrics()
+    for row in rows:
+        prompt, truth = row["prompt"][0]["content"], row["reward_model"]["ground_truth"]
+        [(kind, expr)] = [(w, e.format(k=k)) for w, e in expressions.items() for k in range(2, 10)
+                          if w.format(k=k) + "." in prompt]
+        seen.add(kind)
+        right = f"Here it is:\n```python\nn = int(input())\nprint({expr})\n```"
+        assert rule_score(row["data_source"], right, truth, {}) == 1.0, (prompt, truth)
+        assert rule_score(row["data_source"], right.replace(f"print({expr})", f"print({expr} + 1)"), truth, {}) == 0.0
+    assert len(seen) == len(CODE_TASKS)
+    assert SANDBOX_METRICS.take_metrics()["sandbox/runs"] == 2 * 3 * len(rows)
+
+
 # ------------------------------------------------------------------ the user's SandboxFusion service
 class FusionHandler(BaseHTTPRequestHandler):
     """SandboxFusion's /run_code, as verl calls it and reads its reply: the code runs in a plain

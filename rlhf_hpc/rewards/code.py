@@ -19,13 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
+from rlhf_hpc.rewards.synthetic import CODE_SOURCE
 from rlhf_hpc.tools.code_runner import run_code
 
 __all__ = ["CODE_SOURCES", "MAX_CASES", "code_score", "configure_code_reward", "extract_program",
            "function_program", "outputs_match", "parse_test_cases"]
 
-# verl 0.9.1's data_sources scored by running code (verl/utils/reward_score/__init__.py)
-CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+# verl 0.9.1's data_sources scored by running code (verl/utils/reward_score/__init__.py), and the
+# built-in programming task (synthetic://code)
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco", CODE_SOURCE)
 MAX_CASES = 10  # verl's continuous score counts the first 10 cases (some problems have thousands)
 
 _settings_lock = threading.Lock()

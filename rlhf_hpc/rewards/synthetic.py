@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["ADD_SOURCE", "COPY_SOURCE", "LOOKUP_SOURCE", "addition_score", "copy_score", "lookup_score"]
+__all__ = ["ADD_SOURCE", "CODE_SOURCE", "COPY_SOURCE", "LOOKUP_SOURCE", "addition_score", "copy_score", "lookup_score"]
 
 COPY_SOURCE = "synthetic/copy"
 ADD_SOURCE = "synthetic/add"
 LOOKUP_SOURCE = "synthetic/lookup"
+CODE_SOURCE = "synthetic/code"  # scored by running the program: rewards/code.py
 
 
 def copy_score(response: str, ground_truth: str) -> float:
