@@ -4,6 +4,9 @@ against the whole conversation encoded at once (tiny and the real Qwen2 tokenize
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -23,7 +26,7 @@ from rlhf_hpc.tools.tool import Tool, ToolOutput
 from rlhf_hpc.tools.tool_calls import hermes_calls
 from rlhf_hpc.tools.tool_config import read_tool_config
 from tests import tool_model
-from tests.conftest import require
+from tests.conftest import REPO, require
 
 GSM8K_TOOL = {"type": "function", "function": {"name": "calc_gsm8k_reward", "description": "the reward of gsm8k",
                                                "parameters": {"type": "object", "properties": {
@@ -144,6 +147,15 @@ class SlowTool(Tool):
         return ToolOutput("late")
 
 
+class HungTool(Tool):
+    """A tool that never returns (until the test lets it)."""
+    release = threading.Event()
+
+    def execute(self, arguments, create_kwargs):
+        HungTool.release.wait()
+        return ToolOutput("released")
+
+
 class BrokenTool(Tool):
     def execute(self, arguments, create_kwargs):
         raise RuntimeError("the tool broke")
@@ -234,12 +246,39 @@ def test_tools_that_fail_time_out_or_are_unknown_answer_with_an_error_and_the_lo
             assert tok.decode(tok.encode(said, add_special_tokens=False)) in tok.decode(group[0].token_ids)
         m = agent.take_metrics()
         assert m[metric] == 2 and m["tools/tool_calls"] == 2 and m["num_turns/max"] == 4
+    # a tool that never returns: the calls time out, are counted as stuck while they run, and hold no slot
+    agent = loop(engine, tok, {"lookup": HungTool({}, tool_model.SCHEMA)}, [tool_model.SCHEMA], R=200,
+                 tool_timeout_s=0.3, max_assistant_turns=2)
+    agent.runner.workers = 2
+    for _ in range(2):  # twice: the first turn's two stuck calls leave the second its slots
+        agent.generate(prompts, examples, sampling)
+        m = agent.take_metrics()
+        assert m["tools/tool_timeouts"] == 2 and m["tools/stuck_calls"] >= 2
+    HungTool.release.set()
+    deadline = time.monotonic() + 5
+    while agent.runner.stuck() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert agent.take_metrics()["tools/stuck_calls"] == 0
     # a call to a tool the run does not have: the model is told which tools there are
     agent = loop(engine, tok, {"other": tool_model.LookupTool({}, {"function": {"name": "other"}})},
                  [tool_model.SCHEMA], R=200, max_assistant_turns=2)
     out = agent.generate(prompts, examples, sampling)
     assert "no tool named 'lookup' (tools: other)" in tok.decode(out[0][0].token_ids)
     assert agent.take_metrics()["tools/tool_errors"] == 2
+
+
+def test_a_tool_that_never_returns_does_not_hold_the_process_at_exit():
+    """A thread pool's workers are joined at exit: a hung tool would keep a rank (and its requeue)
+    from ever ending. The runner's calls are abandoned at their time limit, and the process exits."""
+    script = ("import time; from rlhf_hpc.tools.call_runner import CallRunner; r = CallRunner(2); "
+              "print(r.run([lambda: time.sleep(3600), lambda: time.sleep(3600), lambda: 7], 0.3), r.stuck()); "
+              "print(r.run([lambda: 8], 1.0), r.stuck())")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    # the third call had no slot before the limit; the stuck ones freed theirs for the next turn
+    assert out.stdout.split("\n")[:2] == ["[None, None, None] 2", "[8] 2"]
+    assert time.monotonic() - t0 < 30
 
 
 def test_the_budget_and_the_turn_limits_end_a_conversation(taught):

@@ -40,7 +40,3 @@ class Generator:
         """Forget the figures since the last call (validation's turns are not the step's)."""
         if self.agent is not None:
             self.agent.take_metrics()
-
-    def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()

@@ -283,7 +283,6 @@ class PPOTrainer:
                 self.tracker.log_line(f"[rlhf-hpc] stopping after step {step}: {self.stopper.reason}; checkpoint saved")
                 break
         self.tracker.close()
-        self.generator.close()
         self.rollout.close()
 
     def run_validation(self) -> dict[str, float]:
@@ -304,7 +303,6 @@ class PPOTrainer:
         else:
             self.tracker.log_line("[rlhf-hpc] trainer.val_only: no validation set to evaluate; no training")
         self.tracker.close()
-        self.generator.close()
         self.rollout.close()
 
     # -------------------------------------------------------------------------------- one step

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
 from rlhf_hpc.models.tokenizer import tool_template_problems, tool_turn_text
 from rlhf_hpc.rollout.base import Response, RolloutEngine, Sampling
+from rlhf_hpc.tools.call_runner import CallRunner
 from rlhf_hpc.tools.tool_calls import TOOL_CALL_FORMATS, ToolCall
 from rlhf_hpc.tools.tool import Tool, ToolOutput
 
@@ -83,7 +83,7 @@ class AgentLoop:
         if problems:  # (the dry run says so too)
             raise ValueError("; ".join(problems))
         self.group = getattr(engine, "tp_group", None)
-        self.pool = ThreadPoolExecutor(max_workers=MAX_TOOL_THREADS, thread_name_prefix="tool")
+        self.runner = CallRunner(MAX_TOOL_THREADS)
         self.counts: dict[str, float] = {}
         self.turns: list[int] = []
         self.tool_seconds = 0.0
@@ -173,22 +173,22 @@ class AgentLoop:
     # ------------------------------------------------------------------------------- tools
     def _run_calls(self, pending: list[tuple[Conversation, list[ToolCall]]]) -> list[list[ToolOutput]]:
         """Every call of this turn at once; each answers within ``tool_timeout_s`` or with an error."""
-        futures = [[self.pool.submit(self._call, call, c.tools_kwargs) for call in calls] for c, calls in pending]
-        deadline = time.monotonic() + self.cfg.tool_timeout_s
-        out = []
-        for conv_futures in futures:
-            answers = []
-            for f in conv_futures:
-                try:
-                    answer = f.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
+        flat = [(c, call) for c, calls in pending for call in calls]
+        answers = self.runner.run([lambda c=c, call=call: self._call(call, c.tools_kwargs) for c, call in flat],
+                                  self.cfg.tool_timeout_s)
+        out, i = [], 0
+        for _, calls in pending:
+            conv_answers = []
+            for answer in answers[i:i + len(calls)]:
+                if answer is None:
                     answer = ToolOutput(f"Error when executing tool: no answer within {self.cfg.tool_timeout_s:g} s",
                                         status="timeout")
                 self._count("tool_calls")
                 self._count({"ok": "tool_ok", "error": "tool_errors", "timeout": "tool_timeouts"}[answer.status])
                 self._count("tool_reward", answer.reward)
-                answers.append(answer)
-            out.append(answers)
+                conv_answers.append(answer)
+            out.append(conv_answers)
+            i += len(calls)
         return out
 
     def _call(self, call: ToolCall, tools_kwargs: dict) -> ToolOutput:
@@ -224,7 +224,8 @@ class AgentLoop:
         """The step's figures, summed over ranks with the reducers (collective then): verl's
         ``num_turns/*``, ``tools/*`` counts, tokens by source, ``timing_s/tools`` (the slowest rank)."""
         keys = ("tool_calls", "tool_ok", "tool_errors", "tool_timeouts", "tool_reward", "malformed_calls",
-                "dropped_calls", "tokens_model", "tokens_tool", "tokenization_mismatches")
+                "dropped_calls", "tokens_model", "tokens_tool", "tokenization_mismatches", "stuck_calls")
+        self.counts["stuck_calls"] = float(self.runner.stuck())  # (a count now, not a sum over the step)
         sums = torch.tensor([self.counts.get(k, 0.0) for k in keys] + [float(sum(self.turns)), float(len(self.turns))],
                             dtype=torch.float64)
         peak = torch.tensor([float(max(self.turns, default=0)), -float(min(self.turns, default=0)),
@@ -238,7 +239,4 @@ class AgentLoop:
         out.update({"num_turns/mean": sums[-2].item() / rows, "num_turns/max": peak[0].item(),
                     "num_turns/min": -peak[1].item(), "timing_s/tools": peak[2].item()})
         return out
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
