@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from rlhf_hpc.cli import main as cli_main
-from rlhf_hpc.data.tool_warm_start import teach as teach_tool_use
+from rlhf_hpc.data.tool_warm_start import DEMO_TEACHING, teach as teach_tool_use
 from rlhf_hpc.observability.tracking import read_metrics
 from tests import tool_model
 from tests.conftest import REPO, engine_available, run_launch
@@ -218,13 +218,12 @@ def test_a_chat_template_without_tool_support_is_refused_at_the_dry_run(shared_d
 
 # ------------------------------------------------------------------------ RL learns the tool's use
 def test_rl_teaches_the_model_to_call_the_tool_whose_answer_it_needs(tmp_path):
-    """The tool demo (recipe tiny_lookup_grpo), its starting model taught in fewer steps: a model that
+    """The tool demo (recipe tiny_lookup_grpo) with its starting model, in 20 steps: a model that
     can call the tool and copy any code it answers (the codes it was taught on were random), but
     calls in about a fifth of its conversations and guesses a digit in the rest. GRPO raises the calls
     and the score, and greedy validation goes from guessing to calling."""
     engine_available("vllm")
-    teach_tool_use(tmp_path / "model", call_share=0.2, fresh_codes=True, steps=380, calling_steps=300,
-                   batch_size=64, lr=1e-3)
+    teach_tool_use(tmp_path / "model", **DEMO_TEACHING)
     steps = 20
     out = run_launch("recipe=tiny_lookup_grpo", f"trainer.default_local_dir={tmp_path / 'run'}",
                      f"actor_rollout_ref.model.path={tmp_path / 'model'}", "actor_rollout_ref.rollout.name=vllm",

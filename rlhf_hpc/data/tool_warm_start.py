@@ -30,9 +30,12 @@ from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
 from rlhf_hpc.tools.lookup_tool import LOOKUP_SCHEMA, lookup_code
 
-__all__ = ["TINY_MODEL", "lookup_call", "lookup_conversation", "main", "teach"]
+__all__ = ["DEMO_TEACHING", "TINY_MODEL", "lookup_call", "lookup_conversation", "main", "teach"]
 
 TINY_MODEL = "tiny://qwen2?vocab_size=64"
+# the tool demo's starting model (the command line's defaults): the copying is learned at about step
+# 250 of the calling steps (BENCHMARKS.md, "RL learns to call a tool"), then a fifth of the calls kept
+DEMO_TEACHING = dict(call_share=0.2, fresh_codes=True, steps=450, calling_steps=350, batch_size=64, lr=1e-3)
 
 
 def lookup_call(key: str) -> str:
@@ -119,14 +122,15 @@ def teach(out_dir: Path, keys: Optional[list[str]] = None, call_share: float = 1
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.data.tool_warm_start", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--call-share", type=float, default=0.2,
+    d = DEMO_TEACHING
+    ap.add_argument("--call-share", type=float, default=d["call_share"],
                     help="share of the taught conversations that call the tool, once the copying is learned "
-                         "(default 0.2: RL has the rest to learn)")
-    ap.add_argument("--steps", type=int, default=450)
-    ap.add_argument("--calling-steps", type=int, default=350,
+                         f"(default {d['call_share']}: RL has the rest to learn)")
+    ap.add_argument("--steps", type=int, default=d["steps"])
+    ap.add_argument("--calling-steps", type=int, default=d["calling_steps"],
                     help="the first steps, in which every conversation calls the tool")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--batch-size", type=int, default=d["batch_size"])
+    ap.add_argument("--lr", type=float, default=d["lr"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     out = teach(Path(args.out).expanduser(), call_share=args.call_share, fresh_codes=True, steps=args.steps,
