@@ -41,8 +41,8 @@ LOOKUP_KEYS = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijk
 
 
 def synthetic_rows(url: str, split_seed: int) -> list[dict]:
-    """Rows for ``synthetic://copy[?...]`` or ``synthetic://add[?...]``; ``split_seed`` tells
-    train from val."""
+    """Rows for ``synthetic://<task>[?...]`` (copy, add, lookup, code); ``split_seed`` tells train
+    from val."""
     parsed = urlparse(url)
     if parsed.netloc not in ("copy", "add", "lookup", "code"):
         raise ValueError(f"unknown synthetic task '{url}'; the built-in ones are synthetic://copy, synthetic://add, "

@@ -8,9 +8,9 @@ prompt's key, read the code back, end with ``#### <code>``.
   (``recipes/tiny_lookup_grpo.yaml``, the README's tool demo).
 - ``fresh_codes``: each taught conversation's tool answer is a fresh random digit, so only copying
   the tool's answer fits the data: no key's code is learned, and the real tool's codes are read, not
-  recalled. Without it the tool
-  answers the key's true code, which a model taught on a few keys memorises (the tests' model,
-  tests/tool_model.py: quick to teach, and it answers its own keys right).
+  recalled. Without it the tool answers the key's true code, which a model taught on a few keys
+  memorises (the tests' model, tests/tool_model.py: quick to teach, and it answers its own keys
+  right).
 
     python -m rlhf_hpc.data.tool_warm_start --out ~/.cache/rlhf-hpc/models/tiny-lookup
 """

@@ -174,22 +174,19 @@ class AgentLoop:
     def _run_calls(self, pending: list[tuple[Conversation, list[ToolCall]]]) -> list[list[ToolOutput]]:
         """Every call of this turn at once; each answers within ``tool_timeout_s`` or with an error."""
         flat = [(c, call) for c, calls in pending for call in calls]
-        answers = self.runner.run([lambda c=c, call=call: self._call(call, c.tools_kwargs) for c, call in flat],
-                                  self.cfg.tool_timeout_s)
-        out, i = [], 0
-        for _, calls in pending:
-            conv_answers = []
-            for answer in answers[i:i + len(calls)]:
-                if answer is None:
-                    answer = ToolOutput(f"Error when executing tool: no answer within {self.cfg.tool_timeout_s:g} s",
-                                        status="timeout")
-                self._count("tool_calls")
-                self._count({"ok": "tool_ok", "error": "tool_errors", "timeout": "tool_timeouts"}[answer.status])
-                self._count("tool_reward", answer.reward)
-                conv_answers.append(answer)
-            out.append(conv_answers)
-            i += len(calls)
-        return out
+        answers = iter(self.runner.run([lambda c=c, call=call: self._call(call, c.tools_kwargs) for c, call in flat],
+                                       self.cfg.tool_timeout_s))
+        return [[self._counted(next(answers)) for _ in calls] for _, calls in pending]
+
+    def _counted(self, answer: Optional[ToolOutput]) -> ToolOutput:
+        """The call's answer (None: none in time), counted in the metrics."""
+        if answer is None:
+            answer = ToolOutput(f"Error when executing tool: no answer within {self.cfg.tool_timeout_s:g} s",
+                                status="timeout")
+        self._count("tool_calls")
+        self._count({"ok": "tool_ok", "error": "tool_errors", "timeout": "tool_timeouts"}[answer.status])
+        self._count("tool_reward", answer.reward)
+        return answer
 
     def _call(self, call: ToolCall, tools_kwargs: dict) -> ToolOutput:
         tool = self.tools.get(call.name)
