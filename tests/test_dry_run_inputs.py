@@ -270,3 +270,16 @@ def test_the_dry_run_says_bf16_is_slow_here_exactly_without_native_bf16(capsys, 
     assert launch(["recipe=smollm2_add_grpo", f"trainer.default_local_dir={tmp_path}/run", "--dry-run"]) == 0
     said = "this CPU has no native bf16" in capsys.readouterr().err
     assert said is (cpu_has_native_bf16() is False)
+
+
+def test_a_context_longer_than_the_models_positions_is_refused_for_vllm_and_warned_for_hf(capsys):
+    # tiny://qwen2 is built for 1024 positions (default RoPE): vLLM would refuse 1020 + 8 at its start
+    rc, err = dry_run(capsys, "data.max_prompt_length=1020", "actor_rollout_ref.rollout.name=vllm")
+    assert rc == 2 and ("data.max_prompt_length + data.max_response_length = 1020 + 8 is longer than the 1024 "
+                        "positions of actor_rollout_ref.model.path=tiny://qwen2") in err and "the vllm engine refuses" in err, err
+    rc, err = dry_run(capsys, "data.max_prompt_length=1020")  # (the recipe's auto: vLLM where installed)
+    assert rc == 2 and "the vllm engine refuses a longer context" in err, err
+    rc, err = dry_run(capsys, "data.max_prompt_length=1020", "actor_rollout_ref.rollout.name=hf")  # (runs them)
+    assert rc == 0 and "the model would run positions it was not trained on" in err, err
+    rc, err = dry_run(capsys, "data.max_prompt_length=1016", "actor_rollout_ref.rollout.name=vllm")
+    assert rc == 0, err

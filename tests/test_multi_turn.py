@@ -1,6 +1,7 @@
 """Multi-turn training with tools (``actor_rollout_ref.rollout.multi_turn``): verl's multi-turn
-command lines dry-run with their tool configs, what the agent loop does not serve is refused by
-name, and a run of the trainer with a model that calls a tool (tests/tool_model.py) through vLLM,
+command lines dry-run with their tool configs and the dry run's time plan has the turns, what the
+agent loop does not serve is refused by name, verl's GSM8K command line runs on CPU with a small
+model taught its format (its tool answering, a checkpoint and a resume), and a run of the trainer with a model that calls a tool (tests/tool_model.py) through vLLM,
 tensor-parallel over 2 ranks: tools answered, their tokens out of the loss, the engine and the
 actor agreeing on the model's tokens, validation through the loop, and a resume that replays it; the
 tool demo (recipe tiny_lookup_grpo), where GRPO teaches a model to call the tool whose answer it needs."""
@@ -93,6 +94,30 @@ def test_the_code_interpreter_config_dry_runs_and_checks_the_sandbox(tmp_path, c
     assert rc == 0, err
     rc, _, err = dry_run(args + ["sandbox.backend=nonexistent"], capsys)  # the sandbox is checked for a code tool
     assert rc == 2 and "sandbox.backend: unknown sandbox backend 'nonexistent'" in err, err
+
+
+def test_the_dry_runs_time_plan_has_the_turns_and_the_tools(tmp_path, capsys):
+    import re
+    args = verl_args(tmp_path)  # (max_assistant_turns=5, max_tool_response_length 256 characters)
+    rc, out, err = dry_run(args + ["plan.assistant_turns=2.5", "plan.tool_seconds=1.5"], capsys)
+    assert rc == 0, err
+    assert ("2.5 assistant turns (plan.assistant_turns), tool turns of 64 tokens (max_tool_response_length / 4), "
+            "1.5 s a tool turn (plan.tool_seconds)") in out
+    gen = next(line for line in out.splitlines() if line.startswith("#   gen "))
+    # the two tool turns of the longest conversation wait 1.5 s each; 96 tool tokens prefilled
+    assert "tools 3;" in gen and "96 tool tokens of the response prefilled" in gen, gen
+
+    def decode_steps(*extra):
+        rc, out, err = dry_run(args + list(extra), capsys)
+        assert rc == 0, err
+        return int(re.search(r"(\d+) decode steps", out).group(1))
+    # tool tokens are prefilled, not decoded: more of the same budget in tool turns, fewer decode steps
+    assert decode_steps("plan.tool_response_length=200") < decode_steps("plan.tool_response_length=10")
+    rc, _, err = dry_run(args + ["plan.assistant_turns=6"], capsys)
+    assert rc == 2 and "plan.assistant_turns=6.0: the mean assistant turns of a conversation is at least 1 and at " \
+                       "most multi_turn.max_assistant_turns=5" in err, err
+    rc, _, err = dry_run(["recipe=tiny_klppo", "plan.tool_seconds=1"], capsys)
+    assert rc == 2 and "plan.tool_seconds=1.0: planned for multi-turn runs only" in err, err
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -214,6 +239,64 @@ def test_a_chat_template_without_tool_support_is_refused_at_the_dry_run(shared_d
         "custom_chat_template": tool_model.HERMES_TEMPLATE}}}))
     rc, _, err = dry_run([f"recipe={recipe}", *args[1:]], capsys)
     assert rc == 0, err
+
+
+# ------------------------------------------------------------------------ verl's command line, run
+@pytest.fixture
+def verl_gsm8k_runs(shared_dir, tmp_path_factory):
+    """verl's GSM8K multi-turn command line as written, sized for a CPU: the tiny Qwen2 on the real
+    Qwen2 tokenizer taught the conversation's format (tests/tool_model.teach_gsm8k_caller) in place of
+    Qwen2.5-3B, verl's rows from rlhf_hpc.data.prepare, vLLM tensor-parallel over 2 CPU ranks; 2 steps
+    with a checkpoint each, then the same resumed from step 1 in a new directory."""
+    import json
+    import subprocess
+    import sys
+
+    from rlhf_hpc.data.prepare import gsm8k_multiturn_rows
+    engine_available("vllm")
+    home = tmp_path_factory.mktemp("verl-home")
+    gsm8k = shared_dir / "data" / "gsm8k"
+    out = subprocess.run([sys.executable, "-m", "rlhf_hpc.data.prepare", "gsm8k_multiturn", "--src", str(gsm8k),
+                          "--out", str(home / "data" / "gsm8k")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in (gsm8k / "train.jsonl").read_text().splitlines()[:16]]
+    model = tool_model.teach_gsm8k_caller(home / "model", shared_dir / "assets" / "qwen2-tokenizer",
+                                          gsm8k_multiturn_rows(records, "train"),
+                                          [t["tool_schema"] for t in GSM8K_TOOL_CONFIG["tools"]])
+    small = [f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=2", "data.train_batch_size=4",
+             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "data.max_response_length=128", "trainer.total_training_steps=2", "trainer.save_freq=1",
+             "trainer.val_before_train=False", "trainer.test_freq=-1", "cluster=local",
+             # float32, where the engine's and the actor's log-probs agree to 1e-3 (verl's bf16 default:
+             # 0.1 at most on this run, the precision's own difference, as single-turn)
+             "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32",
+             "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32"]
+    full = run_launch(*verl_args(home), *small, f"trainer.default_local_dir={home / 'full'}", timeout=600)
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    resumed = run_launch(*verl_args(home), *small, f"trainer.default_local_dir={home / 'resumed'}",
+                         f"trainer.resume_mode={home / 'full' / 'global_step_1'}", timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return read_metrics(home / "full"), read_metrics(home / "resumed")
+
+
+def test_verls_gsm8k_multi_turn_command_line_runs_on_cpu_with_a_small_model(verl_gsm8k_runs):
+    full, resumed = verl_gsm8k_runs
+    assert [m["training/global_step"] for m in full] == [1, 2]
+    rows = 4 * 2
+    for m in full:
+        # the model calls verl's calc_gsm8k_reward (the GSM8K tool here; 6 and 4 of the 8 conversations
+        # when written), which answers every call
+        assert m["tools/tool_calls"] >= 1 and m["tools/tool_ok"] == m["tools/tool_calls"], m
+        assert m["tools/tool_errors"] == m["tools/tool_timeouts"] == 0 and m["tools/tokens_tool"] > 0
+        assert m["num_turns/max"] >= 4  # the prompt, the call, the tool's verdict, the answer
+        # the model's tokens only in the lengths, the loss and the rollout/actor check
+        assert m["response_length/mean"] * rows == pytest.approx(m["tools/tokens_model"])
+        assert m["rollout/logprob_diff_max"] < 1e-3
+        assert m["tools/tokenization_mismatches"] <= rows // 4
+    assert sum(m["tools/tool_calls"] for m in full) >= rows
+    assert resumed[-1]["training/global_step"] == 2
+    for key in ("tools/tool_calls", "tools/tokens_model", "tools/tokens_tool", "critic/score/mean", "actor/pg_loss"):
+        assert resumed[-1][key] == full[1][key], key
 
 
 # ------------------------------------------------------------------------ RL learns the tool's use

@@ -129,7 +129,14 @@ def test_each_step_is_planned_beside_what_it_took(demo_run):
             assert r[f"plan/{phase}_s"] > 0 and f"timing_s/{phase}" in r, phase
         # planned with that step's own lengths, on this machine's figures
         assert r["plan/gen_s"] == pytest.approx(model.plan_step(r, padded=40).phase("gen").seconds)
-    assert len({r["plan/gen_s"] for r in records}) > 1  # the responses' lengths change, so does the plan
+    engine = demo_run[0]
+    if engine == "hf":  # transformers' generate runs every row until the longest is done: the longest sets it
+        plans = {}
+        for r in records:
+            plans.setdefault((r["response_length/max"], r["prompt_length/mean"]), set()).add(r["plan/gen_s"])
+        assert all(len(v) == 1 for v in plans.values()), plans
+    else:  # vLLM's batch thins as responses finish: their lengths change, so does the plan
+        assert len({r["plan/gen_s"] for r in records}) > 1
     (line,) = [x for x in stdout.splitlines() if "time per phase, measured / planned (s):" in x]
     assert "gen " in line and "update_actor " in line and "step " in line
 

@@ -11,7 +11,7 @@ from rlhf_hpc.data.synthetic import lookup_question as question, lookup_rows
 from rlhf_hpc.data.tool_warm_start import lookup_call as call_text, teach as teach_task
 from rlhf_hpc.tools.lookup_tool import LOOKUP_SCHEMA as SCHEMA, LookupTool, lookup_code as code_of
 
-__all__ = ["HERMES_TEMPLATE", "KEYS", "LookupTool", "SCHEMA", "call_text", "code_of", "question", "teach",
+__all__ = ["HERMES_TEMPLATE", "KEYS", "LookupTool", "SCHEMA", "call_text", "code_of", "question", "teach", "teach_gsm8k_caller",
            "write_rows", "write_tool_config"]
 
 KEYS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
@@ -58,3 +58,60 @@ HERMES_TEMPLATE = (
     "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def teach_gsm8k_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], tools: list[dict], steps: int = 120,
+                       seed: int = 0, lr: float = 3e-3) -> Path:
+    """The tiny Qwen2 on the real Qwen2 tokenizer (``tokenizer_dir``) taught the shape of verl's GSM8K
+    multi-turn conversation on ``rows`` (``rlhf_hpc.data.prepare.gsm8k_multiturn_rows``): call
+    ``calc_gsm8k_reward`` with a number, read the tool's verdict, end with ``#### <number>`` (a random
+    number per row: it is the format that is taught, not arithmetic), with ``tools`` (the tool config's
+    schemas) in its prompts. Written with the tokenizer and the hermes template: a model directory as
+    a user gives one."""
+    import random
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlhf_hpc.models.hf import build_causal_lm
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = HERMES_TEMPLATE
+    model = build_causal_lm("tiny://qwen2?vocab_size=151936&tie_word_embeddings=true&max_position_embeddings=2048", torch.float32, "cpu", seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def encode(messages: list[dict], generation_prompt: bool = False) -> list[int]:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def taught(row: dict) -> tuple[list[int], list[int]]:
+        """(the conversation's ids, the positions of the model's tokens)"""
+        answer = str(rng.randrange(100))
+        call = '<tool_call>\n' + json.dumps({"name": "calc_gsm8k_reward", "arguments": {"answer": answer}}) + '\n</tool_call>'
+        turns = [*row["prompt"], {"role": "assistant", "content": call},
+                 {"role": "tool", "content": f"Current parsed answer='{answer}' reward=0.0"},
+                 {"role": "assistant", "content": f"#### {answer}"}]
+        ids = tok.encode(encode(turns), add_special_tokens=False)
+        model_tokens = []
+        for end in (3, 5):  # each assistant turn: from its generation prompt to its end
+            start = len(tok.encode(encode(turns[:end - 1], generation_prompt=True), add_special_tokens=False))
+            stop = len(tok.encode(encode(turns[:end]), add_special_tokens=False))
+            model_tokens += range(start, stop - 1)  # (the template's newline after <|im_end|> is not the model's)
+        return ids, model_tokens
+
+    examples = [taught(row) for row in rows]  # (encoded once: the shared tokenizer has no fast version)
+    for _ in range(steps):
+        batch = rng.sample(examples, 4)
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in batch])
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+        # the head only where a model token is predicted (the whole 152k-wide logits would be GBs)
+        rows_at = torch.tensor([i for i, (_, pos) in enumerate(batch) for _ in pos])
+        at = torch.tensor([p for _, pos in batch for p in pos])
+        logits = model.lm_head(hidden[rows_at, at - 1])
+        loss = torch.nn.functional.cross_entropy(logits, input_ids[rows_at, at])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return Path(out_dir)

@@ -3,45 +3,123 @@ the model's published shape and the H100 preset).
 
     python -m rlhf_hpc.bench.published_runs
 
-  NVIDIA NeMo-RL, Llama-3.1-8B-Instruct GRPO on 8 x H100 (recipe llama8b_grpo, their
-  examples/configs/grpo_math_8B.yaml): 112-122 s per step, generation ~58 s, log-probs ~18 s,
-  training ~28 s, weight refit 4-5 s, ~795 generated tokens per sample.
-  The reference design's Qwen2.5-7B KL-PPO on 8 x H100 (recipe qwen7b_klppo): 11.2k tokens/s. GSM8K
-  prompts measure ~100 tokens in Qwen2.5's chat template (94 with a generic system prompt, over the
-  first 2000 training rows and ../shared's Qwen2 tokenizer); the response length of the run is not
-  published, so the plan is given at the reference solutions' mean (121 tokens) and longer.
+The runs are NVIDIA NeMo-RL's synchronous, colocated GRPO runs of dense models on DGX H100 nodes
+with their setups published: the v0.3 blog (per phase) and the performance summary of its docs
+(the step only). Each is planned as this project would run its workload (FSDP2 and vLLM, the
+layout the plans choose), from the recipe ``llama8b_grpo`` (NeMo-RL's grpo_math_8B: 64 prompts x 32
+responses, 512 responses per optimizer step, sequences up to 4096 tokens) with the run's model,
+nodes, vLLM tensor parallelism and lengths. Their trainers differ (Megatron-Core or DTensor with
+tensor and pipeline parallelism); the two backends' own steps differ by up to 1.6x on the same job.
+
+Mean prompt lengths: NeMo-RL's throughput counts prompt and generated tokens over all GPUs, so
+tokens/s/GPU x step x GPUs / 2048 - the mean generated length is the mean prompt: 127 tokens on the
+8B run of the summary (Llama's tokenizer), 104 on the Qwen3-32B run; used for every run of that model.
+
+The reference design's Qwen2.5-7B KL-PPO on 8 x H100 (recipe qwen7b_klppo): 11.2k tokens/s, planned
+at three response lengths (its lengths are not published).
 """
 from __future__ import annotations
 
+import statistics
 import sys
+from dataclasses import dataclass, field
 
-from rlhf_hpc.planning.time_plan import build_time_plan
+from rlhf_hpc.planning.time_plan import TimePlan, build_time_plan
 from rlhf_hpc.recipe.load import load_config
 
-__all__: list[str] = []  # a script: nothing here is imported elsewhere
+__all__ = ["PUBLISHED_RUNS", "PublishedRun", "plan_of_run"]
 
-NEMO_RL = {"gen": (58, "generation ~58"), "update_weights": (4.5, "weight refit 4-5"),
-           "log_probs": (18, "log-probs ~18"), "update_actor": (28, "training ~28"), "step": (117, "step 112-122")}
+_BLOG = "NeMo-RL v0.3 blog, 2025-07-21, table 1 (mean of steps 22-29; nvidia-nemo.github.io/blog/2025/07/21/nemo-rl-v0.3)"
+_SUMMARY = ("NeMo-RL docs/about/performance-summary.md at v0.5.0 (6c70893; mean of 5 steps), setup from "
+            "examples/configs/recipes/llm/performance/{name}.yaml at that tag")
+_LLAMA8B, _LLAMA70B, _QWEN32B = (("actor_rollout_ref.model.path=meta-llama/Llama-3.1-8B-Instruct",),
+                                 ("actor_rollout_ref.model.path=meta-llama/Llama-3.1-70B", "plan.prompt_length=127"),
+                                 ("actor_rollout_ref.model.path=Qwen/Qwen3-32B", "plan.prompt_length=104"))
+_CHOSEN_CHECKPOINTING = "actor_rollout_ref.model.enable_gradient_checkpointing=null"
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A published run: its setup as overrides of recipe ``llama8b_grpo``, its step and phases (s)."""
+    name: str
+    source: str
+    overrides: tuple[str, ...]
+    step_s: float
+    phases: dict[str, float] = field(default_factory=dict)  # gen, update_weights, log_probs, update_actor
+    held_out: bool = False  # first compared after the plan's GPU constants were set
+    outlier: str = ""  # why the plan of this project's run cannot follow it
+
+
+PUBLISHED_RUNS = [
+    PublishedRun("Llama-3.1-8B-Instruct, 8 x H100, Megatron", _BLOG, (*_LLAMA8B, "plan.response_length=795"),
+                 112, {"gen": 58, "update_weights": 5, "log_probs": 18, "update_actor": 28}),
+    PublishedRun("Llama-3.1-8B-Instruct, 8 x H100, DTensor (FSDP2)", _BLOG, (*_LLAMA8B, "plan.response_length=777"),
+                 122, {"gen": 57, "update_weights": 4, "log_probs": 19, "update_actor": 38}),
+    PublishedRun("Llama-3.1-70B, 64 x H100, Megatron (TP4 PP4), vLLM TP4", _BLOG,
+                 (*_LLAMA70B, "trainer.nnodes=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                  _CHOSEN_CHECKPOINTING, "plan.response_length=398"),
+                 147, {"gen": 84, "update_weights": 14, "log_probs": 18, "update_actor": 28}),
+    PublishedRun("Llama-3.1-70B, 64 x H100, DTensor (TP8, no checkpointing), vLLM TP4", _BLOG,
+                 (*_LLAMA70B, "trainer.nnodes=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                  _CHOSEN_CHECKPOINTING, "plan.response_length=395"),
+                 230, {"gen": 82, "update_weights": 15, "log_probs": 28, "update_actor": 97},
+                 outlier="its training takes 3.5x the Megatron run's on the same job (dynamic batching in place of "
+                         "sequence packing after an out-of-memory, NeMo-RL's note)"),
+    PublishedRun("Qwen3-32B, 64 x H100, Megatron (TP4 PP2), vLLM TP4 (not published: the summary's)", _BLOG,
+                 (*_QWEN32B, "trainer.nnodes=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                  _CHOSEN_CHECKPOINTING, "plan.response_length=3283"),
+                 213, {"gen": 96, "update_weights": 7, "log_probs": 40, "update_actor": 68}),
+    PublishedRun("Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing",
+                 _SUMMARY.format(name="grpo-llama3.1-8b-instruct-2n8g"),
+                 (*_LLAMA8B, "trainer.nnodes=2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                  "plan.response_length=1019"), 92.8, held_out=True),
+    PublishedRun("Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing",
+                 _SUMMARY.format(name="grpo-qwen3-32b-4n8g"),
+                 (*_QWEN32B, "trainer.nnodes=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                  _CHOSEN_CHECKPOINTING, "plan.response_length=3251"), 376, held_out=True),
+    # the same two recipes as the summary published them at v0.4 (cff17f8), an earlier NeMo-RL
+    PublishedRun("Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing; v0.4",
+                 _SUMMARY.replace("v0.5.0 (6c70893", "v0.4 (cff17f8").format(name="grpo-llama3.1-8b-instruct-2n8g"),
+                 (*_LLAMA8B, "trainer.nnodes=2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                  "plan.response_length=1060"), 97.7, held_out=True),
+    PublishedRun("Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing; v0.4",
+                 _SUMMARY.replace("v0.5.0 (6c70893", "v0.4 (cff17f8").format(name="grpo-qwen3-32b-4n8g"),
+                 (*_QWEN32B, "trainer.nnodes=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                  _CHOSEN_CHECKPOINTING, "plan.response_length=3206"), 393, held_out=True),
+]
 REFERENCE_TOKENS_S = 11_200
 
 
-def planned(recipe: str, *overrides: str):
+def planned(recipe: str, *overrides: str) -> TimePlan:
     cfg, _ = load_config(recipe, overrides, check_files=False)
     return build_time_plan(cfg)
 
 
+def plan_of_run(run: PublishedRun) -> tuple[TimePlan, dict[str, float]]:
+    """(the plan of ``run``'s workload, its seconds under the published phases' names and ``step``)."""
+    plan = planned("llama8b_grpo", *run.overrides)
+    seconds = {p.name: p.seconds for p in plan.phases}
+    got = {"gen": seconds["gen"], "update_weights": seconds["update_weights"],
+           "log_probs": seconds.get("old_log_prob", 0.0) + seconds.get("ref", 0.0),
+           "update_actor": seconds["update_actor"], "step": plan.step_s}
+    return plan, got
+
+
 def main() -> int:
-    plan = planned("llama8b_grpo")
-    got = {"gen": plan.phase("gen").seconds, "update_weights": plan.phase("update_weights").seconds,
-           "log_probs": plan.phase("old_log_prob").seconds + plan.phase("ref").seconds,
-           "update_actor": plan.phase("update_actor").seconds, "step": plan.step_s}
-    print(f"NeMo-RL Llama-3.1-8B GRPO, 8 x H100 SXM: {plan.workload.rows} responses of {plan.workload.prompt:.0f} + "
-          f"{plan.workload.response:.0f} tokens (longest {plan.workload.longest_response})")
-    print("| phase | published (s) | planned (s) | planned / published | bound |")
+    print("| run | published step (s) | planned (s) | planned / published | phases planned / published "
+          "(gen, refit, log-probs, training) |")
     print("| --- | --- | --- | --- | --- |")
-    for key, (published, text) in NEMO_RL.items():
-        bound = plan.phase(key).bound if plan.phase(key) else ("compute" if key == "log_probs" else "-")
-        print(f"| {key} | {text} | {got[key]:.1f} | {got[key] / published:.2f} | {bound} |")
+    ratios, held = [], []
+    for run in PUBLISHED_RUNS:
+        plan, got = plan_of_run(run)
+        ratio = got["step"] / run.step_s
+        (held if run.held_out else ratios).append(ratio)
+        phases = ", ".join(f"{got[k]:.1f}/{v:g}" for k, v in run.phases.items()) or "not published"
+        print(f"| {run.name}{' (held out)' if run.held_out else ''} | {run.step_s:g} | {got['step']:.1f} | "
+              f"{ratio:.2f}{' (outlier: ' + run.outlier + ')' if run.outlier else ''} | {phases} |")
+    both = ratios + held
+    print(f"\nplanned / published: median {statistics.median(both):.2f}, range {min(both):.2f}-{max(both):.2f} "
+          f"({len(both)} runs; the {len(held)} held out: {', '.join(f'{r:.2f}' for r in held)})")
     print(f"\nreference design, Qwen2.5-7B KL-PPO (critic, GAE), 8 x H100 SXM, published {REFERENCE_TOKENS_S:,} tokens/s")
     print("| mean response (tokens) | step (s) | tokens/s, all 8 GPUs | tokens/s per GPU | slowest phase |")
     print("| --- | --- | --- | --- | --- |")

@@ -27,12 +27,15 @@ class EngineSpec:
     ``paged``: the memory/time model: True for a server-style engine (a preallocated paged KV cache
     of ``gpu_memory_utilization``, continuous batching, sleep mode between generations), False for a
     plain forward per new token (its own copy of the weights, a KV cache that grows with the batch).
-    ``lora``: serves LoRA adapters (``adapter_max_rank``: the largest rank it serves, None: any)."""
+    ``lora``: serves LoRA adapters (``adapter_max_rank``: the largest rank it serves, None: any).
+    ``bounded_context``: refuses a context longer than the model's positions (vLLM's max_model_len
+    check at its start; transformers runs them)."""
     name: str
     entry: str
     package: Optional[str]
     paged: bool
     adapter_max_rank: Optional[int] = None
+    bounded_context: bool = False
 
 
 ENGINES: Registry[EngineSpec] = Registry("rollout engine", "actor_rollout_ref.rollout.name")
@@ -51,6 +54,6 @@ def planned_engine(name: str) -> EngineSpec:
 
 
 register_engine(EngineSpec("vllm", "rlhf_hpc.rollout.vllm_engine:VLLMEngine", package="vllm", paged=True,
-                           adapter_max_rank=512))  # rlhf_hpc.models.lora.VLLM_LORA_RANKS
+                           adapter_max_rank=512, bounded_context=True))  # rlhf_hpc.models.lora.VLLM_LORA_RANKS
 register_engine(EngineSpec("hf", "rlhf_hpc.rollout.hf_engine:HFEngine", package=None, paged=False))
 AUTO_ORDER = ("vllm", "hf")  # auto: the first whose package is installed (and can serve the device)

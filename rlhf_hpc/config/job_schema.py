@@ -84,3 +84,11 @@ class PlanConfig:
     validation, rlhf_hpc/recipe/input_checks.py)."""
     prompt_length: Optional[int] = None  # in (0, data.max_prompt_length]; null: data.max_prompt_length
     response_length: Optional[int] = None  # in (0, data.max_response_length]; null: data.max_response_length
+    # multi-turn runs only (actor_rollout_ref.rollout.multi_turn.enable): the mean assistant turns of
+    # a conversation (null: multi_turn.max_assistant_turns, or 2 where unset), the mean tokens of one
+    # tool turn (null: multi_turn.max_tool_response_length characters / 4), the seconds one tool turn
+    # waits for its slowest call (null: 0); the response's mean above counts the tool turns, as
+    # data.max_response_length does
+    assistant_turns: Optional[float] = None
+    tool_response_length: Optional[int] = None
+    tool_seconds: Optional[float] = None

@@ -51,6 +51,8 @@ class Hardware:
     decode_step_overhead_s: float = 3e-3  # per decode step of the engine (scheduler, sampler, CUDA graph launch)
     request_overhead_s: float = 2e-4  # per request the engine takes (tokens in, a response out)
     generate_overhead_s: float = 5e-3  # per generate call
+    # the weight sync's GPU figures are estimates nobody has measured for this project's in-place
+    # streaming sync (NeMo-RL's published refits, another mechanism, take 5-12x: BENCHMARKS.md)
     sync_overhead_s: float = 0.5  # per weight sync beside its bytes (waking the engine's weights, bookkeeping)
     sync_layer_overhead_s: float = 1e-3  # per decoder layer a weight sync sends (its tensors' bookkeeping)
     collective_latency_s: float = 2e-5  # per collective call (NCCL launch; gloo's round trips on a CPU)
@@ -62,9 +64,10 @@ class Hardware:
     prefill_bf16_tflops: Optional[float] = None
     decode_fp32_tflops: Optional[float] = None
     decode_bf16_tflops: Optional[float] = None
-    # the share of the matmul peak a training pass reaches (on a CPU the calibration measures whole
-    # decoder passes, so 1), and a backward's time over its forward's (2: twice the FLOPs)
-    train_efficiency: float = 0.5
+    # the share of the matmul peak a training pass reaches (on a GPU 0.4: what NeMo-RL's published
+    # H100 runs imply, rlhf_hpc.planning.time_plan; on a CPU the calibration measures whole decoder
+    # passes, so 1), and a backward's time over its forward's (2: twice the FLOPs)
+    train_efficiency: float = 0.4
     backward_ratio: float = 2.0
     backward_ratio_fp32: float = 2.0
     overlap_comm: bool = True  # collectives run beside the compute (GPU copy engines; not gloo on the CPU cores)

@@ -25,6 +25,8 @@ KNOWN_MODELS = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
@@ -34,6 +36,9 @@ KNOWN_MODELS = {
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
     "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=False),
 }
 
 
@@ -73,7 +78,7 @@ def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: b
 def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
     """(the model built on the meta device, its config, where the config came from)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # (seconds: only plans of a model)
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # (seconds: only plans)
     expanded = Path(path).expanduser()
     if is_tiny(path) or (expanded / "config.json").is_file():
         config, source = model_config(path, override, trust_remote_code), f"config of {path}"
@@ -83,7 +88,7 @@ def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: b
             raise FileNotFoundError(f"no config.json at {path} and no published shape for it: run the dry run "
                                     f"where the model directory is")
         fields = dict(KNOWN_MODELS[key])
-        config = (LlamaConfig if fields.pop("model_type", "qwen2") == "llama" else Qwen2Config)(**fields)
+        config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[fields.pop("model_type", "qwen2")](**fields)
         for k, v in (override or {}).items():
             if k != "attn_implementation":
                 setattr(config, k, v)

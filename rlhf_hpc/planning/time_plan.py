@@ -10,11 +10,12 @@ One rank = one GPU; all ranks do the same work, so a phase takes what one rank's
   (bytes x (s-1)/s over its link) overlapped with the engine's load (bytes over ``engine_load_gb_s``,
   plus a per-layer overhead); a LoRA actor sends its adapter only.
 - ``gen``: per engine (``tensor_model_parallel_size`` GPUs): prefill is compute-bound (2 x params
-  FLOPs per prompt token over ``PREFILL_EFFICIENCY`` of the TP group's peak); decode runs
-  ``rows x mean response / batch`` steps (at least the longest response), the batch being what the
-  engine holds (``max_num_seqs``, the KV cache room of the memory plan, the rows it has); each step
-  reads the weights and the batch's KV cache (over ``DECODE_BANDWIDTH_EFFICIENCY`` of HBM), or is
-  compute-bound at large batch, plus the TP all-reduces (2 per layer) and the engine's step overhead.
+  FLOPs per prompt token over ``PREFILL_EFFICIENCY`` of the TP group's peak); decode follows the
+  schedule of rlhf_hpc.planning.decode_schedule (the lengths spread around their mean up to the
+  longest, the batch what the engine holds: ``max_num_seqs``, the KV cache room of the memory plan,
+  the rows it has, thinning as responses finish); each step reads the weights and its sequences' KV
+  cache (over ``DECODE_BANDWIDTH_EFFICIENCY`` of HBM), or is compute-bound at large batch, plus the
+  sampler's passes over the logits, the TP all-reduces (2 per layer) and the engine's step overhead.
   The hf engine runs each decode step as a full forward pass.
 - ``old_log_prob`` / ``ref`` / ``values`` / ``reward_model``: forward FLOPs of the real shape (2 x
   layer params per token, causal attention 2 x layers x q_dim x L per token, the head on response
@@ -35,7 +36,7 @@ One rank = one GPU; all ranks do the same work, so a phase takes what one rank's
 
 What the model cannot know: the engine's real efficiency at a given batch (prefix caching,
 speculative decoding, preemption when the KV cache fills), stragglers (one slow rank holds every
-collective), the spread of response lengths within a wave, Python overhead beyond the per-pass
+collective), how the response lengths really spread, Python overhead beyond the per-pass
 constants, a shared file system's load. BENCHMARKS.md holds its error against measured runs.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.ops.step_shape import PhaseShape, step_shape
 from rlhf_hpc.planning.advice import COMM_RULE, candidate_changes, value_text, with_value
+from rlhf_hpc.planning.decode_schedule import decode_segments, response_lengths
 from rlhf_hpc.planning.hardware import Hardware, hardware_of
 from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs, shard_count
 from rlhf_hpc.planning.memory_plan import MemoryPlan, build_plan, check_plan
@@ -59,22 +61,42 @@ __all__ = ["PhaseTime", "TimeModel", "TimePlan", "Workload", "advice_for", "buil
            "workload_of"]
 
 # Shares of the datasheet peaks that real kernels reach on a GPU (on the CPU the calibration's
-# figures are already what real passes reach: 1.0). Training (``Hardware.train_efficiency``, 0.5):
-# dense matmuls of packed sequences with flash attention (Megatron-LM and torchtitan report 40-55%
-# of the bf16 peak on H100 for 7-8B models); prefill alike; decode reads weights and KV cache at
-# ~70% of HBM bandwidth (vLLM's kernels); NCCL's bus bandwidth reaches ~80% of the link's.
-PREFILL_EFFICIENCY = 0.5
-DECODE_BANDWIDTH_EFFICIENCY = 0.7
+# figures are already what real passes reach: 1.0). Unmeasured by this project on GPUs: set from
+# the per-phase times of NeMo-RL v0.3's published H100 GRPO runs (8B on 8 GPUs, 70B and Qwen3-32B
+# on 64; rlhf_hpc.bench.published_runs), which imply 0.30-0.45 of the bf16 peak for their training
+# and log-prob passes (``Hardware.train_efficiency``, 0.4; prefill alike) and ~0.55 of HBM bandwidth
+# for vLLM's decode (weights and KV cache read each step; the sampler beside it). NCCL's bus
+# bandwidth reaches ~80% of the link's (nccl-tests on DGX H100).
+PREFILL_EFFICIENCY = 0.4
+DECODE_BANDWIDTH_EFFICIENCY = 0.55
 LINK_EFFICIENCY = 0.8
 # the optimizer step reads parameters, gradients, two moments and writes three: bytes per parameter
 ADAM_BYTES = 28
+# bytes the sampler moves per logit and decode step: fp32 logits written, read by the softmax, the
+# draw and the log-prob of the drawn token (about 6 passes of 4 bytes); with a 150k vocabulary at
+# batch 256 that is ~1 GB a step
+SAMPLER_BYTES_PER_LOGIT = 24
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn of a step's conversations: the share of rows still open, their context
+    before it (tokens), the tool tokens prefilled first, the model's tokens in it (mean, longest)."""
+    index: int
+    rows: float
+    context: float
+    new_tokens: float
+    mean: float
+    longest: int
 
 
 @dataclass
 class Workload:
     """What one step processes: ``rows`` responses (train_batch_size x n) of ``prompt`` + ``response``
     tokens on average; the longest response bounds the decode's last wave; ``padded`` is a row's
-    length where padding is not removed."""
+    length where padding is not removed. Multi-turn: ``turns`` assistant turns per conversation
+    (mean), ``tool_tokens`` of the response are the tools' (prefilled, not decoded), ``tool_s``
+    seconds of tool calls in the step."""
     rows: int
     prompt: float
     response: float
@@ -82,10 +104,27 @@ class Workload:
     padded: int
     source: str = ""
     gen_batches: Optional[float] = None  # DAPO's generation batches in the step, where a run measured them
+    turns: float = 1.0
+    tool_tokens: float = 0.0
+    tool_s: float = 0.0
 
     @property
     def tokens(self) -> float:
         return self.rows * (self.prompt + self.response)
+
+    def turns_open(self) -> list[Turn]:
+        """The assistant turns of a conversation: the model's tokens split evenly over ``turns``, the
+        tools' between them; a fractional mean leaves that share of the rows open for the last."""
+        turns = max(1.0, self.turns)
+        model = max(self.response - self.tool_tokens, 1.0)
+        per_turn = model / turns
+        tool_turn = self.tool_tokens / (turns - 1) if turns > 1 else 0.0
+        longest = max(1, min(self.longest_response, round(max(per_turn, (self.longest_response - self.tool_tokens) / turns))))
+        out = []
+        for k in range(math.ceil(turns - 1e-9)):
+            out.append(Turn(k, min(1.0, turns - k), self.prompt + k * per_turn + max(k - 1, 0) * tool_turn,
+                            tool_turn if k else 0.0, per_turn, longest))
+        return out
 
 
 def workload_of(cfg: Config) -> Workload:
@@ -98,8 +137,20 @@ def workload_of(cfg: Config) -> Workload:
     response = d.max_response_length if p.response_length is None else p.response_length
     source = (f"means from plan.{' and plan.'.join(given)}" if given else
               "the maxima (set plan.prompt_length / plan.response_length to the data's means)")
-    return Workload(rows, float(prompt), float(response), d.max_response_length,
-                    d.max_prompt_length + d.max_response_length, source)
+    w = Workload(rows, float(prompt), float(response), d.max_response_length,
+                 d.max_prompt_length + d.max_response_length, source)
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return w
+    w.turns = float(p.assistant_turns or mt.max_assistant_turns or 2)
+    per_tool = p.tool_response_length if p.tool_response_length is not None else math.ceil(mt.max_tool_response_length / 4)
+    # (the response's budget holds the tool turns; the model keeps at least a token a turn)
+    w.tool_tokens = max(0.0, min((w.turns - 1) * per_tool, w.response - w.turns))
+    w.tool_s = (p.tool_seconds or 0.0) * (math.ceil(w.turns) - 1)
+    w.source += (f"; {w.turns:g} assistant turns ({'plan.assistant_turns' if p.assistant_turns else 'the most allowed'})"
+                 f", tool turns of {per_tool} tokens ({'plan.tool_response_length' if p.tool_response_length is not None else 'max_tool_response_length / 4'})"
+                 f", {p.tool_seconds or 0:g} s a tool turn ({'plan.tool_seconds' if p.tool_seconds is not None else 'not planned: set plan.tool_seconds'})")
+    return w
 
 
 @dataclass
@@ -196,11 +247,17 @@ class TimeModel:
                                       arr.model.trust_remote_code) if self.lora else 0
 
     # ----------------------------------------------------------------------------- resources
-    def link(self, group: int) -> tuple[float, str]:
-        """(bytes/s, name) of the slowest link inside a group of ``group`` consecutive ranks."""
+    def link(self, group: int, local: Optional[int] = None) -> tuple[float, str]:
+        """(bytes/s per rank, name) of a collective over a group of ``group`` ranks, ``local`` of them on
+        each node (default: consecutive ranks). Inside a node: its link. Across nodes NCCL runs a ring
+        per NIC, so the node's groups share its whole network: each rank moves at ``local`` / ranks per
+        node of the node's rate (a group of whole nodes at the node's rate: nccl-tests' all-reduce bus
+        bandwidth between DGX H100 nodes is ~400 GB/s, their 8 x 400 Gb/s NICs; one rank per node, as
+        in a replica group, at one NIC's)."""
         if group <= self.per_node:
             return self.hw.intra_node_gb_s * 1e9 * LINK_EFFICIENCY, "intra-node link"
-        return self.hw.inter_node_gb_s * 1e9 * LINK_EFFICIENCY / self.per_node, "inter-node network"
+        local = min(group, self.per_node) if local is None else max(1, min(local, self.per_node))
+        return self.hw.inter_node_gb_s * 1e9 * LINK_EFFICIENCY * local / self.per_node, "inter-node network"
 
     def shards(self, fsdp: FSDPConfig) -> int:
         return shard_count(self.world, fsdp)
@@ -261,43 +318,67 @@ class TimeModel:
         peak = hw.matmul_flops(rollout.dtype) * PREFILL_EFFICIENCY
         prefill_rate = (hw.engine_flops("prefill", rollout.dtype) or peak) * tp
         rate = (hw.engine_flops("decode", rollout.dtype) or peak) * tp
-        # each prompt once for its n responses (they share its KV cache)
-        prompts = rows / rollout.n
-        prefill = forward_flops(s, prompts * w.prompt, w.prompt, prompts, s.vocab) / prefill_rate
         kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb
         room = self.memory.kv_cache_tokens
         if room is None and self.paged:  # vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE GiB
             import os
             room = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30 // kv_per_token)
-        length = w.prompt + w.response
-        batch = max(1, int(min(rollout.max_num_seqs, rows, (room / length) if room else rows)))
-        # full batches until the mean response is done, then the tail: the longest response's last
-        # tokens with few sequences left (the weights are read all the same)
-        full = math.ceil(rows * w.response / batch)
-        tail = max(0, w.longest_response - full)
         bw, where = self.link(tp)
         eff = DECODE_BANDWIDTH_EFFICIENCY if self.cfg.trainer.device == "cuda" else 1.0
-
-        def step(b: float, context: float) -> tuple[float, float, float]:
-            """(weights + KV read, compute, TP all-reduces) seconds of one decode step of ``b`` sequences."""
-            read = (s.params * rb / tp + b * context * kv_per_token / tp) / (hw.hbm_gb_s * 1e9 * eff)
-            comm = (2 * s.layers * (2 * (tp - 1) / tp * b * s.hidden * rb / bw + hw.collective_latency_s)
-                    if tp > 1 else 0.0)
-            return read, forward_flops(s, b, context, b, s.vocab) / rate, comm
-        f_read, f_compute, f_comm = step(batch, w.prompt + w.response / 2)
-        t_read, t_compute, t_comm = step(1, w.prompt + (w.response + w.longest_response) / 2)
+        hbm = hw.hbm_gb_s * 1e9 * eff
+        # the sampler's passes over the logits (softmax, the draw, the log-prob), beside the model's
+        # head; a measured engine figure already holds them
+        sampler_bytes = SAMPLER_BYTES_PER_LOGIT * s.vocab if hw.engine_flops("decode", rollout.dtype) is None else 0.0
         overhead = hw.decode_step_overhead_s
         if not self.paged:  # transformers' generate: a whole forward pass per new token
             overhead = hw.pass_overhead_s + s.layers * hw.layer_overhead_s
-        calls = hw.generate_overhead_s + rows / rollout.n * hw.request_overhead_s * (rollout.n if self.paged else 1)
-        steps = full + tail
-        comm = full * f_comm + tail * t_comm
-        parts = {"compute": prefill + full * f_compute + tail * t_compute, "memory bandwidth": full * f_read + tail * t_read,
-                 "overhead": steps * overhead + calls, where: comm}
-        seconds = (prefill + full * max(f_read, f_compute) + tail * max(t_read, t_compute) + steps * overhead + comm
-                   + calls)
-        note = (f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {batch}: {full} decode steps "
-                f"at full batch, {tail} for the longest response's tail")
+        # each prompt once for its n responses (they share its KV cache)
+        prompts = rows / rollout.n
+        prefill = forward_flops(s, prompts * w.prompt, w.prompt, prompts, s.vocab) / prefill_rate
+        read = compute = comm = sampler = seconds = calls = 0.0
+        steps = thin = 0
+        batches = []
+        for turn in w.turns_open():  # (one generate call per assistant turn: the rows still open)
+            if turn.index > 0:  # the tool's answer prefilled; a paged engine keeps the rest cached
+                new = turn.new_tokens if self.paged else turn.context + turn.new_tokens
+                prefill += forward_flops(s, turn.rows * rows * new, turn.context + turn.new_tokens,
+                                         turn.rows * rows, s.vocab) / prefill_rate
+            open_rows = max(1, round(turn.rows * rows))
+            if self.paged:
+                batch = max(1, int(min(rollout.max_num_seqs, open_rows,
+                                       (room / (turn.context + turn.new_tokens + turn.mean)) if room else open_rows)))
+            else:  # transformers' generate: every row of the call in one batch
+                batch = open_rows
+            batches.append(batch)
+            segments = decode_segments(response_lengths(open_rows, turn.mean, turn.longest),
+                                       turn.context + turn.new_tokens, batch, continuous=self.paged)
+            for seg in segments:
+                b = seg.sequences
+                r = (s.params * rb / tp + seg.context * kv_per_token / tp) / hbm
+                c = forward_flops(s, b, seg.context / b, b, s.vocab) / rate
+                m = (2 * s.layers * (2 * (tp - 1) / tp * b * s.hidden * rb / bw + hw.collective_latency_s)
+                     if tp > 1 else 0.0)
+                x = b * sampler_bytes / hbm
+                read, compute, comm, sampler = read + seg.steps * r, compute + seg.steps * c, comm + seg.steps * m, \
+                    sampler + seg.steps * x
+                seconds += seg.steps * (max(r, c) + m + x)
+            steps += sum(seg.steps for seg in segments)
+            thin += sum(seg.steps for seg in segments if seg.sequences < batch / 4)
+            # (a request per response; transformers' generate takes a first turn's prompt once for its n)
+            requests = open_rows if self.paged or turn.index > 0 else open_rows / rollout.n
+            calls += hw.generate_overhead_s + requests * hw.request_overhead_s
+        parts = {"compute": prefill + compute, "memory bandwidth": read + sampler, "overhead": steps * overhead + calls,
+                 where: comm}
+        seconds += prefill + steps * overhead + calls
+        if w.tool_s > 0:
+            parts["tools"] = w.tool_s
+            seconds += w.tool_s
+        note = (f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {max(batches)}: {steps} decode steps, {thin} "
+                f"of them under a quarter of the batch (response lengths: {w.response:.0f} mean, {w.longest_response} "
+                f"longest, spread assumed as rlhf_hpc.planning.decode_schedule says)")
+        if w.turns > 1:
+            note += (f"; {w.turns:.3g} assistant turns per conversation, {w.tool_tokens:.0f} tool tokens of the response"
+                     f" prefilled between them, tools {w.tool_s:.3g} s")
         scale, why = generation_batches(self.cfg, w.gen_batches)
         if why:  # DAPO's dynamic sampling: the step's responses as generated, in generation batches
             parts = {k: v * scale for k, v in parts.items()}
@@ -316,7 +397,7 @@ class TimeModel:
         out = {"compute": flops / (hw.matmul_flops(dtype) * self.efficiency()), "memory bandwidth": 0.0,
                "overhead": micro * backward * (hw.pass_overhead_s + s.layers * hw.layer_overhead_s)}
         if sp > 1:  # Ulysses: 2 all-to-alls per layer and pass (q/k/v in, the output back)
-            bw, where = self.link(sp)
+            bw, where = self.link(sp, local=1)  # (an all-to-all: each rank's own share crosses)
             q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
             out[where] = out.get(where, 0.0) + backward * 2 * s.layers * tokens * (2 * q + 2 * kv) / 2 * DTYPE_BYTES[dtype] * (sp - 1) / sp / bw
         return out
@@ -373,7 +454,7 @@ class TimeModel:
             per_micro = (gathers * s.params * b + trained * rb) * (shards - 1) / shards / bw
             comm[where] = comm.get(where, 0.0) + passes * (per_micro + 3 * (s.layers + 2) * hw.collective_latency_s)
         if replicas > 1:  # the gradients' all-reduce across replicas, every micro-batch's backward
-            bw, where = self.link(world)
+            bw, where = self.link(world, local=max(1, self.per_node // shards))  # (strided groups)
             comm[where] = comm.get(where, 0.0) + passes * (2 * (replicas - 1) / replicas * trained * rb / shards / bw
                                                            + (s.layers + 2) * hw.collective_latency_s)
         steps = minis * epochs
@@ -410,14 +491,17 @@ class TimeModel:
         ``response_length/mean`` and ``/max`` of its metrics; ``padded``: its rows' padded length)."""
         d = self.cfg.data
         # a multi-turn step's tool turns are in every training pass but not in response_length (the
-        # model's tokens, as verl logs it): counted in, as if decoded (an engine prefills them, faster)
+        # model's tokens, as verl logs it): in the response, prefilled between its assistant turns
+        # (verl's num_turns: assistant + tool turns + the prompt, so about twice the assistant turns)
         tool = metrics.get("tools/tokens_tool", 0.0) / max(self.step.rows, 1)
         return self.plan(Workload(self.step.rows,
                                   metrics.get("prompt_length/mean", d.max_prompt_length),
                                   metrics.get("response_length/mean", d.max_response_length) + tool,
                                   min(d.max_response_length,
                                       int(metrics.get("response_length/max", d.max_response_length) + tool)), padded,
-                                  "this step's lengths", metrics.get("train/num_gen_batches")))
+                                  "this step's lengths", metrics.get("train/num_gen_batches"),
+                                  turns=max(1.0, metrics.get("num_turns/mean", 2.0) / 2), tool_tokens=tool,
+                                  tool_s=metrics.get("timing_s/tools", 0.0)))
 
 
 def generation_batches(cfg: Config, measured: Optional[float] = None) -> tuple[float, str]:

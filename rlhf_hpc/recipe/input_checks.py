@@ -29,7 +29,9 @@ def input_problems(cfg: Config) -> list[str]:
 
 def plan_problems(cfg: Config) -> list[str]:
     """``plan.prompt_length`` / ``plan.response_length``: the data's mean tokens per prompt and per
-    response, null (unset) for the maxima; one that is set is > 0 and at most its maximum."""
+    response, null (unset) for the maxima; one that is set is > 0 and at most its maximum. The
+    multi-turn keys (``plan.assistant_turns``, ``tool_response_length``, ``tool_seconds``) only with
+    multi-turn, each in its range."""
     out = []
     for name, limit_key in (("prompt_length", "data.max_prompt_length"),
                             ("response_length", "data.max_response_length")):
@@ -43,6 +45,22 @@ def plan_problems(cfg: Config) -> list[str]:
         elif limit > 0 and value > limit:
             out.append(f"plan.{name}={value} is larger than {limit_key}={limit}: a mean cannot pass the maximum; "
                        f"set plan.{name} <= {limit} (or null: plan with the maximum), or raise {limit_key}")
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    turn_keys = {k: getattr(cfg.plan, k) for k in ("assistant_turns", "tool_response_length", "tool_seconds")}
+    if not mt.enable:
+        out += [f"plan.{k}={v}: planned for multi-turn runs only; set actor_rollout_ref.rollout.multi_turn.enable=true "
+                f"or leave plan.{k} unset (null)" for k, v in turn_keys.items() if v is not None]
+        return out
+    turns = turn_keys["assistant_turns"]
+    if turns is not None and (turns < 1 or (mt.max_assistant_turns and turns > mt.max_assistant_turns)):
+        out.append(f"plan.assistant_turns={turns}: the mean assistant turns of a conversation is at least 1"
+                   + (f" and at most multi_turn.max_assistant_turns={mt.max_assistant_turns}" if mt.max_assistant_turns
+                      else ""))
+    if turn_keys["tool_response_length"] is not None and turn_keys["tool_response_length"] <= 0:
+        out.append(f"plan.tool_response_length={turn_keys['tool_response_length']}: the mean tokens of a tool turn "
+                   f"must be > 0 (null: multi_turn.max_tool_response_length characters / 4)")
+    if turn_keys["tool_seconds"] is not None and turn_keys["tool_seconds"] < 0:
+        out.append(f"plan.tool_seconds={turn_keys['tool_seconds']}: seconds cannot be negative")
     return out
 
 

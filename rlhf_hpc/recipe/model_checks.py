@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc.config.engines import ENGINES
+from rlhf_hpc.config.engines import AUTO, ENGINES, planned_engine
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config, CriticModelConfig, FSDPConfig, ModelConfig, RewardModelConfig
 from rlhf_hpc.config.tree import flatten, get_key, to_dict
@@ -244,7 +244,36 @@ def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
             e, w = architecture_problems(config, key, model.override_config.get("attn_implementation"))
             errors += e
             warnings += w
+    policy = _readable_model_config(cfg.actor_rollout_ref.model.path, cfg.actor_rollout_ref.model.override_config)
+    if policy is not None:
+        e, w = _context_problems(cfg, policy)
+        errors += e
+        warnings += w
     return errors, warnings
+
+
+def _context_problems(cfg: Config, config) -> tuple[list[str], list[str]]:
+    """The engine's context (``rollout.max_model_len``, else prompt + response) against the positions
+    the policy was built for, where its RoPE does not stretch them (vLLM refuses a longer context at
+    start, after the job has queued; transformers would run positions it never saw)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not limit or rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3"):
+        return [], []
+    d, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    length = rollout.max_model_len or d.max_prompt_length + d.max_response_length
+    if length <= limit:
+        return [], []
+    what = (f"actor_rollout_ref.rollout.max_model_len={length}" if rollout.max_model_len else
+            f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + {d.max_response_length}")
+    text = (f"{what} is longer than the {limit} positions of actor_rollout_ref.model.path="
+            f"{cfg.actor_rollout_ref.model.path} (its max_position_embeddings)")
+    engine = planned_engine(rollout.name) if rollout.name == AUTO else ENGINES.get(rollout.name)
+    if engine is None:  # (an unknown engine: its own check names it)
+        return [], []
+    if engine.bounded_context:
+        return [f"{text}: the {engine.name} engine refuses a longer context; shorten the lengths to {limit} in all"], []
+    return [], [f"{text}: the model would run positions it was not trained on"]
 
 
 def model_file_problems(cfg: Config) -> tuple[list[str], list[str]]:
