@@ -147,9 +147,12 @@ def workload_of(cfg: Config) -> Workload:
     # (the response's budget holds the tool turns; the model keeps at least a token a turn)
     w.tool_tokens = max(0.0, min((w.turns - 1) * per_tool, w.response - w.turns))
     w.tool_s = (p.tool_seconds or 0.0) * (math.ceil(w.turns) - 1)
-    w.source += (f"; {w.turns:g} assistant turns ({'plan.assistant_turns' if p.assistant_turns else 'the most allowed'})"
-                 f", tool turns of {per_tool} tokens ({'plan.tool_response_length' if p.tool_response_length is not None else 'max_tool_response_length / 4'})"
-                 f", {p.tool_seconds or 0:g} s a tool turn ({'plan.tool_seconds' if p.tool_seconds is not None else 'not planned: set plan.tool_seconds'})")
+    turns_from = ("plan.assistant_turns" if p.assistant_turns else "the most allowed" if mt.max_assistant_turns
+                  else "assumed: set plan.assistant_turns")
+    tool_from = "plan.tool_response_length" if p.tool_response_length is not None else "max_tool_response_length / 4"
+    seconds_from = "plan.tool_seconds" if p.tool_seconds is not None else "not planned: set plan.tool_seconds"
+    w.source += (f"; {w.turns:g} assistant turns ({turns_from}), tool turns of {per_tool} tokens ({tool_from}), "
+                 f"{p.tool_seconds or 0:g} s a tool turn ({seconds_from})")
     return w
 
 
