@@ -77,11 +77,13 @@ def teach_gsm8k_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], too
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.chat_template = HERMES_TEMPLATE
-    model = build_causal_lm("tiny://qwen2?vocab_size=151936&tie_word_embeddings=true&max_position_embeddings=2048", torch.float32, "cpu", seed=seed)
+    model = build_causal_lm("tiny://qwen2?vocab_size=151936&tie_word_embeddings=true&max_position_embeddings=2048",
+                            torch.float32, "cpu", seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
-    def encode(messages: list[dict], generation_prompt: bool = False) -> list[int]:
-        return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+    def ids_of(messages: list[dict], generation_prompt: bool = False) -> list[int]:
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
 
     def taught(row: dict) -> tuple[list[int], list[int]]:
         """(the conversation's ids, the positions of the model's tokens)"""
@@ -90,13 +92,11 @@ def teach_gsm8k_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], too
         turns = [*row["prompt"], {"role": "assistant", "content": call},
                  {"role": "tool", "content": f"Current parsed answer='{answer}' reward=0.0"},
                  {"role": "assistant", "content": f"#### {answer}"}]
-        ids = tok.encode(encode(turns), add_special_tokens=False)
         model_tokens = []
         for end in (3, 5):  # each assistant turn: from its generation prompt to its end
-            start = len(tok.encode(encode(turns[:end - 1], generation_prompt=True), add_special_tokens=False))
-            stop = len(tok.encode(encode(turns[:end]), add_special_tokens=False))
+            start, stop = len(ids_of(turns[:end - 1], generation_prompt=True)), len(ids_of(turns[:end]))
             model_tokens += range(start, stop - 1)  # (the template's newline after <|im_end|> is not the model's)
-        return ids, model_tokens
+        return ids_of(turns), model_tokens
 
     examples = [taught(row) for row in rows]  # (encoded once: the shared tokenizer has no fast version)
     for _ in range(steps):

@@ -30,9 +30,10 @@ from rlhf_hpc.recipe.load import load_config
 __all__ = ["PUBLISHED_RUNS", "PublishedRun", "plan_of_run"]
 
 _BLOG = "NeMo-RL v0.3 blog, 2025-07-21, table 1 (mean of steps 22-29; nvidia-nemo.github.io/blog/2025/07/21/nemo-rl-v0.3)"
-_SUMMARY = ("NeMo-RL docs/about/performance-summary.md at v0.5.0 (6c70893; mean of 5 steps), setup from "
+_SUMMARY = ("NeMo-RL docs/about/performance-summary.md at {version} (mean of 5 steps), setup from "
             "examples/configs/recipes/llm/performance/{name}.yaml at that tag")
-_LLAMA8B, _LLAMA70B, _QWEN32B = (("actor_rollout_ref.model.path=meta-llama/Llama-3.1-8B-Instruct",),
+_V05, _V04 = "v0.5.0 (6c70893)", "v0.4 (cff17f8)"
+_LLAMA8B, _LLAMA70B, _QWEN32B = (("actor_rollout_ref.model.path=meta-llama/Llama-3.1-8B-Instruct", "plan.prompt_length=127"),
                                  ("actor_rollout_ref.model.path=meta-llama/Llama-3.1-70B", "plan.prompt_length=127"),
                                  ("actor_rollout_ref.model.path=Qwen/Qwen3-32B", "plan.prompt_length=104"))
 _CHOSEN_CHECKPOINTING = "actor_rollout_ref.model.enable_gradient_checkpointing=null"
@@ -70,20 +71,20 @@ PUBLISHED_RUNS = [
                   _CHOSEN_CHECKPOINTING, "plan.response_length=3283"),
                  213, {"gen": 96, "update_weights": 7, "log_probs": 40, "update_actor": 68}),
     PublishedRun("Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing",
-                 _SUMMARY.format(name="grpo-llama3.1-8b-instruct-2n8g"),
+                 _SUMMARY.format(version=_V05, name="grpo-llama3.1-8b-instruct-2n8g"),
                  (*_LLAMA8B, "trainer.nnodes=2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                   "plan.response_length=1019"), 92.8, held_out=True),
     PublishedRun("Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing",
-                 _SUMMARY.format(name="grpo-qwen3-32b-4n8g"),
+                 _SUMMARY.format(version=_V05, name="grpo-qwen3-32b-4n8g"),
                  (*_QWEN32B, "trainer.nnodes=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
                   _CHOSEN_CHECKPOINTING, "plan.response_length=3251"), 376, held_out=True),
     # the same two recipes as the summary published them at v0.4 (cff17f8), an earlier NeMo-RL
     PublishedRun("Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing; v0.4",
-                 _SUMMARY.replace("v0.5.0 (6c70893", "v0.4 (cff17f8").format(name="grpo-llama3.1-8b-instruct-2n8g"),
+                 _SUMMARY.format(version=_V04, name="grpo-llama3.1-8b-instruct-2n8g"),
                  (*_LLAMA8B, "trainer.nnodes=2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                   "plan.response_length=1060"), 97.7, held_out=True),
     PublishedRun("Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing; v0.4",
-                 _SUMMARY.replace("v0.5.0 (6c70893", "v0.4 (cff17f8").format(name="grpo-qwen3-32b-4n8g"),
+                 _SUMMARY.format(version=_V04, name="grpo-qwen3-32b-4n8g"),
                  (*_QWEN32B, "trainer.nnodes=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
                   _CHOSEN_CHECKPOINTING, "plan.response_length=3206"), 393, held_out=True),
 ]

@@ -85,14 +85,10 @@ def decode_segments(lengths: list[int], prompt: float, batch: int, continuous: b
             steps = max(wave)
             segments.append(DecodeSegment(steps, len(wave), len(wave) * (prompt + (steps - 1) / 2)))
         return segments
-    queue = iter(order)
-    active: list[tuple[int, int]] = []  # (the step it finishes at, the step it started at)
-    started_sum = 0
-    now = 0
-    for length in order[:batch]:
-        heapq.heappush(active, (length, 0))
-    for _ in range(min(batch, len(order))):
-        next(queue)
+    queue = iter(order[batch:])
+    active = [(length, 0) for length in order[:batch]]  # (the step it finishes at, the step it started at)
+    heapq.heapify(active)
+    started_sum = now = 0
     while active:
         end = active[0][0]
         if end > now:

@@ -362,8 +362,10 @@ class TimeModel:
                 m = (2 * s.layers * (2 * (tp - 1) / tp * b * s.hidden * rb / bw + hw.collective_latency_s)
                      if tp > 1 else 0.0)
                 x = b * sampler_bytes / hbm
-                read, compute, comm, sampler = read + seg.steps * r, compute + seg.steps * c, comm + seg.steps * m, \
-                    sampler + seg.steps * x
+                read += seg.steps * r
+                compute += seg.steps * c
+                comm += seg.steps * m
+                sampler += seg.steps * x
                 seconds += seg.steps * (max(r, c) + m + x)
             steps += sum(seg.steps for seg in segments)
             thin += sum(seg.steps for seg in segments if seg.sequences < batch / 4)

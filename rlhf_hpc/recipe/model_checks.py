@@ -233,7 +233,7 @@ def _readable_model_config(path: Optional[str], override: dict):
 
 def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
     """(errors, warnings) of the policy's and the critic's architectures (rlhf_hpc.models.architectures),
-    where their configs can be read here."""
+    and the engine's context against the policy's positions, where their configs can be read here."""
     errors, warnings = [], []
     models = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
     if cfg.critic.enable and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
@@ -242,13 +242,11 @@ def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
         config = _readable_model_config(model.path, model.override_config)
         if config is not None:
             e, w = architecture_problems(config, key, model.override_config.get("attn_implementation"))
+            if model is cfg.actor_rollout_ref.model:  # (the engine serves the policy)
+                e2, w2 = _context_problems(cfg, config)
+                e, w = e + e2, w + w2
             errors += e
             warnings += w
-    policy = _readable_model_config(cfg.actor_rollout_ref.model.path, cfg.actor_rollout_ref.model.override_config)
-    if policy is not None:
-        e, w = _context_problems(cfg, policy)
-        errors += e
-        warnings += w
     return errors, warnings
 
 
