@@ -13,6 +13,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
 from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
 from rlhf_hpc.data.dataset import DataError, check_data_files
+from rlhf_hpc.launch.first_calibration import calibrate_first_run, dry_run_note, needs_first_calibration
 from rlhf_hpc.launch.local import run_local, standalone_torchrun_command
 from rlhf_hpc.launch.run_lock import check_free
 from rlhf_hpc.observability.compare import main as compare_main
@@ -164,17 +165,7 @@ def run(argv: list[str]) -> int:
     # without recipe= the defaults (verl's) are the base, so a verl command line runs as it is
     if recipe and not any(o.startswith("trainer.recipe=") for o in overrides):
         overrides = [f"trainer.recipe={Path(recipe).stem}"] + overrides
-    # A dry run may be prepared away from the cluster, where the data and model paths don't exist:
-    # missing files are reported but do not stop it. A real launch checks them first.
-    elements = []
-    for element_overrides, suffix in sweep_elements(overrides, sweeps):
-        cfg, warnings = load_config(recipe, element_overrides, check_files=not dry)
-        if suffix:
-            cfg, _ = load_config(recipe, element_overrides + [
-                f"trainer.experiment_name={cfg.trainer.experiment_name}_{suffix}"], check_files=not dry)
-        for w in warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        elements.append(cfg)
+    elements = resolve_elements(recipe, overrides, sweeps, dry)
     run_dirs = [Path(c.trainer.default_local_dir).expanduser() for c in elements]
     if len(set(run_dirs)) < len(run_dirs):
         raise ConfigError("sweep elements share one trainer.default_local_dir: put ${trainer.experiment_name} in it "
@@ -182,6 +173,10 @@ def run(argv: list[str]) -> int:
     cfg = elements[0]
     for c in elements:
         check_data(c)
+    if not dry and len(elements) == 1 and needs_first_calibration(cfg):
+        calibrate_first_run(cfg)  # then the layout and the plans again, by what it measured
+        elements = resolve_elements(recipe, overrides, sweeps, dry, quiet=True)
+        cfg = elements[0]
     if not dry:  # an impossible memory plan is refused before anything is queued
         for c in elements:
             check_memory_plan(c, show=True)
@@ -196,12 +191,32 @@ def run(argv: list[str]) -> int:
     if dry:
         print("# resolved config (written to {} at launch)".format(config_path))
         print(dump_yaml(to_dict(cfg)))
+        note = dry_run_note(cfg)
+        if note:
+            print(note)
         check_memory_plan(cfg, show=True)
         print("# command (cluster=local)")
         print(shlex.join(cmd))
         return 0
     check_before_start(cfg, run_dir)
     return run_local(cfg, config_path)  # (locks the run directory, then writes its config)
+
+
+def resolve_elements(recipe: Optional[str], overrides: list[str], sweeps: dict[str, list], dry: bool,
+                     quiet: bool = False) -> list:
+    """The config of each sweep element (one without a sweep). A dry run may be prepared away from
+    the cluster, where the data and model paths don't exist: missing files are reported but do not
+    stop it. A real launch checks them first."""
+    elements = []
+    for element_overrides, suffix in sweep_elements(overrides, sweeps):
+        cfg, warnings = load_config(recipe, element_overrides, check_files=not dry)
+        if suffix:
+            cfg, _ = load_config(recipe, element_overrides + [
+                f"trainer.experiment_name={cfg.trainer.experiment_name}_{suffix}"], check_files=not dry)
+        for w in warnings if not quiet else ():
+            print(f"warning: {w}", file=sys.stderr)
+        elements.append(cfg)
+    return elements
 
 
 class BadData(ConfigError):

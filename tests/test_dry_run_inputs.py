@@ -125,6 +125,35 @@ def test_the_calibration_write_is_atomic(own_cache):
     assert os.listdir(own_cache.parent) == ["cpu.json"]  # the half-written temporary file is gone
 
 
+def test_a_local_cpu_run_without_the_file_calibrates_first_and_the_dry_run_says_so(capsys, own_cache, tmp_path):
+    """Which launches measure the machine before their first run (rlhf_hpc.launch.first_calibration):
+    a local CPU run planning with the default file when that file is missing; not with the key off,
+    a GPU preset, a named file, a Slurm job (planned away from its nodes) or once the file is there.
+    (The calibration itself, on the real model's run: tests/test_real_model.py.)"""
+    from rlhf_hpc.launch.first_calibration import needs_first_calibration
+
+    def needs(*overrides: str) -> bool:
+        return needs_first_calibration(load_config("tiny_klppo", list(overrides), check_files=False)[0])
+
+    assert needs() and needs("trainer.device=cpu")
+    assert not needs("hardware.first_run_calibration=false")
+    assert not needs("hardware.preset=h100_sxm") and not needs("trainer.device=cuda")
+    write_calibration(tmp_path / "mine.json", GOOD)
+    assert not needs(f"hardware.calibration={tmp_path / 'mine.json'}")
+    assert not needs("launcher.cluster=slurm")
+    assert launch(["recipe=tiny_klppo", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert (f"# no calibration file for this CPU ({own_cache}): the plans below use nominal figures; the run "
+            f"measures this machine first (about a minute, once)") in out
+    assert "# time plan per step on 2 x CPU (uncalibrated)" in out
+    assert launch(["recipe=tiny_klppo", "hardware.first_run_calibration=false", "--dry-run"]) == 0
+    assert "# no calibration file" not in capsys.readouterr().out
+    write_calibration(own_cache, GOOD)
+    assert not needs()
+    assert launch(["recipe=tiny_klppo", "--dry-run"]) == 0
+    assert "# no calibration file" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------ plan keys
 @pytest.mark.parametrize("override,says", [
     ("plan.response_length=-1", "plan.response_length=-1: the data's mean response length in tokens must be > 0; "

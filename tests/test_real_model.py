@@ -249,3 +249,40 @@ def test_lora_grpo_on_the_real_tied_model_syncs_the_adapter_alone(smollm, tmp_pa
     # 9.3 MiB at rank 16 in bf16; the base ~257 MiB (twice both in float32)
     assert 2.5 * dtype_bytes < adapter < 10 * dtype_bytes and base_and_adapter > 100 * dtype_bytes + adapter
     assert rows[1]["actor/kl_loss"] > 0
+
+
+@pytest.mark.slow
+def test_a_fresh_machine_calibrates_at_its_first_run_and_plans_the_real_grpo_step_within_30_percent(smollm, tmp_path):
+    """The README's real GRPO run on a machine without a calibration file (issue #41, 4.): the
+    launch measures the CPU first (rlhf_hpc.launch.first_calibration), writes the file, and each
+    steps' own plans (``plan/step_s``, at each step's lengths) are within 30% of the steps (the
+    median of steps 2-4; each within 0.6-1.45). Step 1 is the warm-up (first-call allocations,
+    oneDNN's kernels chosen): measured/planned 1.35-1.36 here and 1.56-1.80 on another VM, so it is
+    held to a looser bound. A second launch reads the file."""
+    from rlhf_hpc.planning.hardware import cpu_bf16_keys, cpu_has_native_bf16
+    cache = tmp_path / "cache"
+    env = {"RLHF_HPC_CACHE": str(cache)}
+    run = tmp_path / "run"
+    args = ["recipe=smollm2_add_grpo", f"actor_rollout_ref.model.path={smollm}", f"trainer.default_local_dir={run}",
+            "trainer.total_training_steps=4", "trainer.val_before_train=false", "trainer.test_freq=-1",
+            "trainer.save_freq=-1"]
+    if cpu_has_native_bf16() is False:  # (emulated bf16 is 5-25x slower: float32, as the dry run advises)
+        cfg, _ = load_config("smollm2_add_grpo", args[1:], check_files=False)
+        args += [f"{key}=float32" for key in cpu_bf16_keys(cfg)]
+    out = run_launch(*args, env=env, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    calibration = cache / "calibration" / "cpu.json"
+    assert "[rlhf-hpc] no calibration file for this CPU: measuring it once" in out.stdout
+    assert "[rlhf-hpc] calibrated this CPU in " in out.stdout and calibration.is_file()
+    assert json.loads(calibration.read_text())["measured"]["ranks"] == 2
+    assert "calibration) (measured by rlhf_hpc.bench.calibrate: " + str(calibration) in out.stdout  # the plan read it
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ratios = [r["plan/step_s"] / r["timing_s/step"] for r in rows]
+    # planned / measured, steps 2-4, on one VM: 0.94-1.07 where the calibration read bf16 at 0.112-0.124
+    # TFLOP/s (its usual), 1.19-1.37 in two runs where it read 0.083-0.088 (a slow minute of the VM,
+    # cached for every later run: the noise of a one-off calibration on a shared 2-core VM)
+    later = sorted(ratios[1:])
+    assert len(ratios) == 4 and 0.45 <= ratios[0] <= 1.3, ratios
+    assert 0.7 <= later[1] <= 1.3 and 0.6 <= later[0] and later[-1] <= 1.45, ratios
+    again = run_launch(*args, "--dry-run", env=env, timeout=300)
+    assert again.returncode == 0 and "no calibration file" not in again.stdout + again.stderr

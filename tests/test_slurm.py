@@ -165,21 +165,22 @@ def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_pat
 
 def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm, tmp_path):
     run = tmp_path / "run"
-    # every step takes at least 1 s (trainer.inject_fault=slow@1): 32 steps cannot fit in one 1-minute
-    # allocation (less its start-up and the 15 s margin) however fast the machine is; on a loaded
-    # machine an allocation may fit only 3 steps after start-up, so requeues are allowed generously.
+    # every step takes at least 1 s (trainer.inject_fault=slow@1): 40 steps cannot fit in the 40 s a
+    # 1-minute allocation leaves before its 20 s margin, however fast the machine and its start-up are
+    # (32 steps with a 15 s margin did fit once: 44 s with start-up); on a loaded machine an allocation
+    # may fit only 3 steps after start-up, so requeues are allowed generously.
     # Slurm sends --signal up to its event loop's period early (sbatch(1): up to 60 s; here 26-30 s,
     # in every allocation): with USR2@20 each 1-minute allocation got USR2 10-14 s in, one step each,
     # and 15 requeues ended the run at step 18. USR2@5 comes after the trainer's own stop (15 s margin)
     # or at most ~30 s early, 25 s in.
-    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=32",
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=40",
                      "trainer.save_freq=100", "launcher.time_min=1", "launcher.signal_lead_s=5",
-                     "launcher.time_margin_s=15", "launcher.max_requeues=15", "actor_rollout_ref.rollout.name=hf",
+                     "launcher.time_margin_s=20", "launcher.max_requeues=20", "actor_rollout_ref.rollout.name=hf",
                      "trainer.inject_fault=slow@1")
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     assert wait_done(job, timeout=900) == "COMPLETED"
-    assert raw_steps(run) == list(range(1, 33))
+    assert raw_steps(run) == list(range(1, 41))
     log = "".join(p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out"))
     assert log.count("resumed from") >= 1  # at least two allocations
 

@@ -3,13 +3,14 @@ addition, 16 prompts x 4 responses, 32 new tokens, 2 CPU ranks, bf16), step by s
 side with TRL's ``GRPOTrainer`` on the same job in one invocation:
 
     python -m rlhf_hpc.bench.trl_ppo_step --setup ../trl-venv     # TRL 1.12 in its own venv, once
-    python -m rlhf_hpc.bench.grpo_step [--steps 8] [--vs-trl ../trl-venv]
+    python -m rlhf_hpc.bench.grpo_step [--steps 8] [--vs-trl ../trl-venv] [--before ../before]
 
 The project runs ``launch.py recipe=smollm2_add_grpo`` (no validation, no checkpoints) and reads its
 per-phase timers; TRL runs ``rlhf_hpc/bench/trl_grpo_step.py`` on the same prompts in the project's
 sampler order (checked: TRL's chat template gives the token ids the project trains on), with the
-settings matched there. Each phase is the median over the steps after the first two; the score of
-every step is printed for both (the learning curves to compare).
+settings matched there. ``--before DIR``: a checkout of an earlier commit runs the same job first
+(its own ``launch.py`` and package, this venv). Each phase is the median over the steps after the
+first two; the score of every step is printed for each (the learning curves to compare).
 """
 from __future__ import annotations
 
@@ -45,11 +46,12 @@ def overrides(steps: int, run_dir: Path) -> list[str]:
             "trainer.val_before_train=false", "trainer.logger=[console]", f"trainer.default_local_dir={run_dir}"]
 
 
-def project_run(steps: int, run_dir: Path) -> tuple[dict[str, float], list[float]]:
-    """(median seconds per row of PHASES, the score of each step) of the project's run."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), f"recipe={RECIPE}", *overrides(steps, run_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+def project_run(steps: int, run_dir: Path, root: Path = ROOT) -> tuple[dict[str, float], list[float]]:
+    """(median seconds per row of PHASES, the score of each step) of the project's run, from the
+    checkout at ``root``."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(root / "launch.py"), f"recipe={RECIPE}", *overrides(steps, run_dir)],
+                          cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"the project's run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -99,11 +101,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--vs-trl", metavar="VENV", type=Path, help="TRL's virtual environment: run it on the same job")
+    ap.add_argument("--before", metavar="DIR", type=Path, help="a checkout of an earlier commit: run it on the same job")
     args = ap.parse_args()
     if args.steps <= SKIP:
         ap.error(f"--steps must be more than the {SKIP} warm-up steps")
     with tempfile.TemporaryDirectory() as tmp:
-        columns = {"this project": project_run(args.steps, Path(tmp) / "project")}
+        columns = {}
+        if args.before:
+            columns["before"] = project_run(args.steps, Path(tmp) / "before", args.before.resolve())
+        columns["this project"] = project_run(args.steps, Path(tmp) / "project")
         if args.vs_trl:
             columns["TRL GRPOTrainer"] = trl_run(args.vs_trl, args.steps, Path(tmp))
     print(f"{RECIPE}, {args.steps} steps; median seconds of steps {SKIP + 1}-{args.steps}")
@@ -114,8 +120,9 @@ def main() -> None:
     for who, (_, scores) in columns.items():
         print(f"score per step, {who}: " + " ".join(f"{s:.3f}" for s in scores))
     if args.vs_trl:
-        ours, trl = columns["this project"][0]["step"], columns["TRL GRPOTrainer"][0]["step"]
-        print(f"this project: {trl / ours:.2f}x TRL's speed per step")
+        trl = columns["TRL GRPOTrainer"][0]["step"]
+        for who in [w for w in columns if w != "TRL GRPOTrainer"]:
+            print(f"{who}: {trl / columns[who][0]['step']:.2f}x TRL's speed per step")
 
 
 if __name__ == "__main__":

@@ -291,6 +291,38 @@ def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return entropy_from_logits(logits.float() / temperature)
 
 
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(logits / T)[labels] in fp32 chunks, with its gradient written out:
+    d lp / d logits = (onehot(label) - softmax(logits / T)) / T. Backward keeps only the logits and
+    each row's logsumexp, and rebuilds one chunk's softmax from them (one exp), where activation
+    checkpointing would rerun the chunk's forward and then autograd's backward through it."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_size):
+        lps, lses = [], []
+        for z, y in zip(logits.split(chunk_size), labels.split(chunk_size)):
+            z = z.float() / temperature
+            lse = torch.logsumexp(z, dim=-1)
+            lps.append(z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse)
+            lses.append(lse)
+        empty = logits.new_zeros(0, dtype=torch.float32)
+        ctx.save_for_backward(logits, labels, torch.cat(lses) if lses else empty)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return torch.cat(lps) if lps else empty
+
+    @staticmethod
+    def backward(ctx, grad_lp):
+        logits, labels, lse = ctx.saved_tensors
+        t, n = ctx.temperature, ctx.chunk_size
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], n):
+            g = grad_lp[i:i + n, None].float() / t
+            p = logits[i:i + n].to(torch.float32, copy=True)  # (a copy: the steps below are in place)
+            p.div_(t).sub_(lse[i:i + n, None]).exp_().mul_(-g).scatter_add_(-1, labels[i:i + n, None], g)
+            grad[i:i + n].copy_(p)
+        return grad, None, None, None
+
+
 def token_logprobs_chunked(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                            with_entropy: bool = False, entropy_grad: bool = True, chunk_size: int = 1024
                            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -299,15 +331,17 @@ def token_logprobs_chunked(logits: torch.Tensor, labels: torch.Tensor, temperatu
     (n,) fp32 log-probs, (n,) fp32 entropies or None.
 
     No (n, V) fp32 copy exists (a full-vocabulary upcast is ~12 GB at 20k tokens of a 152k
-    vocabulary): with gradients each chunk is recomputed in backward (activation checkpointing), so
-    only the logits themselves and one chunk's fp32 temporaries are alive. The same operations per
-    row as the unchunked ``logprobs_from_logits(logits.float() / temperature)``.
+    vocabulary): with gradients the log-probs' backward (``_TokenLogProbs``) and the entropies'
+    (activation checkpointing) rebuild one chunk at a time, so only the logits themselves and one
+    chunk's fp32 temporaries are alive. The same operations per row as the unchunked
+    ``logprobs_from_logits(logits.float() / temperature)``.
     ``entropy_grad=False``: entropies for metrics only (no graph)."""
     lps, ents = [], []
+    graph = logits.requires_grad and torch.is_grad_enabled()
+    if graph:
+        lps.append(_TokenLogProbs.apply(logits, labels, temperature, chunk_size))
     for z, y in zip(logits.split(chunk_size), labels.split(chunk_size)):
-        if z.requires_grad:
-            lps.append(checkpoint(_chunk_logprobs, z, y, temperature, use_reentrant=False))
-        else:
+        if not graph:
             lps.append(_chunk_logprobs(z, y, temperature))
         if with_entropy:
             if z.requires_grad and entropy_grad:

@@ -30,7 +30,7 @@ from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
 __all__ = ["CALIBRATION_KEYS", "DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU",
            "calibration_path", "calibration_problems", "cpu_bf16_keys", "cpu_dtype_warnings", "cpu_has_native_bf16",
            "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "hardware_of", "hardware_problems",
-           "preset_for_device", "read_calibration", "register_hardware", "step_cpu_warning", "uncalibrated_cpu",
+           "plans_this_cpu", "preset_for_device", "read_calibration", "register_hardware", "step_cpu_warning", "uncalibrated_cpu",
            "usable_cpus", "write_calibration"]
 
 
@@ -340,6 +340,11 @@ def device_hardware(device_name: str) -> Hardware:
     return PRESETS[preset_for_device(device_name) or DEFAULT_GPU]
 
 
+def plans_this_cpu(cfg) -> bool:
+    """The time plan of ``cfg`` reads this machine's CPU calibration (``hardware_of``'s "cpu")."""
+    return (cfg.hardware.preset or ("cpu" if cfg.trainer.device != "cuda" else "")) == "cpu"
+
+
 def hardware_of(cfg, device_name: Optional[str] = None) -> Hardware:
     """The hardware ``cfg`` runs on: ``hardware.preset``, else the GPU's own (``device_name``, at
     run time), else h100_sxm for GPU runs and this CPU's calibration otherwise; with every figure
@@ -387,7 +392,7 @@ def hardware_problems(cfg) -> list[str]:
         v = getattr(hw, k)
         if v is not None and v <= 0:
             out.append(f"hardware.{k}={v}: must be positive")
-    cpu_plan = (hw.preset or ("cpu" if cfg.trainer.device != "cuda" else "")) == "cpu"
+    cpu_plan = plans_this_cpu(cfg)
     if hw.calibration and not cpu_plan:
         out.append("hardware.calibration is the CPU's calibration file: it needs hardware.preset=cpu (a CPU run)")
     elif cpu_plan:  # the file the CPU plan reads: checked before the plan, not a traceback in it
