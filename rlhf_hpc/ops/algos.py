@@ -283,10 +283,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    return logprobs_from_logits(logits.float() / temperature, labels)
-
-
 def _chunk_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return entropy_from_logits(logits.float() / temperature)
 
@@ -336,23 +332,17 @@ def token_logprobs_chunked(logits: torch.Tensor, labels: torch.Tensor, temperatu
     chunk's fp32 temporaries are alive. The same operations per row as the unchunked
     ``logprobs_from_logits(logits.float() / temperature)``.
     ``entropy_grad=False``: entropies for metrics only (no graph)."""
-    lps, ents = [], []
-    graph = logits.requires_grad and torch.is_grad_enabled()
-    if graph:
-        lps.append(_TokenLogProbs.apply(logits, labels, temperature, chunk_size))
-    for z, y in zip(logits.split(chunk_size), labels.split(chunk_size)):
-        if not graph:
-            lps.append(_chunk_logprobs(z, y, temperature))
-        if with_entropy:
-            if z.requires_grad and entropy_grad:
-                ents.append(checkpoint(_chunk_entropy, z, temperature, use_reentrant=False))
-            else:
-                with torch.no_grad():
-                    ents.append(_chunk_entropy(z, temperature))
-    empty = logits.new_zeros(0, dtype=torch.float32)
-    lp = torch.cat(lps) if lps else empty
-    ent = (torch.cat(ents) if ents else empty) if with_entropy else None
-    return lp, ent
+    lp = _TokenLogProbs.apply(logits, labels, temperature, chunk_size)  # (no graph: its forward alone)
+    if not with_entropy:
+        return lp, None
+    ents = []
+    for z in logits.split(chunk_size):
+        if z.requires_grad and entropy_grad:
+            ents.append(checkpoint(_chunk_entropy, z, temperature, use_reentrant=False))
+        else:
+            with torch.no_grad():
+                ents.append(_chunk_entropy(z, temperature))
+    return lp, torch.cat(ents) if ents else logits.new_zeros(0, dtype=torch.float32)
 
 
 def _chunk_sum_pi_squared(logits: torch.Tensor, temperature: float) -> torch.Tensor:
