@@ -13,6 +13,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
 from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
 from rlhf_hpc.data.dataset import DataError, check_data_files
+from rlhf_hpc.tools.interaction_config import run_interactions
 from rlhf_hpc.launch.first_calibration import calibrate_first_run, dry_run_note, needs_first_calibration
 from rlhf_hpc.launch.local import run_local, standalone_torchrun_command
 from rlhf_hpc.launch.run_lock import check_free
@@ -229,7 +230,7 @@ def check_data(cfg) -> None:
     and the workers' start-up; one line names the file, the row and the column. Rows scored by
     running their code (``rewards.code``) and a code tool need a sandbox: checked here too, with the fix."""
     try:
-        _, sources = check_data_files(cfg.data)
+        _, sources = check_data_files(cfg.data, [e.name for e in run_interactions(cfg)])
     except DataError as e:
         raise BadData(str(e)) from None
     if sources & set(CODE_SOURCES) or any(t.sandbox for t in run_tools(cfg)):

@@ -15,6 +15,9 @@ import torch
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
 from rlhf_hpc.data.dataset import Example, chat_token_ids
+from rlhf_hpc.rewards.gsm8k_interaction import Gsm8kInteraction
+from rlhf_hpc.tools.interaction import Interaction, UserTurn
+from rlhf_hpc.tools.interaction_config import read_interaction_config
 from rlhf_hpc.models.tokenizer import build_tiny_tokenizer, tool_template_problems, tool_turn_text
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rewards.gsm8k_tool import Gsm8kTool
@@ -134,7 +137,7 @@ def test_verl_tool_configs_map_to_the_tools_here(tmp_path):
             r"here; built in: gsm8k .*code_interpreter")
     refused({"class_name": "tests.tool_model.LookupTool", "config": {"type": "mcp"}, "tool_schema": GSM8K_TOOL},
             "only native tools")
-    refused({"class_name": "tests.tool_model.question", "tool_schema": GSM8K_TOOL}, "is not a tool here")
+    refused({"class_name": "tests.tool_model.question", "tool_schema": GSM8K_TOOL}, "is not a tool class here")
     refused({"class_name": "tests.tool_model.LookupTool", "tool_schema": {"type": "function"}},
             "tool_schema.function.name missing")
     refused({"class_name": "no.such.module.Tool", "tool_schema": GSM8K_TOOL}, "does not import")
@@ -181,8 +184,8 @@ def rows(tok, keys, tools=(tool_model.SCHEMA,)) -> tuple[list[list[int]], list[E
     return [e.prompt_ids for e in examples], examples
 
 
-def loop(engine, tok, tools: dict, schemas, R=96, **mt) -> AgentLoop:
-    return AgentLoop(engine, tok, tools, schemas, MultiTurnConfig(enable=True, **mt), R)
+def loop(engine, tok, tools: dict, schemas, R=96, interactions=None, **mt) -> AgentLoop:
+    return AgentLoop(engine, tok, tools, schemas, MultiTurnConfig(enable=True, **mt), R, interactions=interactions)
 
 
 def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_trained(taught):
@@ -319,3 +322,108 @@ def test_the_code_interpreter_answers_with_the_output_or_the_sandboxs_verdict():
     assert tool.execute({}, {}).status == "error"  # no code in the call
     with pytest.raises(ValueError, match="only python runs here"):
         CodeInterpreterTool({"default_language": "cpp"}, schema)
+
+
+# ------------------------------------------------------------------------------ interactions
+def test_verl_interaction_configs_map_to_the_interactions_here(tmp_path):
+    config = tmp_path / "gsm8k_interaction_config.yaml"
+    config.write_text((REPO / "recipes" / "interactions" / "gsm8k_interaction_config.yaml").read_text())
+    [entry] = read_interaction_config(str(config))
+    assert (entry.name, entry.cls, entry.config) == ("gsm8k", Gsm8kInteraction, {"name": "gsm8k"})
+    # verl's texts and rule: strict (the last "#### N"), right ends the conversation
+    user = Gsm8kInteraction(entry.config)
+    said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "so 3 * 24 = 72 #### 72"}]
+    assert user.respond(said, {"name": "gsm8k", "ground_truth": "72"}) == UserTurn("Your response is correct!", True, 1.0)
+    assert user.respond(said[:1] + [{"role": "assistant", "content": "72"}], {"ground_truth": "72"}) == UserTurn(
+        "Your response is incorrect! You need to reflect on your answer and try again.", False, 0.0)
+    # verl's default name: the class's, "Interaction" dropped, lower-cased
+    config.write_text(json.dumps({"interaction": [{"class_name": "tests.tool_model.CodeCheckInteraction"}]}))
+    assert [e.name for e in read_interaction_config(str(config))] == ["codecheck"]
+
+    def refused(items, match: str) -> None:
+        config.write_text(json.dumps({"interaction": items}))
+        with pytest.raises(ConfigError, match=match):
+            read_interaction_config(str(config))
+    refused([{"class_name": "verl.interactions.weather_interaction.WeatherInteraction"}],
+            r"interaction\[0\]: class_name verl.interactions.weather_interaction.WeatherInteraction: verl's class has "
+            r"no equivalent here; built in: gsm8k \(verl's verl.interactions.gsm8k_interaction.Gsm8kInteraction\)")
+    refused([{"class_name": "tests.tool_model.LookupTool"}], "is not a interaction class here: subclass "
+                                                             "rlhf_hpc.tools.interaction.Interaction")
+    refused([{"name": "a", "class_name": "gsm8k"}, {"name": "a", "class_name": "gsm8k"}],
+            r"interaction\[1\]: a second interaction named 'a'")
+    refused([], "expected 'interaction:' with a list")
+    with pytest.raises(ConfigError, match="no such file"):
+        read_interaction_config(str(tmp_path / "none.yaml"))
+
+
+class AlwaysWrong(Interaction):
+    def respond(self, messages, interaction_kwargs):
+        return UserTurn("wrong, try again")
+
+
+class BrokenUser(Interaction):
+    def respond(self, messages, interaction_kwargs):
+        raise RuntimeError("the user left")
+
+
+def interaction_rows(tok, keys):
+    prompts, examples = rows(tok, keys)
+    for ex in examples:
+        ex.extra_info["interaction_kwargs"] = {"name": "check", "ground_truth": ex.ground_truth}
+    return prompts, examples
+
+
+def test_an_interaction_answers_the_models_turn_as_the_user_and_its_tokens_are_not_trained(taught):
+    engine, model, tok = taught
+    tools = {"lookup": tool_model.LookupTool({}, tool_model.SCHEMA)}
+    agent = loop(engine, tok, tools, [tool_model.SCHEMA], R=200,
+                 interactions={"check": tool_model.CodeCheckInteraction({"name": "check"})})
+    prompts, examples = interaction_rows(tok, ["ab", "cd", "ef", "gh"])
+    out = agent.generate(prompts, examples, Sampling(n=2, temperature=1.0, max_tokens=200,
+                                                     stop_token_ids=[tok.eos_token_id], seed=5))
+    right_turn = "<|im_start|>user\nright<|im_end|>\n<|im_start|>assistant\n"
+    ended_right = user_tokens = 0
+    for prompt, ex, group in zip(prompts, examples, out):
+        for r in group:
+            text = tok.decode(r.token_ids)
+            # the model's answers are its own tokens (mask 1); the tool's and the user's turns are not
+            inserted = tok.decode([t for t, m in zip(r.token_ids, r.mask) if not m])
+            assert inserted.count("<|im_start|>user") == text.count("<|im_start|>user\n")  # (the model's own: none)
+            if text.endswith(right_turn):  # the user's verdict ends it, appended as verl appends it
+                ended_right += 1
+                answer = text[:-len(right_turn)].rsplit("<|im_start|>assistant\n", 1)[-1]
+                assert answer.strip().removesuffix("<|im_end|>") == f"#### {ex.ground_truth}"
+                verdict = len(tok.encode("\n" + right_turn, add_special_tokens=False))
+                assert r.mask[-verdict:] == [0] * verdict and r.mask[-verdict - 1] == 1
+            user_tokens += sum(len(tok.encode(f"\n<|im_start|>user\n{w}<|im_end|>\n<|im_start|>assistant\n",
+                                              add_special_tokens=False)) * text.count(f"<|im_start|>user\n{w}<|im_end|>")
+                               for w in ("right", "wrong, try again"))
+            ids = torch.tensor([prompt + r.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            actor = logp.gather(-1, torch.tensor(r.token_ids)[:, None]).squeeze(-1)
+            keep = torch.tensor(r.mask).bool()
+            assert (actor[keep] - torch.tensor(r.logprobs)[keep]).abs().max() < 1e-3
+            assert r.num_turns >= 3
+    assert ended_right >= 4  # of 8: the taught model mostly reads the tool's code back
+    m = agent.take_metrics()
+    assert m["interaction/turns"] >= ended_right and m["interaction/errors"] == 0
+    assert 0 < m["interaction/score"] <= 1 and m["tools/tokens_user"] == user_tokens
+    assert m["tools/tokenization_mismatches"] == 0  # the verdict's turn re-encodes with the whole conversation
+    # a user who is never satisfied: the conversation goes on until max_user_turns (tool and user turns, as
+    # verl): the call, its answer, then the answers the user calls wrong, and the model's turn after the third
+    agent = loop(engine, tok, tools, [tool_model.SCHEMA], R=400, max_user_turns=3,
+                 interactions={"check": AlwaysWrong({"name": "check"})})
+    sampling = Sampling(n=1, temperature=0.0, do_sample=False, max_tokens=400, stop_token_ids=[tok.eos_token_id])
+    [[r]] = agent.generate(*interaction_rows(tok, ["ab"]), sampling)
+    assert r.num_turns == 4 + 3 + 1 and tok.decode(r.token_ids).count("wrong, try again") == 2
+    # an interaction that raises ends its conversation there, counted; the others go on
+    agent = loop(engine, tok, tools, [tool_model.SCHEMA], R=200, interactions={"check": BrokenUser({"name": "check"})})
+    [[r], [_]] = agent.generate(*interaction_rows(tok, ["ab", "cd"]), sampling)
+    m = agent.take_metrics()
+    assert m["interaction/errors"] == m["interaction/turns"] == 2 and "<|im_start|>user" not in \
+        tok.decode(r.token_ids).split("</tool_response>")[-1]
+    # a row naming no interaction of the run is refused (verl's error)
+    prompts, examples = rows(tok, ["ab"])
+    with pytest.raises(ValueError, match="row 0: extra_info.interaction_kwargs.name=None is not an interaction"):
+        agent.generate(prompts, examples, sampling)

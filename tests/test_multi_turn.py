@@ -66,6 +66,35 @@ CODE_TOOL_CONFIG = {"tools": [{"class_name": "verl.tools.sandbox_fusion_tools.Sa
                                                          "code": {"type": "string"}}, "required": ["code"]}}}}]}
 
 
+# verl b178a3c's examples/sglang_multiturn/run_qwen2.5-0.5b_gsm8k_multiturn_w_interaction.sh, with its
+# config file's keys (gsm8k_multiturn_grpo_w_interaction.yaml: return_raw_chat, multi_turn.enable,
+# max_user_turns) on the command line, its variables' defaults filled in, and `$@` left out
+VERL_GSM8K_INTERACTION = """
+    data.return_raw_chat=True actor_rollout_ref.rollout.multi_turn.enable=True
+    actor_rollout_ref.rollout.multi_turn.max_user_turns=5
+    algorithm.adv_estimator=grpo data.train_batch_size=512 data.max_prompt_length=1024
+    data.max_response_length=3072 data.filter_overlong_prompts=True data.truncation='error'
+    data.return_raw_chat=True actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct
+    actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.model.enable_activation_offload=True actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.ppo_mini_batch_size=512 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+    actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=sglang
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.7 actor_rollout_ref.rollout.n=8
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8 actor_rollout_ref.ref.fsdp_config.param_offload=False
+    algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+    trainer.project_name='gsm8k_async_rl' trainer.experiment_name='qwen2.5-0.5b_function_rm-gsm8k-sgl-multi-w-interaction-n8'
+    trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=-1 trainer.test_freq=20
+    data.train_files=$HOME/data/gsm8k_verl_sgl_multi_turn_w_interaction/train.parquet
+    data.val_files=$HOME/data/gsm8k_verl_sgl_multi_turn_w_interaction/test.parquet
+    actor_rollout_ref.rollout.multi_turn.interaction_config_path="$HOME/gsm8k_interaction_config.yaml"
+    trainer.total_epochs=15
+"""
+
+
 def verl_args(home: Path) -> list[str]:
     (home / "gsm8k_tool_config.yaml").write_text(yaml.safe_dump(GSM8K_TOOL_CONFIG))
     return shlex.split(textwrap.dedent(VERL_GSM8K_MULTITURN).replace("$HOME", str(home)))
@@ -120,10 +149,35 @@ def test_the_dry_runs_time_plan_has_the_turns_and_the_tools(tmp_path, capsys):
     assert rc == 2 and "plan.tool_seconds=1.0: planned for multi-turn runs only" in err, err
 
 
+def test_verls_gsm8k_interaction_command_line_dry_runs_with_its_interaction_config(shared_dir, tmp_path, capsys):
+    import subprocess
+    import sys
+    data = tmp_path / "data" / "gsm8k_verl_sgl_multi_turn_w_interaction"
+    out = subprocess.run([sys.executable, "-m", "rlhf_hpc.data.prepare", "gsm8k_multiturn_w_interaction", "--src",
+                          str(shared_dir / "data" / "gsm8k"), "--out", str(data)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    (tmp_path / "gsm8k_interaction_config.yaml").write_text(
+        (REPO / "recipes" / "interactions" / "gsm8k_interaction_config.yaml").read_text())
+    args = shlex.split(textwrap.dedent(VERL_GSM8K_INTERACTION).replace("$HOME", str(tmp_path)))
+    # as written: only what is not here is refused, by name (SGLang: vLLM is this project's engine)
+    rc, _, err = dry_run(args, capsys)
+    assert rc == 2 and "enable_activation_offload=True: activation offloading is not available" in err, err
+    rc, _, err = dry_run([a for a in args if "activation_offload" not in a], capsys)
+    assert rc == 2 and "unknown rollout engine 'sglang'; registered: vllm, hf" in err, err
+    args = [a.replace("rollout.name=sglang", "rollout.name=vllm") for a in args if "activation_offload" not in a]
+    rc, out, err = dry_run(args, capsys)
+    assert rc == 0, err
+    mt = yaml.safe_load(out.partition("# command (cluster=local)\n")[0])["actor_rollout_ref"]["rollout"]["multi_turn"]
+    assert (mt["max_user_turns"], mt["interaction_config_path"]) == (5, str(tmp_path / "gsm8k_interaction_config.yaml"))
+    # rows that name no interaction of the config (verl's tool example's rows) are refused before the queue
+    subprocess.run([sys.executable, "-m", "rlhf_hpc.data.prepare", "gsm8k_multiturn", "--src",
+                    str(shared_dir / "data" / "gsm8k"), "--out", str(data)], check=True, capture_output=True)
+    rc, _, err = dry_run(args, capsys)
+    assert rc == 2 and ("train.parquet, row 0, column 'extra_info': interaction_kwargs.name=None is not an "
+                        "interaction of actor_rollout_ref.rollout.multi_turn.interaction_config_path (gsm8k)") in err, err
+
+
 @pytest.mark.parametrize("extra,message", [
-    (["actor_rollout_ref.rollout.multi_turn.interaction_config_path=interaction.yaml"],
-     "multi_turn.interaction_config_path='interaction.yaml': verl's interactions (a simulated user answering between "
-     "turns) are not available in rlhf-hpc"),
     (["actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=True"],
      "re-rendering its turns through the chat template is not available"),
     (["actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=2"], "use actor_rollout_ref.rollout.n"),
@@ -200,6 +254,30 @@ def test_a_resume_replays_the_agent_loop_exactly(tool_runs):
     for key in ("tools/tool_calls", "tools/tokens_model", "tools/tokens_tool", "num_turns/mean", "critic/score/mean",
                 "rollout/logprob_diff_mean", "actor/pg_loss"):
         assert last[key] == full[2][key], key
+
+
+def test_an_interaction_answers_as_the_user_through_the_trainer(tool_runs, tmp_path):
+    """The taught model with its tool and a user who checks its answer (a user's own interaction,
+    tests/tool_model.CodeCheckInteraction): right ends the conversation, wrong asks again."""
+    _, _, data = tool_runs
+    (tmp_path / "model").symlink_to(data / "model")
+    (tmp_path / "tools.yaml").write_text((data / "tools.yaml").read_text())
+    tool_model.write_rows(tmp_path / "train.parquet", tool_model.KEYS * 2, interaction="check")
+    tool_model.write_rows(tmp_path / "val.parquet", tool_model.KEYS[:4], interaction="check")
+    tool_model.write_interaction_config(tmp_path / "check.yaml")
+    run = launch(tmp_path / "run", tmp_path, 1, "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
+                 "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=null",
+                 f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path / 'check.yaml'}",
+                 "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [m] = read_metrics(tmp_path / "run")
+    rows = 8 * 2
+    # every conversation's answer is checked: at least one user turn each, most of them right
+    assert m["interaction/turns"] >= rows and m["interaction/errors"] == 0 and m["interaction/score"] > 0.5, m
+    assert m["tools/tokens_user"] > 0 and m["num_turns/max"] >= 5  # prompt, call, tool, answer, the user
+    # the user's turns, as the tool's, are out of the lengths, the loss and the rollout/actor check
+    assert m["response_length/mean"] * rows == pytest.approx(m["tools/tokens_model"])
+    assert m["rollout/logprob_diff_max"] < 1e-3 and m["tools/tokenization_mismatches"] <= rows // 8
 
 
 def test_prepare_writes_verls_multi_turn_gsm8k_rows_and_the_prompts_show_the_tool(shared_dir, tmp_path):

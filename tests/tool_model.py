@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 from rlhf_hpc.data.synthetic import lookup_question as question, lookup_rows
+from rlhf_hpc.tools.interaction import Interaction, UserTurn, last_assistant_text
 from rlhf_hpc.data.tool_warm_start import lookup_call as call_text, teach as teach_task
 from rlhf_hpc.tools.lookup_tool import LOOKUP_SCHEMA as SCHEMA, LookupTool, lookup_code as code_of
 
-__all__ = ["HERMES_TEMPLATE", "KEYS", "LookupTool", "SCHEMA", "call_text", "code_of", "question", "teach", "teach_gsm8k_caller",
-           "write_rows", "write_tool_config"]
+__all__ = ["CodeCheckInteraction", "HERMES_TEMPLATE", "KEYS", "LookupTool", "SCHEMA", "call_text", "code_of", "question",
+           "teach", "teach_gsm8k_caller", "write_interaction_config", "write_rows", "write_tool_config"]
 
 KEYS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 
@@ -21,11 +22,30 @@ def teach(out_dir: Path, steps: int = 200) -> Path:
     return teach_task(out_dir, keys=KEYS, steps=steps)
 
 
-def write_rows(path: Path, keys: list[str]) -> Path:
-    """The task as verl's parquet rows."""
+def write_rows(path: Path, keys: list[str], interaction: str = "") -> Path:
+    """The task as verl's parquet rows (``interaction``: the name each row gives its interaction)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    pq.write_table(pa.Table.from_pylist(lookup_rows(keys)), path)
+    rows = lookup_rows(keys)
+    for row in rows if interaction else ():
+        row["extra_info"]["interaction_kwargs"] = {"name": interaction, "ground_truth": row["reward_model"]["ground_truth"]}
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+class CodeCheckInteraction(Interaction):
+    """A user who checks the model's answer against the row's code: right ends the conversation,
+    wrong asks again (a user's own interaction, named by its dotted path; the tiny vocabulary has
+    no capitals)."""
+    def respond(self, messages, interaction_kwargs):
+        if last_assistant_text(messages).strip().removeprefix("####").strip() == str(interaction_kwargs["ground_truth"]):
+            return UserTurn("right", done=True, score=1.0)
+        return UserTurn("wrong, try again", score=0.0)
+
+
+def write_interaction_config(path: Path, name: str = "check") -> Path:
+    path.write_text(json.dumps({"interaction": [{"name": name, "class_name": "tests.tool_model.CodeCheckInteraction",
+                                                 "config": {}}]}))
     return path
 
 

@@ -21,7 +21,10 @@ class MultiTurnConfig:
     tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
     # verl's tool-config YAML: tools: [{class_name, config, tool_schema}] (rlhf_hpc/tools/tool_config.py)
     tool_config_path: Optional[str] = None
-    interaction_config_path: Optional[str] = None  # verl's simulated users: not here, refused when set
+    # verl's interaction-config YAML: interaction: [{name, class_name, config}] (a simulated user answering
+    # a turn without tool calls; rlhf_hpc/tools/interaction.py); each row names its own in
+    # extra_info.interaction_kwargs.name
+    interaction_config_path: Optional[str] = None
     # False (verl's default): the tokens the model produced are what it is trained on; True would
     # re-render its turns through the chat template (refused: the tokens here are always the model's)
     use_inference_chat_template: bool = False

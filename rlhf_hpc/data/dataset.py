@@ -72,12 +72,13 @@ def _check_row(row: dict, where: str, prompt_key: str) -> None:
         raise bad("extra_info", f"expected a mapping, got {type(extra).__name__}")
 
 
-def check_data_files(data: DataConfig) -> tuple[int, set[str]]:
+def check_data_files(data: DataConfig, interactions: Optional[list[str]] = None) -> tuple[int, set[str]]:
     """Every row of the train and validation files has the columns training needs, checked where
     the launch command runs, before anything starts or is queued. Raises ``DataError`` naming the
     file, row and column of the first bad row; returns the number of rows checked and the
-    ``data_source`` values they hold (what scores them). Prompt lengths need the tokenizer and are
-    checked by the workers at start-up."""
+    ``data_source`` values they hold (what scores them). With ``interactions`` (a multi-turn run's
+    interaction names) each row names one in ``extra_info.interaction_kwargs.name``, as verl requires.
+    Prompt lengths need the tokenizer and are checked by the workers at start-up."""
     n, sources = 0, set()
     for key in ("train_files", "val_files"):
         value = getattr(data, key)
@@ -86,9 +87,19 @@ def check_data_files(data: DataConfig) -> tuple[int, set[str]]:
                 continue  # built in code / reported by the config check
             for i, row in enumerate(read_rows(path)):
                 _check_row(row, f"{path}, row {i}", data.prompt_key)
+                if interactions:
+                    _check_interaction(row, f"{path}, row {i}", interactions)
                 sources.add(row["data_source"])
                 n += 1
     return n, sources
+
+
+def _check_interaction(row: dict, where: str, interactions: list[str]) -> None:
+    name = ((row.get("extra_info") or {}).get("interaction_kwargs") or {}).get("name")
+    if name not in interactions:
+        raise DataError(f"{where}, column 'extra_info': interaction_kwargs.name={name!r} is not an interaction of "
+                        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path ({', '.join(interactions)}); "
+                        f"each row names the interaction that answers it (verl's format)")
 
 
 def chat_token_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None,

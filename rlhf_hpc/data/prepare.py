@@ -2,10 +2,13 @@
 
     python -m rlhf_hpc.data.prepare gsm8k --src DIR_OR_HF_NAME --out DIR
     python -m rlhf_hpc.data.prepare gsm8k_multiturn --src DIR_OR_HF_NAME --out DIR
+    python -m rlhf_hpc.data.prepare gsm8k_multiturn_w_interaction --src DIR_OR_HF_NAME --out DIR
 
 ``gsm8k_multiturn`` writes the rows of verl's ``gsm8k_multiturn_w_tool.py``: a system prompt asking
 for the ``calc_gsm8k_reward`` tool, and each row's ground truth as that tool's ``create_kwargs``
-(``extra_info.tools_kwargs``), for a multi-turn run with verl's GSM8K tool config.
+(``extra_info.tools_kwargs``), for a multi-turn run with verl's GSM8K tool config. ``gsm8k_multiturn_w_interaction`` writes those of
+``gsm8k_multiturn_w_interaction.py``: a system prompt asking to reconsider an answer the user calls
+wrong, and each row's ``extra_info.interaction_kwargs`` naming verl's GSM8K interaction.
 
 ``--src`` is a directory holding GSM8K's original ``train.jsonl``/``test.jsonl`` (``question``,
 ``answer`` ending in ``#### N``) or a Hugging Face datasets name (``openai/gsm8k``; needs the
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from rlhf_hpc.rewards.gsm8k import ground_truth_from_answer
 
-__all__ = ["gsm8k_multiturn_rows", "gsm8k_rows", "main"]
+__all__ = ["gsm8k_interaction_rows", "gsm8k_multiturn_rows", "gsm8k_rows", "main"]
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -62,6 +65,28 @@ def gsm8k_multiturn_rows(records: list[dict], split: str) -> list[dict]:
     return rows
 
 
+# the system prompt of verl's examples/data_preprocess/gsm8k_multiturn_w_interaction.py
+GSM8K_INTERACTION_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
+                            "You should rethinking carefully if user point out your answer is wrong. Put your final "
+                            "answer in the format of `#### <answer>`.")
+
+
+def gsm8k_interaction_rows(records: list[dict], split: str) -> list[dict]:
+    """``gsm8k_rows`` for verl's interaction example: its system prompt and instruction, and the
+    interaction each row names (``gsm8k``) with its query and ground truth."""
+    rows = gsm8k_rows(records, split)
+    for row, rec in zip(rows, records):
+        question = rec["question"] + " " + GSM8K_TOOL_INSTRUCTION
+        row["prompt"] = [{"role": "system", "content": GSM8K_INTERACTION_SYSTEM}, {"role": "user", "content": question}]
+        row["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": question,
+                                                   "ground_truth": row["reward_model"]["ground_truth"]}
+    return rows
+
+
+ROW_WRITERS = {"gsm8k": gsm8k_rows, "gsm8k_multiturn": gsm8k_multiturn_rows,
+               "gsm8k_multiturn_w_interaction": gsm8k_interaction_rows}
+
+
 def read_gsm8k(src: str, split: str) -> list[dict]:
     path = Path(src).expanduser()
     if path.is_dir():
@@ -94,13 +119,13 @@ def write_parquet(rows: list[dict], out: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.data.prepare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("dataset", choices=["gsm8k", "gsm8k_multiturn"])
+    ap.add_argument("dataset", choices=list(ROW_WRITERS))
     ap.add_argument("--src", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     for split in ("train", "test"):
         records = read_gsm8k(args.src, split)
-        rows = gsm8k_rows(records, split) if args.dataset == "gsm8k" else gsm8k_multiturn_rows(records, split)
+        rows = ROW_WRITERS[args.dataset](records, split)
         if not rows:  # an empty parquet would only be refused at the launch
             raise SystemExit(f"error: --src {args.src}: the {split} split has no records; nothing written")
         write_parquet(rows, Path(args.out) / f"{split}.parquet")

@@ -39,6 +39,7 @@ class RolloutRow:
     logprobs: list[float]
     finish_reason: str
     mask: Optional[list[int]] = None  # 0 on tool turns (the agent loop); None: all the model's
+    num_turns: Optional[int] = None  # the agent loop's (verl's extra_info["num_turns"] for the reward)
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,7 @@ from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.base import Sampling
 
-__all__ = ["make_step_batch", "response_spans", "rollout_rows", "sampling_for", "score_responses",
+__all__ = ["make_step_batch", "response_spans", "reward_extra_info", "rollout_rows", "sampling_for", "score_responses",
            "scores_on_last_token", "step_seed"]
 
 
@@ -25,7 +25,7 @@ def rollout_rows(train: list[Example], prompts: list[int], mine: range, response
     step (``prompts`` holds the step's dataset indices)."""
     return [RolloutRow(prompt_pos=pos, example=prompts[pos], prompt_ids=train[prompts[pos]].prompt_ids,
                        token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason,
-                       mask=r.mask)
+                       mask=r.mask, num_turns=r.num_turns)
             for pos, group in zip(mine, responses) for r in group]
 
 
@@ -81,8 +81,14 @@ def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], 
         n = int(span[i])
         text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
         ex = train[row.example]
-        calls.append((ex.data_source, text, ex.ground_truth, ex.extra_info, ex.index))
+        calls.append((ex.data_source, text, ex.ground_truth, reward_extra_info(ex.extra_info, row.num_turns), ex.index))
     return torch.tensor(reward_fn.score_all(calls), dtype=torch.float32)
+
+
+def reward_extra_info(extra_info: dict, num_turns: Optional[int]) -> dict:
+    """The row's ``extra_info`` as a reward reads it: a multi-turn response's ``num_turns`` added, as
+    verl's reward manager adds it (ReTool's reward reads it)."""
+    return extra_info if num_turns is None else {**extra_info, "num_turns": num_turns}
 
 
 def response_spans(batch: dict) -> torch.Tensor:

@@ -14,7 +14,7 @@ from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.distributed.process_group import DistContext, all_reduce_sum
 from rlhf_hpc.distributed.rows import prompt_share
 from rlhf_hpc.models.hf import torch_dtype
-from rlhf_hpc.ppo.step_batch import sampling_for, step_seed
+from rlhf_hpc.ppo.step_batch import reward_extra_info, sampling_for, step_seed
 from rlhf_hpc.ppo.training_models import TrainingModels
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
@@ -75,7 +75,8 @@ def run_validation(cfg: Config, ctx: DistContext, models: TrainingModels, rollou
         for pos, ex, group in zip(share, mine, outs):
             for j, r in enumerate(group):
                 text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
-                score = reward_fn(ex.data_source, text, ex.ground_truth, ex.extra_info, row=ex.index)
+                score = reward_fn(ex.data_source, text, ex.ground_truth, reward_extra_info(ex.extra_info, r.num_turns),
+                                  row=ex.index)
                 sums[sources.index(ex.data_source)] += torch.tensor([score, 1.0], dtype=torch.float64)
                 k = wanted.get((start + pos, j))
                 if k is not None:

@@ -1,9 +1,11 @@
-"""The dry run's checks of ``actor_rollout_ref.rollout.multi_turn``: its values, its tool-config
-file (each tool resolved to a class here), and the combinations the agent loop does not serve."""
+"""The dry run's checks of ``actor_rollout_ref.rollout.multi_turn``: its values, its tool- and
+interaction-config files (each class resolved to one here), and the combinations the agent loop
+does not serve."""
 from __future__ import annotations
 
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config
+from rlhf_hpc.tools.interaction_config import read_interaction_config
 from rlhf_hpc.tools.tool_calls import TOOL_CALL_FORMATS
 from rlhf_hpc.tools.tool_config import read_tool_config
 
@@ -31,8 +33,6 @@ def multi_turn_problems(cfg: Config, check_files: bool = True) -> list[str]:
     except ConfigError as e:
         errors += e.errors
     for key, value, feature in (
-            ("interaction_config_path", mt.interaction_config_path, "verl's interactions (a simulated user "
-             "answering between turns) are not available in rlhf-hpc"),
             ("num_repeat_rollouts", mt.num_repeat_rollouts, "repeated interaction rollouts are not available in "
              "rlhf-hpc (use actor_rollout_ref.rollout.n)"),
             ("use_inference_chat_template", mt.use_inference_chat_template or None, "the agent loop trains on the "
@@ -43,9 +43,10 @@ def multi_turn_problems(cfg: Config, check_files: bool = True) -> list[str]:
     if cfg.reward_model.enable:
         errors.append(f"{KEY}.enable=true with reward_model.enable=true: a reward model scoring multi-turn "
                       f"conversations is not available in rlhf-hpc (score with a rule or custom_reward_function)")
-    if mt.tool_config_path and check_files:
-        try:
-            read_tool_config(mt.tool_config_path)
-        except ConfigError as e:
-            errors += e.errors
+    for path, read in ((mt.tool_config_path, read_tool_config), (mt.interaction_config_path, read_interaction_config)):
+        if path and check_files:
+            try:
+                read(path)
+            except ConfigError as e:
+                errors += e.errors
     return errors

@@ -4,13 +4,16 @@ Every conversation of this rank moves turn by turn: the engine continues every o
 ``generate`` call per turn, each conversation its own request), the model's turn is parsed for tool
 calls (``multi_turn.format``), the calls of all conversations run at once in threads (each under
 ``multi_turn.tool_timeout_s``), and their answers go back through the model's chat template as a
-tool turn. A conversation ends when a turn makes no call, at ``max_assistant_turns`` /
+tool turn. With an interaction (``multi_turn.interaction_config_path``: verl's simulated user), a
+turn that makes no call is answered by the row's interaction as a user turn, and the conversation
+goes on until the interaction ends it. A conversation ends when a turn makes no call (and no
+interaction answers it), at ``max_assistant_turns`` /
 ``max_user_turns``, or when the response budget (``data.max_response_length``, the whole
 conversation after the prompt, as verl) runs out: a turn cut there ends it, and so does a tool turn
 that does not fit (it is not appended, as verl).
 
 The response is every token after the prompt; its ``mask`` is 1 on the model's tokens and 0 on the
-tool turns, which carry log-prob 0 and are neither trained on nor counted in KL or entropy. The
+tool and user turns, which carry log-prob 0 and are neither trained on nor counted in KL or entropy. The
 ranks of a tensor-parallel vLLM group generate together (the engine gathers their requests), so
 they go through the same number of turns with the same sampling: the open count and the budget are
 agreed over the group each turn.
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
+from rlhf_hpc.tools.interaction import Interaction, UserTurn
 from rlhf_hpc.models.tokenizer import tool_template_problems, tool_turn_text
 from rlhf_hpc.rollout.base import Response, RolloutEngine, Sampling
 from rlhf_hpc.tools.call_runner import CallRunner
@@ -42,11 +46,13 @@ class Conversation:
     prompt_ids: list[int]
     messages: list[dict]  # the prompt's messages, then each turn's (the tokenization check)
     tools_kwargs: dict = field(default_factory=dict)  # the row's extra_info.tools_kwargs
+    interaction_kwargs: dict = field(default_factory=dict)  # the row's extra_info.interaction_kwargs
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     assistant_turns: int = 0
-    user_turns: int = 0
+    user_turns: int = 0  # tool and interaction turns (verl counts both as user turns)
+    user_tokens: int = 0  # of the interaction's turns
     finish_reason: str = "stop"
     done: bool = False
 
@@ -73,8 +79,10 @@ class AgentLoop:
     ``extra_info.tools_kwargs``); ``take_metrics()`` the counts since the last call."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, tools: dict[str, Tool], tool_schemas: list[dict],
-                 cfg: MultiTurnConfig, max_response_length: int, template_kwargs: Optional[dict] = None):
+                 cfg: MultiTurnConfig, max_response_length: int, template_kwargs: Optional[dict] = None,
+                 interactions: Optional[dict[str, Interaction]] = None):
         self.engine, self.tokenizer, self.tools, self.cfg = engine, tokenizer, tools, cfg
+        self.interactions = dict(interactions or {})
         self.schemas = tool_schemas
         self.R = max_response_length
         self.template_kwargs = dict(template_kwargs or {})
@@ -91,7 +99,8 @@ class AgentLoop:
     # ----------------------------------------------------------------------------- one batch
     def generate(self, prompt_ids: list[list[int]], examples: list, sampling: Sampling) -> list[list[Response]]:
         """For each prompt (its row in ``examples``), ``sampling.n`` conversations."""
-        convs = [Conversation(list(p), list(ex.messages), dict(ex.extra_info.get("tools_kwargs") or {}))
+        convs = [Conversation(list(p), list(ex.messages), dict(ex.extra_info.get("tools_kwargs") or {}),
+                              self._interaction_kwargs(ex))
                  for p, ex in zip(prompt_ids, examples) for _ in range(sampling.n)]
         turn = 0
         while True:
@@ -105,25 +114,40 @@ class AgentLoop:
                                                 (sampling.seed + 7919 * turn) & 0x7FFFFFFF)
             outs = self.engine.generate([c.prompt_ids + c.token_ids for c in open_], turn_sampling)
             pending: list[tuple[Conversation, list[ToolCall]]] = []
+            asking: list[Conversation] = []  # answered by their interaction
             for c, group in zip(open_, outs):
                 calls = self._model_turn(c, group[0])
                 if calls:
                     pending.append((c, calls))
+                elif not c.done:
+                    asking.append(c)
             t0 = time.perf_counter()
-            answers = self._run_calls(pending)
+            answers, replies = self._run_calls(pending, asking)
             self.tool_seconds += time.perf_counter() - t0
             for (c, _), outputs in zip(pending, answers):
                 self._tool_turn(c, outputs)
+            for c, reply in zip(asking, replies):
+                self._user_turn(c, reply)
             turn += 1
         for c in convs:
             self.turns.append(c.assistant_turns + c.user_turns + 1)  # verl's num_turns
             self._count("tokens_model", sum(c.mask))
-            self._count("tokens_tool", len(c.mask) - sum(c.mask))
+            self._count("tokens_user", c.user_tokens)
+            self._count("tokens_tool", len(c.mask) - sum(c.mask) - c.user_tokens)
             if self.cfg.tokenization_sanity_check_mode != "disable" and not self._tokens_match(c):
                 self._count("tokenization_mismatches")
         n = sampling.n
-        return [[Response(c.token_ids, c.logprobs, c.finish_reason, mask=c.mask) for c in convs[i * n:(i + 1) * n]]
+        return [[Response(c.token_ids, c.logprobs, c.finish_reason, mask=c.mask,
+                          num_turns=c.assistant_turns + c.user_turns + 1) for c in convs[i * n:(i + 1) * n]]
                 for i in range(len(prompt_ids))]
+
+    def _interaction_kwargs(self, ex) -> dict:
+        """The row's ``extra_info.interaction_kwargs``; with interactions, its ``name`` must be one of them (verl)."""
+        kwargs = dict(ex.extra_info.get("interaction_kwargs") or {})
+        if self.interactions and kwargs.get("name") not in self.interactions:
+            raise ValueError(f"row {ex.index}: extra_info.interaction_kwargs.name={kwargs.get('name')!r} is not an "
+                             f"interaction of multi_turn.interaction_config_path ({', '.join(self.interactions)})")
+        return kwargs
 
     def _agree(self, active: int, budget: int) -> tuple[int, int]:
         """(open conversations, budget) agreed over the tensor-parallel group (its ranks generate together)."""
@@ -152,7 +176,7 @@ class AgentLoop:
         parsed = self.parse(text)
         self._count("malformed_calls", parsed.malformed)
         if not parsed.calls:
-            c.done = True
+            c.done = not self.interactions  # (else the interaction answers, and says whether it ends here)
             return []
         self._count("dropped_calls", max(0, len(parsed.calls) - self.cfg.max_parallel_calls))
         return parsed.calls[:self.cfg.max_parallel_calls]
@@ -170,13 +194,53 @@ class AgentLoop:
         c.messages += messages
         c.user_turns += 1
 
+    def _user_turn(self, c: Conversation, reply: Optional[UserTurn]) -> None:
+        """The interaction's answer as a user turn (appended also where it ends the conversation, as
+        verl); no answer (it failed or ran late) ends the conversation with no turn."""
+        if reply is None:
+            c.done = True
+            return
+        message = {"role": "user", "content": reply.text}
+        ids = self.tokenizer.encode(tool_turn_text(self.tokenizer, [message], self.template_kwargs),
+                                    add_special_tokens=False)
+        if len(c.token_ids) + len(ids) >= self.R:
+            c.done, c.finish_reason = True, "length"
+            return
+        c.add(ids, None)
+        c.messages.append(message)
+        c.user_turns += 1
+        c.user_tokens += len(ids)
+        c.done = reply.done
+
     # ------------------------------------------------------------------------------- tools
-    def _run_calls(self, pending: list[tuple[Conversation, list[ToolCall]]]) -> list[list[ToolOutput]]:
-        """Every call of this turn at once; each answers within ``tool_timeout_s`` or with an error."""
+    def _run_calls(self, pending: list[tuple[Conversation, list[ToolCall]]], asking: list[Conversation]
+                   ) -> tuple[list[list[ToolOutput]], list[Optional[UserTurn]]]:
+        """Every tool call and interaction of this turn at once, each within ``tool_timeout_s``: the
+        tools' answers (an error text where one failed), the interactions' (None where one failed)."""
         flat = [(c, call) for c, calls in pending for call in calls]
-        answers = iter(self.runner.run([lambda c=c, call=call: self._call(call, c.tools_kwargs) for c, call in flat],
-                                       self.cfg.tool_timeout_s))
-        return [[self._counted(next(answers)) for _ in calls] for _, calls in pending]
+        jobs = [lambda c=c, call=call: self._call(call, c.tools_kwargs) for c, call in flat]
+        jobs += [lambda c=c: self._ask(c) for c in asking]
+        results = self.runner.run(jobs, self.cfg.tool_timeout_s)
+        answers = iter(results[:len(flat)])
+        replies = [self._counted_reply(r) for r in results[len(flat):]]
+        return [[self._counted(next(answers)) for _ in calls] for _, calls in pending], replies
+
+    def _ask(self, c: Conversation):
+        """The conversation's interaction's answer, or the exception it raised."""
+        try:
+            reply = self.interactions[c.interaction_kwargs["name"]].respond(list(c.messages), dict(c.interaction_kwargs))
+        except Exception as e:  # noqa: BLE001 - whatever an interaction raises ends its conversation, counted
+            return e
+        return reply if isinstance(reply, UserTurn) else TypeError(f"respond returned {type(reply).__name__}, "
+                                                                  f"not a UserTurn")
+
+    def _counted_reply(self, reply) -> Optional[UserTurn]:
+        self._count("interaction_turns")
+        if not isinstance(reply, UserTurn):  # raised, returned something else, or no answer in time
+            self._count("interaction_errors")
+            return None
+        self._count("interaction_score", reply.score)
+        return reply
 
     def _counted(self, answer: Optional[ToolOutput]) -> ToolOutput:
         """The call's answer (None: none in time), counted in the metrics."""
@@ -206,7 +270,8 @@ class AgentLoop:
         template's closing text)."""
         ours = c.prompt_ids + c.token_ids
         rendered = self.tokenizer.apply_chat_template(c.messages, tools=self.schemas or None, tokenize=False,
-                                                      add_generation_prompt=False, **self.template_kwargs)
+                                                      add_generation_prompt=c.messages[-1]["role"] != "assistant",
+                                                      **self.template_kwargs)
         whole = self.tokenizer.encode(rendered, add_special_tokens=False)
         if self.cfg.tokenization_sanity_check_mode == "strict":
             return whole[:len(ours)] == ours
@@ -219,9 +284,11 @@ class AgentLoop:
 
     def take_metrics(self, all_reduce_sum=None, all_reduce_max=None) -> dict[str, float]:
         """The step's figures, summed over ranks with the reducers (collective then): verl's
-        ``num_turns/*``, ``tools/*`` counts, tokens by source, ``timing_s/tools`` (the slowest rank)."""
+        ``num_turns/*``, ``tools/*`` counts, tokens by source, ``interaction/*`` (turns, errors, mean
+        turn score; with an interaction config), ``timing_s/tools`` (the slowest rank)."""
         keys = ("tool_calls", "tool_ok", "tool_errors", "tool_timeouts", "tool_reward", "malformed_calls",
-                "dropped_calls", "tokens_model", "tokens_tool", "tokenization_mismatches", "stuck_calls")
+                "dropped_calls", "tokens_model", "tokens_tool", "tokens_user", "tokenization_mismatches", "stuck_calls",
+                "interaction_turns", "interaction_errors", "interaction_score")
         self.counts["stuck_calls"] = float(self.runner.stuck())  # (a count now, not a sum over the step)
         sums = torch.tensor([self.counts.get(k, 0.0) for k in keys] + [float(sum(self.turns)), float(len(self.turns))],
                             dtype=torch.float64)
@@ -231,8 +298,13 @@ class AgentLoop:
             sums, peak = all_reduce_sum(sums), all_reduce_max(peak)
         self.counts, self.turns, self.tool_seconds = {}, [], 0.0
         rows = max(sums[-1].item(), 1.0)
-        out = {f"tools/{k}": sums[i].item() for i, k in enumerate(keys)}
+        out = {f"tools/{k}": sums[i].item() for i, k in enumerate(keys) if not k.startswith("interaction_")}
         out["tools/tool_reward"] = sums[keys.index("tool_reward")].item() / max(sums[0].item(), 1.0)
+        if self.interactions:
+            turns = sums[keys.index("interaction_turns")].item()
+            out.update({"interaction/turns": turns, "interaction/errors": sums[keys.index("interaction_errors")].item(),
+                        "interaction/score": sums[keys.index("interaction_score")].item() /
+                        max(turns - sums[keys.index("interaction_errors")].item(), 1.0)})
         out.update({"num_turns/mean": sums[-2].item() / rows, "num_turns/max": peak[0].item(),
                     "num_turns/min": -peak[1].item(), "timing_s/tools": peak[2].item()})
         return out

@@ -41,6 +41,7 @@ class Response:
     # 1 where the model sampled the token, 0 where a tool's answer was inserted (the agent loop; its
     # log-prob there is 0 and nothing trains on it); None: every token is the model's
     mask: Optional[list[int]] = None
+    num_turns: Optional[int] = None  # verl's: the prompt, the model's and the tools'/user's turns (the agent loop)
 
 
 class RolloutEngine(Protocol):

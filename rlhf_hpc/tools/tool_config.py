@@ -7,8 +7,6 @@ tool, its SandboxFusion code tool), a name of that registry, or the dotted path 
 class implementing ``rlhf_hpc.tools.tool.Tool``; anything else is refused with what is available."""
 from __future__ import annotations
 
-import importlib
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -16,6 +14,7 @@ from typing import Optional
 import yaml
 
 from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.plugin_class import resolve_class
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
 from rlhf_hpc.config.schema import Config
@@ -55,30 +54,6 @@ class ToolEntry:
     sandbox: bool = False
 
 
-def _import(entry: str) -> type:
-    module, _, name = entry.partition(":") if ":" in entry else entry.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def _resolve(class_name: str, where: str) -> tuple[type, bool]:
-    spec = next((s for s in TOOL_CLASSES.values() if s.verl_class == class_name), None) or TOOL_CLASSES.get(class_name)
-    if spec is not None:
-        return _import(spec.entry), spec.sandbox
-    builtin = ", ".join(f"{s.name} (verl's {s.verl_class})" if s.verl_class else s.name for s in TOOL_CLASSES.values())
-    if class_name.startswith("verl."):
-        raise ConfigError(f"{where}: class_name {class_name}: verl's class has no equivalent here; built in: "
-                          f"{builtin}, or name your own class implementing rlhf_hpc.tools.tool.Tool")
-    try:
-        cls = _import(class_name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{where}: class_name {class_name} does not import ({type(e).__name__}: {e}); built in: "
-                          f"{builtin}") from None
-    if not (inspect.isclass(cls) and issubclass(cls, Tool)) or inspect.iscoroutinefunction(cls.execute):
-        raise ConfigError(f"{where}: class_name {class_name} is not a tool here: subclass rlhf_hpc.tools.tool.Tool "
-                          f"and implement execute(arguments, create_kwargs) (a plain method, not async)")
-    return cls, False
-
-
 def read_tool_config(path: str) -> list[ToolEntry]:
     """The file's tools, each checked (a ConfigError names the file, the entry and the fix)."""
     p = Path(path).expanduser()
@@ -106,7 +81,8 @@ def read_tool_config(path: str) -> list[ToolEntry]:
             if kind != "native":
                 raise ConfigError(f"{where}: config.type={kind!r}: only native tools run here (verl's mcp tools "
                                   f"need an MCP server)")
-            cls, sandbox = _resolve(item["class_name"], where)
+            spec, cls = resolve_class(item["class_name"], TOOL_CLASSES, Tool, "execute", where)
+            sandbox = bool(spec and spec.sandbox)
             if any(e.name == name for e in out):
                 raise ConfigError(f"{where}: a second tool named {name!r}")
             out.append(ToolEntry(name, cls, dict(config), schema, sandbox))
