@@ -132,9 +132,9 @@ def test_verl_tool_configs_map_to_the_tools_here(tmp_path):
         bad.write_text(json.dumps({"tools": [entry]}))
         with pytest.raises(ConfigError, match=match):
             read_tool_config(str(bad))
-    refused({"class_name": "verl.tools.search_tool.SearchTool", "tool_schema": GSM8K_TOOL},
-            r"bad.yaml, tools\[0\]: class_name verl.tools.search_tool.SearchTool: verl's class has no equivalent "
-            r"here; built in: gsm8k .*code_interpreter")
+    refused({"class_name": "verl.tools.image_zoom_in_tool.ImageZoomInTool", "tool_schema": GSM8K_TOOL},
+            r"bad.yaml, tools\[0\]: class_name verl.tools.image_zoom_in_tool.ImageZoomInTool: verl's class has no "
+            r"equivalent here; built in: gsm8k .*code_interpreter.*search \(verl's verl.tools.search_tool.SearchTool\)")
     refused({"class_name": "tests.tool_model.LookupTool", "config": {"type": "mcp"}, "tool_schema": GSM8K_TOOL},
             "only native tools")
     refused({"class_name": "tests.tool_model.question", "tool_schema": GSM8K_TOOL}, "is not a tool class here")

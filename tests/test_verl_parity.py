@@ -117,7 +117,7 @@ def dry_run(args: list[str], capsys) -> tuple[int, str]:
     ("global_profiler.profile_continuous_steps=True", "one profile over consecutive steps"),
     ("+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True", "multi-modal"),
     ("actor_rollout_ref.actor.freeze_vision_tower=True", "multi-modal"),
-    ("data.custom_cls.path=recipe/retool/retool.py", "custom dataset classes"),
+    ("data.custom_cls.path=recipe/my_recipe/dataset.py", "custom dataset classes"),
     ("data.sampler.class_name=RandomCurriculumSampler", "custom data samplers"),
     ("actor_rollout_ref.rollout.data_parallel_size=2", "data parallelism inside the rollout engine"),
     ("trainer.max_actor_ckpt_to_keep=1", "use trainer.max_ckpt_to_keep"),

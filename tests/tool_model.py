@@ -13,7 +13,7 @@ from rlhf_hpc.data.tool_warm_start import lookup_call as call_text, teach as tea
 from rlhf_hpc.tools.lookup_tool import LOOKUP_SCHEMA as SCHEMA, LookupTool, lookup_code as code_of
 
 __all__ = ["CodeCheckInteraction", "HERMES_TEMPLATE", "KEYS", "LookupTool", "SCHEMA", "call_text", "code_of", "question",
-           "teach", "teach_gsm8k_caller", "write_interaction_config", "write_rows", "write_tool_config"]
+           "teach", "teach_gsm8k_caller", "teach_tool_caller", "write_interaction_config", "write_rows", "write_tool_config"]
 
 KEYS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 
@@ -86,8 +86,22 @@ def teach_gsm8k_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], too
     multi-turn conversation on ``rows`` (``rlhf_hpc.data.prepare.gsm8k_multiturn_rows``): call
     ``calc_gsm8k_reward`` with a number, read the tool's verdict, end with ``#### <number>`` (a random
     number per row: it is the format that is taught, not arithmetic), with ``tools`` (the tool config's
-    schemas) in its prompts. Written with the tokenizer and the hermes template: a model directory as
-    a user gives one."""
+    schemas) in its prompts."""
+    def turns(row: dict, rng) -> list[dict]:
+        answer = str(rng.randrange(100))
+        call = '<tool_call>\n' + json.dumps({"name": "calc_gsm8k_reward", "arguments": {"answer": answer}}) + '\n</tool_call>'
+        return [{"role": "assistant", "content": call},
+                {"role": "tool", "content": f"Current parsed answer='{answer}' reward=0.0"},
+                {"role": "assistant", "content": f"#### {answer}"}]
+    return teach_tool_caller(out_dir, tokenizer_dir, rows, tools, turns, steps, seed, lr)
+
+
+def teach_tool_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], tools: list[dict], turns,
+                      steps: int = 120, seed: int = 0, lr: float = 3e-3, positions: int = 2048) -> Path:
+    """The tiny Qwen2 on the real Qwen2 tokenizer (``tokenizer_dir``) taught, by next-token training on
+    the assistant turns only, the conversations ``turns(row, rng)`` continues each of ``rows``' prompts
+    with (assistant, tool, assistant), ``tools`` (the tool config's schemas) in its prompts. Written
+    with the tokenizer and the hermes template: a model directory as a user gives one."""
     import random
 
     import torch
@@ -97,7 +111,7 @@ def teach_gsm8k_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], too
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.chat_template = HERMES_TEMPLATE
-    model = build_causal_lm("tiny://qwen2?vocab_size=151936&tie_word_embeddings=true&max_position_embeddings=2048",
+    model = build_causal_lm(f"tiny://qwen2?vocab_size=151936&tie_word_embeddings=true&max_position_embeddings={positions}",
                             torch.float32, "cpu", seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
@@ -107,16 +121,13 @@ def teach_gsm8k_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], too
 
     def taught(row: dict) -> tuple[list[int], list[int]]:
         """(the conversation's ids, the positions of the model's tokens)"""
-        answer = str(rng.randrange(100))
-        call = '<tool_call>\n' + json.dumps({"name": "calc_gsm8k_reward", "arguments": {"answer": answer}}) + '\n</tool_call>'
-        turns = [*row["prompt"], {"role": "assistant", "content": call},
-                 {"role": "tool", "content": f"Current parsed answer='{answer}' reward=0.0"},
-                 {"role": "assistant", "content": f"#### {answer}"}]
+        conversation = [*row["prompt"], *turns(row, rng)]
         model_tokens = []
-        for end in (3, 5):  # each assistant turn: from its generation prompt to its end
-            start, stop = len(ids_of(turns[:end - 1], generation_prompt=True)), len(ids_of(turns[:end]))
+        for end in [i + 1 for i, m in enumerate(conversation) if m["role"] == "assistant"]:
+            # each assistant turn: from its generation prompt to its end
+            start, stop = len(ids_of(conversation[:end - 1], generation_prompt=True)), len(ids_of(conversation[:end]))
             model_tokens += range(start, stop - 1)  # (the template's newline after <|im_end|> is not the model's)
-        return ids_of(turns), model_tokens
+        return ids_of(conversation), model_tokens
 
     examples = [taught(row) for row in rows]  # (encoded once: the shared tokenizer has no fast version)
     for _ in range(steps):

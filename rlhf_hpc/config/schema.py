@@ -16,7 +16,7 @@ from rlhf_hpc.config.job_schema import GlobalProfilerConfig, HardwareConfig, Lau
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig",
+__all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig", "CustomClsConfig",
            "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig",
            "ModelConfig", "OptimConfig", "OverlongBufferConfig", "RewardModelConfig", "RolloutCorrectionConfig"]
 
@@ -28,6 +28,14 @@ KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"]
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+@dataclass
+class CustomClsConfig:
+    # verl's custom dataset class: here only a class of verl's recipes that has an equivalent
+    # (rlhf_hpc/config/verl_recipes.py: ReTool's CustomRLHFDataset) is accepted; any other is refused
+    path: Optional[str] = None
+    name: Optional[str] = None
 
 
 @dataclass
@@ -53,6 +61,7 @@ class DataConfig:
     seed: int = 1
     # no loader processes here (prompts are tokenised once at start-up): only 0 is accepted
     dataloader_num_workers: int = 0
+    custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
 
 
 @dataclass

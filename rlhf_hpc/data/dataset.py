@@ -13,7 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from rlhf_hpc.config.schema import DataConfig
+from rlhf_hpc.config.plugin_class import import_entry
+from rlhf_hpc.config.schema import CustomClsConfig, DataConfig
+from rlhf_hpc.config.verl_recipes import verl_recipe_code
 from rlhf_hpc.data.synthetic import synthetic_rows
 
 __all__ = ["DataError", "Example", "StatefulSampler", "chat_token_ids", "check_data_files", "load_examples",
@@ -35,10 +37,17 @@ class Example:
     reward_style: str = "rule"  # reward_model.style: "model" rows are scored by a reward model only
 
 
-def read_rows(path: str, split_seed: int = 0) -> list[dict]:
-    """Rows of a parquet file (or a ``synthetic://`` task) as dicts."""
+def read_rows(path: str, split_seed: int = 0, custom_cls: Optional[CustomClsConfig] = None) -> list[dict]:
+    """Rows of a parquet file (or a ``synthetic://`` task) as dicts; with ``data.custom_cls`` naming a
+    class of verl's recipes, as its equivalent here reads ``path`` (rlhf_hpc/config/verl_recipes.py)."""
     if path.startswith("synthetic://"):
         return synthetic_rows(path, split_seed)
+    recipe_code = verl_recipe_code(custom_cls.path, custom_cls.name) if custom_cls else None
+    if recipe_code is not None:
+        try:
+            return import_entry(recipe_code.entry)(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path}: not readable as {recipe_code.what} ({type(e).__name__}: {e})") from None
     import pyarrow.parquet as pq
     p = Path(path).expanduser()
     if p.is_dir():
@@ -83,9 +92,10 @@ def check_data_files(data: DataConfig, interactions: Optional[list[str]] = None)
     for key in ("train_files", "val_files"):
         value = getattr(data, key)
         for path in [value] if isinstance(value, str) else list(value or []):
-            if path.startswith("synthetic://") or not Path(path).expanduser().is_file():
+            if path.startswith("synthetic://") or not Path(path).expanduser().exists() or \
+                    (Path(path).expanduser().is_dir() and not data.custom_cls.path):
                 continue  # built in code / reported by the config check
-            for i, row in enumerate(read_rows(path)):
+            for i, row in enumerate(read_rows(path, custom_cls=data.custom_cls)):
                 _check_row(row, f"{path}, row {i}", data.prompt_key)
                 if interactions:
                     _check_interaction(row, f"{path}, row {i}", interactions)
@@ -123,7 +133,7 @@ def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_see
     out: list[Example] = []
     read = 0
     for path in files:
-        rows = read_rows(path, split_seed)
+        rows = read_rows(path, split_seed, data.custom_cls)
         read += len(rows)
         for i, row in enumerate(rows):
             where = f"{path}, row {i}"

@@ -3,12 +3,17 @@
     python -m rlhf_hpc.data.prepare gsm8k --src DIR_OR_HF_NAME --out DIR
     python -m rlhf_hpc.data.prepare gsm8k_multiturn --src DIR_OR_HF_NAME --out DIR
     python -m rlhf_hpc.data.prepare gsm8k_multiturn_w_interaction --src DIR_OR_HF_NAME --out DIR
+    python -m rlhf_hpc.data.prepare search_r1 --src DIR --out DIR
 
 ``gsm8k_multiturn`` writes the rows of verl's ``gsm8k_multiturn_w_tool.py``: a system prompt asking
 for the ``calc_gsm8k_reward`` tool, and each row's ground truth as that tool's ``create_kwargs``
 (``extra_info.tools_kwargs``), for a multi-turn run with verl's GSM8K tool config. ``gsm8k_multiturn_w_interaction`` writes those of
 ``gsm8k_multiturn_w_interaction.py``: a system prompt asking to reconsider an answer the user calls
 wrong, and each row's ``extra_info.interaction_kwargs`` naming verl's GSM8K interaction.
+``search_r1`` writes those of verl's ``preprocess_search_r1_dataset.py`` from Search-R1's
+``train.parquet``/``test.parquet`` (``PeterJinGo/nq_hotpotqa_train`` as the hub holds it, in
+``--src``): Search-R1's instruction, ``data_source`` ``searchR1_<set>``, the golden answers as the
+ground truth, the search tool's arguments.
 
 ``--src`` is a directory holding GSM8K's original ``train.jsonl``/``test.jsonl`` (``question``,
 ``answer`` ending in ``#### N``) or a Hugging Face datasets name (``openai/gsm8k``; needs the
@@ -23,7 +28,7 @@ from pathlib import Path
 
 from rlhf_hpc.rewards.gsm8k import ground_truth_from_answer
 
-__all__ = ["gsm8k_interaction_rows", "gsm8k_multiturn_rows", "gsm8k_rows", "main"]
+__all__ = ["gsm8k_interaction_rows", "gsm8k_multiturn_rows", "gsm8k_rows", "main", "search_r1_rows"]
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -83,8 +88,48 @@ def gsm8k_interaction_rows(records: list[dict], split: str) -> list[dict]:
     return rows
 
 
+# the prompt of verl's examples/data_preprocess/preprocess_search_r1_dataset.py
+SEARCH_R1_SYSTEM = "You are a helpful and harmless assistant."
+SEARCH_R1_INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new "
+    "information. After reasoning, if you find you lack some knowledge, you can call a search engine by <tool_call> "
+    "query </tool_call> and it will return the top searched results between <tool_response> and </tool_response>. "
+    "You can search as many times as your want. If you find no further external knowledge needed, you can directly "
+    "provide the answer inside <answer> and </answer>, without detailed illustrations. For example, <answer> Beijing "
+    "</answer>. Question: ")
+
+
+def search_r1_rows(records: list[dict], split: str) -> list[dict]:
+    """Search-R1's records (``question``, ``golden_answers``, ``data_source``, ...) as verl's rows."""
+    rows = []
+    for i, rec in enumerate(records):
+        try:
+            question = rec["question"]
+            truth = (rec.get("reward_model") or {}).get("ground_truth") or {"target": list(rec["golden_answers"])}
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{split} record {i}: {type(e).__name__}: {e} (expected Search-R1's question and "
+                             f"golden_answers)") from None
+        source = f"searchR1_{rec.get('data_source', '')}"
+        tools_kwargs = {"search": {"create_kwargs": {"ground_truth": truth, "question": question, "data_source": source}}}
+        rows.append({"data_source": source,
+                     "prompt": [{"role": "system", "content": SEARCH_R1_SYSTEM},
+                                {"role": "user", "content": SEARCH_R1_INSTRUCTION + question}],
+                     "ability": rec.get("ability") or "fact-reasoning", "reward_model": {"style": "rule", "ground_truth": truth},
+                     "extra_info": {"index": i, "need_tools_kwargs": True, "question": question, "split": split,
+                                    "tools_kwargs": tools_kwargs}})
+    return rows
+
+
+def read_parquet_split(src: str, split: str) -> list[dict]:
+    import pyarrow.parquet as pq
+    file = Path(src).expanduser() / f"{split}.parquet"
+    if not file.is_file():
+        raise SystemExit(f"error: {file}: missing (expected the set's {split}.parquet)")
+    return pq.read_table(file).to_pylist()
+
+
 ROW_WRITERS = {"gsm8k": gsm8k_rows, "gsm8k_multiturn": gsm8k_multiturn_rows,
-               "gsm8k_multiturn_w_interaction": gsm8k_interaction_rows}
+               "gsm8k_multiturn_w_interaction": gsm8k_interaction_rows, "search_r1": search_r1_rows}
 
 
 def read_gsm8k(src: str, split: str) -> list[dict]:
@@ -124,8 +169,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     for split in ("train", "test"):
-        records = read_gsm8k(args.src, split)
-        rows = ROW_WRITERS[args.dataset](records, split)
+        records = read_parquet_split(args.src, split) if args.dataset == "search_r1" else read_gsm8k(args.src, split)
+        try:
+            rows = ROW_WRITERS[args.dataset](records, split)
+        except ValueError as e:
+            raise SystemExit(f"error: --src {args.src}: {e}") from None
         if not rows:  # an empty parquet would only be refused at the launch
             raise SystemExit(f"error: --src {args.src}: the {split} split has no records; nothing written")
         write_parquet(rows, Path(args.out) / f"{split}.parquet")

@@ -495,10 +495,10 @@ class TimeModel:
         """The plan of a step a run just took, with its own lengths (``prompt_length/mean``,
         ``response_length/mean`` and ``/max`` of its metrics; ``padded``: its rows' padded length)."""
         d = self.cfg.data
-        # a multi-turn step's tool turns are in every training pass but not in response_length (the
+        # a multi-turn step's tool (and user) turns are in every training pass but not in response_length (the
         # model's tokens, as verl logs it): in the response, prefilled between its assistant turns
         # (verl's num_turns: assistant + tool turns + the prompt, so about twice the assistant turns)
-        tool = metrics.get("tools/tokens_tool", 0.0) / max(self.step.rows, 1)
+        tool = (metrics.get("tools/tokens_tool", 0.0) + metrics.get("tools/tokens_user", 0.0)) / max(self.step.rows, 1)
         return self.plan(Workload(self.step.rows,
                                   metrics.get("prompt_length/mean", d.max_prompt_length),
                                   metrics.get("response_length/mean", d.max_response_length) + tool,

@@ -38,8 +38,11 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
 def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False,
                  greedy: bool = False) -> Sampling:
     """The rollout's sampling (``rollout.*``), validation's (``rollout.val_kwargs``), or ``greedy``:
-    one greedy response per prompt (verl's ``do_sample=False`` generation, ReMax's baseline)."""
+    one greedy response per prompt (verl's ``do_sample=False`` generation, ReMax's baseline). A
+    multi-turn run samples as verl's agent loop, which reads no ``do_sample``: greedy at temperature 0
+    only (ReTool validates with val_kwargs temperature 1.0, top_p 0.6 and do_sample left false)."""
     r = cfg.actor_rollout_ref.rollout
+    agent = r.multi_turn.enable
     stops = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
     if greedy:
         return Sampling(n=1, temperature=0.0, top_p=1.0, top_k=-1, do_sample=False,
@@ -47,10 +50,12 @@ def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation:
                         seed=seed)
     if validation:
         v = r.val_kwargs
-        return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample,
+        return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                        do_sample=v.temperature > 0 if agent else v.do_sample,
                         max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos,
                         seed=seed)
-    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, do_sample=r.do_sample,
+    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                    do_sample=r.temperature > 0 if agent else r.do_sample,
                     max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos, seed=seed)
 
 

@@ -206,9 +206,10 @@ def algorithm_warnings(cfg: Config) -> list[str]:
     # greedy decoding gives n identical responses: the engine generates each once and repeats it
     # (vLLM refuses n > 1 with greedy sampling), as verl's n requests of one response each would
     for key, section in (("actor_rollout_ref.rollout", rollout), ("actor_rollout_ref.rollout.val_kwargs", rollout.val_kwargs)):
-        greedy = not section.do_sample or section.temperature == 0
-        if greedy and section.n > 1:
-            why = f"{key}.do_sample=false" if not section.do_sample else f"{key}.temperature=0"
+        # (a multi-turn run reads no do_sample, as verl's agent loop: step_batch.sampling_for)
+        by_flag = not section.do_sample and not rollout.multi_turn.enable
+        if (by_flag or section.temperature == 0) and section.n > 1:
+            why = f"{key}.do_sample=false" if by_flag else f"{key}.temperature=0"
             what = ("the validation scores equal n=1's, at n times the reward calls" if section is rollout.val_kwargs
                     else "a grouped estimator gives them all advantage 0")
             warnings.append(f"{why} (greedy decoding) with {key}.n={section.n}: the {section.n} responses to a prompt "

@@ -9,6 +9,7 @@ from typing import Any, Optional
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.config.schema import ATTN_IMPLEMENTATIONS, Config
 from rlhf_hpc.config.tree import get_key
+from rlhf_hpc.config.verl_recipes import VERL_RECIPE_CODE, verl_recipe_code
 from rlhf_hpc.ops.batching import per_rank_mini_batch
 from rlhf_hpc.recipe.algorithm_checks import algorithm_problems, algorithm_warnings, rollout_correction_problems
 from rlhf_hpc.recipe.defaults import deprecated_key_warnings
@@ -71,8 +72,29 @@ def missing_files(cfg: Config) -> list[str]:
         check("critic.model.path", cfg.critic.model.path, hub_ok=True)
     if cfg.reward_model.enable:
         check("reward_model.model.path", cfg.reward_model.model.path, hub_ok=True)
-    check("custom_reward_function.path", cfg.custom_reward_function.path)
+    crf = cfg.custom_reward_function
+    if not verl_recipe_code(crf.path, crf.name):  # (a recipe's file with an equivalent here is never read)
+        check("custom_reward_function.path", crf.path)
     return problems
+
+
+def verl_recipe_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """(errors, notes): verl's custom dataset class and reward function where they name code of
+    verl's recipes that has an equivalent here (said in one line), a dataset class that has none
+    (refused: the data here is verl's parquet format)."""
+    errors, notes = [], []
+    crf, cls = cfg.custom_reward_function, cfg.data.custom_cls
+    for key, path, name in (("custom_reward_function", crf.path, crf.name), ("data.custom_cls", cls.path, cls.name)):
+        code = verl_recipe_code(path, name)
+        if code is not None:
+            notes.append(f"{key}.path={path} ({key}.name={name}) is {code.what}: its equivalent here runs "
+                         f"({code.entry}); the file, which imports verl, is not read")
+    if (cls.path or cls.name) and verl_recipe_code(cls.path, cls.name) is None:
+        here = ", ".join(f"{c.file}:{c.name}" for c in VERL_RECIPE_CODE if c.entry.startswith("rlhf_hpc.data."))
+        errors.append(f"data.custom_cls.path={cls.path!r} data.custom_cls.name={cls.name!r}: this class is not "
+                      f"available in rlhf-hpc; custom dataset classes here are those of verl's recipes with an "
+                      f"equivalent ({here}); other data is parquet in verl's format")
+    return errors, notes
 
 
 def validate(cfg: Config, check_files: bool = True) -> list[str]:
@@ -102,6 +124,9 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors += hardware_problems(cfg)
     errors += input_problems(cfg)  # plan.*, the data files on this machine
     errors += multi_turn_problems(cfg, check_files)
+    recipe_errors, recipe_notes = verl_recipe_problems(cfg)
+    errors += recipe_errors
+    warnings += recipe_notes
     warnings += algorithm_warnings(cfg)
     warnings += lora_warnings(cfg)
     warnings += strategy_warnings(cfg)

@@ -106,8 +106,6 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
     ("actor_rollout_ref.actor.freeze_vision_tower", (False,), "multi-modal (image / video) prompts"),
     ("data.trust_remote_code", (False,), "remote code for the data's processor (the tokenizer follows "
      "actor_rollout_ref.model.trust_remote_code)"),
-    ("data.custom_cls.path", (None,), "custom dataset classes (data.custom_cls)"),
-    ("data.custom_cls.name", (None,), "custom dataset classes (data.custom_cls)"),
     ("data.sampler.class_path", (None,), "custom data samplers (curriculum learning)"),
     ("data.sampler.class_name", (None,), "custom data samplers (curriculum learning)"),
     # (DAPO: algorithm.filter_groups, data.gen_batch_size and reward_model.overlong_buffer are keys here;

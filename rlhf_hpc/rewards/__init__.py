@@ -10,12 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from rlhf_hpc.config.plugin_class import import_entry
 from rlhf_hpc.config.registry import Registry
+from rlhf_hpc.config.verl_recipes import verl_recipe_code
 from rlhf_hpc.rewards.code import CODE_SOURCES, code_score, configure_code_reward
 from rlhf_hpc.rewards.synthetic import (ADD_SOURCE, COPY_SOURCE, LOOKUP_SOURCE, addition_score, copy_score,
                                         lookup_score)
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
+from rlhf_hpc.rewards.search_r1 import search_r1_score
 
 __all__ = ["RULE_REWARDS", "RewardFunction", "RuleReward", "register_rule_reward", "rule_score"]
 
@@ -25,20 +28,22 @@ ScoreFn = Callable[[str, str, Any, dict], float]
 @dataclass(frozen=True)
 class RuleReward:
     """A built-in rule reward: ``matches(data_source)`` says which rows it scores (lower-cased
-    ``data_source``), ``score(response, ground_truth)`` their score."""
+    ``data_source``), ``score(response, ground_truth)`` their score; ``raw_truth``: it reads the
+    row's ground truth as the data holds it (a mapping, a list), not as text."""
     name: str
     matches: Callable[[str], bool]
-    score: Callable[[str, str], float]
+    score: Callable[[str, Any], float]
+    raw_truth: bool = False
 
 
 # the rule rewards, tried in order: the first that matches a row's data_source scores it
 RULE_REWARDS: Registry[RuleReward] = Registry("rule reward", "data_source")
 
 
-def register_rule_reward(name: str, matches: Callable[[str], bool]):
+def register_rule_reward(name: str, matches: Callable[[str], bool], raw_truth: bool = False):
     """``@register_rule_reward("name", matches=lambda source: ...)`` on a ``(response, ground_truth)
     -> float`` function."""
-    return RULE_REWARDS.decorator(name, lambda fn: RuleReward(name, matches, fn))
+    return RULE_REWARDS.decorator(name, lambda fn: RuleReward(name, matches, fn, raw_truth))
 
 
 register_rule_reward("gsm8k", lambda src: "gsm8k" in src)(gsm8k_score)
@@ -47,6 +52,7 @@ register_rule_reward("add", lambda src: src == ADD_SOURCE)(addition_score)
 register_rule_reward("lookup", lambda src: src == LOOKUP_SOURCE)(lookup_score)
 register_rule_reward("math", lambda src: "math" in src or "aime" in src)(boxed_score)
 register_rule_reward("code", lambda src: src in CODE_SOURCES)(code_score)  # runs the program: rlhf_hpc/tools
+register_rule_reward("search_r1", lambda src: src.startswith("searchr1_"), raw_truth=True)(search_r1_score)
 
 
 def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: dict) -> float:
@@ -56,10 +62,10 @@ def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: d
     if rule is None:
         raise ValueError(f"no rule reward for data_source '{data_source}' (built in: "
                          f"{', '.join(RULE_REWARDS)}: openai/gsm8k, *math*/*aime*, {COPY_SOURCE}, {ADD_SOURCE}, "
-                         f"{LOOKUP_SOURCE}, "
+                         f"{LOOKUP_SOURCE}, searchR1_*, "
                          f"{'/'.join(CODE_SOURCES)}); "
                          f"set custom_reward_function.path to score it")
-    return rule.score(response, str(ground_truth))
+    return rule.score(response, ground_truth if rule.raw_truth else str(ground_truth))
 
 
 def load_custom_function(path: str, name: str) -> ScoreFn:
@@ -82,7 +88,9 @@ class RewardFunction:
     reward_model.sandbox_fusion)`` sections, where the code reward runs programs (None: its defaults)."""
 
     def __init__(self, crf, sandbox: Any = None):
-        self.fn: ScoreFn = load_custom_function(crf.path, crf.name) if crf.path else rule_score
+        recipe_code = verl_recipe_code(crf.path, crf.name)  # (a verl recipe's function: its equivalent here)
+        self.fn: ScoreFn = (import_entry(recipe_code.entry) if recipe_code else
+                            load_custom_function(crf.path, crf.name) if crf.path else rule_score)
         self.name = f"{crf.path}:{crf.name}" if crf.path else "rule"
         self.parallel = 1
         if sandbox is not None:
@@ -92,7 +100,7 @@ class RewardFunction:
     def __call__(self, data_source: str, response: str, ground_truth: Any, extra_info: dict, row: int = -1) -> float:
         try:
             score = self.fn(data_source, response, ground_truth, extra_info)
-            return float(score)
+            return float(score["score"] if isinstance(score, dict) else score)  # (verl's: a dict holds "score")
         except Exception as e:
             raise RuntimeError(f"reward function {self.name} failed on prompt row {row} "
                                f"(data_source {data_source!r}): {type(e).__name__}: {e}") from e

@@ -34,5 +34,10 @@ class Tool:
         self.schema = schema
         self.name = schema["function"]["name"]
 
+    @classmethod
+    def config_problems(cls, config: dict) -> list[str]:
+        """What is wrong with the entry's ``config`` (the dry run names each, with its file and entry)."""
+        return []
+
     def execute(self, arguments: dict[str, Any], create_kwargs: dict[str, Any]) -> ToolOutput:
         raise NotImplementedError(f"{type(self).__name__}.execute")

@@ -3,7 +3,7 @@ config, tool_schema}``, ``tool_schema`` an OpenAI function. Read and checked at 
 on every rank.
 
 ``class_name`` is one of verl's classes that has an equivalent here (``TOOL_CLASSES``: its GSM8K
-tool, its SandboxFusion code tool), a name of that registry, or the dotted path of the user's own
+tool, its SandboxFusion code tool, ReTool's variant of it, its search tool), a name of that registry, or the dotted path of the user's own
 class implementing ``rlhf_hpc.tools.tool.Tool``; anything else is refused with what is available."""
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ TOOL_CLASSES: Registry[ToolSpec] = Registry("tool class", f"{KEY}: class_name")
 for _spec in (ToolSpec("gsm8k", "rlhf_hpc.rewards.gsm8k_tool:Gsm8kTool", "verl.tools.gsm8k_tool.Gsm8kTool"),
               ToolSpec("code_interpreter", "rlhf_hpc.tools.code_interpreter:CodeInterpreterTool",
                        "verl.tools.sandbox_fusion_tools.SandboxFusionTool", sandbox=True),
+              ToolSpec("retool_code_interpreter", "rlhf_hpc.tools.code_interpreter:ReToolCodeInterpreterTool",
+                       "recipe.retool.retool.CustomSandboxFusionTool", sandbox=True),
+              ToolSpec("search", "rlhf_hpc.tools.search_tool:SearchTool", "verl.tools.search_tool.SearchTool"),
               ToolSpec("lookup", "rlhf_hpc.tools.lookup_tool:LookupTool")):  # (the built-in tool task's)
     TOOL_CLASSES.register(_spec.name, _spec)
 
@@ -83,6 +86,9 @@ def read_tool_config(path: str) -> list[ToolEntry]:
                                   f"need an MCP server)")
             spec, cls = resolve_class(item["class_name"], TOOL_CLASSES, Tool, "execute", where)
             sandbox = bool(spec and spec.sandbox)
+            problems = cls.config_problems(config)
+            if problems:
+                raise ConfigError([f"{where}: {p}" for p in problems])
             if any(e.name == name for e in out):
                 raise ConfigError(f"{where}: a second tool named {name!r}")
             out.append(ToolEntry(name, cls, dict(config), schema, sandbox))
