@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.data.synthetic import CODE_TASKS, synthetic_rows
 from rlhf_hpc.observability.tracking import read_metrics
