@@ -9,12 +9,12 @@ turn that makes no call is answered by the row's interaction as a user turn, and
 goes on until the interaction ends it. A conversation ends when a turn makes no call (and no
 interaction answers it), at ``max_assistant_turns`` /
 ``max_user_turns``, or when the response budget (``data.max_response_length``, the whole
-conversation after the prompt, as verl) runs out: a turn cut there ends it, and so does a tool turn
-that does not fit (it is not appended, as verl).
+conversation after the prompt, as verl) runs out: a turn cut there ends it, and so does a tool or
+user turn that does not fit (it is not appended, as verl does for a tool turn).
 
 The response is every token after the prompt; its ``mask`` is 1 on the model's tokens and 0 on the
-tool and user turns, which carry log-prob 0 and are neither trained on nor counted in KL or entropy. The
-ranks of a tensor-parallel vLLM group generate together (the engine gathers their requests), so
+tool and user turns, which carry log-prob 0 and are neither trained on nor counted in KL or
+entropy. The ranks of a tensor-parallel vLLM group generate together (the engine gathers their requests), so
 they go through the same number of turns with the same sampling: the open count and the budget are
 agreed over the group each turn.
 """
@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
-from rlhf_hpc.tools.interaction import Interaction, UserTurn
 from rlhf_hpc.models.tokenizer import tool_template_problems, tool_turn_text
 from rlhf_hpc.rollout.base import Response, RolloutEngine, Sampling
 from rlhf_hpc.tools.call_runner import CallRunner
+from rlhf_hpc.tools.interaction import Interaction, UserTurn
 from rlhf_hpc.tools.tool_calls import TOOL_CALL_FORMATS, ToolCall
 from rlhf_hpc.tools.tool import Tool, ToolOutput
 
