@@ -48,7 +48,8 @@ def run_launch(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict | N
 
 def wandb_records(wandb_file):
     """The protobuf ``Record`` messages of an offline W&B run file (``run-<id>.wandb``): a 7-byte
-    header, then leveldb-log blocks of 32 KiB."""
+    header, then leveldb-log blocks of 32 KiB. A record the writer has not finished (the file is
+    read while W&B's service process still writes it) ends the list."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -60,6 +61,8 @@ def wandb_records(wandb_file):
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + hdr])
+        if kind not in (1, 2, 3, 4) or pos + hdr + length > len(data):
+            return  # not written yet (zeros, or a chunk cut short)
         chunk = data[pos + hdr:pos + hdr + length]
         pos += hdr + length
         buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST continue
@@ -86,3 +89,13 @@ def wandb_history(wandb_file: Path) -> list[dict]:
             rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
                          for item in rec.history.item})
     return rows
+
+
+def wandb_history_so_far(wandb_file: Path) -> list[dict]:
+    """``wandb_history`` of a file W&B's service process may still be writing: none while a record
+    is half written (a torn read), which the caller's wait retries."""
+    from google.protobuf.message import DecodeError
+    try:
+        return wandb_history(wandb_file)
+    except DecodeError:
+        return []

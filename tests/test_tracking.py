@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.observability.tracking import Tracker, wandb_mode
-from tests.conftest import wandb_history
+from tests.conftest import wandb_history_so_far
 
 
 def netrc_file(tmp_path, host: str = "api.wandb.ai"):
@@ -55,7 +55,7 @@ def test_tracker_goes_offline_by_itself_and_logs_each_row_once(tmp_path, monkeyp
     assert f"[rlhf-hpc] W&B ran offline; upload the run with: {sync}" in out
     (wandb_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
     deadline = time.monotonic() + 60
-    while len(history := wandb_history(wandb_file)) < 3 and time.monotonic() < deadline:
+    while len(history := wandb_history_so_far(wandb_file)) < 3 and time.monotonic() < deadline:
         time.sleep(0.5)  # W&B's service process writes the file after finish() returns
     assert [h["_step"] for h in history] == [1, 2, 3]  # one row per log() call
     assert [h["training/global_step"] for h in history] == [1, 2, 3]

@@ -20,7 +20,7 @@ from rlhf_hpc.ppo.validation import run_validation, select_val_generations
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.base import Response
-from tests.conftest import wandb_history
+from tests.conftest import wandb_history_so_far
 
 
 def verl_pick(inputs, outputs, scores, n):
@@ -151,7 +151,7 @@ def test_the_tracker_writes_the_rows_and_each_backend_its_table(tmp_path, monkey
     assert table["data"] == [[s, "copy: abc", "abc", 1.0, "copy: xyz", "xy", 0.0] for s in (0, 2)]
     # ... in the validation's own row (one row per log() call, none more)
     (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
-    while len(history := wandb_history(wandb_file)) < 2 and time.monotonic() < deadline:
+    while len(history := wandb_history_so_far(wandb_file)) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert [h["_step"] for h in history] == [1, 2]
     assert [(h["val/generations/_type"], h["val/generations/nrows"]) for h in history] == [("table-file", 1),
