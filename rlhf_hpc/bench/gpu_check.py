@@ -1,37 +1,41 @@
 """GPU readiness check: the GPU code paths measured on one device, in one command, in minutes.
 
-    python -m rlhf_hpc.bench.gpu_check OUT_DIR [--budget-s 420] [--cpu-smoke]
+    python -m rlhf_hpc.bench.gpu_check OUT_DIR [--budget-s 480] [--cpu-smoke] [--only TEXT]
 
 On one GPU (world size 1: alone, or under ``torchrun --nproc-per-node=1``; NCCL) it builds
-random-weight models with the real shapes of Qwen2.5-0.5B, -1.5B and -7B (configs in code, no
-downloads, no vLLM or flash-attn needed) and measures, each case on its own freshly built model:
+random-weight models with the real shapes of Qwen2.5-0.5B and -7B (configs in code, no downloads;
+vLLM and flash-attn used where installed) and measures, each case on its own freshly built model:
 
   env              versions, the device, a bf16 matmul's TFLOP/s (the ceiling MFU is held against)
-  attention        a packed row of sequences: sdpa with the dense block-diagonal mask transformers
-                   builds for packed sequences vs per-sequence causal sdpa vs torch's varlen kernel
-  tiny KL-PPO      two steps of the ``tiny_klppo`` recipe end to end on the device (fit(), hf engine,
-                   critic, reference, checkpoint, validation), in fp32 and in bf16 (flash-attn's
-                   kernel where it is installed)
-  memory per phase the same ``fit()`` with Qwen2.5-0.5B's layers (vocabulary 64: the built-in
-                   tokenizer's) and 512-token responses in bf16: every memory-plan phase's
-                   estimate against the peak ``max_memory_allocated`` measured in that phase
-  preflight        ``launch.py preflight``'s checks on this device (rlhf_hpc/preflight.py): engine,
-                   weight sync, generation agreement, one actor micro-batch's peak against the plan
-  actor update     tokens/s, MFU, peak memory: packed + dynamic token budget, activation
-                   checkpointing off/on, attention sdpa or varlen (rlhf_hpc/models/attention.py, checked
-                   against sdpa's log-probs first), padded fixed micro-batches on 0.5B as the baseline
-  forward          reference log-probs and critic values, tokens/s
-  rollout          streaming weight sync into the hf engine (time, peak memory rise), then
-                   generate (tokens/s)
   7B update step   first: one full update step of the 7B shape (4 of its layers) without offload, with
                    the 7B recipe's optimizer offload and with param+optimizer offload, one CPU thread:
                    forward/backward, clipping, state moves and optimizer.step timed apart; the memory
                    plan's estimate against the measured peak. With parameter offload AdamW runs on the host: its
                    estimate comes from a probe of this host's AdamW rate, not a constant
-  7B offload       one actor forward/backward micro-batch with param+optimizer offload off and on
+  attention        a packed row of sequences: sdpa with the dense block-diagonal mask transformers
+                   builds for packed sequences vs per-sequence causal sdpa vs torch's varlen kernel
+  tiny KL-PPO      two steps of the ``tiny_klppo`` recipe end to end on the device in bf16 (fit():
+                   critic, reference, checkpoint, validation; flash-attn's kernel where installed)
+                   with the colocated engine: vLLM where it is installed (asleep in the training
+                   phases, woken, reloaded in place with its verdicts, its log-probs against the
+                   actor's), else hf; then in fp32 with LoRA on the actor, whose second weight sync
+                   must move the adapter alone (vLLM)
+  preflight        ``launch.py preflight``'s checks on this device (rlhf_hpc/preflight.py) with that
+                   engine: its start, weight sync, generation agreement, vLLM's sleep and wake against
+                   the memory plan, one actor micro-batch's peak against the plan
+  memory per phase ``fit()`` with Qwen2.5-0.5B's layers (vocabulary 64: the built-in tokenizer's) and
+                   512-token responses in bf16: every memory-plan phase's estimate against the peak
+                   ``max_memory_allocated`` measured in that phase
+  actor update     tokens/s, MFU, peak memory: packed + dynamic token budget, activation
+                   checkpointing off/on, attention sdpa or varlen (rlhf_hpc/models/attention.py, checked
+                   against sdpa's log-probs first)
+  forward          reference log-probs, tokens/s
+  rollout          streaming weight sync into the hf engine (time, peak memory rise), then
+                   generate (tokens/s)
 
-A time budget (``--budget-s``, counted from start) skips a case whose estimate no longer fits and
-says so; estimates are rescaled by how the finished cases compared with theirs. Each finished case
+A time budget (``--budget-s``, counted from start; the estimates add up to about 8 minutes on a
+GPU) skips a case whose estimate no longer fits and says so; ``--only`` runs the cases whose name
+holds its text; estimates are rescaled by how the finished cases compared with theirs. Each finished case
 prints a line; the table comes last; ``OUT_DIR/gpu_check.json`` (rewritten after every case, so a
 killed run keeps what it measured) and ``OUT_DIR/gpu_check.md`` hold the figures. The exit code is
 1 when a case failed with an error (an out-of-memory result is a measurement, not an error).
@@ -41,6 +45,7 @@ killed run keeps what it measured) and ``OUT_DIR/gpu_check.md`` hold the figures
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -58,13 +63,12 @@ from rlhf_hpc.planning.sizing import model_shape
 
 
 
-from rlhf_hpc.bench.gpu_check_setup import (GPU_WORK, Models, PLAN_LAYERS, QWEN25_0_5B, QWEN25_1_5B,
-                                            QWEN25_7B, QWEN25_7B_4L, SMOKE_L, SMOKE_M, SMOKE_PLAN, SMOKE_S,
-                                            SMOKE_WORK, Workload, env_info, free_memory, peak_memory_gib)
+from rlhf_hpc.bench.gpu_check_setup import (GPU_WORK, Models, PLAN_LAYERS, QWEN25_0_5B, QWEN25_7B_4L, SMOKE_L,
+                                            SMOKE_PLAN, SMOKE_S, SMOKE_WORK, Workload, env_info, free_memory,
+                                            peak_memory_gib)
 from rlhf_hpc.bench.gpu_check_cases import (UPDATE_MODES, actor_update_case, attention_case, forward_case,
-                                            host_adamw_s_per_param, offload_case, preflight_case,
-                                            rollout_case, tiny_klppo_case, update_step_case,
-                                            update_step_estimate_s)
+                                            host_adamw_s_per_param, preflight_case, rollout_case, tiny_klppo_case,
+                                            update_step_case, update_step_estimate_s)
 
 __all__: list[str] = []  # a script: python -m rlhf_hpc.bench.gpu_check
 
@@ -107,6 +111,7 @@ class Check:
             row.update(status="skipped", note=f"needs ~{need:.0f} s, {max(left, 0):.0f} s of the budget left")
         else:
             free_memory(self.device)
+            init_process_group(self.device)  # (a vLLM engine's shutdown destroys the process group)
             t0 = time.monotonic()
             try:
                 row.update(case.fn())
@@ -156,9 +161,15 @@ def _brief(row: dict) -> str:
 
 # ------------------------------------------------------------------------------- the cases, in order
 def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> list[Case]:
-    small, medium, large = (SMOKE_S, SMOKE_M, SMOKE_L) if smoke else (QWEN25_0_5B, QWEN25_1_5B, QWEN25_7B)
+    """The cases, in order, with their estimates: on a GPU about 470 s in all (the host-AdamW case's
+    from a probe of this host: ~35 s of it on a 16-core host), within the default 480 s budget. The
+    colocated engine's three cases are vLLM's where it is installed, the hf engine's otherwise."""
+    small = SMOKE_S if smoke else QWEN25_0_5B
     plan_shape = SMOKE_PLAN if smoke else PLAN_LAYERS
     k = 0.1 if smoke else 1.0  # the smoke estimates: seconds on a 2-core CPU
+    engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    # a vLLM engine's start (CUDA graphs off: tiny_klppo's enforce_eager) is most of its cases' time
+    start = (30 if smoke else 20) if engine == "vllm" else 0
     # first what decides the design: the 7B update step in each offload mode (host AdamW or not)
     step_shape = SMOKE_L if smoke else QWEN25_7B_4L
     host_rate = host_adamw_s_per_param()
@@ -167,40 +178,25 @@ def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> 
                 lambda m=mode: update_step_case(models, step_shape, work, device, m, 7_615_616_512))
            for mode in UPDATE_MODES]
     out += [Case("attention: packed, dense mask vs per sequence", "-", 5 * k, lambda: attention_case(device, work)),
-           Case("tiny KL-PPO: 2 steps end to end (fit)", "tiny_klppo", 60 * k if not smoke else 15,
-                lambda: tiny_klppo_case(device)),
-           Case("tiny KL-PPO in bf16 (fit; flash-attn when installed)", "tiny_klppo", 60 * k if not smoke else 15,
-                lambda: tiny_klppo_case(device, bf16=True)),
-           Case("memory plan per phase: fit, bf16, 512-token responses", plan_shape.name, 90 * k if not smoke else 20,
-                lambda: tiny_klppo_case(device, bf16=True, plan_shape=plan_shape, response_len=512 if not smoke else 32)),
-           Case("preflight on this device (tiny_klppo, hf engine)", "tiny_klppo", 30 * k if not smoke else 10,
-                lambda: preflight_case(device))]
-    for shape, t in ((small, 1.0), (medium, 2.0)):
-        out += [Case("actor update: packed+dynamic, AC off", shape.name, 25 * t * k,
-                     lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=False)),
-                Case("actor update: packed+dynamic, AC on", shape.name, 25 * t * k,
-                     lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=True)),
-                Case("actor update: packed+dynamic, AC off, varlen attn", shape.name, 30 * t * k,
-                     lambda s=shape: actor_update_case(models, s, work, device, grad_ckpt=False, attn="varlen"))]
-        if shape is small:
-            out += [Case("reference log-prob forward", shape.name, 15 * t * k,
-                         lambda s=shape: forward_case(models, s, work, device, critic=False)),
-                    Case("critic value forward", shape.name, 15 * t * k,
-                         lambda s=shape: forward_case(models, s, work, device, critic=True)),
-                    Case("rollout: weight sync + hf generate", shape.name, 40 * t * k,
-                         lambda s=shape: rollout_case(models, s, work, device))]
-    out += [Case("7B-shape fwd/bwd micro-batch, offload off", large.name, 60 * k,
-                 lambda: offload_case(models, large, work, device, offload=False)),
-            Case("7B-shape fwd/bwd micro-batch, param+optim offload", large.name, 120 * k,
-                 lambda: offload_case(models, large, work, device, offload=True)),
-            Case("reference log-prob forward", medium.name, 30 * k,
-                 lambda: forward_case(models, medium, work, device, critic=False)),
-            Case("critic value forward", medium.name, 30 * k,
-                 lambda: forward_case(models, medium, work, device, critic=True)),
-            Case("rollout: weight sync + hf generate", medium.name, 60 * k,
-                 lambda: rollout_case(models, medium, work, device)),
-            Case("actor update: padded fixed micro-batches, AC off", small.name, 30 * k,
-                 lambda: actor_update_case(models, small, work, device, grad_ckpt=False, packed=False))]
+            # the colocated engine: the trainer's loop, LoRA's adapter-only sync, the preflight's checks
+            Case(f"tiny KL-PPO in bf16, {engine} engine (fit)", "tiny_klppo", (40 if not smoke else 15) + start,
+                 lambda: tiny_klppo_case(device, bf16=True, engine=engine)),
+            Case(f"tiny KL-PPO with LoRA, {engine} engine (fit)", "tiny_klppo",
+                 (40 if not smoke else 15) + start, lambda: tiny_klppo_case(device, engine=engine, lora_rank=8)),
+            Case(f"preflight on this device (tiny_klppo, {engine} engine)", "tiny_klppo", (25 if not smoke else 10) + start,
+                 lambda: preflight_case(device, engine)),
+            Case("memory plan per phase: fit, bf16, 512-token responses", plan_shape.name, 90 * k if not smoke else 20,
+                 lambda: tiny_klppo_case(device, bf16=True, plan_shape=plan_shape, response_len=512 if not smoke else 32)),
+            Case("actor update: packed+dynamic, AC off", small.name, 25 * k,
+                 lambda: actor_update_case(models, small, work, device, grad_ckpt=False)),
+            Case("actor update: packed+dynamic, AC on", small.name, 25 * k,
+                 lambda: actor_update_case(models, small, work, device, grad_ckpt=True)),
+            Case("actor update: packed+dynamic, AC off, varlen attn", small.name, 30 * k,
+                 lambda: actor_update_case(models, small, work, device, grad_ckpt=False, attn="varlen")),
+            Case("reference log-prob forward", small.name, 15 * k,
+                 lambda: forward_case(models, small, work, device, critic=False)),
+            Case("rollout: weight sync + hf generate", small.name, 40 * k,
+                 lambda: rollout_case(models, small, work, device))]
     return out
 
 
@@ -229,7 +225,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", help="folder for gpu_check.json and gpu_check.md (created)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock budget from start, seconds (default 420 on a GPU, 60 with --cpu-smoke)")
+                    help="wall-clock budget from start, seconds (default 480 on a GPU, 60 with --cpu-smoke)")
+    ap.add_argument("--only", default=None, help="run only the cases whose name holds this text (e.g. vllm)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (gloo): the same code path")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
@@ -241,13 +238,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = SMOKE_WORK if args.cpu_smoke else GPU_WORK
-    budget = args.budget_s if args.budget_s is not None else (60.0 if args.cpu_smoke else 420.0)
+    budget = args.budget_s if args.budget_s is not None else (60.0 if args.cpu_smoke else 480.0)
     init_process_group(device)
     check = Check(Path(args.out_dir), budget, device, args.cpu_smoke, work)
     check.env = env_info(device, work)
     print(f"[gpu_check] {json.dumps(check.env)}", flush=True)
     for case in cases(Models(device), device, work, args.cpu_smoke):
-        check.run(case)
+        if args.only is None or args.only in case.name:
+            check.run(case)
     table = check.table()
     (check.out_dir / "gpu_check.md").write_text(table + "\n")
     check.write()

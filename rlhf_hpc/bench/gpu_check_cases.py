@@ -29,13 +29,13 @@ from rlhf_hpc.preflight import run_preflight
 from rlhf_hpc.recipe.load import load_config, write_resolved
 from rlhf_hpc.rollout.base import Sampling
 from rlhf_hpc.rollout.factory import make_engine
-from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
+from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 from rlhf_hpc.bench.gpu_check_setup import (Models, Shape, Workload, batch_flops, fixed_batch, free_memory,
-                                            host_memory_gib, peak_memory_gib, reset_peak, rollout_batch,
-                                            sync, timed, used_memory_gib)
+                                            peak_memory_gib, reset_peak, rollout_batch, sync, timed,
+                                            used_memory_gib)
 
 __all__ = ["UPDATE_MODES", "actor_update_case", "attention_case", "forward_case", "host_adamw_s_per_param",
-           "offload_case", "preflight_case", "rollout_case", "tiny_klppo_case", "update_step_case",
+           "preflight_case", "rollout_case", "tiny_klppo_case", "update_step_case",
            "update_step_estimate_s"]
 
 
@@ -95,13 +95,18 @@ def attention_case(device: torch.device, work: Workload, head_dim: int = 128, he
     return out
 
 
-def tiny_overrides(device: torch.device, run_dir: Path, bf16: bool = False) -> list[str]:
-    """``tiny_klppo`` on this one device with the hf engine (no vLLM here); ``bf16``: every model
-    and the engine in bfloat16, with flash-attn's kernel where it is installed (GPU)."""
+def tiny_overrides(device: torch.device, run_dir: Path, bf16: bool = False, engine: str = "hf",
+                   lora_rank: int = 0) -> list[str]:
+    """``tiny_klppo`` on this one device with ``engine`` (vllm: the colocated engine, asleep in the
+    training phases on a GPU; hf where vLLM is not installed); ``bf16``: every model and the engine
+    in bfloat16, with flash-attn's kernel where it is installed (GPU); ``lora_rank``: the actor's
+    LoRA adapters, which vLLM serves adapter-only."""
     out = [f"trainer.device={device.type}", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
            "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2",
            "trainer.logger=[console]", "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}",
-           "actor_rollout_ref.rollout.name=hf"]
+           f"actor_rollout_ref.rollout.name={engine}"]
+    if lora_rank:
+        out += [f"actor_rollout_ref.model.lora_rank={lora_rank}", f"actor_rollout_ref.model.lora_alpha={2 * lora_rank}"]
     if bf16:
         out += [f"{m}.fsdp_config.mixed_precision.param_dtype=bfloat16" for m in
                 ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")]
@@ -124,14 +129,16 @@ def plan_overrides(device: torch.device, shape: Shape, response_len: int) -> lis
 
 
 def tiny_klppo_case(device: torch.device, bf16: bool = False, plan_shape: Optional[Shape] = None,
-                    response_len: int = 512) -> dict:
-    """Two steps of the tiny recipe through ``fit`` on this device (hf engine: no vLLM here). With
-    ``plan_shape``: that model instead, and each memory-plan phase against its measured peak
-    (``memory_gb/<phase>`` of step 2; on a GPU max_memory_allocated against the plan less its
-    runtime part, which that counter cannot see)."""
+                    response_len: int = 512, engine: str = "hf", lora_rank: int = 0) -> dict:
+    """Two steps of the tiny recipe through ``fit`` on this device with ``engine``: with vLLM its
+    sleep and wake around the training phases (GPU), the in-place reload with its verdicts (a
+    failed one raises), and the engine's log-probs against the actor's; with ``lora_rank`` the
+    second sync moves the adapter alone. With ``plan_shape``: that model instead, and each
+    memory-plan phase against its measured peak (``memory_gb/<phase>`` of step 2; on a GPU
+    max_memory_allocated against the plan less its runtime part, which that counter cannot see)."""
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_tiny_"))
     try:
-        overrides = tiny_overrides(device, run_dir, bf16)
+        overrides = tiny_overrides(device, run_dir, bf16, engine, lora_rank)
         if plan_shape is not None:
             overrides += plan_overrides(device, plan_shape, response_len)
         cfg, _ = load_config("tiny_klppo", overrides)
@@ -148,17 +155,24 @@ def tiny_klppo_case(device: torch.device, bf16: bool = False, plan_shape: Option
         problem = ckpt.verify_checkpoint(run_dir / "global_step_2")
         if problem:
             raise RuntimeError(f"checkpoint of step 2: {problem}")
-        last = records[-1]
+        first, last = records
         if plan_shape is not None:
             return memory_per_phase(check_plan(cfg)[0], last)
+        synced = [r.get("rollout/weight_sync_mib", 0.0) for r in records]
+        if lora_rank and engine == "vllm" and not 0 < synced[1] < synced[0]:
+            raise RuntimeError(f"LoRA: the second weight sync moved {synced[1]:.1f} MiB, the first {synced[0]:.1f} "
+                               f"MiB: not the adapter alone")
         return {"time_s": last["timing_s/step"], "tokens_per_s": last["perf/throughput"],
                 "peak_gib": last["perf/max_memory_allocated_gb"],
                 "logprob_diff_max": last["rollout/logprob_diff_max"], "score_mean": last["critic/score/mean"],
-                "engine_actor_kl": last["rollout/engine_actor_kl"],
-                "note": f"2 steps + checkpoint + validation{', bf16' if bf16 else ''}"
-                        f"{', flash_attention_2' if any('flash_attention_2' in o for o in overrides) else ''}; "
+                "engine_actor_kl": last["rollout/engine_actor_kl"], "sync_mib": synced,
+                "sync_s": [r.get("timing_s/update_weights") for r in records],
+                "note": f"{engine} engine, 2 steps + checkpoint + validation{', bf16' if bf16 else ''}"
+                        f"{', flash_attention_2' if any('flash_attention_2' in o for o in overrides) else ''}"
+                        f"{f', LoRA rank {lora_rank}' if lora_rank else ''}; "
                         f"step 2 {last['timing_s/step']:.2f} s, engine-vs-actor logprob diff "
-                        f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}"}
+                        f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}; "
+                        f"weight sync {synced[0]:.1f} then {synced[1]:.1f} MiB"}
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -179,13 +193,14 @@ def memory_per_phase(plan, last: dict) -> dict:
                     + f"; worst {worst} {ratios[worst]:.2f}x"}
 
 
-def preflight_case(device: torch.device) -> dict:
+def preflight_case(device: torch.device, engine: str = "hf") -> dict:
     """``launch.py preflight``'s checks (rlhf_hpc.preflight) in this process on this one device:
-    the rank's engine start, weight sync, generation agreement, and one actor micro-batch's peak
-    against the memory plan (on a GPU: max_memory_allocated against the plan less its runtime)."""
+    the rank's engine start, weight sync, generation agreement, vLLM's sleep and wake against the
+    memory plan (GPU), and one actor micro-batch's peak against the memory plan (on a GPU:
+    max_memory_allocated against the plan less its runtime)."""
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_preflight_"))
     try:
-        cfg, _ = load_config("tiny_klppo", tiny_overrides(device, run_dir) + ["trainer.preflight=true"])
+        cfg, _ = load_config("tiny_klppo", tiny_overrides(device, run_dir, engine=engine) + ["trainer.preflight=true"])
         ctx = DistContext(rank=0, world_size=1, local_rank=0, device=device, backend=dist.get_backend())
         checks: list = []
         run_preflight(cfg, ctx, lambda line: print(f"[gpu_check] preflight: {line}", flush=True), checks)
@@ -296,45 +311,6 @@ def rollout_case(models: Models, shape: Shape, work: Workload, device: torch.dev
             "sync_s": sync_s, "sync_peak_rise_gib": sync_rise, "bucket_mb": bucket,
             "note": f"{work.gen_prompts} prompts x {work.gen_prompt_len} -> {work.gen_tokens} tokens, bf16; "
                     f"weight sync {sync_s:.3f} s, peak rise {sync_rise:.2f} GiB ({bucket} MiB buckets)"}
-
-
-def offload_case(models: Models, shape: Shape, work: Workload, device: torch.device, offload: bool) -> dict:
-    """One actor forward/backward micro-batch (activation checkpointing on, as the 7B recipe)."""
-    actor = models.actor(shape, work, grad_ckpt=True, offload=offload)
-    batch = fixed_batch(work.offload_rows, work.offload_len, work.offload_len, shape.vocab_size)
-    micro = to_device(batch, device)
-    model = actor.model
-    model.train()
-
-    def fwd_bwd():
-        lp, _ = per_token_logprobs(model, micro, remove_padding=True)
-        loss, _ = policy_losses.ppo_clip_loss(micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"])
-        loss.backward()
-        return loss.item()
-
-    sync(device)
-    resident = used_memory_gib(device)
-    host = host_memory_gib()
-    reset_peak(device)
-    secs, loss = timed(fwd_bwd, device, 1)
-    if not math.isfinite(loss):
-        raise RuntimeError(f"non-finite loss {loss}")
-    flops = batch_flops(shape, batch, 3)
-    valid = int(batch["attention_mask"].sum())
-    peak = peak_memory_gib(device)
-    model.zero_grad(set_to_none=True)
-    # the weight stream a rollout engine would read (with offload: host shards -> device first)
-    sync(device)
-    t0 = time.perf_counter()
-    streamed = sum(t.numel() * t.element_size() for _, t in stream_full_params(model, torch.bfloat16, 512))
-    sync(device)
-    stream_s = time.perf_counter() - t0
-    return {"time_s": secs, "tokens_per_s": valid / secs, "mfu": flops / secs / peak_flops(device),
-            "peak_gib": peak, "resident_gib": resident, "host_gib": host, "stream_s": stream_s,
-            "streamed_gib": streamed / 2**30,
-            "note": f"{work.offload_rows}x{2 * work.offload_len} tokens, AC on, params "
-                    f"{'on the host' if offload else 'on the device'}; resident {resident:.1f} GiB, host {host:.1f} GiB; "
-                    f"weight stream {streamed / 2**30:.1f} GiB bf16 in {stream_s:.2f} s"}
 
 
 UPDATE_MODES = {"no offload": (False, False), "optimizer offload (7B recipe)": (False, True),

@@ -25,9 +25,9 @@ from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.ppo.update import Placement
 
 
-__all__ = ["GPU_WORK", "Models", "PLAN_LAYERS", "QWEN25_0_5B", "QWEN25_1_5B", "QWEN25_7B", "QWEN25_7B_4L",
-           "SMOKE_L", "SMOKE_M", "SMOKE_PLAN", "SMOKE_S", "SMOKE_WORK", "Shape", "Workload", "batch_flops",
-           "env_info", "fixed_batch", "free_memory", "host_memory_gib", "peak_memory_gib", "reset_peak",
+__all__ = ["GPU_WORK", "Models", "PLAN_LAYERS", "QWEN25_0_5B", "QWEN25_7B_4L",
+           "SMOKE_L", "SMOKE_PLAN", "SMOKE_S", "SMOKE_WORK", "Shape", "Workload", "batch_flops",
+           "env_info", "fixed_batch", "free_memory", "peak_memory_gib", "reset_peak",
            "rollout_batch", "sync", "timed", "used_memory_gib"]
 
 
@@ -57,14 +57,11 @@ class Shape:
 # the layer shapes of the published Qwen2.5 config.json files (max_position_embeddings does not
 # change the compute, so one value serves all)
 QWEN25_0_5B = Shape("qwen2.5-0.5b", 151936, 896, 4864, 24, 14, 2, True)
-QWEN25_1_5B = Shape("qwen2.5-1.5b", 151936, 1536, 8960, 28, 12, 2, True)
-QWEN25_7B = Shape("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, False)
 # the 7B shape with 4 of its 28 layers: 2.0B parameters, whose fp32 weights, gradients and Adam
 # state (32 GiB) fit one GPU in every offload mode; per-parameter costs carry over to the real run
 QWEN25_7B_4L = Shape("qwen2.5-7b-4L", 152064, 3584, 18944, 4, 28, 4, False)
 # smoke stand-ins: same roles (tied small models, an untied "large" one), head_dim 32
 SMOKE_S = Shape("smoke-s", 512, 128, 256, 2, 4, 2, True, 10000.0, 1024)
-SMOKE_M = Shape("smoke-m", 512, 128, 384, 3, 4, 2, True, 10000.0, 1024)
 SMOKE_L = Shape("smoke-l", 512, 192, 512, 2, 6, 2, False, 10000.0, 1024)
 # the memory-per-phase run: Qwen2.5-0.5B's layers with the vocabulary of tiny_klppo's tokenizer
 # (tiny://chars: a random model samples every id of its vocabulary, and this tokenizer must decode them)
@@ -125,10 +122,6 @@ def used_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**30
     return memory_metrics(device)["perf/cpu_memory_used_gb"]
-
-
-def host_memory_gib() -> float:
-    return memory_metrics(torch.device("cpu"))["perf/cpu_memory_used_gb"]
 
 
 def timed(fn: Callable[[], object], device: torch.device, reps: int) -> tuple[float, object]:
