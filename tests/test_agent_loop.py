@@ -188,6 +188,17 @@ def loop(engine, tok, tools: dict, schemas, R=96, interactions=None, **mt) -> Ag
     return AgentLoop(engine, tok, tools, schemas, MultiTurnConfig(enable=True, **mt), R, interactions=interactions)
 
 
+def model_tokens_logprob_diff(model, prompt: list[int], r) -> float:
+    """The largest |engine - model| log-prob over the response's model tokens (mask 1), the model
+    reading the whole conversation."""
+    ids = torch.tensor([prompt + r.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    actor = logp.gather(-1, torch.tensor(r.token_ids)[:, None]).squeeze(-1)
+    keep = torch.tensor(r.mask).bool()
+    return (actor[keep] - torch.tensor(r.logprobs)[keep]).abs().max().item()
+
+
 def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_trained(taught):
     engine, model, tok = taught
     agent = loop(engine, tok, {"lookup": tool_model.LookupTool({}, tool_model.SCHEMA)}, [tool_model.SCHEMA])
@@ -217,13 +228,7 @@ def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_t
             n_tool = len(tok.encode(answer, add_special_tokens=False))
             assert r.mask == [1] * start + [0] * n_tool + [1] * (len(r.token_ids) - start - n_tool)
             assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.mask) if not m)
-            # the engine's log-probs of the model's tokens == the model's own over the whole conversation
-            ids = torch.tensor([prompt + r.token_ids])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
-            actor = logp.gather(-1, torch.tensor(r.token_ids)[:, None]).squeeze(-1)
-            keep = torch.tensor(r.mask).bool()
-            assert (actor[keep] - torch.tensor(r.logprobs)[keep]).abs().max() < 1e-3
+            assert model_tokens_logprob_diff(model, prompt, r) < 1e-3
     assert called >= 6  # of 8 samples at temperature 1
     m = agent.take_metrics()
     assert m["tools/tool_calls"] == called and m["tools/tool_ok"] == called and m["tools/tool_errors"] == 0
@@ -398,12 +403,7 @@ def test_an_interaction_answers_the_models_turn_as_the_user_and_its_tokens_are_n
             user_tokens += sum(len(tok.encode(f"\n<|im_start|>user\n{w}<|im_end|>\n<|im_start|>assistant\n",
                                               add_special_tokens=False)) * text.count(f"<|im_start|>user\n{w}<|im_end|>")
                                for w in ("right", "wrong, try again"))
-            ids = torch.tensor([prompt + r.token_ids])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
-            actor = logp.gather(-1, torch.tensor(r.token_ids)[:, None]).squeeze(-1)
-            keep = torch.tensor(r.mask).bool()
-            assert (actor[keep] - torch.tensor(r.logprobs)[keep]).abs().max() < 1e-3
+            assert model_tokens_logprob_diff(model, prompt, r) < 1e-3
             assert r.num_turns >= 3
     assert ended_right >= 4  # of 8: the taught model mostly reads the tool's code back
     m = agent.take_metrics()

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 from typing import Optional, Protocol
+
+import yaml
 
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.registry import Registry
 
-__all__ = ["BuiltinClass", "import_entry", "resolve_class"]
+__all__ = ["BuiltinClass", "import_entry", "read_entry_list", "resolve_class"]
 
 VERL_PACKAGES = ("verl.", "recipe.")  # verl's library and its recipes: they import verl, which is not here
 
@@ -27,6 +30,22 @@ class BuiltinClass(Protocol):
 def import_entry(entry: str) -> type:
     module, _, name = entry.partition(":") if ":" in entry else entry.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def read_entry_list(path: str, key: str, section: str, shape: str) -> list:
+    """The non-empty list under ``section:`` of the YAML file at ``path`` (the config ``key`` that
+    names it), each entry still to check; a ConfigError names the file and what it should hold."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{key}={path}: no such file")
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}={path}: not YAML ({' '.join(str(e).split())[:200]})") from None
+    items = doc.get(section) if isinstance(doc, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{key}={path}: expected '{section}:' with a list of {shape}")
+    return items
 
 
 def resolve_class(class_name: str, registry: Registry, base: type, method: str, where: str

@@ -9,13 +9,10 @@ implementing ``rlhf_hpc.tools.interaction.Interaction``. ``name`` (what rows giv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
-import yaml
-
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.config.plugin_class import resolve_class
+from rlhf_hpc.config.plugin_class import read_entry_list, resolve_class
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.tools.interaction import Interaction
@@ -53,16 +50,7 @@ def default_name(class_name: str) -> str:
 
 def read_interaction_config(path: str) -> list[InteractionEntry]:
     """The file's interactions, each checked (a ConfigError names the file, the entry and the fix)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{KEY}={path}: no such file")
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{KEY}={path}: not YAML ({' '.join(str(e).split())[:200]})") from None
-    items = doc.get("interaction") if isinstance(doc, dict) else None
-    if not isinstance(items, list) or not items:
-        raise ConfigError(f"{KEY}={path}: expected 'interaction:' with a list of {{name, class_name, config}}")
+    items = read_entry_list(path, KEY, "interaction", "{name, class_name, config}")
     out, errors = [], []
     for i, item in enumerate(items):
         where = f"{path}, interaction[{i}]"

@@ -8,13 +8,10 @@ class implementing ``rlhf_hpc.tools.tool.Tool``; anything else is refused with w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
-import yaml
-
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.config.plugin_class import resolve_class
+from rlhf_hpc.config.plugin_class import read_entry_list, resolve_class
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
 from rlhf_hpc.config.schema import Config
@@ -59,16 +56,7 @@ class ToolEntry:
 
 def read_tool_config(path: str) -> list[ToolEntry]:
     """The file's tools, each checked (a ConfigError names the file, the entry and the fix)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(f"{KEY}={path}: no such file")
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{KEY}={path}: not YAML ({' '.join(str(e).split())[:200]})") from None
-    tools = doc.get("tools") if isinstance(doc, dict) else None
-    if not isinstance(tools, list) or not tools:
-        raise ConfigError(f"{KEY}={path}: expected 'tools:' with a list of {{class_name, config, tool_schema}}")
+    tools = read_entry_list(path, KEY, "tools", "{class_name, config, tool_schema}")
     out, errors = [], []
     for i, item in enumerate(tools):
         where = f"{path}, tools[{i}]"
