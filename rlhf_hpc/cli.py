@@ -90,11 +90,48 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+# verl's Hydra config names (``--config-name``): the one whose defaults are this project's base, and
+# the ones whose backend is not here
+VERL_BASE_CONFIGS = ("ppo_trainer",)
+VERL_OTHER_BACKENDS = {"ppo_veomni_trainer": "the VeOmni backend (FSDP2 trains here)",
+                       "ppo_torchtitan_trainer": "the torchtitan backend (FSDP2 trains here)"}
+
+
+def _hydra_option(name: str, value: str) -> list[str]:
+    """verl's ``--config-path`` / ``--config-name`` (Hydra's) -> the overrides they stand for: verl's
+    own ppo_trainer config is the base here already (none); its Megatron config is its strategy,
+    which the checks refuse by name with the rest of the line's Megatron keys; another backend's
+    config is refused by its name, and a config directory or file of one's own with the way to
+    bring it (a recipe)."""
+    stem = value.strip().strip("'\"").removesuffix(".yaml")
+    if name == "--config-path":
+        if stem.rstrip("/") in ("config", "pkg://verl.trainer.config", "verl/trainer/config"):
+            return []  # verl's packaged configs, as its examples name them
+        raise ConfigError(f"--config-path={value}: a config directory of your own is not read here; write it as a "
+                          f"recipe (recipes/NAME.yaml, or a path) and pass recipe=NAME")
+    if stem in VERL_BASE_CONFIGS:
+        return []
+    if stem == "ppo_megatron_trainer":
+        return ["actor_rollout_ref.actor.strategy=megatron"]
+    if stem in VERL_OTHER_BACKENDS:
+        raise ConfigError(f"--config-name={value}: {VERL_OTHER_BACKENDS[stem]} is not available in rlhf-hpc")
+    raise ConfigError(f"--config-name={value}: verl config files other than ppo_trainer are not read here; write "
+                      f"yours as a recipe (recipes/NAME.yaml, or a path) and pass recipe=NAME")
+
+
 def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, list], dict[str, bool]]:
     recipe, overrides, sweeps = None, [], {}
     flags = {"dry_run": False, "help": False}
-    for arg in argv:
-        if arg in ("-h", "--help", "help"):
+    argv, backend = list(argv), []
+    while argv:
+        arg = argv.pop(0)
+        option = arg.split("=", 1)[0]
+        if option in ("--config-path", "--config-name", "-cp", "-cn"):
+            name = {"-cp": "--config-path", "-cn": "--config-name"}.get(option, option)
+            if "=" not in arg and not argv:
+                raise ConfigError(f"{arg} needs a value, e.g. {name}=ppo_trainer")
+            backend += _hydra_option(name, arg.split("=", 1)[1] if "=" in arg else argv.pop(0))
+        elif arg in ("-h", "--help", "help"):
             flags["help"] = True
         elif arg == "--dry-run":
             flags["dry_run"] = True
@@ -112,7 +149,7 @@ def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, lis
             sweeps[key] = value
         else:
             overrides.append(arg)
-    return recipe, overrides, sweeps, flags
+    return recipe, overrides + backend, sweeps, flags
 
 
 def sweep_elements(overrides: list[str], sweeps: dict[str, list]) -> list[tuple[list[str], str]]:

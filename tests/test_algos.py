@@ -515,5 +515,7 @@ def test_loss_and_gradients_do_not_depend_on_the_split(mode):
                    [[[0, 1], [2, 3]], [[4, 5], [6, 7]]],  # 2 micro-batches x 2 ranks
                    [[[7], [0, 3, 5]], [[1, 2], [4, 6]]]):  # uneven, shuffled
         loss, grad = run(layout)
-        close(loss, ref_loss, tol=1e-6)
-        close(grad, ref_grad, tol=1e-6)
+        # (token-sum is a sum, not a mean: its float32 rounding grows with its size, ~20 here)
+        scale = max(1.0, abs(ref_loss)) if mode == "token-sum" else 1.0
+        close(loss, ref_loss, tol=1e-6 * scale)
+        close(grad, ref_grad, tol=1e-6 * scale)

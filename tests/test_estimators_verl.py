@@ -1,7 +1,8 @@
-"""verl's advantage estimators (core_algos at b178a3c) added through the registry: ``grpo_vectorized``,
-``rloo_vectorized``, ``grpo_passk``, ``opo``, ``remax`` (and its greedy baseline in the trainer).
-Each equals verl's code (transcribed below from verl's ``core_algos.py`` / ``utils/groupwise.py``) on
-random tensors, and the grouped ones over two simulated ranks equal the whole batch."""
+"""verl's advantage estimators added through the registry: ``grpo_vectorized``, ``rloo_vectorized``,
+``grpo_passk``, ``opo``, ``remax`` (and its greedy baseline in the trainer), the optimal token
+baselines and ``reinforce_plus_plus`` on multi-turn masks. Each equals verl 0.9.1's code (transcribed
+below from its wheel's ``trainer/ppo/core_algos.py`` / ``utils/groupwise.py``) on random tensors, and
+the grouped ones over two simulated ranks equal the whole batch."""
 from __future__ import annotations
 
 import threading
@@ -13,22 +14,23 @@ import pytest
 import torch
 
 from rlhf_hpc.ops.estimators import (ADV_ESTIMATORS, AdvantageInputs, compute_advantages, grpo_passk_advantages,
-                                     opo_advantages, optimal_token_baseline_advantages, remax_advantages)
+                                     opo_advantages, optimal_token_baseline_advantages, reinforce_pp_advantages,
+                                     remax_advantages)
 from tests.test_algos import LockstepAllReduce, run_ranks
 
 
 # ----------------------------------------------------------------------- verl's code, transcribed
 def verl_group_mean_std(scores, gidx, eps=1e-6):
-    """verl.utils.groupwise.group_mean_std."""
+    """verl.utils.groupwise.group_mean_std (0.9.1: the variance from centred scores)."""
     scores = scores.reshape(-1).to(dtype=torch.float32)
     gidx = gidx.reshape(-1).to(dtype=torch.long)
     G = int(torch.max(gidx).item()) + 1
     ones = torch.ones_like(scores, dtype=torch.float32)
     count = torch.zeros(G, dtype=torch.float32).index_add_(0, gidx, ones)
     s1 = torch.zeros(G, dtype=torch.float32).index_add_(0, gidx, scores)
-    s2 = torch.zeros(G, dtype=torch.float32).index_add_(0, gidx, scores * scores)
     mean = s1 / count.clamp_min(1.0)
-    var_num = s2 - (s1 * s1) / count.clamp_min(1.0)
+    centered = scores - mean[gidx]
+    var_num = torch.zeros(G, dtype=torch.float32).index_add_(0, gidx, centered * centered)
     denom = (count - 1.0).clamp_min(1.0)
     var = var_num / denom
     std = torch.sqrt(torch.clamp(var, min=eps))
@@ -42,16 +44,79 @@ def verl_group_mean_std(scores, gidx, eps=1e-6):
 
 
 def verl_grpo_vectorized(token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
+    """0.9.1: group_mean_std(eps=0.0), no variance floor."""
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         g = torch.as_tensor(index, dtype=torch.long)
-        mean_g, std_g, _ = verl_group_mean_std(scores, g, eps=epsilon)
+        mean_g, std_g, _ = verl_group_mean_std(scores, g, eps=0.0)
         if norm_adv_by_std_in_grpo:
             scalars = (scores - mean_g[g]) / (std_g[g] + epsilon)
         else:
             scalars = scores - mean_g[g]
         advantages = scalars.unsqueeze(-1) * response_mask
         return advantages, advantages
+
+
+def verl_reinforce_plus_plus(token_level_rewards, response_mask, gamma=1.0):
+    """0.9.1's compute_reinforce_plus_plus_outcome_advantage: a masked position carries the return."""
+    with torch.no_grad():
+        returns = torch.zeros_like(token_level_rewards)
+        running_return = 0
+        for t in reversed(range(token_level_rewards.shape[1])):
+            new_running_return = token_level_rewards[:, t] + gamma * running_return
+            returns[:, t] = new_running_return * response_mask[:, t]
+            running_return = new_running_return * response_mask[:, t] + running_return * (1 - response_mask[:, t])
+        advantages = verl_masked_whiten(returns, response_mask) * response_mask
+    return advantages, returns
+
+
+def verl_grpo(token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True):
+    """verl 0.9.1's compute_grpo_outcome_advantage."""
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean, id2std = defaultdict(list), {}, {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx], id2std[idx] = torch.tensor(0.0), torch.tensor(1.0)
+            else:
+                scores_tensor = torch.stack(id2score[idx])
+                id2mean[idx], id2std[idx] = torch.mean(scores_tensor), torch.std(scores_tensor)
+        for i in range(bsz):
+            if norm_adv_by_std_in_grpo:
+                scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+            else:
+                scores[i] = scores[i] - id2mean[index[i]]
+        scores = scores.unsqueeze(-1) * response_mask
+    return scores, scores
+
+
+def verl_gdpo(token_level_rewards, response_mask, index, score_list=None, reward_weights=None, epsilon=1e-6,
+              norm_adv_by_std_in_grpo=True):
+    """verl 0.9.1's compute_gdpo_outcome_advantage, its per-key scores (``score_list``) placed as it places
+    them (on each row's last response position)."""
+    score_list = score_list if score_list is not None else [token_level_rewards]
+    weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(score_list))
+    new_advantage = None
+    for i in range(len(score_list)):
+        normalized_score, _ = verl_grpo(score_list[i].clone(), response_mask, index, epsilon, norm_adv_by_std_in_grpo)
+        new_advantage = weights[i] * normalized_score if new_advantage is None else \
+            new_advantage + weights[i] * normalized_score
+    advantages = verl_masked_whiten(new_advantage, response_mask) * response_mask
+    return advantages, advantages
+
+
+def verl_masked_mean(values, mask):
+    return (values * mask).sum() / (mask.sum() + 1e-8)
+
+
+def verl_masked_whiten(values, mask):
+    """verl.utils.torch_functional.masked_whiten (masked_var unbiased)."""
+    mean = verl_masked_mean(values, mask)
+    var = verl_masked_mean((values - mean) ** 2, mask) * (mask.sum() / (mask.sum() - 1))
+    return (values - mean) * torch.rsqrt(var + 1e-8)
 
 
 def verl_rloo_vectorized(token_level_rewards, response_mask, index):
@@ -123,8 +188,9 @@ def verl_remax(token_level_rewards, reward_baselines, response_mask):
 
 
 def verl_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
-             handle_zero_tail=False, epsilon=1e-8):
-    """verl's compute_optimal_token_baseline_advantage."""
+             handle_zero_tail=True, epsilon=1e-8):
+    """verl's compute_optimal_token_baseline_advantage (0.9.1: handle_zero_tail defaults to True, and
+    the trainer never passes it)."""
     with torch.no_grad():
         batch_size, seq_len = token_level_rewards.shape
         returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
@@ -265,15 +331,85 @@ def test_grpo_vectorized_equals_verls_code(seed, norm):
     assert torch.equal(ours, ret)
 
 
-def test_grpo_vectorized_floors_the_variance_as_verl():
-    # a group whose scores differ by 1e-4: verl's variance floor (1e-6) keeps the advantage ~0.07, not ~0.7
+def test_grpo_vectorized_has_no_variance_floor_as_verl_0_9_1():
+    # a group whose scores differ by 1e-4: verl before 0.9.1 floored the variance at 1e-6 (advantage
+    # ~0.07); 0.9.1 does not, so the advantage is ~0.7, as grpo's
     rewards = torch.tensor([[1.0, 0.0], [1.0001, 0.0], [0.0, 1.0], [2.0, 0.0]])
     mask, index = torch.ones(4, 2), torch.tensor([0, 0, 1, 1])
     ours, _ = compute_advantages(cfg("grpo_vectorized"), AdvantageInputs(rewards, mask, index))
     ref, _ = verl_grpo_vectorized(rewards, mask, index)
     torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-4)
     plain, _ = compute_advantages(cfg("grpo"), AdvantageInputs(rewards, mask, index))
-    assert plain[0, 0].abs() > 0.5 > ours[0, 0].abs()
+    torch.testing.assert_close(ours, plain, rtol=1e-3, atol=1e-4)
+    assert ours[0, 0].abs() > 0.5
+
+
+def multi_turn_rows(seed: int, rows: int = 12, T: int = 10):
+    """Responses with masked spans inside (a tool's or a user's turn), right padding after, and
+    rewards on valid and on masked positions (a reward placed inside a masked span must not count)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, T + 1, (rows,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    for r in range(rows):
+        if lengths[r] >= 5 and torch.rand((), generator=g) < 0.7:
+            start = int(torch.randint(1, int(lengths[r]) - 2, (), generator=g))
+            mask[r, start:start + int(torch.randint(1, 3, (), generator=g))] = 0.0
+    rewards = torch.randn(rows, T, generator=g) * (torch.rand(rows, T, generator=g) < 0.3)
+    rewards[torch.arange(rows), lengths - 1] += torch.randint(0, 2, (rows,), generator=g).float()
+    return rewards, mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_equals_verls_code_on_multi_turn_masks(seed, gamma):
+    rewards, mask = multi_turn_rows(seed)
+    assert ((mask[:, :-1] == 0) & (mask[:, 1:] == 1)).any()  # a span inside a response
+    c = SimpleNamespace(adv_estimator="reinforce_plus_plus", gamma=gamma, lam=1.0, norm_adv_by_std_in_grpo=True)
+    ours, ret = compute_advantages(c, AdvantageInputs(rewards, mask, torch.arange(rewards.shape[0])))
+    ref, ref_ret = verl_reinforce_plus_plus(rewards, mask, gamma)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ret, ref_ret, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("weights", [None, [1.0, 0.5, 2.0]])
+def test_gdpo_equals_verls_code(seed, norm, weights):
+    rewards, mask, index = random_rows(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    components = torch.randint(0, 2, (rewards.shape[0], 3), generator=g).float() * torch.tensor([1.0, 0.5, 3.0])
+    lengths = mask.sum(-1).long()
+    placed = []
+    for k in range(3):  # verl places each key's score on the row's last response position
+        t = torch.zeros_like(rewards)
+        t[torch.arange(rewards.shape[0]), lengths - 1] = components[:, k]
+        placed.append(t)
+    c = SimpleNamespace(adv_estimator="gdpo", norm_adv_by_std_in_grpo=norm, gamma=1.0, lam=1.0,
+                        gdpo_reward_weights=weights)
+    ours, ret = compute_advantages(c, AdvantageInputs(rewards, mask, index, reward_components=components))
+    ref, _ = verl_gdpo(rewards, mask, index.tolist(), placed, weights, norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours, ret)
+    # without keys: verl's fallback, the score alone (the dry run requires keys of a run)
+    ours, _ = compute_advantages(SimpleNamespace(**{**vars(c), "gdpo_reward_weights": None}),
+                                 AdvantageInputs(rewards, mask, index))
+    ref, _ = verl_gdpo(rewards, mask, index.tolist(), norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # two ranks holding halves give the whole batch's
+    halves = [slice(0, 9), slice(9, 16)]
+    out = run_ranks(2, lambda r, ar: compute_advantages(c, AdvantageInputs(
+        rewards[halves[r]], mask[halves[r]], index[halves[r]], num_groups=5, all_reduce=ar,
+        reward_components=components[halves[r]])))
+    whole, _ = compute_advantages(c, AdvantageInputs(rewards, mask, index, num_groups=5, reward_components=components))
+    torch.testing.assert_close(torch.cat([o[0] for o in out]), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_reinforce_plus_plus_carries_the_final_reward_across_a_tool_turn():
+    # the model's first turn (positions 0-1), a tool's turn (2-3, masked), the answer (4) scored 1:
+    # the first turn's return is the final reward, not 0 (verl before 0.9.1 reset it at the tool's turn)
+    rewards, mask = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]]), torch.tensor([[1.0, 1, 0, 0, 1]])
+    _, ret = reinforce_pp_advantages(rewards, mask, gamma=1.0)
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]]))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -382,6 +518,16 @@ def test_tir_optimal_token_baseline_equals_verls_code(seed, zero_tail):
     ref = verl_tir_otb(rewards, mask, index.tolist(), lp, spi2, w, handle_zero_tail=zero_tail)
     torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[1], ref[1] * mask)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_optimal_token_baseline_entry_equals_verls_code_with_its_defaults(seed):
+    rewards, mask, index, lp, spi2, w = otb_inputs(seed, holes=seed % 2 == 1)
+    c = SimpleNamespace(adv_estimator="optimal_token_baseline", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
+    ours, _ = compute_advantages(c, AdvantageInputs(rewards, mask, index, old_log_probs=lp, sum_pi_squared=spi2,
+                                                    rollout_is_weights=w))
+    ref, _ = verl_otb(rewards, mask, index.tolist(), lp, spi2, w)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_strictly_longest_response_gets_no_baseline_past_the_second_longest():
@@ -557,3 +703,64 @@ def test_remax_baselines_are_shared_over_ranks(monkeypatch):
     for rank, (out, mean) in enumerate(results):
         torch.testing.assert_close(out, expected[uids[rank]])
         assert mean == pytest.approx(float(expected.mean()))
+
+
+# ----------------------------------------------------------------------- gdpo through the trainer
+GDPO_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    fmt = float(sum(map(ord, solution_str)) % 2)  # (varies from response to response)
+    acc = float(solution_str.strip().startswith(str(ground_truth)[:1]))
+    return {"score": fmt + acc, "format_reward": fmt, "accuracy_reward": acc}
+'''
+
+
+def test_gdpo_reads_its_keys_from_the_reward_functions_dict_and_refuses_what_it_cannot_run(tmp_path):
+    from rlhf_hpc.config.errors import ConfigError
+    from rlhf_hpc.ppo.step_batch import score_responses
+    from rlhf_hpc.recipe.load import load_config
+    from rlhf_hpc.rewards import RewardFunction
+    fn = tmp_path / "reward.py"
+    fn.write_text(GDPO_REWARD)
+    base = ["algorithm.adv_estimator=gdpo", f"custom_reward_function.path={fn}", "critic.enable=false"]
+    cfg, _ = load_config("tiny_klppo", base + ["algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]",
+                                               "algorithm.gdpo_reward_weights=[1.0,2.0]"])
+    assert cfg.algorithm.gdpo_reward_keys == ["format_reward", "accuracy_reward"]
+    for extra, message in ((["critic.enable=false"], "set algorithm.gdpo_reward_keys"),
+                           (["algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"],
+                            "gdpo_reward_weights has 1 entries for 2"),
+                           (["algorithm.adv_estimator=grpo", "algorithm.gdpo_reward_keys=[a]"],
+                            "read only by adv_estimator=gdpo")):
+        with pytest.raises(ConfigError, match=message):
+            load_config("tiny_klppo", base + extra)
+    # the keys reach the batch, row by row; a key the result lacks is named with its row
+    reward = RewardFunction(cfg.custom_reward_function)
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i) for i in ids)
+    rows = [SimpleNamespace(example=i, num_turns=None) for i in range(3)]
+    train = [SimpleNamespace(data_source="x", ground_truth=g, extra_info={}, index=i) for i, g in enumerate("abz")]
+    batch = {"responses": torch.tensor([[0, 1], [1, 0], [2, 2]]), "attention_mask": torch.ones(3, 2, dtype=torch.long)}
+    scores = score_responses(reward, Tok(), train, rows, batch, ("format_reward", "accuracy_reward"))
+    torch.testing.assert_close(scores, torch.tensor([2.0, 2.0, 0.0]))
+    torch.testing.assert_close(batch["reward_components"], torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]))
+    with pytest.raises(RuntimeError, match=r"on prompt row 0: algorithm.gdpo_reward_keys names missing_key, which "
+                                           r"its result lacks \(it returned score, format_reward, accuracy_reward\)"):
+        score_responses(reward, Tok(), train, rows, dict(batch), ("missing_key",))
+
+
+@pytest.mark.slow
+def test_gdpo_trains_through_the_trainer(tmp_path):
+    from rlhf_hpc.observability.tracking import read_metrics
+    from tests.conftest import run_launch
+    fn = tmp_path / "reward.py"
+    fn.write_text(GDPO_REWARD)
+    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path / 'run'}", "algorithm.adv_estimator=gdpo",
+                     "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]", "critic.enable=false",
+                     f"custom_reward_function.path={fn}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                     "trainer.val_before_train=false", "trainer.save_freq=-1", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["training/global_step"] for m in metrics] == [1, 2]
+    for m in metrics:  # whitened over the batch: mean 0
+        assert abs(m["critic/advantages/mean"]) < 1e-5 and m["critic/advantages/max"] > 0 and m["actor/grad_norm"] > 0

@@ -17,8 +17,9 @@ import yaml
 from rlhf_hpc.cli import main as cli_main
 from rlhf_hpc.data.tool_warm_start import DEMO_TEACHING, teach as teach_tool_use
 from rlhf_hpc.observability.tracking import read_metrics
+from rlhf_hpc.tools.tool_config import read_tool_config, tool_schemas
 from tests import tool_model
-from tests.conftest import REPO, engine_available, run_launch
+from tests.conftest import REPO, engine_available, run_launch, seed_base
 
 VAL = "val-core/synthetic/lookup/reward/mean@1"
 
@@ -96,7 +97,7 @@ VERL_GSM8K_INTERACTION = """
 
 
 def verl_args(home: Path) -> list[str]:
-    (home / "gsm8k_tool_config.yaml").write_text(yaml.safe_dump(GSM8K_TOOL_CONFIG))
+    (home / "gsm8k_tool_config.yaml").write_text(yaml.safe_dump(GSM8K_TOOL_CONFIG, sort_keys=False))
     return shlex.split(textwrap.dedent(VERL_GSM8K_MULTITURN).replace("$HOME", str(home)))
 
 
@@ -337,10 +338,13 @@ def verl_gsm8k_runs(shared_dir, tmp_path_factory):
     out = subprocess.run([sys.executable, "-m", "rlhf_hpc.data.prepare", "gsm8k_multiturn", "--src", str(gsm8k),
                           "--out", str(home / "data" / "gsm8k")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    records = [json.loads(line) for line in (gsm8k / "train.jsonl").read_text().splitlines()[:16]]
+    records = [json.loads(line) for line in (gsm8k / "train.jsonl").read_text().splitlines()[:48]]
+    # taught on 16 rows, its call rate checked on 32 others (the run samples prompts from the whole set)
+    verl_args(home)  # (writes the tool config: the model is taught on the tools as the run reads them)
+    schemas = tool_schemas(read_tool_config(str(home / "gsm8k_tool_config.yaml")))
     model = tool_model.teach_gsm8k_caller(home / "model", shared_dir / "assets" / "qwen2-tokenizer",
-                                          gsm8k_multiturn_rows(records, "train"),
-                                          [t["tool_schema"] for t in GSM8K_TOOL_CONFIG["tools"]])
+                                          gsm8k_multiturn_rows(records[:16], "train"), schemas,
+                                          check_rows=gsm8k_multiturn_rows(records[16:], "train"))
     small = [f"actor_rollout_ref.model.path={model}", "trainer.n_gpus_per_node=2", "data.train_batch_size=4",
              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "data.max_response_length=128", "trainer.total_training_steps=2", "trainer.save_freq=1",
@@ -362,8 +366,12 @@ def test_verls_gsm8k_multi_turn_command_line_runs_on_cpu_with_a_small_model(verl
     assert [m["training/global_step"] for m in full] == [1, 2]
     rows = 4 * 2
     for m in full:
-        # the model calls verl's calc_gsm8k_reward (the GSM8K tool here; 6 and 4 of the 8 conversations
-        # when written), which answers every call
+        # the model calls verl's calc_gsm8k_reward (the GSM8K tool here), which answers every call. How
+        # often it calls is the taught model's, not this test's subject: the teaching checked that at
+        # least tool_model.MIN_CALL_RATE of its sampled first turns call, on the prompts the run builds
+        # (15 of the 16 conversations called here; before, the model was taught on the tool schema in
+        # another key order than the run's config file showed it, and called in 10 here, 6 elsewhere:
+        # issue #58). Fewer than 8 of 16 at a rate of 0.8: a chance below 1e-3
         assert m["tools/tool_calls"] >= 1 and m["tools/tool_ok"] == m["tools/tool_calls"], m
         assert m["tools/tool_errors"] == m["tools/tool_timeouts"] == 0 and m["tools/tokens_tool"] > 0
         assert m["num_turns/max"] >= 4  # the prompt, the call, the tool's verdict, the answer
@@ -384,7 +392,7 @@ def test_rl_teaches_the_model_to_call_the_tool_whose_answer_it_needs(tmp_path):
     calls in about a fifth of its conversations and guesses a digit in the rest. GRPO raises the calls
     and the score, and greedy validation goes from guessing to calling."""
     engine_available("vllm")
-    teach_tool_use(tmp_path / "model", **DEMO_TEACHING)
+    teach_tool_use(tmp_path / "model", **DEMO_TEACHING, seed=seed_base())
     steps = 20
     out = run_launch("recipe=tiny_lookup_grpo", f"trainer.default_local_dir={tmp_path / 'run'}",
                      f"actor_rollout_ref.model.path={tmp_path / 'model'}", "actor_rollout_ref.rollout.name=vllm",

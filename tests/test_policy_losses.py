@@ -14,14 +14,14 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import ActorConfig
 from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.ops.algos import global_batch_counts
-from rlhf_hpc.ops.policy_losses import IS_WEIGHT, LOG_RATIO, POLICY_LOSSES, PPO_RATIO
+from rlhf_hpc.ops.policy_losses import DIVERGENCE, IS_WEIGHT, LOG_RATIO, POLICY_LOSSES, PPO_RATIO
 from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.recipe.load import load_config
 from tests.test_training_models import grads_of, skewed_batch
 
-NEW = ["gspo", "sapo", "clip_cov", "kl_cov", "geo_mean", "cispo"]
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+NEW = ["gspo", "sapo", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro"]
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KEY = "actor_rollout_ref.actor."
 
 
@@ -31,13 +31,16 @@ def verl_masked_mean(values, mask):
 
 
 def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode):
-    """verl's agg_loss on one unsplit batch (dp_size 1, no global counts)."""
+    """verl 0.9.1's agg_loss on one unsplit batch (dp_size 1, no global counts)."""
     if loss_agg_mode == "token-mean":
         return (loss_mat * loss_mask).sum() / loss_mask.sum()
-    if loss_agg_mode == "seq-mean-token-sum":
+    if loss_agg_mode == "token-sum":
+        return (loss_mat * loss_mask).sum()
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
         seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
-        return (seq_losses * seq_mask).sum() / seq_mask.sum()
+        loss = (seq_losses * seq_mask).sum() / seq_mask.sum()
+        return loss / loss_mask.shape[-1] if loss_agg_mode == "seq-mean-token-sum-norm" else loss
     if loss_agg_mode == "seq-mean-token-mean":
         seq_mask = torch.sum(loss_mask, dim=-1)
         seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
@@ -58,7 +61,7 @@ def verl_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, 
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    pg_loss = verl_agg_loss(pg_losses, response_mask, "seq-mean-token-mean")
+    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)  # 0.9.1: the mode given
     pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = verl_masked_mean(-negative_approx_kl, response_mask)
     return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
@@ -181,7 +184,46 @@ def verl_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                      "actor/pg_clipfrac_lower": 0.0}
 
 
-VERL = {"gspo": verl_gspo, "sapo": verl_sapo, "clip_cov": verl_clip_cov, "kl_cov": verl_kl_cov,
+def verl_dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights=None,
+              kind="tv"):
+    """verl 0.9.1's compute_policy_loss_dppo_tv / _dppo_kl (config.get("clip_ratio_c", 20.0) reads the
+    actor's clip_ratio_c, 3.0 by default)."""
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_masked_mean(-negative_approx_kl, response_mask)
+    truncated_ratio = torch.clamp(ratio, max=config.clip_ratio_c).detach()
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    if kind == "tv":
+        valid_positive_mask = (prob - old_prob) <= config.clip_ratio_high
+        valid_negative_mask = (prob - old_prob) >= -config.clip_ratio_low
+    else:
+        binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        valid_positive_mask = (binary_kl <= config.clip_ratio_high) | (prob <= old_prob)
+        valid_negative_mask = (binary_kl <= config.clip_ratio_low) | (prob >= old_prob)
+    valid_mask = torch.where(advantages > 0, valid_positive_mask, valid_negative_mask).detach().float()
+    pg_losses = -advantages * truncated_ratio * log_prob * valid_mask
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_clipfrac = verl_masked_mean((1.0 - valid_mask).float(), response_mask)
+    pg_clipfrac_lower = verl_masked_mean((ratio > config.clip_ratio_c).float() * valid_mask, response_mask)
+    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
+                     "actor/pg_clipfrac_lower": pg_clipfrac_lower.item()}
+
+
+def verl_dro(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights=None):
+    beta = config.policy_loss.dro_beta
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -(log_prob * advantages - 0.5 * beta * log_ratio.square())
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
+    return pg_loss, {"actor/ppo_kl": verl_masked_mean(-log_ratio, response_mask).item()}
+
+
+VERL = {"dppo_tv": lambda *a, **k: verl_dppo(*a, **k, kind="tv"), "dppo_kl": lambda *a, **k: verl_dppo(*a, **k, kind="kl"),
+        "dro": verl_dro, "gspo": verl_gspo, "sapo": verl_sapo, "clip_cov": verl_clip_cov, "kl_cov": verl_kl_cov,
         "geo_mean": verl_geo_mean, "cispo": verl_cispo}
 
 
@@ -189,13 +231,14 @@ VERL = {"gspo": verl_gspo, "sapo": verl_sapo, "clip_cov": verl_clip_cov, "kl_cov
 def actor_cfg(mode="token-mean", low=0.2, high=0.28, **policy_loss):
     """The actor section as the losses read it (verl's defaults; the selections of clip_cov and
     kl_cov widened so that several tokens of a small batch are picked)."""
-    pl = dict(clip_cov_ratio=0.2, clip_cov_lb=0.02, clip_cov_ub=3.0, kl_cov_ratio=0.2, ppo_kl_coef=0.5)
+    pl = dict(clip_cov_ratio=0.2, clip_cov_lb=0.02, clip_cov_ub=3.0, kl_cov_ratio=0.2, ppo_kl_coef=0.5, dro_beta=0.3)
     pl.update(policy_loss)
     return SimpleNamespace(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=3.0, loss_agg_mode=mode,
                            tau_pos=1.0, tau_neg=1.05, policy_loss=SimpleNamespace(**pl))
 
 
-def random_batch(seed: int, B: int = 6, T: int = 9, dtype=torch.float64):
+def random_batch(seed: int, B: int = 6, T: int = 9, dtype=torch.float64, holes: bool = False):
+    """Right-padded rows; ``holes``: also a masked span inside some responses (a tool's turn)."""
     g = torch.Generator().manual_seed(seed)
     lp = (-2 * torch.rand(B, T, generator=g, dtype=dtype)).requires_grad_()
     old = lp.detach() + 0.4 * torch.randn(B, T, generator=g, dtype=dtype)
@@ -203,6 +246,10 @@ def random_batch(seed: int, B: int = 6, T: int = 9, dtype=torch.float64):
     adv = seq_adv + 0.5 * torch.randn(B, T, generator=g, dtype=dtype)
     lengths = torch.randint(2, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).to(dtype)
+    if holes:
+        for r in range(0, B, 2):
+            if lengths[r] >= 4:
+                mask[r, 1:3] = 0.0
     w = 0.5 + torch.rand(B, T, generator=g, dtype=dtype)
     return old, lp, adv, mask, w
 
@@ -210,9 +257,10 @@ def random_batch(seed: int, B: int = 6, T: int = 9, dtype=torch.float64):
 # ------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("name", NEW)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(6))
 def test_each_loss_equals_verls_code_with_its_metrics_and_gradient(name, mode, seed):
-    old, lp, adv, mask, w = random_batch(seed)
+    """verl 0.9.1's functions, on right-padded masks (seeds 0-2) and multi-turn masks (3-5)."""
+    old, lp, adv, mask, w = random_batch(seed, holes=seed >= 3)
     cfg = actor_cfg(mode, low=10.0 if name == "cispo" else 0.2)
     for weights in (None, w):
         torch.manual_seed(seed)  # clip_cov draws its tokens with torch's global generator, as verl
@@ -234,6 +282,12 @@ def test_the_batches_exercise_the_clips_and_the_selections():
     for name in ("gspo", "clip_cov", "geo_mean"):
         assert float(POLICY_LOSSES[name](old, lp, adv, mask, cfg)[1]["pg_clipfrac"]) > 0, name
     assert float(POLICY_LOSSES["cispo"](old, lp, adv, mask, actor_cfg(low=0.2))[1]["pg_clipfrac"]) > 0
+    for name in ("dppo_tv", "dppo_kl"):  # tokens dropped, and kept tokens' ratios truncated at clip_ratio_c
+        m = POLICY_LOSSES[name](old, lp, adv, mask, actor_cfg(low=0.02, high=0.02))[1]
+        assert 0 < float(m["pg_clipfrac"]) < 1, name
+    truncating = actor_cfg()
+    truncating.clip_ratio_c = 1.2
+    assert float(POLICY_LOSSES["dppo_tv"](old, lp, adv, mask, truncating)[1]["pg_clipfrac_lower"]) > 0
     unpenalised = POLICY_LOSSES["kl_cov"](old, lp, adv, mask, actor_cfg(ppo_kl_coef=0.0))[0]
     assert not torch.allclose(POLICY_LOSSES["kl_cov"](old, lp, adv, mask, cfg)[0], unpenalised)
     # with verl's defaults (a 0.0002 share: at least one token) the selections still pick one token each
@@ -247,7 +301,7 @@ def test_the_batches_exercise_the_clips_and_the_selections():
 
 
 @pytest.mark.parametrize("name", ["gspo", "sapo", "geo_mean", "cispo"])
-@pytest.mark.parametrize("mode", MODES + ["seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", MODES)
 def test_split_micro_batches_with_global_counts_sum_to_the_whole(name, mode):
     """Where verl's loss is split-invariant (no per-batch selection), two micro-batches given the
     mini-batch's counts add up to the whole batch's loss and gradient. (clip_cov and kl_cov pick
@@ -271,9 +325,13 @@ def test_the_entries_declare_what_their_clip_ratios_bound_and_the_keys_they_own(
                                               "policy_loss.clip_cov_ub")
     assert POLICY_LOSSES["kl_cov"].keys == ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef")
     assert POLICY_LOSSES["sapo"].keys == ("tau_pos", "tau_neg")
-    # verl's defaults (actor.yaml / PolicyLossConfig / ActorConfig at b178a3c)
+    assert POLICY_LOSSES["dro"].keys == ("policy_loss.dro_beta",)
+    assert POLICY_LOSSES["dppo_tv"].clip is DIVERGENCE and POLICY_LOSSES["dppo_kl"].clip is DIVERGENCE
+    # verl 0.9.1's defaults (PolicyLossConfig / ActorConfig; its rollout_correction is
+    # algorithm.rollout_correction here)
     assert vars(ActorConfig().policy_loss) == dict(loss_mode="vanilla", clip_cov_ratio=0.0002, clip_cov_lb=1.0,
-                                                   clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=0.1)
+                                                   clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=0.1,
+                                                   dro_beta=None)
     assert (ActorConfig().tau_pos, ActorConfig().tau_neg) == (1.0, 1.05)
 
 
@@ -320,6 +378,7 @@ def test_each_loss_trains_through_the_actor_with_its_metrics(name):
         cfg = ActorConfig(ppo_micro_batch_size_per_gpu=micro, clip_ratio_low=10.0 if name == "cispo" else 0.2,
                           clip_ratio_high=0.28)
         cfg.policy_loss.loss_mode = name
+        cfg.policy_loss.dro_beta = 0.3 if name == "dro" else None
         actor = Actor(model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim)))
         lp, _ = actor.compute_log_prob(b, 6, False, 10_000)
         batch = dict(b, old_log_probs=lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
@@ -332,3 +391,29 @@ def test_each_loss_trains_through_the_actor_with_its_metrics(name):
         assert all(torch.isfinite(g).all() for g in results[-1])
     if name not in ("clip_cov", "kl_cov"):
         torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-5)
+
+
+def test_dro_needs_its_beta_and_bypass_mode_needs_bypass_at_the_dry_run():
+    with pytest.raises(ConfigError, match=r"policy_loss.dro_beta=None: policy_loss.loss_mode=dro needs a positive beta"):
+        load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=dro"])
+    cfg, _ = load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=dro", f"{KEY}policy_loss.dro_beta=0.1"])
+    assert cfg.actor_rollout_ref.actor.policy_loss.dro_beta == 0.1
+    with pytest.raises(ConfigError, match=r"policy_loss.dro_beta=0.1 is read only by policy_loss.loss_mode=dro"):
+        load_config("tiny_klppo", [f"{KEY}policy_loss.dro_beta=0.1"])
+    with pytest.raises(ConfigError, match=r"loss_mode=bypass_mode is the loss of algorithm.rollout_correction."
+                                          r"bypass_mode=true"):
+        load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=bypass_mode"])
+    load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true"])
+    cfg, _ = load_config("tiny_klppo", [f"{KEY}loss_agg_mode=token-sum"])
+    assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-sum"
+
+
+def test_bypass_mode_is_ppos_clipped_ratio_with_the_weights_reported_not_applied():
+    """verl's bypass_mode loss with loss_type ppo_clip: vanilla PPO against the engine's log-probs,
+    the IS weights not applied (the ratio is already current / engine)."""
+    old, lp, adv, mask, w = random_batch(2, holes=True)
+    cfg = actor_cfg("token-mean")
+    ours, m = POLICY_LOSSES["bypass_mode"](old, lp, adv, mask, cfg, is_weights=w)
+    ref, ref_m = POLICY_LOSSES["vanilla"](old, lp, adv, mask, cfg)
+    torch.testing.assert_close(ours, ref)
+    assert m.keys() == ref_m.keys()

@@ -188,6 +188,97 @@ def test_a_checkpoint_without_checksums_resumes_and_one_that_does_not_load_falls
         ckpt.resume(cfg, tmp_path, {"actor": _model_and_optimizer(1)}, log=lambda *_: None)
 
 
+def test_save_contents_choose_what_a_checkpoint_holds_and_a_resume_says_what_it_lacks(tmp_path):
+    """verl's checkpoint.save_contents / load_contents: a model-only checkpoint loads the model and
+    says that the optimizer and the schedule start fresh; an hf_model-only one (verl's GMPO line)
+    holds a Hugging Face model transformers loads, and a resume passes over it, saying why."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_hpc.models.hf import build_causal_lm
+    model, optimizer = _model_and_optimizer(0)
+    optimizer.zero_grad()
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()  # (an optimizer with state to leave out)
+    full = ckpt.save_checkpoint(tmp_path, 1, {"actor": (model, optimizer)}, {"global_step": 1})
+    only_model = ckpt.save_checkpoint(tmp_path, 2, {"actor": (model, optimizer)}, {"global_step": 2},
+                                      contents={"actor": {"model"}})
+    assert ckpt.saved_contents(full) == {"actor": {"model", "optimizer", "extra"}}
+    assert ckpt.saved_contents(only_model) == {"actor": {"model"}} and not (only_model / "rng").exists()
+    assert sum(f.stat().st_size for f in (only_model / "actor").iterdir()) < \
+        sum(f.stat().st_size for f in (full / "actor").iterdir()) / 2  # no Adam moments
+    cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={tmp_path}"], check_files=False)
+    fresh, fresh_optimizer = _model_and_optimizer(1)
+    said = []
+    path, extra = ckpt.resume(cfg, tmp_path, {"actor": (fresh, fresh_optimizer)}, said.append)
+    assert path == only_model and extra == {"global_step": 2}
+    assert torch.equal(fresh.weight, model.weight) and not fresh_optimizer.state  # the model; a fresh optimizer
+    assert said == [f"[rlhf-hpc] {only_model}: the actor's checkpoint holds no optimizer state (the optimizer starts "
+                    f"fresh): it was saved with actor.checkpoint.save_contents=['model']",
+                    f"[rlhf-hpc] {only_model}: the actor's checkpoint holds no LR schedule or RNG states (the schedule "
+                    f"starts over; the RNG is seeded anew): it was saved with actor.checkpoint.save_contents=['model']"]
+    # load_contents without the optimizer: none loaded, nothing said
+    fresh, fresh_optimizer = _model_and_optimizer(1)
+    said = []
+    ckpt.resume(cfg, tmp_path, {"actor": (fresh, fresh_optimizer)}, said.append, load={"actor": {"model"}})
+    assert said == [] and not fresh_optimizer.state
+    # hf_model alone: a Hugging Face model, no shards; passed over by a resume, refused by name
+    lm = build_causal_lm("tiny://qwen2", torch.float32, "cpu", seed=0)
+    mcfg = SimpleNamespace(path="tiny://qwen2", override_config={}, trust_remote_code=False, tokenizer_path=None)
+    hf_only = ckpt.save_checkpoint(tmp_path / "lm", 3, {"actor": (lm, torch.optim.AdamW(lm.parameters()))},
+                                   {"global_step": 3}, contents={"actor": {"hf_model"}},
+                                   hf_writer=lambda name, m, out: ckpt.save_hf_model(m, mcfg, out, "float32"))
+    assert sorted(p.name for p in (hf_only / "actor").iterdir()) == [ckpt.HF_DIR]
+    back = AutoModelForCausalLM.from_pretrained(hf_only / "actor" / ckpt.HF_DIR)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in lm.state_dict().items())
+    assert ckpt.verify_checkpoint(hf_only) is None
+    why = ckpt.model_missing(hf_only, None)
+    assert why == (f"its actor holds no model shards (saved with save_contents=['hf_model']), so no run can continue "
+                   f"from it; its Hugging Face model {hf_only / 'actor' / ckpt.HF_DIR} can start a new run (model.path)")
+    cfg, _ = load_config("tiny_klppo", [f"trainer.resume_mode={hf_only}"], check_files=False)
+    with pytest.raises(RuntimeError, match="holds no model shards"):
+        ckpt.resume(cfg, tmp_path / "lm", {"actor": (lm, None)})
+    export = ckpt.export_hf(hf_only, tmp_path / "export")  # (its Hugging Face model is the export)
+    assert (export / "model.safetensors").is_file()
+
+
+def test_checkpoint_contents_are_verls_and_checked_at_the_dry_run():
+    key = "actor_rollout_ref.actor.checkpoint"
+    cfg, warnings = load_config("tiny_klppo", [f"{key}.save_contents=['hf_model']", "trainer.save_freq=10"],
+                                check_files=False)
+    assert cfg.actor_rollout_ref.actor.checkpoint.save_contents == ["hf_model"]
+    assert any("writes no model and no optimizer state: the stability guard cannot roll back" in w for w in warnings)
+    for extra, message in (([f"{key}.save_contents=[model,weights]"], "each entry one of model, optimizer, extra, hf_model"),
+                           ([f"{key}.load_contents=[optimizer]"], "a resume that loads no model is a new run"),
+                           (["critic.checkpoint.save_contents=[model,hf_model]"], "hf_model is written for the actor only"),
+                           ([f"{key}.save_contents=[model,hf_model]", "actor_rollout_ref.model.lora_rank=8"],
+                            "hf_model with LoRA")):
+        with pytest.raises(ConfigError, match=message):
+            load_config("tiny_klppo", extra, check_files=False)
+
+
+@pytest.mark.slow
+def test_the_trainer_writes_what_save_contents_names_and_resumes_saying_what_is_missing(tmp_path):
+    """tiny_klppo on 2 ranks: the actor's checkpoints with hf_model (a Hugging Face model equal to the
+    export of the same checkpoint), the critic's with its model only; a resume from step 1 loads the
+    models and, where the resumed run's critic asks for them (its default load_contents), says that
+    the critic's optimizer and schedule start fresh."""
+    from transformers import AutoModelForCausalLM
+    common = ["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+              "critic.checkpoint.save_contents=[model]"]
+    train(tmp_path / "run", *common, "trainer.total_training_steps=2", "trainer.save_freq=1")
+    step1 = tmp_path / "run" / "global_step_1"
+    assert ckpt.saved_contents(step1) == {"actor": {"model", "optimizer", "extra", "hf_model"}, "critic": {"model"}}
+    ours = AutoModelForCausalLM.from_pretrained(step1 / "actor" / ckpt.HF_DIR)
+    exported = AutoModelForCausalLM.from_pretrained(ckpt.export_hf(step1, tmp_path / "export", dtype="float32"))
+    assert all(torch.equal(v, exported.state_dict()[k]) for k, v in ours.state_dict().items())
+    out = train(tmp_path / "resumed", common[0], "trainer.total_training_steps=2", f"trainer.resume_mode={step1}")
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "holds no" in line]
+    assert len(said) == 2 and all("the critic's checkpoint holds no" in line for line in said), \
+        out.stdout[-3000:] + out.stderr[-3000:]
+
+
 def test_checkpoint_state_is_loaded_without_arbitrary_code(tmp_path):
     model = torch.nn.Linear(4, 4)
     path = _save(tmp_path, 1, model)

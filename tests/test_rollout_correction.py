@@ -358,6 +358,57 @@ def test_two_ranks_holding_halves_give_the_whole_batchs_numbers():
             torch.testing.assert_close(torch.cat([w0, w1]), w, rtol=1e-6, atol=0)
 
 
+# ------------------------------------------------------------------------- all in, all out
+ALL_IN = [RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0),
+          RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e6),
+          RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.001_1000"),
+          RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.001_1000",
+                                  rollout_is_batch_normalize=True),
+          RolloutCorrectionConfig(rollout_rs=",".join(RS_OPTIONS), rollout_rs_threshold=",".join(
+              "0.001_1000" if o.endswith("k1") else "1e9" for o in RS_OPTIONS))]
+ALL_OUT = [RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="1000_2000"),
+           RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000"),
+           RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000",
+                                   rollout_is_batch_normalize=True),
+           RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="1000_2000",
+                                   rollout_is_batch_normalize=True),
+           *[RolloutCorrectionConfig(rollout_rs=o, rollout_rs_threshold="1000_2000" if o.endswith("k1") else "1e-12")
+             for o in RS_OPTIONS],
+           RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000",
+                                   rollout_rs="seq_mean_k1", rollout_rs_threshold="1000_2000")]
+
+
+@pytest.mark.parametrize("cfg, everything_out", [(c, False) for c in ALL_IN] + [(c, True) for c in ALL_OUT],
+                         ids=[f"in-{c.rollout_is}-{c.rollout_is_threshold}-{c.rollout_rs}" for c in ALL_IN]
+                         + [f"out-{c.rollout_is}-{c.rollout_is_threshold}-{c.rollout_rs}" for c in ALL_OUT])
+def test_no_threshold_divides_by_an_empty_set_and_an_all_rejected_batch_trains_nothing(cfg, everything_out):
+    """Every IS threshold form at token and sequence level, every RS option: with every row kept and
+    with every row rejected (a window no weight falls in; verl 0.9.1 divides by zero in
+    rollout_is_eff_sample_size there), every figure is finite, and an all-rejected batch gives a loss
+    of 0 and no gradient (the step trains nothing on it and goes on), what happened in the metrics."""
+    old, rollout, mask = batch(3)
+    w, new, m = rollout_correction(old, rollout, mask, cfg)
+    assert all(math.isfinite(v) for v in m.values()), {k: v for k, v in m.items() if not math.isfinite(v)}
+    kept = (new * (w if w is not None else 1.0) != 0) & (mask > 0)
+    assert (not kept.any()) if everything_out else torch.equal(kept, mask > 0)
+    if everything_out and cfg.rollout_is is not None:
+        assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(1.0)  # (the masked mean's 1e-8)
+        assert m["rollout_corr/rollout_is_eff_sample_size"] == 0.0
+        assert m["rollout_corr/rollout_is_mean"] == 0.0
+    if everything_out and cfg.rollout_rs is not None:
+        assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1.0)
+    lp = (old + 0.1).requires_grad_(True)
+    adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(0)) * mask
+    for mode in algos.LOSS_AGG_MODES:
+        tokens, seqs = algos.global_batch_counts(new)
+        loss, pm = policy_losses.ppo_clip_loss(old, lp, adv, new, loss_agg_mode=mode, is_weights=w,
+                                               global_tokens=tokens, global_seqs=seqs)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and all(torch.isfinite(v) for v in pm.values())
+        if everything_out:
+            assert loss.item() == 0.0 and not grad.any(), mode
+
+
 # ------------------------------------------------------------------------------------ the losses
 def test_is_weights_multiply_the_clipped_loss_per_token():
     old, rollout, mask = batch(5)

@@ -97,8 +97,6 @@ def dry_run(args: list[str], capsys) -> tuple[int, str]:
     ("reward_model.rollout.name=vllm", "the reward loop"),
     ("reward_model.num_workers=8", "the reward loop"),
     ("actor_rollout_ref.model.use_fused_kernels=True", "fused log-prob kernels"),
-    ("algorithm.use_pf_ppo=True", "PF-PPO"),
-    ("algorithm.pf_ppo.reweight_method=pow", "PF-PPO"),
     ("+reward_model.reward_kwargs.format_score=0.1", "other keyword arguments of the reward manager"),
     ("trainer.use_legacy_worker_impl=disable", "worker implementations"),
     ("reward_model.enable_resource_pool=True", "a separate resource pool for the reward model"),
@@ -106,9 +104,6 @@ def dry_run(args: list[str], capsys) -> tuple[int, str]:
     ("reward_model.micro_batch_size=8", "use reward_model.micro_batch_size_per_gpu"),
     ("actor_rollout_ref.rollout.trace.token2text=True", "rollout tracing"),
     ("actor_rollout_ref.rollout.trace.backend=mlflow", "rollout tracing"),
-    ("actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]", "choosing a checkpoint's contents"),
-    ("actor_rollout_ref.actor.entropy_checkpointing=True", "entropy_checkpointing"),
-    ("actor_rollout_ref.ref.entropy_from_logits_with_chunking=True", "chunked entropy from logits"),
     ("actor_rollout_ref.ref.use_torch_compile=True", "torch.compile"),
     ("actor_rollout_ref.model.enable_activation_offload=True", "activation offloading"),
     ("actor_rollout_ref.actor.use_prefix_grouper=True", "the prefix grouper"),
@@ -151,10 +146,11 @@ def test_hydra_plus_keys_add_or_override_a_key(tmp_path):
 # verl values accepted and dropped: verl's defaults of features not here, and values asking for what
 # happens here anyway (the engine's log-probs, LoRA's weight loading, single-turn async generation)
 VERL_VALUES_ACCEPTED = [
-    "actor_rollout_ref.actor.checkpoint.save_contents=['model','optimizer','extra']",
-    "critic.checkpoint.save_contents=[extra,model,optimizer]", "actor_rollout_ref.actor.checkpoint.async_save=False",
+    "actor_rollout_ref.actor.checkpoint.async_save=False",
     "actor_rollout_ref.actor.entropy_checkpointing=False", "actor_rollout_ref.ref.entropy_checkpointing=False",
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking=False",
+    # what the entropy always gets here (verl's GSPO 3B line sets entropy_checkpointing=true)
+    "actor_rollout_ref.actor.entropy_checkpointing=True", "actor_rollout_ref.ref.entropy_from_logits_with_chunking=True",
     "actor_rollout_ref.rollout.trace.token2text=False", "actor_rollout_ref.rollout.trace.backend=null",
     "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker=null",
     "actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.rollout.load_format=safetensors",
@@ -403,3 +399,64 @@ def test_verl_example_scripts_dry_run_as_they_are(name, tmp_path, capsys):
     args = verl_args(VERL_EXAMPLES[name], str(tmp_path))
     rc, err = dry_run(args if any(a.startswith("cluster=") for a in args) else [*args, "cluster=local"], capsys)
     assert rc == 0, err
+
+
+# verl's Qwen3-30B-A3B GSPO expert-parallel line (b178a3c examples/gspo_trainer/test_gspo_qwen30b_a3b_ep.sh,
+# its variables substituted): the Megatron backend's keys are refused by name, each with what does its
+# job under FSDP2 here, never as unknown keys
+VERL_GSPO_30B_EP = """
+    --config-path=config --config-name=ppo_megatron_trainer.yaml
+    data.train_files=$HOME/data/dapo-math-17k.parquet data.val_files=['$HOME/data/aime-2024.parquet']
+    data.prompt_key=prompt data.return_raw_chat=True data.truncation=left data.max_prompt_length=2048
+    data.max_response_length=8192 data.train_batch_size=256 actor_rollout_ref.rollout.n=16
+    actor_rollout_ref.actor.policy_loss.loss_mode=gspo algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False
+    algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
+    actor_rollout_ref.actor.clip_ratio_low=3e-4 actor_rollout_ref.actor.clip_ratio_high=4e-4
+    actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240 actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B-Base
+    actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=32
+    actor_rollout_ref.actor.optim.clip_grad=1.0 actor_rollout_ref.actor.loss_agg_mode=token-mean
+    actor_rollout_ref.actor.megatron.param_offload=True actor_rollout_ref.actor.megatron.optimizer_offload=True
+    actor_rollout_ref.actor.megatron.grad_offload=True actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4
+    actor_rollout_ref.actor.megatron.expert_model_parallel_size=4
+    actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1
+    actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1 actor_rollout_ref.ref.megatron.tensor_model_parallel_size=4
+    actor_rollout_ref.ref.megatron.expert_model_parallel_size=4 actor_rollout_ref.ref.megatron.param_offload=True
+    actor_rollout_ref.actor.megatron.use_mbridge=True
+    +actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32
+    +actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform
+    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    trainer.n_gpus_per_node=8 trainer.nnodes=2
+"""
+
+
+def test_verls_megatron_keys_are_refused_by_name_with_their_fsdp2_equivalents(tmp_path, capsys):
+    rc, err = dry_run([*verl_args(VERL_GSPO_30B_EP, str(tmp_path)), "cluster=local"], capsys)
+    assert rc == 2 and "unknown key" not in err and "Traceback" not in err, err
+    megatron = [line for line in err.splitlines() if ".megatron." in line]
+    assert len(megatron) == 14, err  # every megatron.* key of the line, one line each
+    # --config-name=ppo_megatron_trainer.yaml is verl's Megatron strategy
+    assert "actor_rollout_ref.actor.strategy='megatron': the Megatron backend" in err
+    assert all("the Megatron backend" in line and "is not available in rlhf-hpc" in line for line in megatron), err
+    assert ("actor_rollout_ref.actor.megatron.param_offload=True: the Megatron backend (FSDP2 trains here; "
+            "actor_rollout_ref.actor.fsdp_config.param_offload)") in err
+    assert "expert_model_parallel_size=4: the Megatron backend (FSDP2 trains here; FSDP2 shards every weight, " \
+           "experts included, over actor_rollout_ref.actor.fsdp_config.fsdp_size ranks" in err
+    assert "actor_rollout_ref.actor.optim.clip_grad=1.0: Megatron's optimizer key clip_grad (FSDP2 trains here; its " \
+           "gradient clip is actor_rollout_ref.actor.grad_clip)" in err
+    rc, err = dry_run([*verl_args(VERL_GRPO, str(tmp_path)), "actor_rollout_ref.actor.strategy=megatron",
+                       "cluster=local"], capsys)
+    assert rc == 2 and "strategy='megatron': the Megatron backend (strategy: fsdp or fsdp2" in err, err
+
+
+def test_verls_hydra_config_options_name_the_base_or_are_refused(tmp_path, capsys):
+    base = [*verl_args(VERL_GRPO, str(tmp_path)), "cluster=local"]
+    for options in (["--config-path=config", "--config-name=ppo_trainer"], ["--config-name", "ppo_trainer.yaml"]):
+        rc, err = dry_run([*options, *base], capsys)
+        assert rc == 0, err
+    for option, message in (("--config-name=my_exp", "verl config files other than ppo_trainer are not read here"),
+                            ("--config-name=ppo_veomni_trainer", "the VeOmni backend"),
+                            ("--config-path=/home/me/configs", "a config directory of your own is not read here")):
+        rc, err = dry_run([option, *base], capsys)
+        assert rc == 2 and message in err and "recipe" in err or "VeOmni" in message, err

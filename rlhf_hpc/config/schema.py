@@ -25,7 +25,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
 
 KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
                  "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"]
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
@@ -142,6 +142,18 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0  # clip_cov: upper bound of that covariance
     kl_cov_ratio: float = 0.0002  # kl_cov: share of the valid tokens (largest covariance) given the KL penalty
     ppo_kl_coef: float = 0.1  # kl_cov: coefficient of |log pi - log pi_old| on those tokens
+    dro_beta: Optional[float] = None  # dro: weight of the quadratic log-ratio penalty (required, > 0)
+
+
+@dataclass
+class CheckpointConfig:
+    """verl's ``checkpoint`` of a trained model: what each of its checkpoints holds (``model``: its
+    shards; ``optimizer``: the optimizer's state; ``extra``: its LR schedule, and for the actor every
+    rank's RNG state; ``hf_model``: a Hugging Face model directory, ``<model>/huggingface``, in its
+    compute dtype) and what a resume loads (null: what is saved, as verl's ``${.save_contents}``).
+    The trainer's own position (step, data, KL controller) is always saved (rlhf_hpc/ppo/checkpoint.py)."""
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    load_contents: Optional[list[str]] = None
 
 
 @dataclass
@@ -174,6 +186,7 @@ class ActorConfig:
     calculate_sum_pi_squared: bool = False
     sum_pi_squared_checkpointing: bool = False  # verl's; only false here (the sum never has a graph)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -253,6 +266,7 @@ class CriticConfig:
     enable: Optional[bool] = None  # null -> enabled exactly when the estimator needs a critic (gae)
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     # "actor": null takes the actor's value, as verl interpolates it (${oc.select:actor_rollout_ref.actor...})
     ppo_mini_batch_size: Optional[int] = None  # actor
@@ -366,6 +380,13 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class PfPpoConfig:
+    """verl's ``algorithm.pf_ppo``: how a response's score weighs its draws."""
+    reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
+    weight_pow: float = 2.0  # pow: |score| ^ weight_pow
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 1.0
@@ -376,6 +397,14 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # gdpo: the keys of the reward function's dict result normalised apart (GRPO per key), and their
+    # weights in the sum (null: 1 each); read only by adv_estimator=gdpo (verl's)
+    gdpo_reward_keys: Optional[list[str]] = None
+    gdpo_reward_weights: Optional[list[float]] = None
+    # PF-PPO (rlhf_hpc/ops/pf_ppo.py): after the advantages, the step's responses resampled with
+    # replacement, weighted by their scores; with adv_estimator=gae only, as verl
+    use_pf_ppo: bool = False
+    pf_ppo: PfPpoConfig = field(default_factory=lambda: PfPpoConfig())
 
 
 @dataclass

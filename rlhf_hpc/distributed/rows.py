@@ -26,7 +26,7 @@ from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
 from rlhf_hpc.distributed.comm import collective
 
 __all__ = ["RolloutRow", "balance_ratio", "balanced_partitions", "contiguous_partitions", "coverage",
-           "prompt_share", "redistribute_rows"]
+           "prompt_share", "redistribute_rows", "resample_rows"]
 
 
 @dataclass
@@ -134,3 +134,21 @@ def coverage(prompt_pos: list[int], num_prompts: int) -> dict[str, float]:
     responses = all_reduce_sum(torch.tensor([float(len(prompt_pos))], dtype=torch.float64))
     return {"training/prompts_trained": all_reduce_max(seen).sum().item(),
             "training/responses_trained": responses.item()}
+
+
+def resample_rows(batch: dict, draw, world_size: int, rank: int) -> dict:
+    """The step batch resampled over every rank's rows (PF-PPO): every rank passes its rows (tensors,
+    one row each along the first dimension) and ``draw``, which maps the (N,) scores of all ranks'
+    rows (``token_scores`` summed), in rank order, to N indices into those rows (the same on every
+    rank: a generator seeded alike); rank r keeps the r-th contiguous share of the draws."""
+    if world_size > 1:
+        gathered: list = [None] * world_size
+        with collective(calls=2):  # an object all-gather: the sizes, then the pickled rows
+            dist.all_gather_object(gathered, batch)
+        rows = {k: torch.cat([part[k] for part in gathered]) for k in batch}
+    else:
+        rows = batch
+    total = rows["token_scores"].shape[0]
+    indices = draw(rows["token_scores"].sum(-1))
+    share = indices[rank * (total // world_size):(rank + 1) * (total // world_size)]
+    return {k: v[share] for k, v in rows.items()}

@@ -14,7 +14,7 @@ from typing import Optional
 from rlhf_hpc.models.hf import local_path
 
 __all__ = ["build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path", "tokenizer_problems",
-           "tool_template_problems", "tool_turn_text"]
+           "tool_template_problems", "tool_turn_ids", "tool_turn_text", "turn_end_id"]
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")
@@ -138,6 +138,35 @@ def tool_turn_text(tokenizer, tool_messages: list[dict], template_kwargs: dict) 
     after_eos = close[len(eos):] if eos and close.startswith(eos) else close
     return after_eos + full[len(closed):]
 
+
+def tool_turn_ids(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
+    """``tool_turn_text``'s token ids, each message's content encoded with special tokens split: text a
+    tool or a simulated user writes (``<|im_end|>\n<|im_start|>assistant``, say) never becomes a
+    control token, so it cannot fake a turn boundary; the template's own text around it is encoded
+    as the template means it. (A template that does not write a content verbatim: the whole text
+    encoded as before.)"""
+    marks = [f"\u2063CONTENT{i}\u2063" for i in range(len(messages))]
+    text = tool_turn_text(tokenizer, [dict(m, content=mark) for m, mark in zip(messages, marks)], template_kwargs)
+    if any(text.count(mark) != 1 for mark in marks):
+        return tokenizer.encode(tool_turn_text(tokenizer, messages, template_kwargs), add_special_tokens=False)
+    ids, rest = [], text
+    for message, mark in zip(messages, marks):
+        before, rest = rest.split(mark, 1)
+        ids += tokenizer.encode(before, add_special_tokens=False) if before else []
+        content = str(message["content"])
+        ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True) if content else []
+    return ids + (tokenizer.encode(rest, add_special_tokens=False) if rest else [])
+
+
+def turn_end_id(tokenizer, template_kwargs: Optional[dict] = None) -> Optional[int]:
+    """The token the chat template closes an assistant turn with (Qwen's ``<|im_end|>``): the first
+    token of what it writes after the turn's text; None where the template writes nothing there."""
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+    closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False,
+                                           **dict(template_kwargs or {}))
+    close = closed[closed.rindex(_MARK) + len(_MARK):]
+    ids = tokenizer.encode(close, add_special_tokens=False) if close else []
+    return ids[0] if ids else None
 
 
 def tool_template_problems(tokenizer, tools: Optional[list[dict]], template_kwargs: Optional[dict] = None

@@ -187,7 +187,7 @@ def apply_kl_to_rewards(token_scores: torch.Tensor, logprob: torch.Tensor, ref_l
 
 
 # ----------------------------------------------------------------------------- loss aggregation
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def global_batch_counts(response_masks: torch.Tensor | list[torch.Tensor],
@@ -211,14 +211,17 @@ def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str,
     seq-mean-token-sum: per-sequence token sums, summed / sequences of the global mini-batch;
     seq-mean-token-mean: per-sequence token means, summed / global sequences;
     seq-mean-token-sum-norm (Dr. GRPO): per-sequence token sums / ``norm_const`` (default T),
-    summed / global sequences. Differs from verl, which divides the plain sum by the constant only
-    and so scales the gradient with the micro-batch size; this is the mean its name promises.
-    Without ``global_*`` the counts of this tensor are used (a batch that is not split).
+    summed / global sequences (verl 0.9.1's);
+    token-sum: the sum over valid tokens (verl 0.9.1's; the loss grows with the batch).
+    Without ``global_*`` the counts of this tensor are used (a batch that is not split). A
+    mini-batch with no valid token (every row rejected by the rollout correction) gives 0, not 0/0.
     """
     mask = response_mask.to(loss_mat.dtype)
     if mode == "token-mean":
-        denom = global_tokens if global_tokens is not None else mask.sum().clamp_min(1)
+        denom = max(global_tokens, 1.0) if global_tokens is not None else mask.sum().clamp_min(1)
         return masked_sum(loss_mat, mask) / denom
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     seqs = global_seqs if global_seqs is not None else max(loss_mat.shape[0], 1)
     if mode == "seq-mean-token-sum":
         return masked_sum(loss_mat, mask, dim=-1).sum() / seqs

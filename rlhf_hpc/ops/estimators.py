@@ -58,6 +58,7 @@ class AdvantageInputs:
     old_log_probs: Optional[torch.Tensor] = None
     sum_pi_squared: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
+    reward_components: Optional[torch.Tensor] = None  # (B, K): gdpo's reward keys, per row
 
     @property
     def groups(self) -> dict:
@@ -76,17 +77,20 @@ class Estimator:
     needs_greedy_baseline: bool = False
     alone: str = "score"
     needs_sum_pi_squared: bool = False
+    needs_reward_components: bool = False
 
 
 ADV_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", "algorithm.adv_estimator")
 
 
 def register_adv_est(name: str, needs_critic: bool = False, grouped: bool = False,
-                     needs_greedy_baseline: bool = False, alone: str = "score", needs_sum_pi_squared: bool = False):
+                     needs_greedy_baseline: bool = False, alone: str = "score", needs_sum_pi_squared: bool = False,
+                     needs_reward_components: bool = False):
     if alone not in ("score", "zero", "error"):
         raise ValueError(f"advantage estimator '{name}': alone={alone!r} is none of score, zero, error")
     return ADV_ESTIMATORS.decorator(name, lambda fn: Estimator(name, fn, needs_critic, grouped,
-                                                               needs_greedy_baseline, alone, needs_sum_pi_squared))
+                                                               needs_greedy_baseline, alone, needs_sum_pi_squared,
+                                                               needs_reward_components))
 
 
 def compute_advantages(cfg, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,9 +185,9 @@ def grpo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, in
     Args: token_rewards, response_mask (B, T); index: group id per row (B,) (responses to the same
     prompt share one). score = sum of the row's token rewards. ``norm_by_std=False`` is Dr. GRPO.
     Groups spanning ranks: ``all_reduce`` and ``num_groups`` as in ``group_stats``. ``var_floor``:
-    the group variance is taken as at least this (verl's ``grpo_vectorized`` floors it at eps, so a
-    group whose scores differ by less than ~1e-3 is not blown up). Returns (advantages, returns),
-    both (B, T), equal, zero where masked.
+    the group variance is taken as at least this (0: none, as verl 0.9.1's ``grpo`` and
+    ``grpo_vectorized``; verl before 0.9.1 floored the vectorized one's at 1e-6). Returns
+    (advantages, returns), both (B, T), equal, zero where masked.
     """
     mask = response_mask.to(token_rewards.dtype)
     scores = token_rewards.sum(-1)  # as verl: a row rejected by rollout_rs still counts in its group
@@ -216,17 +220,20 @@ def rloo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, in
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
                             all_reduce: AllReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted return-to-go per token (reset at masked positions), whitened over
-    the batch (global with ``all_reduce``). Returns (advantages, returns), (B, T)."""
+    """REINFORCE++: discounted return-to-go over the valid tokens, whitened over the batch (global
+    with ``all_reduce``). A masked position inside a response (a tool's or a user's turn) carries the
+    return through unchanged, undiscounted, and adds no reward, as verl 0.9.1 (earlier verl reset
+    it there, so a multi-turn response's first turns saw none of the final reward). Returns
+    (advantages, returns), (B, T), zero where masked."""
     mask = response_mask.to(token_rewards.dtype)
     running = torch.zeros_like(token_rewards[:, 0])
     returns = torch.zeros_like(token_rewards)
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
+        step = (token_rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = step
+        running = step + running * (1 - mask[:, t])
     adv = masked_whiten(returns, mask, all_reduce=all_reduce) * mask
-    return adv, returns * mask
+    return adv, returns
 
 
 def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
@@ -422,12 +429,12 @@ def gpg(x: AdvantageInputs, cfg):
     return gpg_advantages(x.token_rewards, x.response_mask, x.index, **x.groups)
 
 
-# verl's vectorized implementations: the same maths, and verl's edge cases (the variance floor; a
-# group of one gets 0)
+# verl's vectorized implementations: the same maths, and verl's edge cases (rloo_vectorized: a group
+# of one gets 0; grpo_vectorized: no variance floor in 0.9.1, as grpo)
 @register_adv_est("grpo_vectorized", grouped=True)
 def grpo_vectorized(x: AdvantageInputs, cfg):
     return grpo_advantages(x.token_rewards, x.response_mask, x.index, norm_by_std=cfg.norm_adv_by_std_in_grpo,
-                           var_floor=1e-6, **x.groups)
+                           **x.groups)
 
 
 @register_adv_est("rloo_vectorized", grouped=True, alone="zero")
@@ -463,12 +470,14 @@ def _otb_inputs(x: AdvantageInputs, name: str) -> tuple[torch.Tensor, torch.Tens
 
 
 # verl's Optimal Token Baseline: a baseline per token position, weighted by the path-variance proxy
-# that the actor's sum pi^2 gives (and the rollout correction's IS weights, squared, where there are any)
+# that the actor's sum pi^2 gives (and the rollout correction's IS weights, squared, where there are any);
+# the strictly longest response's tail past the second longest gets no baseline (verl 0.9.1's default,
+# which its trainer never changes)
 @register_adv_est("optimal_token_baseline", grouped=True, needs_sum_pi_squared=True)
 def optimal_token_baseline(x: AdvantageInputs, cfg):
     lp, spi2 = _otb_inputs(x, "optimal_token_baseline")
     return optimal_token_baseline_advantages(x.token_rewards, x.response_mask, x.index, lp, spi2,
-                                             x.rollout_is_weights, handle_zero_tail=False, **x.groups)
+                                             x.rollout_is_weights, handle_zero_tail=True, **x.groups)
 
 
 @register_adv_est("tir_optimal_token_baseline", grouped=True, needs_sum_pi_squared=True)
@@ -477,3 +486,31 @@ def tir_optimal_token_baseline(x: AdvantageInputs, cfg):
     return optimal_token_baseline_advantages(x.token_rewards, x.response_mask, x.index, lp, spi2,
                                              x.rollout_is_weights, handle_zero_tail=True, by_valid_token=True,
                                              **x.groups)
+
+
+def gdpo_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                    components: Optional[torch.Tensor] = None, weights: Optional[list[float]] = None,
+                    norm_by_std: bool = True, eps: float = 1e-6, all_reduce: AllReduce = None,
+                    num_groups: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv 2601.05242; verl's ``gdpo``): each reward component normalised within its group apart
+    (GRPO's (r - mean) / (std + eps)), the results summed with ``weights`` (1 each by default), then
+    whitened over the batch (global with ``all_reduce``). ``components`` (B, K): the reward function's
+    values of ``algorithm.gdpo_reward_keys`` per row; None: the score alone (verl's fallback). Returns
+    (advantages, returns), (B, T), equal, zero where masked."""
+    mask = response_mask.to(token_rewards.dtype)
+    columns = [token_rewards] if components is None else [components[:, k:k + 1].to(token_rewards.dtype)
+                                                          for k in range(components.shape[1])]
+    weights = list(weights) if weights is not None else [1.0] * len(columns)
+    if len(weights) != len(columns):
+        raise ValueError(f"gdpo: {len(weights)} weights for {len(columns)} reward components")
+    total = torch.zeros_like(mask)
+    for w, column in zip(weights, columns):
+        total = total + w * grpo_advantages(column, mask, index, norm_by_std, eps, all_reduce, num_groups)[0]
+    adv = masked_whiten(total, mask, all_reduce=all_reduce) * mask
+    return adv, adv
+
+
+@register_adv_est("gdpo", grouped=True, needs_reward_components=True)
+def gdpo(x: AdvantageInputs, cfg):
+    return gdpo_advantages(x.token_rewards, x.response_mask, x.index, x.reward_components, cfg.gdpo_reward_weights,
+                           norm_by_std=cfg.norm_adv_by_std_in_grpo, **x.groups)

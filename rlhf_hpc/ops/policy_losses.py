@@ -29,7 +29,7 @@ import torch
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.ops.algos import agg_loss, masked_mean
 
-__all__ = ["IS_WEIGHT", "LOG_RATIO", "POLICY_LOSSES", "PPO_RATIO", "ClipRange", "PolicyLoss", "PolicyLossFn",
+__all__ = ["DIVERGENCE", "IS_WEIGHT", "LOG_RATIO", "POLICY_LOSSES", "PPO_RATIO", "ClipRange", "PolicyLoss", "PolicyLossFn",
            "ppo_clip_loss", "register_policy_loss", "reinforce_loss"]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict]]
@@ -47,6 +47,8 @@ PPO_RATIO = ClipRange("PPO's ratio pi/pi_old, clipped to [1 - low, 1 + high]", l
 LOG_RATIO = ClipRange("the log-ratio log(pi/pi_old), clipped to [-low, high]")
 IS_WEIGHT = ClipRange("the detached importance weight pi/pi_old, clipped to [1 - low, 1 + high] "
                       "(low >= 1: no lower bound)")
+DIVERGENCE = ClipRange("the divergence of pi from pi_old past which a token loses its gradient (dppo_tv: pi - pi_old; "
+                       "dppo_kl: their binary KL), low for negative advantages, high for positive")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class PolicyLoss:
     fn: PolicyLossFn
     clip: ClipRange = PPO_RATIO
     keys: tuple[str, ...] = ()
+    # the actor config's problems for this loss, one line each (run at the dry run)
+    check: Optional[Callable[[object], list[str]]] = None
+    bypass_only: bool = False  # the loss of algorithm.rollout_correction.bypass_mode=true: refused without it
 
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict]:
         return self.fn(*args, **kwargs)
@@ -65,11 +70,13 @@ class PolicyLoss:
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
 
 
-def register_policy_loss(name: str, clip: ClipRange = PPO_RATIO, keys: tuple[str, ...] = ()):
-    """``@register_policy_loss(name)``: registers the function as ``PolicyLoss(name, fn, clip, keys)``.
+def register_policy_loss(name: str, clip: ClipRange = PPO_RATIO, keys: tuple[str, ...] = (),
+                         check: Optional[Callable[[object], list[str]]] = None, bypass_only: bool = False):
+    """``@register_policy_loss(name)``: registers the function as ``PolicyLoss(name, fn, clip, keys, check)``.
     ``clip``: what its clip ratios bound (PPO_RATIO also for a loss that reads none: the range
-    checks stay PPO's); ``keys``: the actor keys only this loss reads."""
-    return POLICY_LOSSES.decorator(name, lambda fn: PolicyLoss(name, fn, clip, tuple(keys)))
+    checks stay PPO's); ``keys``: the actor keys only this loss reads; ``check``: the actor
+    config's problems for this loss; ``bypass_only``: refused without rollout correction's bypass mode."""
+    return POLICY_LOSSES.decorator(name, lambda fn: PolicyLoss(name, fn, clip, tuple(keys), check, bypass_only))
 
 
 # ------------------------------------------------------------------------------------ the math
@@ -160,9 +167,9 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None
     """GSPO (Zheng et al. 2025, arXiv 2507.18071; verl's ``gspo``): PPO's clip on the sequence-level
     ratio s_i = exp(mean_t(lp - old)) (the length-normalised log-ratio, clamped at 10 in log space),
     written per token as sg[s_i] * pi / sg[pi] so each token's gradient is s_i's. The IS weights
-    multiply each token's loss after the clip. Aggregated as ``seq-mean-token-mean`` whatever
-    ``loss_agg_mode`` says, as verl (which still applies to the entropy and KL terms), with the
-    global counts. Metrics: ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower`` (0, as verl)."""
+    multiply each token's loss after the clip. Aggregated by ``loss_agg_mode`` with the global
+    counts, as verl 0.9.1 (the paper's, and verl's GSPO recipes', is ``seq-mean-token-mean``; before
+    0.9.1 verl always used it). Metrics: ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower`` (0, as verl)."""
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)  # per row, over its valid tokens
@@ -173,7 +180,7 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None
     pg_losses = torch.maximum(loss1, loss2)
     if is_weights is not None:
         pg_losses = pg_losses * is_weights
-    loss = agg_loss(pg_losses, mask, "seq-mean-token-mean", **agg_kwargs)
+    loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
         metrics = {"pg_clipfrac": masked_mean(torch.gt(loss2, loss1).to(mask.dtype), mask),
                    "ppo_kl": masked_mean(-log_ratio, mask),
@@ -327,3 +334,81 @@ def cispo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=Non
                    "ppo_kl": masked_mean(-log_ratio, mask),
                    "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device)}
     return loss, metrics
+
+
+def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights, agg_kwargs, kept_fn):
+    """DPPO (arXiv 2602.04879; verl's ``dppo_tv`` / ``dppo_kl``): -A sg[min(r, clip_ratio_c)] lp on the
+    tokens ``kept_fn(p, p_old, advantages)`` keeps (a divergence within its bound, or moving away from
+    the side the advantage pushes), 0 elsewhere: truncated IS in place of the dual clip. Metrics:
+    ``pg_clipfrac`` (share of dropped tokens), ``ppo_kl``, ``pg_clipfrac_lower`` (kept tokens whose
+    ratio was truncated), as verl."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    truncated = torch.clamp(ratio, max=cfg.clip_ratio_c).detach()
+    kept = kept_fn(torch.exp(log_prob), torch.exp(old_log_prob), advantages).detach().to(log_prob.dtype)
+    pg_losses = -advantages * truncated * log_prob * kept
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
+    loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": masked_mean(1.0 - kept, mask),
+                   "ppo_kl": masked_mean(-log_ratio, mask),
+                   "pg_clipfrac_lower": masked_mean((ratio > cfg.clip_ratio_c).to(mask.dtype) * kept, mask)}
+    return loss, metrics
+
+
+@register_policy_loss("dppo_tv", clip=DIVERGENCE)
+def dppo_tv(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """DPPO-Binary-TV: a token with A > 0 keeps its gradient while pi - pi_old <= clip_ratio_high, one
+    with A <= 0 while pi - pi_old >= -clip_ratio_low."""
+    def kept(p, p_old, adv):
+        return torch.where(adv > 0, (p - p_old) <= cfg.clip_ratio_high, (p - p_old) >= -cfg.clip_ratio_low)
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights, agg_kwargs, kept)
+
+
+@register_policy_loss("dppo_kl", clip=DIVERGENCE)
+def dppo_kl(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """DPPO-Binary-KL: the binary KL between (pi_old, 1 - pi_old) and (pi, 1 - pi) bounds a token's
+    move in the advantage's direction (clip_ratio_high for A > 0, clip_ratio_low otherwise); a move
+    the other way always keeps its gradient."""
+    def kept(p, p_old, adv):
+        binary_kl = p_old * (torch.log(p_old) - torch.log(p)) + (1 - p_old) * torch.log(
+            (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        return torch.where(adv > 0, (binary_kl <= cfg.clip_ratio_high) | (p <= p_old),
+                           (binary_kl <= cfg.clip_ratio_low) | (p >= p_old))
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights, agg_kwargs, kept)
+
+
+def _dro_problems(actor) -> list[str]:
+    beta = actor.policy_loss.dro_beta
+    if beta is None or beta <= 0:
+        return [f"actor_rollout_ref.actor.policy_loss.dro_beta={beta}: policy_loss.loss_mode=dro needs a positive "
+                f"beta, the weight of its quadratic log-ratio penalty (e.g. 0.1)"]
+    return []
+
+
+@register_policy_loss("dro", keys=("policy_loss.dro_beta",), check=_dro_problems)
+def dro(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """DRO (verl's ``dro``): -(A lp - beta/2 (lp - lp_old)^2), beta ``policy_loss.dro_beta``; no clip.
+    IS weights multiply each token's loss. Metrics: ``ppo_kl``."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -(log_prob * advantages - 0.5 * cfg.policy_loss.dro_beta * log_ratio.square())
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
+    loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {"ppo_kl": masked_mean(-log_ratio, mask)}
+    return loss, metrics
+
+
+@register_policy_loss("bypass_mode", bypass_only=True)
+def bypass_mode(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
+    """verl's name for the loss of ``algorithm.rollout_correction.bypass_mode=true`` (verl's trainer
+    sets ``loss_mode`` to it itself): pi_old is the engine's log-probs, and with ``loss_type:
+    ppo_clip`` this is PPO's clipped ratio, the IS weights reported but not applied (the ratio is
+    already current / engine); ``loss_type: reinforce`` trains ``reinforce`` instead (the actor
+    chooses it). Refused without bypass mode at the dry run (rlhf_hpc/recipe/algorithm_checks.py)."""
+    return ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                         cfg.clip_ratio_c, cfg.loss_agg_mode, is_weights=None, **agg_kwargs)

@@ -240,7 +240,10 @@ def _importance_metrics(w: torch.Tensor, raw: torch.Tensor, for_metrics: torch.T
     m["rollout_is_std"] = g.clamped_std(w, mask, 0.0, threshold)
     clamped = w.clamp(min=0.0, max=threshold)
     normalised = clamped / (g.masked_mean(clamped, mask) + 1e-8)
-    m["rollout_is_eff_sample_size"] = 1.0 / g.masked_mean(normalised * normalised, mask)
+    second_moment = g.masked_mean(normalised * normalised, mask)
+    # every weight zeroed (IcePop's window rejects the whole batch): no effective sample, and the step
+    # trains nothing on those rows rather than dividing by zero (verl 0.9.1 raises here)
+    m["rollout_is_eff_sample_size"] = 1.0 / second_moment if second_moment > 0 else 0.0
     seq = _masked_row_mean(w, mask)
     rows = torch.ones_like(seq, dtype=torch.bool)
     m["rollout_is_seq_mean"] = g.mean(seq)

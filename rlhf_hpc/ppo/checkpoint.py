@@ -4,9 +4,15 @@ Layout under the run directory (the reference system's)::
 
     global_step_N/
         actor/        DCP shards of {"model", "optimizer"}   (any world size can load them)
+          huggingface/  the actor as a Hugging Face model, where save_contents has hf_model
         critic/       same, when there is a critic
         extra.pt      trainer state: schedulers, KL controller, sampler, step (rank 0)
         rng/rank_R.pt RNG states of each rank (restored only on the same world size)
+
+What a model's checkpoints hold is its ``checkpoint.save_contents`` (verl's: ``model``,
+``optimizer``, ``extra`` = its LR schedule and, for the actor, the RNG states, ``hf_model``), recorded
+in the manifest; a resume loads its ``load_contents`` of that, and says in one line what the
+checkpoint lacks (that part starts fresh) or why it cannot continue from it (no model shards).
         COMPLETE      written last, before the directory gets its final name: the manifest, every
                       file's size and SHA-256 (rlhf_hpc.ppo.checkpoint_manifest)
     latest_checkpointed_iteration.txt   N of the newest complete checkpoint
@@ -44,13 +50,17 @@ from rlhf_hpc.models.lora import apply_lora, is_adapter, lora_enabled
 from rlhf_hpc.ppo.checkpoint_manifest import CHECKSUM, gather_manifest, verify_manifest
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["COMPLETE", "CheckpointLoadError", "LATEST", "LORA_ADAPTER_DIR", "RESUME_KEYS", "check_resume_compatible",
+__all__ = ["COMPLETE", "CONTENTS", "CheckpointLoadError", "HF_DIR", "LATEST", "LORA_ADAPTER_DIR", "RESUME_KEYS",
+           "check_resume_compatible", "contents_notes", "model_missing", "saved_contents", "save_hf_model",
            "check_run_dir", "choose_resume", "export_hf", "find_resume_checkpoint", "full_model_state",
            "incompatible_keys", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_latest", "resume",
            "rng_state", "save_checkpoint", "set_rng_state", "step_dir", "verify_checkpoint"]
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
+CONTENTS = ("model", "optimizer", "extra", "hf_model")  # verl's checkpoint.save_contents values
+ALL = frozenset(("model", "optimizer", "extra"))  # what a checkpoint from before save_contents holds
+HF_DIR = "huggingface"  # verl's: global_step_N/<model>/huggingface
 
 
 def _rank() -> int:
@@ -102,12 +112,16 @@ def _write_atomic(path: Path, text: str) -> None:
 def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
                     extra: dict[str, Any], max_to_keep: Optional[int] = None, good: bool = True,
                     config_text: Optional[str] = None,
-                    after_component: Optional[Callable[[str], None]] = None) -> Path:
+                    after_component: Optional[Callable[[str], None]] = None,
+                    contents: Optional[dict[str, set[str]]] = None,
+                    hf_writer: Optional[Callable[[str, nn.Module, Path], None]] = None) -> Path:
     """Collective: every rank calls it. ``components``: name -> (model, optimizer or None).
     ``extra``: trainer state, plain Python values and tensors only (loaded with weights_only).
     ``good``: whether the stability guard vouches for it (rollbacks only go to good ones).
     ``config_text``: the run's resolved config, kept with the checkpoint for compatibility checks.
-    ``after_component``: called with each component's name once it is written (fault injection)."""
+    ``after_component``: called with each component's name once it is written (fault injection).
+    ``contents``: name -> its ``save_contents`` (default: model, optimizer, extra); ``hf_writer(name,
+    model, dir)`` writes a model's ``hf_model`` (collective)."""
     root = Path(root)
     final, tmp = step_dir(root, step), root / f".tmp-global_step_{step}"
     if _rank() == 0:
@@ -115,13 +129,23 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
         if tmp.exists():  # left by a crash during an earlier attempt at this step
             shutil.rmtree(tmp)
     _barrier()
+    contents = {name: set(contents.get(name, ALL)) if contents else set(ALL) for name in components}
     for name, (model, optimizer) in components.items():
+        parts = contents[name]
         model_sd, optim_sd = _state(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / name))
+        state = {**({"model": model_sd} if "model" in parts else {}),
+                 **({"optimizer": optim_sd} if "optimizer" in parts and optimizer is not None else {})}
+        if state:
+            dcp.save(state, checkpoint_id=str(tmp / name))
+        if "hf_model" in parts:
+            if hf_writer is None:
+                raise ValueError(f"{name}: save_contents has hf_model, but no writer of Hugging Face models was given")
+            hf_writer(name, model, tmp / name / HF_DIR)
         if after_component is not None:
             after_component(name)
-    (tmp / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+    if "extra" in contents.get("actor", ALL):
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     if _rank() == 0:
         torch.save(extra, tmp / "extra.pt")
         if config_text is not None:
@@ -133,6 +157,7 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
     if _rank() == 0:
         _write_atomic(tmp / COMPLETE, json.dumps({"step": step, "world_size": _world(), "good": good,
                                                   "components": sorted(components), "files": sizes,
+                                                  "contents": {n: sorted(p) for n, p in contents.items()},
                                                   CHECKSUM: digests}))
         if final.exists():  # an older save of the same step (e.g. re-run after a rollback)
             shutil.rmtree(final)
@@ -156,6 +181,33 @@ def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
     if optimizer is None:
         return get_model_state_dict(model, options=_options(model)), {}
     return get_state_dict(model, optimizer, options=_options(model))
+
+
+def save_hf_model(model: nn.Module, mcfg, out_dir: Path, dtype: str) -> None:
+    """Collective: ``model`` (sharded) as a Hugging Face model directory in ``dtype`` on rank 0, as
+    ``export_hf`` writes one (``mcfg``: its model section, for the structure and the tokenizer)."""
+    state = full_model_state(model)
+    if _rank() == 0:
+        _write_hf(mcfg, state, out_dir, dtype)
+    _barrier()
+
+
+def _write_hf(mcfg, state: dict, out_dir: Path, dtype: str) -> None:
+    """The structure of ``mcfg.path``'s model with ``state``'s weights, saved with its tokenizer."""
+    model = materialize(build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
+                                        trust_remote_code=mcfg.trust_remote_code), torch.device("cpu"))
+    model.load_state_dict(state)
+    model.to(torch_dtype(dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_tokenizer(mcfg, out_dir)
+
+
+def _save_tokenizer(mcfg, out_dir: Path) -> None:
+    tok = mcfg.tokenizer_path or mcfg.path
+    if not tok.startswith("tiny://"):
+        from transformers import AutoTokenizer  # (a Hugging Face model's: the training path loads no tokenizer class)
+        AutoTokenizer.from_pretrained(local_path(tok), trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
 
 
 def list_checkpoints(root: str | Path) -> list[int]:
@@ -191,15 +243,54 @@ def latest_checkpoint(root: str | Path) -> Optional[Path]:
     return path if (path / COMPLETE).is_file() else None
 
 
+def saved_contents(path: str | Path) -> dict[str, set[str]]:
+    """Each component's ``save_contents`` as the checkpoint's manifest records it (one from before
+    save_contents: model, optimizer, extra)."""
+    meta = json.loads((Path(path) / COMPLETE).read_text())
+    return {name: set(meta.get("contents", {}).get(name, ALL)) for name in meta.get("components", [])}
+
+
+def contents_notes(path: str | Path, load: Optional[dict[str, set[str]]] = None) -> list[str]:
+    """One line for each part a resume from ``path`` would want (``load``: name -> its
+    ``load_contents``; default model, optimizer, extra) and the checkpoint does not hold: that part
+    starts fresh. (No model shards: ``resume`` refuses the checkpoint instead.)"""
+    saved, notes = saved_contents(path), []
+    what = {"optimizer": "optimizer state (the optimizer starts fresh)",
+            "extra": "LR schedule or RNG states (the schedule starts over; the RNG is seeded anew)"}
+    for name, parts in saved.items():
+        for part in ("optimizer", "extra"):
+            if part in (load or {}).get(name, ALL) and part not in parts:
+                notes.append(f"{path}: the {name}'s checkpoint holds no {what[part]}: it was saved with "
+                             f"{name}.checkpoint.save_contents={sorted(parts)}")
+    return notes
+
+
+def model_missing(path: Path, load: Optional[dict[str, set[str]]]) -> Optional[str]:
+    """Why a resume cannot continue from ``path``: a model to load whose shards it does not hold."""
+    for name, parts in saved_contents(path).items():
+        if "model" in (load or {}).get(name, ALL) and "model" not in parts:
+            hf = f"; its Hugging Face model {path / name / HF_DIR} can start a new run (model.path)" \
+                if "hf_model" in parts else ""
+            return (f"its {name} holds no model shards (saved with save_contents={sorted(parts)}), so no run can "
+                    f"continue from it{hf}")
+    return None
+
+
 def load_checkpoint(path: str | Path, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
-                    restore_rng: bool = True) -> dict[str, Any]:
+                    restore_rng: bool = True, load: Optional[dict[str, set[str]]] = None) -> dict[str, Any]:
     """Collective: load shards into the (already sharded) models and optimizers, resharding when
     the world size or mesh differs from the one that saved. Returns the ``extra`` dict. A failure
-    on any rank raises ``CheckpointLoadError`` on every rank, naming the part (component, extra.pt)."""
+    on any rank raises ``CheckpointLoadError`` on every rank, naming the part (component, extra.pt).
+    ``load``: name -> its ``load_contents`` (default model, optimizer, extra): of those, what the
+    checkpoint holds is loaded; the RNG states with the actor's ``extra``."""
     path = Path(path)
+    saved = saved_contents(path)
     for name, (model, optimizer) in components.items():
-        _agreed(name, lambda: _load_component(path / name, model, optimizer))
-    return _agreed("extra.pt / rng", lambda: _load_extra(path, restore_rng))
+        parts = (load or {}).get(name, ALL) & saved.get(name, ALL)
+        if "model" in parts:
+            _agreed(name, lambda: _load_component(path / name, model, optimizer if "optimizer" in parts else None))
+    rng = restore_rng and "extra" in (load or {}).get("actor", ALL) & saved.get("actor", ALL)
+    return _agreed("extra.pt / rng", lambda: _load_extra(path, rng))
 
 
 class CheckpointLoadError(RuntimeError):
@@ -270,6 +361,12 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if not (ckpt_dir / COMPLETE).is_file():
         raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker)")
+    actor = saved_contents(ckpt_dir).get("actor", ALL)
+    if "model" not in actor:  # (save_contents without model: its Hugging Face model is the export)
+        if "hf_model" not in actor:
+            raise FileNotFoundError(f"{ckpt_dir}: the actor's checkpoint holds no model (save_contents={sorted(actor)})")
+        shutil.copytree(ckpt_dir / "actor" / HF_DIR, out_dir, dirs_exist_ok=True)
+        return out_dir
     cfg = load_resolved(ckpt_dir.parent / "config.yaml", check_files=False)
     mcfg = cfg.actor_rollout_ref.model
     if lora_enabled(mcfg):  # the checkpoint holds the adapter: the base is the run's pretrained model
@@ -288,10 +385,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
         model.save_pretrained(out_dir / LORA_ADAPTER_DIR, safe_serialization=True)
         model = model.merge_and_unload()
     model.save_pretrained(out_dir, safe_serialization=True)
-    tok = mcfg.tokenizer_path or mcfg.path
-    if not tok.startswith("tiny://"):
-        from transformers import AutoTokenizer  # (export only: the training path loads no tokenizer class)
-        AutoTokenizer.from_pretrained(local_path(tok), trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
+    _save_tokenizer(mcfg, out_dir)
     return out_dir
 
 
@@ -423,29 +517,38 @@ def _named_checkpoint(mode: str) -> Path:
 
 
 def resume(cfg: Config, run_dir: Path, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
-           log=print, apply: Optional[Callable[[dict], None]] = None) -> tuple[Optional[Path], Optional[dict]]:
+           log=print, apply: Optional[Callable[[dict], None]] = None,
+           load: Optional[dict[str, set[str]]] = None) -> tuple[Optional[Path], Optional[dict]]:
     """Collective: (checkpoint, its extra) a run continues from, loaded into ``components`` and given
     to ``apply`` (the trainer's own state); (None, None) to start. ``trainer.resume_mode=auto``: the
     newest checkpoint whose files match its manifest and that loads on every rank; one that does
     not is skipped with a line naming the file or the part that failed. A path: that one, or an
-    error. Every checkpoint tried is checked against the run's config first."""
+    error. Every checkpoint tried is checked against the run's config first. ``load``: name -> its
+    ``load_contents``; one that holds no model shards to load is passed over (auto) or refused (a
+    path), what else it lacks is said in a line, and that part starts fresh."""
     mode = cfg.trainer.resume_mode
     if mode == "disable":
         return None, None
     if mode != "auto":
         path = _named_checkpoint(mode)
         check_resume_compatible(path, cfg)
+        missing = model_missing(path, load)
+        if missing:
+            raise RuntimeError(f"trainer.resume_mode: {path}: {missing}")
         try:
-            return path, _load_and_apply(path, components, apply)
+            return path, _load_and_apply(path, components, apply, load, log)
         except CheckpointLoadError as e:
             raise RuntimeError(f"trainer.resume_mode: {path} could not be loaded ({e})") from e
     failed = None
     for path in _candidates(Path(run_dir)):
         problem = verify_checkpoint(path)
+        if problem is None and model_missing(path, load):
+            log(f"[rlhf-hpc] checkpoint {path}: {model_missing(path, load)}; trying the previous one")
+            continue
         if problem is None:
             check_resume_compatible(path, cfg)
             try:
-                return path, _load_and_apply(path, components, apply)
+                return path, _load_and_apply(path, components, apply, load, log)
             except CheckpointLoadError as e:
                 problem, failed = f"loading failed: {e}", path
         log(f"[rlhf-hpc] checkpoint {path} is damaged ({problem}); falling back to the previous one")
@@ -455,8 +558,11 @@ def resume(cfg: Config, run_dir: Path, components: dict[str, tuple[nn.Module, Op
     return None, None
 
 
-def _load_and_apply(path: Path, components, apply: Optional[Callable[[dict], None]]) -> dict:
-    extra = load_checkpoint(path, components)
+def _load_and_apply(path: Path, components, apply: Optional[Callable[[dict], None]],
+                    load: Optional[dict[str, set[str]]] = None, log=print) -> dict:
+    extra = load_checkpoint(path, components, load=load)
+    for note in contents_notes(path, load):
+        log(f"[rlhf-hpc] {note}")
     if apply is not None:
         _agreed("trainer state (extra.pt)", lambda: apply(extra))
     return extra

@@ -78,8 +78,9 @@ def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
 
 
 def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], rows: list[RolloutRow],
-                    batch: dict) -> torch.Tensor:
-    """(B,) rule/custom scores of the decoded responses."""
+                    batch: dict, keys: tuple[str, ...] = ()) -> torch.Tensor:
+    """(B,) rule/custom scores of the decoded responses; with ``keys`` (gdpo's reward keys) also
+    ``batch["reward_components"]``, (B, K): those keys of the reward function's dict results."""
     calls = []
     span = response_spans(batch)
     for i, row in enumerate(rows):
@@ -87,7 +88,12 @@ def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], 
         text = tokenizer.decode(batch["responses"][i, :n].tolist(), skip_special_tokens=True)
         ex = train[row.example]
         calls.append((ex.data_source, text, ex.ground_truth, reward_extra_info(ex.extra_info, row.num_turns), ex.index))
-    return torch.tensor(reward_fn.score_all(calls), dtype=torch.float32)
+    if not keys:
+        return torch.tensor(reward_fn.score_all(calls), dtype=torch.float32)
+    results = reward_fn.score_all(calls, keys)
+    batch["reward_components"] = torch.tensor([values for _, values in results], dtype=torch.float32).reshape(
+        len(results), len(keys))
+    return torch.tensor([score for score, _ in results], dtype=torch.float32)
 
 
 def reward_extra_info(extra_info: dict, num_turns: Optional[int]) -> dict:

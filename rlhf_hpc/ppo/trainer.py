@@ -36,13 +36,14 @@ import torch
 
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.estimators import ADV_ESTIMATORS, AdvantageInputs, compute_advantages
+from rlhf_hpc.ops.pf_ppo import pf_ppo_indices
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.data.dataset import StatefulSampler, load_examples
 from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_sum, build_rollout_tp_group,
                                                 device_memory_gb)
-from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows
+from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows, resample_rows
 from rlhf_hpc.ppo.training_models import build_training_models
 from rlhf_hpc.ppo.faults import FaultInjector
 from rlhf_hpc.ppo.generation import Generator
@@ -126,8 +127,14 @@ class PPOTrainer:
         self.overlong = cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.overlong_buffer.enable
 
         self.step, wandb_id, mlflow_id = 0, None, None
+        # each trained model's checkpoint.save_contents / load_contents (verl's)
+        sections = {"actor": arr.actor.checkpoint, "critic": cfg.critic.checkpoint}
+        self.save_contents = {n: set(c.save_contents) for n, c in sections.items()}
+        self.load_contents = {n: set(c.load_contents if c.load_contents is not None else c.save_contents)
+                              for n, c in sections.items()}
         self.resumed_from, extra = ckpt.resume(cfg, self.run_dir, self.models.checkpoint_components(),
-                                               print if ctx.is_main else (lambda *_: None), self.load_state_dict)
+                                               print if ctx.is_main else (lambda *_: None), self.load_state_dict,
+                                               load=self.load_contents)
         if self.resumed_from is not None:
             self.step, wandb_id, mlflow_id = extra["global_step"], extra.get("wandb_run_id"), extra.get("mlflow_run_id")
             if "guard" in extra:
@@ -170,10 +177,11 @@ class PPOTrainer:
     def state_dict(self, step: int) -> dict:
         """Everything a resumed run needs besides the models and optimizers (the checkpoint's extra)."""
         out = {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-               "actor_scheduler": self.models.actor.scheduler.state_dict(), "wandb_run_id": self.tracker.wandb_id,
-               "mlflow_run_id": self.tracker.mlflow_id, "guard": self.guard.state_dict()}
-        if self.models.critic is not None:
-            out["critic_scheduler"] = self.models.critic.scheduler.state_dict()
+               "wandb_run_id": self.tracker.wandb_id, "mlflow_run_id": self.tracker.mlflow_id,
+               "guard": self.guard.state_dict()}
+        for name, part in (("actor", self.models.actor), ("critic", self.models.critic)):
+            if part is not None and "extra" in self.save_contents[name]:  # (a model's "extra": its LR schedule)
+                out[f"{name}_scheduler"] = part.scheduler.state_dict()
         return out
 
     def load_state_dict(self, extra: dict) -> None:
@@ -181,20 +189,23 @@ class PPOTrainer:
         is loaded by a resume only: a rollback keeps counting its own)."""
         self.sampler.load_state_dict(extra["sampler"])
         self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
-        self.models.actor.scheduler.load_state_dict(extra["actor_scheduler"])
-        if self.models.critic is not None:
-            self.models.critic.scheduler.load_state_dict(extra["critic_scheduler"])
+        for name, part in (("actor", self.models.actor), ("critic", self.models.critic)):
+            if part is not None and f"{name}_scheduler" in extra and "extra" in self.load_contents[name]:
+                part.scheduler.load_state_dict(extra[f"{name}_scheduler"])
 
     def restore(self, path: Path) -> dict:
         """Load a checkpoint into the models and the trainer; returns its extra."""
-        extra = ckpt.load_checkpoint(path, self.models.checkpoint_components())
+        extra = ckpt.load_checkpoint(path, self.models.checkpoint_components(), load=self.load_contents)
         self.load_state_dict(extra)
         return extra
 
     def save(self, at_step: int) -> None:
+        arr = self.cfg.actor_rollout_ref
         ckpt.save_checkpoint(self.run_dir, at_step, self.models.checkpoint_components(), self.state_dict(at_step),
                              self.cfg.trainer.max_ckpt_to_keep, good=True, config_text=self.config_text,
-                             after_component=self.faults.checkpoint_hook(at_step))
+                             after_component=self.faults.checkpoint_hook(at_step), contents=self.save_contents,
+                             hf_writer=lambda name, model, out: ckpt.save_hf_model(
+                                 model, arr.model, out, arr.actor.fsdp_config.mixed_precision.param_dtype))
 
     def apply_guard_scales(self) -> None:
         """The guard's LR and KL scales on the actor: its schedule's base LRs and KL-loss coefficient."""
@@ -209,6 +220,12 @@ class PPOTrainer:
         if target is None:
             raise GuardStop(f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
                             f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)")
+        lacking = {n: sorted({"model", "optimizer"} - parts) for n, parts in ckpt.saved_contents(target).items()
+                   if not {"model", "optimizer"} <= parts}
+        if lacking:  # (checkpoint.save_contents without them: the dry run warned)
+            raise GuardStop(f"stability guard tripped at step {at_step} ({reason}), and {target} cannot be rolled back "
+                            f"to: it holds no {'; no '.join(f'{n} {p}' for n, ps in lacking.items() for p in ps)} "
+                            f"state (checkpoint.save_contents)")
         extra = self.restore(target)
         ckpt.mark_latest(self.run_dir, target)
         # the reward's KL coefficient as saved, times the rollbacks' scale since that checkpoint
@@ -341,14 +358,21 @@ class PPOTrainer:
             else:
                 batch["token_rewards"] = batch["token_scores"]
             # 6. advantages (a prompt's responses may sit on several ranks: group statistics are global),
-            # after the rollout correction's weights and rejections (verl's decoupled mode)
+            # after the rollout correction's weights and rejections (verl's decoupled mode); with PF-PPO,
+            # the step's rows then resampled by their scores
             with timer("adv"):
                 models.actor.correction.before_advantages(batch, metrics)
                 batch["advantages"], batch["returns"] = compute_advantages(cfg.algorithm, AdvantageInputs(
                     batch["token_rewards"], batch["response_mask"].float(), batch["uid"], num_groups=len(prompts),
                     values=batch.get("values"), all_reduce=all_reduce_sum, all_reduce_max=all_reduce_max,
                     reward_baselines=batch.get("reward_baselines"), old_log_probs=batch.get("old_log_probs"),
-                    sum_pi_squared=batch.get("sum_pi_squared"), rollout_is_weights=batch.get("rollout_is_weights")))
+                    sum_pi_squared=batch.get("sum_pi_squared"), rollout_is_weights=batch.get("rollout_is_weights"),
+                    reward_components=batch.get("reward_components")))
+                if cfg.algorithm.use_pf_ppo:  # PF-PPO: the rows resampled by their scores, over all ranks
+                    pf, gen = cfg.algorithm.pf_ppo, torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, -1))
+                    batch = resample_rows(batch, lambda scores: pf_ppo_indices(scores, pf.reweight_method,
+                                                                               pf.weight_pow, gen),
+                                          self.ctx.world_size, self.ctx.rank)
             # 7. critic, then 8. actor
             self.update(batch, step, timer, metrics)
         # 9. metrics (global over ranks)
@@ -468,7 +492,9 @@ class PPOTrainer:
         custom score, as verl's naive and dapo reward managers), else the reward function's (the dapo
         manager's overlong shaping added; logged, a collective, where ``log_overlong``)."""
         if self.reward_model is None:
-            scores = score_responses(self.reward_fn, self.tokenizer, self.train_set, rows, batch)
+            alg = self.cfg.algorithm
+            keys = tuple(alg.gdpo_reward_keys or ()) if ADV_ESTIMATORS[alg.adv_estimator].needs_reward_components else ()
+            scores = score_responses(self.reward_fn, self.tokenizer, self.train_set, rows, batch, keys)
             return (self.shape_overlong(scores, batch, metrics if log_overlong else None) if self.overlong
                     else scores)
         with timer("reward_model"):

@@ -46,6 +46,10 @@ def rollout_correction_problems(cfg: Config) -> tuple[list[str], list[str]]:
     if rc.loss_type != "ppo_clip" and not rc.bypass_mode:
         errors.append(f"{key}.loss_type={rc.loss_type} applies in bypass mode only (verl ignores it otherwise): set "
                       f"{key}.bypass_mode=true, or leave loss_type at ppo_clip")
+    loss = POLICY_LOSSES.get(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
+    if loss is not None and loss.bypass_only and not rc.bypass_mode:
+        errors.append(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss.name} is the loss of {key}.bypass_mode=true "
+                      f"(verl's trainer selects it there itself): set {key}.bypass_mode=true, or another loss_mode")
     if rc.bypass_mode and rc.loss_type == "ppo_clip" and rc.rollout_is is not None:
         warnings.append(f"{key}.rollout_is={rc.rollout_is} with bypass_mode and loss_type=ppo_clip: the PPO ratio is "
                         f"already current / engine policy, so the IS weights are reported (rollout_corr/rollout_is_*) "
@@ -84,6 +88,8 @@ def policy_loss_problems(actor: ActorConfig) -> list[str]:
                       f"policy_loss.loss_mode={loss.name}: it bounds {clip.meaning}")
     if high < 0:
         errors.append(f"actor_rollout_ref.actor.clip_ratio_high ({high}) must be >= 0")
+    if loss.check is not None:
+        errors += loss.check(actor)
     defaults, reported = ActorConfig(), set(loss.keys)
     for other in POLICY_LOSSES.values():
         for key in other.keys:
@@ -117,6 +123,14 @@ def algorithm_problems(cfg: Config) -> list[str]:
         errors.append(f"algorithm.adv_estimator={est.name} needs a critic: set critic.enable=true (or pick one "
                       f"without: {', '.join(e.name for e in ADV_ESTIMATORS.values() if not e.needs_critic)})")
     errors += sum_pi_squared_problems(cfg, est)
+    errors += reward_component_problems(cfg, est)
+    pf = cfg.algorithm.pf_ppo
+    if cfg.algorithm.use_pf_ppo and est is not None and not est.needs_critic:
+        errors.append(f"algorithm.use_pf_ppo=true resamples after GAE's advantages only (verl ignores it with other "
+                      f"estimators): set algorithm.adv_estimator=gae, or use_pf_ppo=false (adv_estimator is {est.name})")
+    if (pf.reweight_method != "pow" or pf.weight_pow != 2.0) and not cfg.algorithm.use_pf_ppo:
+        errors.append("algorithm.pf_ppo.* is read only with algorithm.use_pf_ppo=true: set it, or leave pf_ppo at its "
+                      "defaults")
     if not 0 <= cfg.algorithm.gamma <= 1 or not 0 <= cfg.algorithm.lam <= 1:
         errors.append(f"algorithm.gamma ({cfg.algorithm.gamma}) and algorithm.lam ({cfg.algorithm.lam}) "
                       f"must be in [0, 1]")
@@ -152,6 +166,31 @@ def sum_pi_squared_problems(cfg: Config, est) -> list[str]:
         errors.append(f"{key}.sum_pi_squared_checkpointing=true: sum_v pi(v)^2 is computed only in the old-log-prob "
                       f"pass, without gradients, one chunk of tokens at a time, so there is nothing to checkpoint; "
                       f"remove the key")
+    return errors
+
+
+def reward_component_problems(cfg: Config, est) -> list[str]:
+    """gdpo's keys (``est``: the estimator's entry, or None): an estimator declaring
+    ``needs_reward_components`` needs ``algorithm.gdpo_reward_keys`` (verl asserts them) from the reward
+    function's dict (no reward model: its score is one number), weights one per key; the keys set
+    with another estimator would be ignored."""
+    alg, errors = cfg.algorithm, []
+    needs = est is not None and est.needs_reward_components
+    keys, weights = alg.gdpo_reward_keys, alg.gdpo_reward_weights
+    if needs and not keys:
+        errors.append(f"algorithm.adv_estimator={est.name} normalises each reward component apart: set "
+                      f"algorithm.gdpo_reward_keys to the keys of your reward function's dict result (e.g. "
+                      f"[format_reward,accuracy_reward]; verl requires them as well)")
+    if needs and keys and cfg.reward_model.enable:
+        errors.append(f"algorithm.adv_estimator={est.name} reads its components from the reward function's dict, "
+                      f"but reward_model.enable=true scores with a reward model (one number per response): disable "
+                      f"the reward model, or pick another estimator")
+    if needs and keys and weights is not None and len(weights) != len(keys):
+        errors.append(f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} "
+                      f"gdpo_reward_keys: give one weight per key, or null (1 each)")
+    if not needs and est is not None and (keys or weights is not None):
+        errors.append(f"algorithm.gdpo_reward_keys / gdpo_reward_weights are read only by adv_estimator=gdpo, "
+                      f"but the estimator is {est.name}: select gdpo or remove them")
     return errors
 
 

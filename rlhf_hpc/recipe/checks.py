@@ -10,6 +10,7 @@ from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.config.schema import ATTN_IMPLEMENTATIONS, Config
 from rlhf_hpc.config.tree import get_key
 from rlhf_hpc.config.verl_recipes import VERL_RECIPE_CODE, verl_recipe_code
+from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.ops.batching import per_rank_mini_batch
 from rlhf_hpc.recipe.algorithm_checks import algorithm_problems, algorithm_warnings, rollout_correction_problems
 from rlhf_hpc.recipe.defaults import deprecated_key_warnings
@@ -110,6 +111,9 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
         warnings += batch_warnings
     errors += mesh_problems(cfg)
     errors += algorithm_problems(cfg)
+    checkpoint_errors, checkpoint_warnings = checkpoint_content_problems(cfg)
+    errors += checkpoint_errors
+    warnings += checkpoint_warnings
     errors += profiler_problems(cfg)
     for topic in (sequence_parallel_problems, model_architecture_problems, model_file_problems, config_package_problems):
         topic_errors, topic_warnings = topic(cfg)
@@ -140,6 +144,45 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     if errors:
         raise ConfigError(errors)
     return warnings
+
+
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # verl's
+
+
+def checkpoint_content_problems(cfg: Config) -> tuple[list[str], list[str]]:
+    """``checkpoint.save_contents`` / ``load_contents`` of the actor and the critic: verl's values; a
+    resume loads a model (else it is a new run); ``hf_model`` where a Hugging Face model can be
+    written from a live model (the full actor); a warning where the guard's rollbacks have nothing to
+    go back to."""
+    errors, warnings = [], []
+    sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.checkpoint, "actor"),
+                ("critic", cfg.critic.checkpoint, "critic")]
+    for key, ck, name in sections:
+        for which, values in (("save_contents", ck.save_contents), ("load_contents", ck.load_contents)):
+            if values is None:
+                continue
+            allowed = CHECKPOINT_CONTENTS if which == "save_contents" else CHECKPOINT_CONTENTS[:3]
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                errors.append(f"{key}.checkpoint.{which}={values}: each entry one of {', '.join(allowed)}"
+                              + ("" if values else " (at least one)"))
+        if ck.load_contents is not None and "model" not in ck.load_contents:
+            errors.append(f"{key}.checkpoint.load_contents={ck.load_contents}: a resume that loads no model is a new "
+                          f"run; add model, or set trainer.resume_mode=disable")
+        if "hf_model" in ck.save_contents and name == "critic":
+            errors.append(f"{key}.checkpoint.save_contents: hf_model is written for the actor only here (a value model "
+                          f"is no causal LM); remove it")
+        if "hf_model" in ck.save_contents and name == "actor" and lora_enabled(cfg.actor_rollout_ref.model):
+            errors.append(f"{key}.checkpoint.save_contents: hf_model with LoRA: its checkpoints hold the adapter; "
+                          f"python launch.py export CHECKPOINT writes the merged model and the adapter beside it")
+        guard = cfg.trainer.guard
+        if guard.enable and cfg.trainer.save_freq > 0 and not {"model", "optimizer"} <= set(ck.save_contents) and \
+                (name == "actor" or cfg.critic.enable is not False):
+            warnings.append(f"{key}.checkpoint.save_contents={ck.save_contents} writes no "
+                            f"{' and no '.join(p for p in ('model', 'optimizer') if p not in ck.save_contents)} state: "
+                            f"the stability guard cannot roll back to such a checkpoint, so a divergence stops the run "
+                            f"(trainer.guard); a resume says what it lacks")
+    return errors, warnings
 
 
 def size_problems(cfg: Config) -> tuple[list[str], bool]:

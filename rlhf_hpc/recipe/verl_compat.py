@@ -1,7 +1,7 @@
 """verl keys of features this project does not have, or does another way.
 
 A verl user's command line carries keys for features that do not exist here (asynchronous and
-multi-turn rollout, the reward loop, PF-PPO, ...). Such a key is refused with a message that names
+multi-turn rollout, the reward loop, the Megatron backend, ...). Such a key is refused with a message that names
 the feature, not as an unknown key; where its value switches nothing on (verl's "off" value, e.g.
 ``actor_rollout_ref.rollout.trace.token2text=False``), it is accepted and dropped, since it asks for
 nothing this project would not do anyway (``OUT_OF_SCOPE``). A few verl values ask for something
@@ -24,6 +24,31 @@ from rlhf_hpc.config.tree import flatten
 
 __all__ = ["GLOBAL_MICRO_BATCHES", "OUT_OF_SCOPE", "OUT_OF_SCOPE_VALUES", "SAME_EFFECT",
            "drop_out_of_scope_keys"]
+
+# verl's megatron.* keys a verl command line sets, and what does that job under FSDP2 here
+_MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                  "context_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size", "param_offload", "grad_offload", "optimizer_offload",
+                  "use_dist_checkpointing", "dist_checkpointing_path", "use_mbridge", "seed")
+
+
+def _fsdp2_equivalent(section: str, key: str) -> str:
+    fsdp = f"{section}.fsdp_config" if section != "critic" else "critic.model.fsdp_config"
+    sp = f"{section}.ulysses_sequence_parallel_size" if section != "actor_rollout_ref.ref" else \
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    if key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size"):
+        return f"FSDP2 shards every weight, experts included, over {fsdp}.fsdp_size ranks (-1: all)"
+    if key in ("context_parallel_size", "sequence_parallel"):
+        return f"long sequences are split by Ulysses: {sp}"
+    if key in ("param_offload", "optimizer_offload"):
+        return f"{fsdp}.{key}"
+    if key == "grad_offload":
+        return f"{fsdp}.offload_policy offloads gradients with the parameters"
+    if key == "seed":
+        return "trainer.seed"
+    return "checkpoints are written by FSDP2's distributed checkpoint; python launch.py export writes a Hugging Face model"
+
 
 # (key, or a prefix ending in "."; values that switch the feature off, or None: any value is refused;
 #  the feature, as the message names it)
@@ -59,17 +84,7 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
      "engine weight loading: the engine starts from dummy weights and receives the actor's by the weight sync"),
     # verl's defaults of features not here (CheckpointConfig, TraceConfig, entropy memory savers)
     *[(f"{section}.checkpoint.{key}", (value,), feature) for section in ("actor_rollout_ref.actor", "critic")
-      for key, value, feature in (
-          ("save_contents", ["model", "optimizer", "extra"],
-           "choosing a checkpoint's contents (a checkpoint here always holds the model, the optimizer and the "
-           "rest of the state; a Hugging Face model is written by python launch.py export)"),
-          ("load_contents", ["model", "optimizer", "extra"],
-           "choosing what a resume loads (a resume here always loads the whole checkpoint)"),
-          ("async_save", False, "asynchronous checkpoint writes"))],
-    *[(f"actor_rollout_ref.{role}.{key}", (False,), feature) for role in ("actor", "ref")
-      for key, feature in (("entropy_checkpointing", "recomputing the entropy in the backward pass "
-                                                     "(entropy_checkpointing)"),
-                           ("entropy_from_logits_with_chunking", "chunked entropy from logits"))],
+      for key, value, feature in (("async_save", False, "asynchronous checkpoint writes"),)],
     *[(f"actor_rollout_ref.rollout.trace.{key}", off, "rollout tracing (weave / mlflow traces of the agent loop)")
       for key, off in (("backend", (None,)), ("token2text", (False,)), ("max_samples_per_step_per_worker", (None,)),
                        ("", None))],
@@ -123,8 +138,13 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
     ("actor_rollout_ref.rollout.engine_kwargs.", None, "engine-specific keyword arguments (rollout.engine_kwargs)"),
     ("actor_rollout_ref.actor.use_torch_compile", (False,), "torch.compile of the log-prob computation"),
     ("actor_rollout_ref.ref.use_torch_compile", (False,), "torch.compile of the log-prob computation"),
-    ("algorithm.use_pf_ppo", (False,), "PF-PPO (reweighted sampling of the batch)"),
-    ("algorithm.pf_ppo.", None, "PF-PPO (reweighted sampling of the batch)"),
+    # verl's Megatron backend: each key refused with what does its job under FSDP2 here
+    *[(f"{section}.megatron.{key}", None, f"the Megatron backend (FSDP2 trains here; {_fsdp2_equivalent(section, key)})")
+      for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic") for key in _MEGATRON_KEYS],
+    *[(f"{section}.megatron.", None, "the Megatron backend (FSDP2 trains here: remove the megatron.* keys)")
+      for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")],
+    *[(f"{section}.optim.clip_grad", None, f"Megatron's optimizer key clip_grad (FSDP2 trains here; its gradient clip is "
+       f"{section}.grad_clip)") for section in ("actor_rollout_ref.actor", "critic")],
     ("reward_model.", None, "this reward-model option"),
 ]
 
@@ -219,6 +239,14 @@ SAME_EFFECT: list[tuple[str, tuple, str, bool]] = [
     *[(f"{section}.fsdp_config.use_orig_params", (True, False),
        "FSDP2 (fully_shard, the engine here) always trains the original parameters", False)
       for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")],
+    # the entropy is always computed from the logits in chunks, and (where it has a gradient) recomputed
+    # chunk by chunk in the backward pass (rlhf_hpc.ops.algos.token_logprobs_chunked)
+    *[(f"actor_rollout_ref.{role}.entropy_checkpointing", (True, False),
+       "the entropy's graph is always recomputed chunk by chunk in the backward pass here (activation "
+       "checkpointing of the entropy, what entropy_checkpointing turns on in verl)", False) for role in ("actor", "ref")],
+    *[(f"actor_rollout_ref.{role}.entropy_from_logits_with_chunking", (True, False),
+       "the entropy (and the log-probs) are always computed from the logits in chunks of rows here", False)
+      for role in ("actor", "ref")],
     ("actor_rollout_ref.rollout.layered_summon", (True, False),
      "the weight sync streams the actor's parameters in buckets (rollout.update_weights_bucket_mb), never the "
      "whole model at once, which is what layered summon does for LoRA",
@@ -230,6 +258,8 @@ SAME_EFFECT: list[tuple[str, tuple, str, bool]] = [
 # name rather than as a type error (a value the schema later accepts must leave this table)
 OUT_OF_SCOPE_VALUES: list[tuple[str, tuple, str]] = [
     ("trainer.device", ("npu",), "Ascend NPUs (devices here: cuda, cpu)"),
+    *[(f"{section}.strategy", ("megatron",), "the Megatron backend (strategy: fsdp or fsdp2, which both run FSDP2)")
+      for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")],
     ("reward_model.reward_manager", ("prime",), "the prime reward manager (parallel verification of code and math)"),
     ("reward_model.reward_manager", ("batch",), "the batch reward manager (one reward call per batch)"),
 ]

@@ -97,18 +97,29 @@ class RewardFunction:
             configure_code_reward(*sandbox)
             self.parallel = max(1, sandbox[0].max_parallel)
 
-    def __call__(self, data_source: str, response: str, ground_truth: Any, extra_info: dict, row: int = -1) -> float:
+    def __call__(self, data_source: str, response: str, ground_truth: Any, extra_info: dict, row: int = -1,
+                 keys: tuple[str, ...] = ()) -> Any:
+        """The score; with ``keys``, (score, [the values of those keys of the function's dict result])."""
         try:
             score = self.fn(data_source, response, ground_truth, extra_info)
-            return float(score["score"] if isinstance(score, dict) else score)  # (verl's: a dict holds "score")
+            value = float(score["score"] if isinstance(score, dict) else score)  # (verl's: a dict holds "score")
         except Exception as e:
             raise RuntimeError(f"reward function {self.name} failed on prompt row {row} "
                                f"(data_source {data_source!r}): {type(e).__name__}: {e}") from e
+        if not keys:
+            return value
+        missing = [k for k in keys if not isinstance(score, dict) or k not in score]
+        if missing:
+            have = ", ".join(score) if isinstance(score, dict) else f"a {type(score).__name__}, not a dict"
+            raise RuntimeError(f"reward function {self.name} on prompt row {row}: algorithm.gdpo_reward_keys names "
+                               f"{', '.join(missing)}, which its result lacks (it returned {have}); return a dict "
+                               f"with each key, or change gdpo_reward_keys")
+        return value, [float(score[k]) for k in keys]
 
-    def score_all(self, calls: list[tuple]) -> list[float]:
-        """``self(*call)`` for each call, in order; ``sandbox.max_parallel`` at once (a code reward's
-        programs wait on their sandbox, not on this process's CPU)."""
+    def score_all(self, calls: list[tuple], keys: tuple[str, ...] = ()) -> list:
+        """``self(*call, keys=keys)`` for each call, in order; ``sandbox.max_parallel`` at once (a code
+        reward's programs wait on their sandbox, not on this process's CPU)."""
         if self.parallel == 1 or len(calls) < 2:
-            return [self(*c) for c in calls]
+            return [self(*c, keys=keys) for c in calls]
         with ThreadPoolExecutor(self.parallel) as pool:
-            return list(pool.map(lambda c: self(*c), calls))
+            return list(pool.map(lambda c: self(*c, keys=keys), calls))

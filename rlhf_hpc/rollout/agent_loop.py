@@ -12,6 +12,11 @@ interaction answers it), at ``max_assistant_turns`` /
 conversation after the prompt, as verl) runs out: a turn cut there ends it, and so does a tool or
 user turn that does not fit (it is not appended, as verl does for a tool turn).
 
+A model turn that stops on a stop token other than the one the template closes turns with (Qwen2.5's
+``<|endoftext|>`` beside ``<|im_end|>``) ends its conversation: the template would never have
+written another turn after it (counted in ``tools/off_template_stops``). Tool and user text is
+encoded with special tokens split, so it cannot fake a turn boundary.
+
 The response is every token after the prompt; its ``mask`` is 1 on the model's tokens and 0 on the
 tool and user turns, which carry log-prob 0 and are neither trained on nor counted in KL or
 entropy. The ranks of a tensor-parallel vLLM group generate together (the engine gathers their requests), so
@@ -29,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
-from rlhf_hpc.models.tokenizer import tool_template_problems, tool_turn_text
+from rlhf_hpc.models.tokenizer import tool_template_problems, tool_turn_ids, turn_end_id
 from rlhf_hpc.rollout.base import Response, RolloutEngine, Sampling
 from rlhf_hpc.tools.call_runner import CallRunner
 from rlhf_hpc.tools.interaction import Interaction, UserTurn
@@ -55,6 +60,7 @@ class Conversation:
     user_tokens: int = 0  # of the interaction's turns
     finish_reason: str = "stop"
     done: bool = False
+    off_template_stop: bool = False  # its last turn stopped on a stop token the template does not close turns with
 
     def add(self, ids: list[int], logprobs: Optional[list[float]]) -> None:
         self.token_ids += ids
@@ -90,6 +96,8 @@ class AgentLoop:
         problems = tool_template_problems(tokenizer, tool_schemas, self.template_kwargs)
         if problems:  # (the dry run says so too)
             raise ValueError("; ".join(problems))
+        self.turn_end = turn_end_id(tokenizer, self.template_kwargs)
+        self.other_stops: set[int] = set()
         self.group = getattr(engine, "tp_group", None)
         self.runner = CallRunner(MAX_TOOL_THREADS)
         self.counts: dict[str, float] = {}
@@ -99,6 +107,9 @@ class AgentLoop:
     # ----------------------------------------------------------------------------- one batch
     def generate(self, prompt_ids: list[list[int]], examples: list, sampling: Sampling) -> list[list[Response]]:
         """For each prompt (its row in ``examples``), ``sampling.n`` conversations."""
+        # the template's end of turn among the stop tokens: a turn that stops on another one is off template
+        self.other_stops = set(sampling.stop_token_ids) - {self.turn_end} if self.turn_end in \
+            sampling.stop_token_ids else set()
         convs = [Conversation(list(p), list(ex.messages), dict(ex.extra_info.get("tools_kwargs") or {}),
                               self._interaction_kwargs(ex))
                  for p, ex in zip(prompt_ids, examples) for _ in range(sampling.n)]
@@ -169,6 +180,12 @@ class AgentLoop:
         if r.finish_reason != "stop" or len(r.token_ids) > room or len(c.token_ids) >= self.R:
             c.done, c.finish_reason = True, "length"
             return []
+        if ids and ids[-1] in self.other_stops:
+            # stopped on another stop token (Qwen2.5's <|endoftext|>): the template would have closed the
+            # turn with its own, so no turn may follow this one; the conversation ends, its calls unrun
+            c.done = c.off_template_stop = True
+            self._count("off_template_stops")
+            return []
         if (self.cfg.max_assistant_turns and c.assistant_turns >= self.cfg.max_assistant_turns) or \
                 (self.cfg.max_user_turns and c.user_turns >= self.cfg.max_user_turns):
             c.done = True
@@ -185,8 +202,7 @@ class AgentLoop:
         messages = [{"role": "tool", "content": truncate_tool_text(o.text, self.cfg.max_tool_response_length,
                                                                   self.cfg.tool_response_truncate_side)}
                     for o in outputs]
-        ids = self.tokenizer.encode(tool_turn_text(self.tokenizer, messages, self.template_kwargs),
-                                    add_special_tokens=False)
+        ids = tool_turn_ids(self.tokenizer, messages, self.template_kwargs)
         if len(c.token_ids) + len(ids) >= self.R:  # no room left for the model's next turn (verl: terminated)
             c.done, c.finish_reason = True, "length"
             return
@@ -201,8 +217,7 @@ class AgentLoop:
             c.done = True
             return
         message = {"role": "user", "content": reply.text}
-        ids = self.tokenizer.encode(tool_turn_text(self.tokenizer, [message], self.template_kwargs),
-                                    add_special_tokens=False)
+        ids = tool_turn_ids(self.tokenizer, [message], self.template_kwargs)
         if len(c.token_ids) + len(ids) >= self.R:
             c.done, c.finish_reason = True, "length"
             return
@@ -267,8 +282,9 @@ class AgentLoop:
     def _tokens_match(self, c: Conversation) -> bool:
         """verl's sanity check: the tokens as built turn by turn against the whole conversation
         rendered by the template and encoded at once (the model's last turn may stop short of the
-        template's closing text)."""
-        ours = c.prompt_ids + c.token_ids
+        template's closing text; one that stopped on another stop token is counted apart, in
+        ``off_template_stops``, and compared without it)."""
+        ours = c.prompt_ids + (c.token_ids[:-1] if c.off_template_stop else c.token_ids)
         rendered = self.tokenizer.apply_chat_template(c.messages, tools=self.schemas or None, tokenize=False,
                                                       add_generation_prompt=c.messages[-1]["role"] != "assistant",
                                                       **self.template_kwargs)
@@ -287,7 +303,8 @@ class AgentLoop:
         ``num_turns/*``, ``tools/*`` counts, tokens by source, ``interaction/*`` (turns, errors, mean
         turn score; with an interaction config), ``timing_s/tools`` (the slowest rank)."""
         keys = ("tool_calls", "tool_ok", "tool_errors", "tool_timeouts", "tool_reward", "malformed_calls",
-                "dropped_calls", "tokens_model", "tokens_tool", "tokens_user", "tokenization_mismatches", "stuck_calls",
+                "dropped_calls", "tokens_model", "tokens_tool", "tokens_user", "tokenization_mismatches",
+                "off_template_stops", "stuck_calls",
                 "interaction_turns", "interaction_errors", "interaction_score")
         self.counts["stuck_calls"] = float(self.runner.stuck())  # (a count now, not a sum over the step)
         sums = torch.tensor([self.counts.get(k, 0.0) for k in keys] + [float(sum(self.turns)), float(len(self.turns))],
