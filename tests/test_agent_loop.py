@@ -219,17 +219,19 @@ def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_t
                 continue
             called += 1
             [call] = calls
-            first = tool_model.call_text(call.arguments["key"]) + "<|im_end|>"
-            assert text.startswith(first), text
+            # the model's turn as it was sampled (the taught call, or a variant of it that still parses),
+            # ending on its end of turn; then the tool's answer to that call, none of it the model's
+            start = r.mask.index(0)
+            first = tok.decode(r.token_ids[:start])
+            assert first.endswith("<|im_end|>") and hermes_calls(first).calls == calls, text
             answer = (f"\n<|im_start|>user\n<tool_response>\n{tool_model.code_of(call.arguments['key'])}\n"
                       f"</tool_response><|im_end|>\n<|im_start|>assistant\n")
             assert text[len(first):].startswith(answer)
-            start = len(tok.encode(first, add_special_tokens=False))
             n_tool = len(tok.encode(answer, add_special_tokens=False))
             assert r.mask == [1] * start + [0] * n_tool + [1] * (len(r.token_ids) - start - n_tool)
             assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.mask) if not m)
             assert model_tokens_logprob_diff(model, prompt, r) < 1e-3
-    assert called >= 6  # of 8 samples at temperature 1
+    assert called >= 6, called  # of 8 samples at temperature 1 (tool_model.teach checked its model: >= 0.9 right)
     m = agent.take_metrics()
     assert m["tools/tool_calls"] == called and m["tools/tool_ok"] == called and m["tools/tool_errors"] == 0
     # verl counts the prompt as a turn: prompt, call, tool, answer
@@ -405,7 +407,7 @@ def test_an_interaction_answers_the_models_turn_as_the_user_and_its_tokens_are_n
                                for w in ("right", "wrong, try again"))
             assert model_tokens_logprob_diff(model, prompt, r) < 1e-3
             assert r.num_turns >= 3
-    assert ended_right >= 4  # of 8: the taught model mostly reads the tool's code back
+    assert ended_right >= 4, ended_right  # of 8: the taught model mostly reads the tool's code back
     m = agent.take_metrics()
     assert m["interaction/turns"] >= ended_right and m["interaction/errors"] == 0
     assert 0 < m["interaction/score"] <= 1 and m["tools/tokens_user"] == user_tokens
