@@ -29,6 +29,13 @@ def seed_base() -> int:
         raise ValueError(f"RLHF_HPC_TEST_SEED={value!r} is not an integer") from None
 
 
+def seed_args() -> list[str]:
+    """The training launch's seed under another seed base (none under the default): a test that
+    starts ``launch.py`` itself adds these, as ``run_launch`` does."""
+    base = seed_base()
+    return [f"trainer.seed={42 + base}"] if base else []
+
+
 def require(component: str, available: bool, why: str = "") -> None:
     if available:
         return
@@ -54,10 +61,9 @@ def run_launch(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict | N
     """``python launch.py ARGS`` in a subprocess, as a user would type it. Under another seed base
     (``RLHF_HPC_TEST_SEED``), a training launch that names no seed gets ``trainer.seed`` moved by it."""
     full_env = dict(os.environ, **(env or {}))
-    base = seed_base()
-    if base and args and "=" in args[0] and "--dry-run" not in args and \
-            not any(a.startswith(("trainer.seed=", "help", "-")) for a in args):
-        args = (*args, f"trainer.seed={42 + base}")
+    if args and "=" in args[0] and "--dry-run" not in args and not any(a.startswith(("trainer.seed=", "-"))
+                                                                       for a in args):
+        args = (*args, *seed_args())
     return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 

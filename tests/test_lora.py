@@ -28,7 +28,7 @@ from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ppo.optim import build_optimizer
-from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.recipe.load import load_config, load_resolved
 from tests.conftest import REPO, engine_available, run_launch
 
 LORA = ModelConfig(path="tiny://qwen2", lora_rank=4, lora_alpha=8)
@@ -208,7 +208,7 @@ def test_export_writes_the_merged_model_and_the_adapter(runs, tmp_path):
     assert (out / "lora_adapter" / "adapter_model.safetensors").is_file()
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    cfg, _ = load_config("tiny_klppo", [])
+    cfg = load_resolved(base / "whole" / "config.yaml", check_files=False)  # (the run's seed builds its base)
     plain = build_causal_lm(cfg.actor_rollout_ref.model.path, torch.float32, seed=cfg.trainer.seed)
     adapted = PeftModel.from_pretrained(plain, out / "lora_adapter")
     batch = rows(vocab=plain.config.vocab_size)

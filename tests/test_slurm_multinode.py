@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from rlhf_hpc.observability.tracking import read_metrics
-from tests.conftest import REPO, require, run_launch
+from tests.conftest import REPO, require, run_launch, seed_args
 from tests.test_slurm import TINY, deterministic, job_ids, raw_steps, slurm_up, state, wait_done
 
 # one mesh for every layout: shard over all ranks. Left at its default (fsdp_size = ranks per node),
@@ -69,7 +69,8 @@ def start_one_node_run(run: Path) -> subprocess.Popen:
                              f"trainer.default_local_dir={run}", "trainer.test_freq=-1",
                              "trainer.val_before_train=false",
                              "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf",
-                             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=100", *SAME_MESH],
+                             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=100", *SAME_MESH,
+                             *seed_args()],
                             cwd=REPO, env=dict(os.environ, **ONE_THREAD), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
