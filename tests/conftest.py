@@ -50,6 +50,16 @@ def engine_available(name: str) -> None:
         require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
 
 
+@pytest.fixture(scope="module")
+def smollm() -> str:
+    """The real model (SmolLM2-135M-Instruct) on disk, prepared once per machine (rlhf_hpc.models.real_model)."""
+    from rlhf_hpc.models import real_model
+    try:
+        return str(real_model.prepare(log=lambda *_: None))
+    except real_model.PrepareError as e:
+        require("the real model (SmolLM2-135M-Instruct)", False, str(e))
+
+
 @pytest.fixture
 def shared_dir() -> Path:
     require("../shared", SHARED.is_dir(), f"{SHARED} is missing")

@@ -49,17 +49,6 @@ def test_the_source_of_pi_old_follows_what_reads_it(recipe, overrides, source):
     assert old_log_prob_source(cfg) == source
 
 
-@pytest.fixture(scope="module")
-def smollm() -> str:
-    """The real model on disk (its config.json: what the plans read), prepared once as test_real_model does."""
-    from rlhf_hpc.models import real_model
-    from tests.conftest import require
-    try:
-        return str(real_model.prepare(log=lambda *_: None))
-    except real_model.PrepareError as e:
-        require("the real model (SmolLM2-135M-Instruct)", False, str(e))
-
-
 def test_the_plans_drop_the_pass_that_does_not_run(smollm):
     for overrides, runs in (([], False), ([f"{ACTOR}ppo_epochs=2"], True)):
         cfg, _ = load_config("smollm2_add_grpo", [f"actor_rollout_ref.model.path={smollm}", *overrides])

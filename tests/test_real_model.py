@@ -26,19 +26,10 @@ import json
 import pytest
 import torch
 
-from rlhf_hpc.models import real_model
 from rlhf_hpc.recipe.load import load_config
 from tests.conftest import require, run_launch
 
 GSM8K_STEPS = 1  # each step of these runs takes ~80 s on 2 cores; what is checked holds from the first
-
-
-@pytest.fixture(scope="module")
-def smollm() -> str:
-    try:
-        return str(real_model.prepare(log=lambda *_: None))
-    except real_model.PrepareError as e:
-        require("the real model (SmolLM2-135M-Instruct)", False, str(e))
 
 
 @pytest.fixture(scope="module")
