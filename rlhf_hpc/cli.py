@@ -271,9 +271,11 @@ def check_data(cfg) -> None:
     except DataError as e:
         raise BadData(str(e)) from None
     if sources & set(CODE_SOURCES) or any(t.sandbox for t in run_tools(cfg)):
-        errors, warnings = sandbox_problems(cfg)
+        errors, warnings, notes = sandbox_problems(cfg)
         for w in warnings:
             print(f"warning: {w}", file=sys.stderr)
+        for note in notes:
+            print(f"# {note}", flush=True)
         if errors:
             raise ConfigError(errors)
 

@@ -311,7 +311,8 @@ def test_the_budget_and_the_turn_limits_end_a_conversation(taught):
 def test_the_code_interpreter_answers_with_the_output_or_the_sandboxs_verdict():
     from rlhf_hpc.config.sandbox_schema import SandboxConfig
     from rlhf_hpc.tools.sandbox import SandboxUnavailable, sandbox_backend
-    limits = SandboxConfig(timeout_s=1.5, memory_mb=256, max_processes=16, max_file_mb=8, max_output_kb=64)
+    limits = SandboxConfig(timeout_s=1.5, memory_mb=256, process_memory_mb=112, max_processes=16, max_file_mb=8,
+                           max_output_kb=64)
     try:
         sandbox_backend(limits)
     except SandboxUnavailable as e:

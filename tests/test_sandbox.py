@@ -26,12 +26,15 @@ from rlhf_hpc.rewards import rule_score
 from rlhf_hpc.rewards.code import code_score, configure_code_reward, extract_program
 from rlhf_hpc.tools.backends import FRESH_UID_BASE, SANDBOX_BACKENDS, bwrap_binary, interpreter, interpreter_prefixes
 from rlhf_hpc.tools.checks import sandbox_problems
+from rlhf_hpc.tools.memory_bound import memory_bound
 from rlhf_hpc.tools.metrics import SANDBOX_METRICS
 from rlhf_hpc.tools.sandbox import GRACE_S, SandboxUnavailable, run_in_sandbox, sandbox_backend
 from rlhf_hpc.tools.sandbox_fusion import run_in_sandbox_fusion
 from tests.conftest import require
 
-LIMITS = SandboxConfig(timeout_s=1.5, memory_mb=256, max_processes=16, max_file_mb=8, max_output_kb=64, max_parallel=2)
+# where no cgroup bounds a program (an ordinary user): rlimits, (256 - 3 x 8) // 112 = 2 processes
+LIMITS = SandboxConfig(timeout_s=1.5, memory_mb=256, process_memory_mb=112, max_processes=16, max_file_mb=8,
+                       max_output_kb=64, max_parallel=2)
 SLACK_S = GRACE_S + 1.0  # past the time limit: the kill, the pipes closing, a loaded machine
 
 
@@ -123,7 +126,8 @@ def test_the_process_limit_holds(mode):
     program = ("import os, time\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
                "            time.sleep(30)\n            os._exit(0)\n        n += 1\nfinally:\n    print(n, flush=True)")
     r = run_in_sandbox(program, "", LIMITS)
-    assert r.status == "process_limit" and int(r.stdout) == LIMITS.max_processes - 1, r
+    tasks = memory_bound(LIMITS, 3).tasks  # max_processes under a cgroup, fewer under rlimits
+    assert r.status == "process_limit" and int(r.stdout) == tasks - 1, r
     assert r.seconds < LIMITS.timeout_s  # its sleeping children ended with it (the pid namespace)
     assert leftover_sandbox_processes() == []
 
@@ -187,16 +191,19 @@ def test_the_unprivileged_path_as_an_ordinary_user(tmp_path, mode):
     site = next(p for p in sys.path if p.endswith("site-packages"))
     script = ("import json\nfrom rlhf_hpc.config.sandbox_schema import SandboxConfig\n"
               "from rlhf_hpc.tools.sandbox import run_in_sandbox, sandbox_backend\n"
-              "cfg = SandboxConfig(timeout_s=1.5, memory_mb=256, max_processes=16)\n"
+              # no cgroup for nobody: rlimits, (2048 - 3 x 8) // 120 = 16 processes
+              "cfg = SandboxConfig(timeout_s=1.5, memory_mb=2048, process_memory_mb=120, max_file_mb=8, "
+              "max_processes=16)\n"
               "prog = 'import os, time\\nn = 0\\ntry:\\n    for _ in range(100):\\n        if os.fork() == 0:\\n"
               "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nfinally:\\n    print(n)'\n"
               "r = run_in_sandbox(prog, '', cfg)\n"
-              "print(json.dumps([sandbox_backend(cfg)[1], r.status, r.stdout]))\n")
+              "from rlhf_hpc.tools.memory_bound import memory_bound\n"
+              "print(json.dumps([sandbox_backend(cfg)[1], memory_bound(cfg, 3).kind, r.status, r.stdout]))\n")
     out = subprocess.run(["/usr/bin/python3", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": f"{Path(__file__).parent.parent}:{site}", "PATH": "/usr/bin:/bin"},
                          user=65534, group=65534, extra_groups=[])
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.splitlines()[-1]) == ["userns", "process_limit", "15\n"]
+    assert json.loads(out.stdout.splitlines()[-1]) == ["userns", "rlimits", "process_limit", "15\n"]
 
 
 def test_metrics_count_each_outcome(mode):
@@ -221,11 +228,12 @@ def test_the_rlimit_mode_is_refused_unless_chosen(monkeypatch, tmp_path):
     assert "bwrap is not installed" in str(e.value) and "apptainer" in str(e.value)
     cfg = Config()
     cfg.sandbox = LIMITS
-    errors, _ = sandbox_problems(cfg)
+    errors, _, _ = sandbox_problems(cfg)
     assert len(errors) == 1 and "no sandbox runs programs" in errors[0]
     cfg.sandbox = weak = replace(LIMITS, backend="rlimit")
-    errors, warnings = sandbox_problems(cfg)
+    errors, warnings, notes = sandbox_problems(cfg)
     assert errors == [] and len(warnings) == 1 and "reach the network" in warnings[0]
+    assert notes[0].startswith("sandbox: rlimit; memory bound: ")
     r = run_in_sandbox("import sys\nprint(sys.stdin.read().upper())", "abc", weak)
     assert r.ok and r.backend == "rlimit" and r.stdout.strip() == "ABC"
     r = run_in_sandbox("while True:\n    pass", "", weak)
@@ -237,14 +245,15 @@ def test_the_rlimit_mode_is_refused_unless_chosen(monkeypatch, tmp_path):
 def test_the_dry_run_check(mode):
     cfg = Config()
     cfg.sandbox = LIMITS
-    assert sandbox_problems(cfg) == ([], [])
+    errors, warnings, notes = sandbox_problems(cfg)
+    assert errors == warnings == [] and len(notes) == 1 and notes[0].startswith(f"sandbox: bwrap ({mode}); memory bound:")
     cfg.sandbox = replace(LIMITS, backend="docker")
-    errors, _ = sandbox_problems(cfg)
+    errors, _, _ = sandbox_problems(cfg)
     assert len(errors) == 1 and "sandbox.backend: unknown sandbox backend 'docker'" in errors[0] and "rlimit" in errors[0]
     cfg.sandbox = replace(LIMITS, memory_mb=8, timeout_s=0)
     assert len(sandbox_problems(cfg)[0]) == 2
     cfg.sandbox, cfg.reward_model.sandbox_fusion.url = LIMITS, "localhost:8080"
-    errors, _ = sandbox_problems(cfg)
+    errors, _, _ = sandbox_problems(cfg)
     assert len(errors) == 1 and "expected http(s)://" in errors[0]
     with pytest.raises(ConfigError, match="registered: bwrap, apptainer, rlimit"):
         sandbox_backend(replace(LIMITS, backend="docker"))
@@ -256,14 +265,15 @@ def test_the_apptainer_command(tmp_path):
     image = tmp_path / "python.sif"
     image.write_bytes(b"")
     cfg = replace(LIMITS, backend="apptainer", apptainer_image=str(image))
-    launch = SANDBOX_BACKENDS["apptainer"].command(cfg, tmp_path, "default")
+    launch = SANDBOX_BACKENDS["apptainer"].command(cfg, tmp_path, "default", memory_bound(cfg, 0))
     text = " ".join(launch.argv)
     assert launch.argv[:6] == ["apptainer", "exec", "--containall", "--net", "--network", "none"]
     assert "--no-mount hostfs,bind-paths,cwd" in text and f"--bind {tmp_path}:/run/stage:ro" in text
     at = launch.argv.index(str(image))
     assert launch.argv[at + 1:at + 4] == ["python3", "-I", "-S"] and "HOME=" not in text
     spec = json.loads(launch.argv[-1])
-    assert spec["limits"]["as"] == 256 * 2**20 and spec["limits"]["cpu"] == 2 and spec["uid"] is None
+    assert spec["limits"]["cpu"] == 2 and spec["uid"] is None and spec["seccomp"]
+    assert spec["limits"]["as"] == (256 if memory_bound(cfg, 0).kind == "cgroup" else cfg.process_memory_mb) * 2**20
     assert spec["limits"]["nproc"] > LIMITS.max_processes  # the user's own tasks count too (no user namespace)
 
 

@@ -12,16 +12,29 @@ __all__ = ["SandboxConfig", "SandboxFusionConfig"]
 @dataclass
 class SandboxConfig:
     """Where and under which limits a program runs (the code reward's test cases, the code tool).
-    Every limit is per run of one program; the wall-clock limit kills its whole process tree."""
+    Every limit is per run of one program, all its processes together; the wall-clock limit kills
+    its whole process tree."""
     # a name in rlhf_hpc.tools.backends.SANDBOX_BACKENDS (bwrap, apptainer, rlimit), or auto: bwrap
     # where it can create namespaces here, else apptainer (with apptainer_image); never rlimit,
     # which has no namespaces (it sees the files and the network the user sees) and is used only
     # when chosen here by name
     backend: str = "auto"
     timeout_s: float = 10.0  # wall clock (and CPU seconds per process)
-    memory_mb: int = 1024  # address space per process
+    # the program's whole memory: its processes, shared memory and tmpfs together (how it is held
+    # here: memory_bound, rlhf_hpc/tools/memory_bound.py)
+    memory_mb: int = 1024
+    # auto: a cgroup per program where this process may make one (root, a delegated cgroup v2
+    # subtree), else rlimits; cgroup: refused where none can be made; rlimits: never a cgroup
+    memory_bound: str = "auto"
+    # the cgroup programs' cgroups are made in (v2 with the memory controller enabled for its
+    # children, or a v1 memory cgroup); null: this process's own cgroup, or in v2 its parent
+    cgroup_parent: Optional[str] = None
+    # rlimits bound only: each process's address space; the processes and threads a program may have
+    # at once are then (memory_mb - the tmpfs mounts) // this, at most max_processes
+    process_memory_mb: int = 256
     max_processes: int = 32  # processes and threads at once
-    max_file_mb: int = 64  # the largest file written, and each private tmpfs (/tmp, the working directory)
+    # the largest file written, and each private tmpfs (/tmp, the working directory, /dev/shm)
+    max_file_mb: int = 64
     max_output_kb: int = 1024  # per stream (stdout, stderr): beyond it the program is stopped
     # the interpreter programs run with; null: the trainer's own (sys.executable). Its prefix (and
     # its venv's) is mounted read-only inside, even where it lies under $HOME

