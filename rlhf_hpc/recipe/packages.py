@@ -14,9 +14,10 @@ __all__ = ["PACKAGES", "VLLM_BELOW", "VLLM_MIN", "config_package_problems", "cpu
 
 # vLLM releases whose in-place reload the engine uses: ``reload_weights(weights_iterator=...)`` on the
 # model runner (layer-wise reload, from v0.18.0) and ``sleep(level=2)`` restoring buffers on wake. The
-# floor is the oldest release whose source the engine was checked against (0.32, the CPU build run
-# here; 0.33 is env/setup.sh's GPU build), not the API's first release. Keep in step with setup.cfg.
-VLLM_MIN, VLLM_BELOW = "0.32", "0.34"
+# floor is the oldest release whose source the engine was checked against (0.26, env/setup.sh's build
+# for drivers without CUDA 13; 0.32 is the CPU build run here, 0.33 the CUDA 13 build), not the API's
+# first release. Keep in step with setup.cfg.
+VLLM_MIN, VLLM_BELOW = "0.26", "0.34"
 
 # feature -> (module, distributions that provide it, tested range, how to install it)
 PACKAGES = {
