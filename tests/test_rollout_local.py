@@ -155,6 +155,27 @@ def test_generation_rng_is_per_dp_rank_and_leaves_the_training_rng_alone():
     assert torch.equal(torch.rand(3), expected) and (np.random.random(3) == expected_np).all()
 
 
+def test_a_seeded_generation_reseeds_every_stream_it_draws_from():
+    """The engine's seeded call (a resumed step replays its rollouts) re-seeds numpy too: vLLM's GPU
+    model runner draws each request's seed from it, so torch alone would not replay there."""
+    import random
+
+    import numpy as np
+    from rlhf_hpc.rollout.rng import GenerationRNG, seed_all
+    rng = GenerationRNG(1, 0, torch.device("cpu"))
+    draws = []
+    for burn in (0, 7):  # the streams at different places before the seeded call
+        with rng.active():
+            np.random.random(burn)
+            torch.rand(burn)
+            seed_all(1234)
+            draws.append((np.random.randint(0, 2**31, 4).tolist(), torch.rand(2).tolist(), random.random()))
+    assert draws[0] == draws[1]
+    with rng.active():
+        seed_all(1235)
+        assert np.random.randint(0, 2**31, 4).tolist() != draws[0][0]
+
+
 def test_step_seed_depends_on_the_dp_rank_only():
     from rlhf_hpc.ppo.step_batch import step_seed
     assert step_seed(1, 2, 0) == step_seed(1, 2, 0) != step_seed(1, 2, 1)

@@ -18,7 +18,7 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["GenerationRNG", "preserved_rng"]
+__all__ = ["GenerationRNG", "preserved_rng", "seed_all"]
 
 
 def _capture(device: torch.device) -> dict:
@@ -35,6 +35,14 @@ def _restore(state: dict, device: torch.device) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def seed_all(seed: int) -> None:
+    """Every global RNG generation may draw from: torch (CPU and CUDA), Python's, and numpy's (vLLM's
+    V2 model runner draws each request's seed from it): a seeded generation replays on a GPU too."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 @contextlib.contextmanager
@@ -54,9 +62,7 @@ class GenerationRNG:
     def __init__(self, seed: int, dp_rank: int, device: torch.device):
         self.device = device
         with preserved_rng(device):
-            torch.manual_seed(seed + dp_rank)  # seeds CUDA too
-            random.seed(seed + dp_rank)
-            np.random.seed(seed + dp_rank)
+            seed_all(seed + dp_rank)
             self._state = _capture(device)
 
     @contextlib.contextmanager

@@ -30,7 +30,7 @@ from rlhf_hpc.models.lora import adapter_file_name, adapter_rank, lora_enabled, 
 from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
 from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.rollout.base import Response, Sampling, covered
-from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng
+from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng, seed_all
 from rlhf_hpc.planning.memory_plan import oom_message
 
 __all__ = ["ReloadVerdicts", "VLLMEngine", "VLLM_BELOW", "VLLM_MIN", "check_vllm_version", "quiet_vllm_logging"]
@@ -423,7 +423,7 @@ class VLLMEngine:
         # mode), so the same step on the same data-parallel rank replays the same rollouts
         with self.rng.active():
             if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
+                seed_all(sampling.seed)
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
                                      lora_request=self._lora_request())
         results = []
