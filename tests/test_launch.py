@@ -87,6 +87,16 @@ def test_auto_cluster_picks_slurm_where_sbatch_exists(tmp_path):
     out = run_launch("recipe=tiny_klppo", "cluster=auto", "--dry-run", env={"PATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "# sbatch script (cluster=slurm)" in out.stdout
+    node = out.stdout.split("# then on each node: ")[1].splitlines()[0].split()
+    assert node[:4] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=1"], node  # the job's own Python
+    # in a container, the container's Python: the host venv's would run there with the host's packages
+    out = run_launch("recipe=tiny_klppo", "cluster=slurm", "--dry-run",
+                     "launcher.container=apptainer exec --nv --bind /project /images/rlhf-hpc-gpu.sif",
+                     env={"PATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    node = out.stdout.split("# then on each node: ")[1].splitlines()[0].split()
+    assert node[:8] == ["apptainer", "exec", "--nv", "--bind", "/project", "/images/rlhf-hpc-gpu.sif", "python", "-m"]
+    assert sys.executable not in node and node[-2:] == ["rlhf_hpc.worker", node[-1]]
 
 
 @pytest.mark.slow

@@ -29,6 +29,9 @@ class LauncherConfig:
     additional_sbatch: list[str] = field(default_factory=list)  # extra "#SBATCH" lines, e.g. --mail-type=END
     setup: list[str] = field(default_factory=list)  # shell lines before the job: module loads, venv
     container: Optional[str] = None  # command prefix, e.g. "apptainer exec --nv /path/rlhf-hpc-gpu.sif"
+    # the interpreter torchrun and the ranks start with inside ``container``, found on the container's
+    # PATH (env/rlhf-hpc-gpu.def puts its venv first); the job's own interpreter outside one
+    container_python: str = "python"
     # preemption / time limit: Slurm sends USR2 this long before the end (large models need minutes
     # to save); independently, the loop saves and requeues when less than time_margin_s remain
     signal_lead_s: int = 120

@@ -37,7 +37,7 @@ from rlhf_hpc.launch.watchdog import Watchdog
 from rlhf_hpc.planning.hardware import step_cpu_warning, usable_cpus
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["JOBS_FILE", "NodeJob", "NodeRun", "node_info", "resume_command"]
+__all__ = ["JOBS_FILE", "NodeJob", "NodeRun", "node_info", "node_python", "node_torchrun_command", "resume_command"]
 
 
 @dataclass
@@ -95,15 +95,22 @@ def rendezvous_port(job_id: str) -> int:
     return 29500 + int(digits) % 16000
 
 
+def node_python(cfg) -> list[str]:
+    """The interpreter of torchrun and the ranks: the job's own, or inside ``launcher.container`` the
+    container's (``launcher.container_python``): the host venv's would run in the container with the
+    host's packages, or not be there at all."""
+    if cfg.launcher.container:
+        return shlex.split(cfg.launcher.container) + shlex.split(cfg.launcher.container_python)
+    return [sys.executable]
+
+
 def node_torchrun_command(cfg, config_path: str | Path, info: NodeInfo) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={info.nnodes}",
+    cmd = node_python(cfg) + ["-m", "torch.distributed.run", f"--nnodes={info.nnodes}",
            f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={info.master}:{info.port}",
            f"--rdzv-id={info.job_id}", f"--max-restarts={cfg.launcher.max_restarts}", TORCHRUN_MONITOR,
            f"--log-dir={torchrun_log_dir(Path(config_path).parent)}",
            "-m", "rlhf_hpc.worker", str(config_path)]
-    if cfg.launcher.container:
-        cmd = shlex.split(cfg.launcher.container) + cmd
     return cmd
 
 
@@ -115,6 +122,9 @@ class NodeRun:
         self.run_dir = Path(config_path).parent
         self.launch_id = f"{info.job_id}.{info.restart_count}"  # alike on every node of the allocation
         env = worker_env(cfg)
+        if cfg.launcher.container:
+            for name in ("VIRTUAL_ENV", "PYTHONHOME"):  # the host's interpreter, not the container's
+                env.pop(name, None)
         env[ENV_LAUNCH_ID] = self.launch_id
         if info.end_time is not None:
             env["RLHF_HPC_JOB_END_TIME"] = str(info.end_time)

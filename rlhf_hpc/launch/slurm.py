@@ -27,10 +27,11 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.launch import stop
 from rlhf_hpc.launch.failure import OK, REQUEUE, launch_command
 from rlhf_hpc.launch.local import check_heartbeat_timeout
-from rlhf_hpc.launch.node import JOBS_FILE, NodeJob, node_info
+from rlhf_hpc.launch.node import JOBS_FILE, NodeInfo, NodeJob, node_info, node_torchrun_command
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["cancel", "check_cluster", "have_slurm", "job_state", "log_files", "run_jobs", "sbatch_text", "submit"]
+__all__ = ["cancel", "check_cluster", "have_slurm", "job_state", "log_files", "node_command_preview", "run_jobs", "sbatch_text",
+           "submit"]
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -118,6 +119,14 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
     params["additional_parameters"] = extra
     ex.update_parameters(**params)
     return ex
+
+
+def node_command_preview(cfg: Config, config_path: Path) -> list[str]:
+    """What each node of the job runs (the dry run shows it): its rendezvous is the job's, known on the node."""
+    info = NodeInfo(job_id="$SLURM_JOB_ID", node_rank=0, nnodes=cfg.trainer.nnodes, master="$FIRST_HOST",
+                    port=0, restart_count=0, end_time=None)
+    return [a.replace(":0", ":$PORT") if a.startswith("--rdzv-endpoint") else a
+            for a in node_torchrun_command(cfg, config_path, info)]
 
 
 def nsys_prefix(nsys_report_dir: Path) -> str:
