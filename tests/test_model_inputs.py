@@ -69,8 +69,30 @@ def test_a_sound_model_directory_and_adapter_pass(made, capsys):
     assert rc == 0, err
 
 
+def test_a_directory_with_config_json_only_is_planned_and_refused_at_the_run(made, capsys, tmp_path):
+    """What a user has before the download: the dry run and ``launch.py plan`` plan it from its
+    config.json, saying so in one line; the run itself refuses it, naming what is missing."""
+    only = tmp_path / "config_only"
+    only.mkdir()
+    shutil.copy(made / "good" / "config.json", only / "config.json")
+    for d, tokenizer in ((only, ", no tokenizer"), (made / "no_weights", "")):
+        rc, err = dry_run(capsys, f"{KEY}.path={d}", "data.tokenizer=null")
+        assert rc == 0, err
+        assert (f"warning: {KEY}.path={d}: config.json only here (no weights{tokenizer}): planned from its config; "
+                f"the run needs the weights where it runs") in err
+        capsys.readouterr()
+        assert launch(["plan", "recipe=tiny_klppo", f"{KEY}.path={d}", "data.tokenizer=null"]) == 0
+        out = capsys.readouterr().out
+        assert "| as written | " in out and "does not fit" not in out, out
+        capsys.readouterr()
+        rc = launch(["recipe=tiny_klppo", f"{KEY}.path={d}", "data.tokenizer=null",
+                     f"trainer.default_local_dir={tmp_path / 'run'}"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{KEY}.path={d}: no weights in {d} (config.json is there" in err, err
+        assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("directory,says", [
-    ("no_weights", "no weights in {d} (config.json is there, but no *.safetensors or pytorch_model*.bin)"),
     ("missing_shard", "model.safetensors.index.json lists 2 shards and model-00001-of-00002.safetensors is missing"),
     ("other_shape", "weights of another shape than config.json's: model.layers.0.mlp.gate_proj.weight is "
                     "[256, 128], the config makes [512, 128];"),

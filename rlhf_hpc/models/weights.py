@@ -18,7 +18,7 @@ from typing import Optional
 
 from torch import nn
 
-__all__ = ["safetensors_shapes", "weight_files", "weights_problems"]
+__all__ = ["no_weight_files", "safetensors_shapes", "weight_files", "weights_problems"]
 
 INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -43,6 +43,12 @@ def weight_files(directory: Path) -> tuple[list[Path], list[str]]:
     if not files:
         return [], [f"no weights in {directory} (config.json is there, but no *.safetensors or pytorch_model*.bin)"]
     return files, []
+
+
+def no_weight_files(directory: Path) -> bool:
+    """The directory holds no weight file and no index of one (a config.json before the download)."""
+    return not any((directory / index).is_file() for index in (INDEX, BIN_INDEX)) and not any(
+        f.name != "training_args.bin" for pattern in ("*.safetensors", "*.bin") for f in directory.glob(pattern))
 
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -116,7 +116,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     warnings += checkpoint_warnings
     errors += profiler_problems(cfg)
     for topic in (sequence_parallel_problems, model_architecture_problems, model_file_problems, config_package_problems):
-        topic_errors, topic_warnings = topic(cfg)
+        topic_errors, topic_warnings = topic(cfg, check_files) if topic is model_file_problems else topic(cfg)
         errors += topic_errors
         warnings += topic_warnings
     if cfg.launcher.cluster == "local" and cfg.trainer.nnodes > 1:

@@ -21,8 +21,8 @@ from rlhf_hpc.models.architectures import architecture_problems
 from rlhf_hpc.models.hf import build_causal_lm, build_critic, build_token_scorer, is_tiny, local_path, model_config
 from rlhf_hpc.models.lora import (adapter_shape_problems, apply_lora, lora_enabled, saved_adapter,
                                   unmatched_target_modules)
-from rlhf_hpc.models.tokenizer import tokenizer_path, tokenizer_problems
-from rlhf_hpc.models.weights import weights_problems
+from rlhf_hpc.models.tokenizer import TOKENIZER_FILES, tokenizer_path, tokenizer_problems
+from rlhf_hpc.models.weights import no_weight_files, weights_problems
 from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 
 __all__ = ["lora_problems", "lora_warnings", "model_architecture_problems", "model_file_problems",
@@ -274,12 +274,16 @@ def _context_problems(cfg: Config, config) -> tuple[list[str], list[str]]:
     return [], [f"{text}: the model would run positions it was not trained on"]
 
 
-def model_file_problems(cfg: Config) -> tuple[list[str], list[str]]:
+def model_file_problems(cfg: Config, check_files: bool = True) -> tuple[list[str], list[str]]:
     """(errors, warnings) of the model directories and the tokenizer a config names, where they are on
     this machine (a hub name is resolved where the job runs): each model's weights are there and of
     the shapes its config.json makes (rlhf_hpc.models.weights); the tokenizer encodes a chat prompt
-    (rlhf_hpc.models.tokenizer.tokenizer_problems), with the chat template the run uses."""
-    arr, rm, errors = cfg.actor_rollout_ref, cfg.reward_model, []
+    (rlhf_hpc.models.tokenizer.tokenizer_problems), with the chat template the run uses. Without
+    ``check_files`` (a dry run, a plan) a directory holding a config.json and no weights is what a
+    user has before the download: it is planned from its config, in one warning line, and its missing
+    weights and tokenizer files are left to the run."""
+    arr, rm, errors, warnings = cfg.actor_rollout_ref, cfg.reward_model, [], []
+    config_only = set()
     models = [("actor_rollout_ref.model.path", arr.model.path, arr.model.override_config, arr.model.trust_remote_code,
                "causal_lm")]
     if cfg.critic.enable and cfg.critic.model.path != arr.model.path:
@@ -290,10 +294,22 @@ def model_file_problems(cfg: Config) -> tuple[list[str], list[str]]:
                        bool(rm.model.trust_remote_code), "token_scorer"))
     for key, path, override, trust, kind in models:
         if path and not is_tiny(path) and _readable_model_config(path, override) is not None:
+            if not check_files and no_weight_files(Path(local_path(path))):
+                config_only.add(path)
+                warnings.append(f"{key}={path}: config.json only here (no weights{_no_tokenizer_files(path)}): "
+                                f"planned from its config; the run needs the weights where it runs")
+                continue
             errors += [f"{key}={path}: {p}" for p in _memo(("weights", path, override, trust, kind),
                                                            lambda: _weights_problems(path, override, trust, kind))]
-    errors += _tokenizer_problems(cfg)
-    return errors, []
+    if not (tokenizer_path(cfg) in config_only and _no_tokenizer_files(tokenizer_path(cfg))):
+        errors += _tokenizer_problems(cfg)
+    return errors, warnings
+
+
+def _no_tokenizer_files(path: str) -> str:
+    """", no tokenizer" where the directory holds none of a tokenizer's files, else ""."""
+    local = Path(local_path(path))
+    return ", no tokenizer" if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) else ""
 
 
 def _weights_problems(path: str, override: dict, trust: bool, kind: str) -> list[str]:
