@@ -37,7 +37,8 @@ from rlhf_hpc.launch.watchdog import Watchdog
 from rlhf_hpc.planning.hardware import step_cpu_warning, usable_cpus
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["JOBS_FILE", "NodeJob", "NodeRun", "node_info", "node_python", "node_torchrun_command", "resume_command"]
+__all__ = ["JOBS_FILE", "NodeInfo", "NodeJob", "NodeRun", "node_info", "node_python", "node_torchrun_command",
+           "resume_command"]
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Optional
 
 from rlhf_hpc.models.hf import local_path
 
-__all__ = ["build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path", "tokenizer_problems",
-           "tool_template_problems", "tool_turn_ids", "tool_turn_text", "turn_end_id"]
+__all__ = ["TOKENIZER_FILES", "build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path",
+           "tokenizer_problems", "tool_template_problems", "tool_turn_ids", "tool_turn_text", "turn_end_id"]
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz :,.?!#+-*=\n")

@@ -29,8 +29,8 @@ from typing import Optional
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.tools.sandbox_launcher import SECCOMP_ARCHES
 
-__all__ = ["MEMORY_BOUNDS", "MemoryBound", "ProgramCgroup", "SandboxUnavailable", "cgroup_parent",
-           "memory_bound", "program_cgroup"]
+__all__ = ["MEMORY_BOUNDS", "MemoryBound", "ProgramCgroup", "SandboxUnavailable", "cgroup_mounts", "cgroup_parent",
+           "memory_bound", "own_cgroups", "program_cgroup"]
 
 MEMORY_BOUNDS = ("auto", "cgroup", "rlimits")
 MB = 1024 * 1024
