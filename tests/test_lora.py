@@ -135,6 +135,23 @@ LORA_KEYS = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lor
              "actor_rollout_ref.actor.optim.lr=1e-2", "critic.model.lora_rank=4")
 
 
+@pytest.mark.slow
+def test_the_vllm_engine_reads_the_adapter_once_per_sync(tmp_path):
+    """vLLM re-applies a request's adapter at every decode step, and reads it from disk again when
+    the request says load_inplace: the engine registers each synced adapter once (add_lora) and
+    generates with a request that never reloads it. Two syncs x two generations of 24 decode steps:
+    one load per sync, and the greedy tokens are the merged model's (the newest adapter serves)."""
+    engine_available("vllm")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           str(REPO / "tests" / "dist_lora_engine_checks.py"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads((tmp_path / "lora_engine.json").read_text())
+    assert res["loads_per_sync"] == [1, 1], res
+    assert all(all(m) for m in res["greedy_matches"]), res
+
+
 def _run(run, steps, *extra, engine="vllm"):
     out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", f"trainer.total_training_steps={steps}",
                      "trainer.save_freq=3", "trainer.test_freq=-1", f"actor_rollout_ref.rollout.name={engine}",

@@ -371,15 +371,19 @@ class VLLMEngine:
         self._adapter_active = self._adapter_fresh = True
 
     def _lora_request(self):
-        """The adapter for this ``generate`` (None without LoRA); reloaded once after each sync."""
+        """The adapter for this ``generate`` (None without LoRA). After a sync it is registered once
+        (``add_lora`` with ``load_inplace``); the request generate carries never reloads it: vLLM's
+        model runner re-applies the requests' adapters at every decode step, and one that says
+        ``load_inplace`` is read from disk again each time."""
         if not self._adapter_active:
             return None
         if not self._base_loaded:
             raise RuntimeError("vllm engine: an adapter on weights that are not its base model's")
         from vllm.lora.request import LoRARequest
-        request = LoRARequest("actor", 1, self._adapter_dir.name, load_inplace=self._adapter_fresh)
-        self._adapter_fresh = False
-        return request
+        if self._adapter_fresh:
+            self.llm.llm_engine.add_lora(LoRARequest("actor", 1, self._adapter_dir.name, load_inplace=True))
+            self._adapter_fresh = False
+        return LoRARequest("actor", 1, self._adapter_dir.name)
 
     def _fail_together(self, problems: list[str]) -> None:
         """Raise on every rank when any rank's engine reported a problem (one would otherwise wait
