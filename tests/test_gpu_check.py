@@ -64,6 +64,9 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert ("tiny_klppo", "tiny KL-PPO with LoRA, hf engine (fit)") in names
     assert ("tiny_klppo", "preflight on this device (tiny_klppo, hf engine)") in names
     assert ("smoke-plan", "memory plan per phase: fit, bf16, 512-token responses") in names
+    # and what it therefore did not check is listed, in the JSON and after the table
+    assert any(w.startswith("vLLM's sleep and wake") for w in data["not_checked"]) and len(data["not_checked"]) == 5
+    assert all(f"not checked: {w}" in proc.stdout for w in data["not_checked"])
 
 
 def test_smoke_figures_are_measurements(smoke):
@@ -162,6 +165,7 @@ def test_the_colocated_engine_cases_run_vllm_where_it_is_installed(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["not_checked"] == []  # vLLM is here: nothing of it left unchecked
     by = {c["case"]: c for c in data["cases"]}
     assert sorted(by) == ["preflight on this device (tiny_klppo, vllm engine)", "tiny KL-PPO in bf16, vllm engine (fit)",
                           "tiny KL-PPO with LoRA, vllm engine (fit)"]
