@@ -380,9 +380,10 @@ def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
             print(f"# resolved config (written to {d / 'config.yaml'} at submission)")
             print(dump_yaml(to_dict(c)))
             check_memory_plan(c, show=True)
+        # (before the script: the script is the output's tail, as it is written)
+        print(f"# then on each node: {shlex.join(slurm.node_command_preview(cfg, run_dirs[0] / 'config.yaml'))}")
         print(f"# sbatch script (cluster=slurm{', array of %d' % len(elements) if len(elements) > 1 else ''})")
         print(slurm.sbatch_text(cfg, run_dirs[0] / "slurm"))
-        print(f"# then on each node: {shlex.join(slurm.node_command_preview(cfg, run_dirs[0] / 'config.yaml'))}")
         return 0
     if not slurm.have_slurm():
         raise ConfigError("launcher.cluster=slurm but sbatch is not on PATH: run on a login node of the cluster, "
