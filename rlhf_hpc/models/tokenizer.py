@@ -13,7 +13,7 @@ from typing import Optional
 
 from rlhf_hpc.models.hf import local_path
 
-__all__ = ["TOKENIZER_FILES", "build_tiny_tokenizer", "load_tokenizer", "stop_token_ids", "tokenizer_path",
+__all__ = ["build_tiny_tokenizer", "load_tokenizer", "no_tokenizer_files", "stop_token_ids", "tokenizer_path",
            "tokenizer_problems", "tool_template_problems", "tool_turn_ids", "tool_turn_text", "turn_end_id"]
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -73,6 +73,12 @@ MIN_VOCAB = 16  # fewer tokens is no real tokenizer (transformers builds one of 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model", "tekken.json")
 
 
+def no_tokenizer_files(path: str) -> bool:
+    """``path`` is a directory here holding none of a tokenizer's files (a model's config.json alone)."""
+    local = Path(local_path(path))
+    return local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES)
+
+
 def tokenizer_problems(path: str, trust_remote_code: bool = False, chat_template: Optional[str] = None,
                        template_kwargs: Optional[dict] = None, vocab_size: Optional[int] = None,
                        tools: Optional[list[dict]] = None) -> list[str]:
@@ -82,9 +88,8 @@ def tokenizer_problems(path: str, trust_remote_code: bool = False, chat_template
     is chat messages), or its template fails or renders the sample to no tokens (with
     ``template_kwargs``, ``data.apply_chat_template_kwargs``); it has more tokens than the model's
     ``vocab_size`` embedding rows; with ``tools`` (a multi-turn run's), ``tool_template_problems``."""
-    local = Path(local_path(path))
-    no_files = (f"; {local} has none of a tokenizer's files ({', '.join(TOKENIZER_FILES[:3])}, ...)"
-                if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) else "")
+    no_files = (f"; {local_path(path)} has none of a tokenizer's files ({', '.join(TOKENIZER_FILES[:3])}, ...)"
+                if no_tokenizer_files(path) else "")
     try:
         tok = load_tokenizer(path, trust_remote_code, chat_template)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises for files it cannot use

@@ -115,8 +115,8 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors += checkpoint_errors
     warnings += checkpoint_warnings
     errors += profiler_problems(cfg)
-    for topic in (sequence_parallel_problems, model_architecture_problems, model_file_problems, config_package_problems):
-        topic_errors, topic_warnings = topic(cfg, check_files) if topic is model_file_problems else topic(cfg)
+    for topic_errors, topic_warnings in (sequence_parallel_problems(cfg), model_architecture_problems(cfg),
+                                         model_file_problems(cfg, check_files), config_package_problems(cfg)):
         errors += topic_errors
         warnings += topic_warnings
     if cfg.launcher.cluster == "local" and cfg.trainer.nnodes > 1:

@@ -21,7 +21,7 @@ from rlhf_hpc.models.architectures import architecture_problems
 from rlhf_hpc.models.hf import build_causal_lm, build_critic, build_token_scorer, is_tiny, local_path, model_config
 from rlhf_hpc.models.lora import (adapter_shape_problems, apply_lora, lora_enabled, saved_adapter,
                                   unmatched_target_modules)
-from rlhf_hpc.models.tokenizer import TOKENIZER_FILES, tokenizer_path, tokenizer_problems
+from rlhf_hpc.models.tokenizer import no_tokenizer_files, tokenizer_path, tokenizer_problems
 from rlhf_hpc.models.weights import no_weight_files, weights_problems
 from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 
@@ -296,20 +296,15 @@ def model_file_problems(cfg: Config, check_files: bool = True) -> tuple[list[str
         if path and not is_tiny(path) and _readable_model_config(path, override) is not None:
             if not check_files and no_weight_files(Path(local_path(path))):
                 config_only.add(path)
-                warnings.append(f"{key}={path}: config.json only here (no weights{_no_tokenizer_files(path)}): "
+                no_tokenizer = ", no tokenizer" if no_tokenizer_files(path) else ""
+                warnings.append(f"{key}={path}: config.json only here (no weights{no_tokenizer}): "
                                 f"planned from its config; the run needs the weights where it runs")
                 continue
             errors += [f"{key}={path}: {p}" for p in _memo(("weights", path, override, trust, kind),
                                                            lambda: _weights_problems(path, override, trust, kind))]
-    if not (tokenizer_path(cfg) in config_only and _no_tokenizer_files(tokenizer_path(cfg))):
+    if not (tokenizer_path(cfg) in config_only and no_tokenizer_files(tokenizer_path(cfg))):
         errors += _tokenizer_problems(cfg)
     return errors, warnings
-
-
-def _no_tokenizer_files(path: str) -> str:
-    """", no tokenizer" where the directory holds none of a tokenizer's files, else ""."""
-    local = Path(local_path(path))
-    return ", no tokenizer" if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) else ""
 
 
 def _weights_problems(path: str, override: dict, trust: bool, kind: str) -> list[str]:
