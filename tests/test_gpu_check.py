@@ -64,7 +64,7 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert ("tiny_klppo", "tiny KL-PPO with LoRA, hf engine (fit)") in names
     assert ("tiny_klppo", "preflight on this device (tiny_klppo, hf engine)") in names
     assert ("smoke-plan", "memory plan per phase: fit, bf16, 512-token responses") in names
-    # and what it therefore did not check is listed, in the JSON and after the table
+    # and what it therefore did not check is listed, in the JSON and before the table
     assert any(w.startswith("vLLM's sleep and wake") for w in data["not_checked"]) and len(data["not_checked"]) == 5
     assert all(f"not checked: {w}" in proc.stdout for w in data["not_checked"])
 

@@ -259,14 +259,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = check.table()
     (check.out_dir / "gpu_check.md").write_text(table + "\n")
     check.write()
+    for what in check.not_checked:  # (before the summary: the table stays the output's tail)
+        print(f"not checked: {what}", flush=True)
     env = check.env
     where = env.get("gpu") or f"CPU ({env.get('cpu_cores')} cores)"
     print(f"\n{where}, torch {env['torch']}, transformers {env['transformers']}, attention "
           f"{env['attn_implementation']}, bf16 matmul {env['matmul_bf16_tflops']:.1f} TFLOP/s measured, MFU against "
           f"{env['peak_tflops_assumed']:g} TFLOP/s; total {check.elapsed():.0f} s of a {budget:.0f} s budget")
     print(table, flush=True)
-    for what in check.not_checked:
-        print(f"not checked: {what}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 1 if any(r["status"] == "error" for r in check.rows) else 0
