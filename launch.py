@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 """rlhf-hpc launcher: ``python launch.py recipe=NAME [key=value ...] [--dry-run]`` (see --help)."""
+
 import sys
 
 from rlhf_hpc.cli import main

@@ -1,4 +1,5 @@
 """What ``launch.py`` calls: parse ``recipe=NAME key=value ...``, validate, then dry-run or launch."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,12 +9,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
-from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
 from rlhf_hpc.data.dataset import DataError, check_data_files
-from rlhf_hpc.tools.interaction_config import run_interactions
 from rlhf_hpc.launch.first_calibration import calibrate_first_run, dry_run_note, needs_first_calibration
 from rlhf_hpc.launch.local import run_local, standalone_torchrun_command
 from rlhf_hpc.launch.run_lock import check_free
@@ -23,8 +22,10 @@ from rlhf_hpc.planning.memory_plan import check_plan
 from rlhf_hpc.planning.time_plan import build_time_plan
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
 from rlhf_hpc.rewards.code import CODE_SOURCES
 from rlhf_hpc.tools.checks import sandbox_problems
+from rlhf_hpc.tools.interaction_config import run_interactions
 from rlhf_hpc.tools.tool_config import run_tools
 
 __all__ = ["main"]
@@ -58,22 +59,45 @@ usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v
 
 # The keys most runs touch, shown by --help with their defaults.
 MAIN_KEYS = [
-    "data.train_files", "data.val_files", "data.train_batch_size", "data.max_prompt_length",
+    "data.train_files",
+    "data.val_files",
+    "data.train_batch_size",
+    "data.max_prompt_length",
     "data.max_response_length",
-    "actor_rollout_ref.model.path", "actor_rollout_ref.actor.optim.lr",
-    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.actor.use_kl_loss",
-    "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_type",
-    "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_c",
-    "actor_rollout_ref.actor.fsdp_config.fsdp_size", "actor_rollout_ref.actor.fsdp_config.param_offload",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type",
+    "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_c",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+    "actor_rollout_ref.actor.fsdp_config.param_offload",
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-    "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
-    "actor_rollout_ref.rollout.gpu_memory_utilization", "critic.optim.lr",
-    "algorithm.adv_estimator", "algorithm.use_kl_in_reward", "algorithm.kl_ctrl.type",
-    "algorithm.kl_ctrl.kl_coef", "reward_model.enable", "reward_model.model.path", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.device",
-    "trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq", "trainer.logger",
-    "trainer.default_local_dir", "trainer.resume_mode", "launcher.cluster",
+    "actor_rollout_ref.rollout.gpu_memory_utilization",
+    "critic.optim.lr",
+    "algorithm.adv_estimator",
+    "algorithm.use_kl_in_reward",
+    "algorithm.kl_ctrl.type",
+    "algorithm.kl_ctrl.kl_coef",
+    "reward_model.enable",
+    "reward_model.model.path",
+    "trainer.nnodes",
+    "trainer.n_gpus_per_node",
+    "trainer.device",
+    "trainer.total_epochs",
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.logger",
+    "trainer.default_local_dir",
+    "trainer.resume_mode",
+    "launcher.cluster",
 ]
 
 
@@ -93,8 +117,10 @@ def help_text() -> str:
 # verl's Hydra config names (``--config-name``): the one whose defaults are this project's base, and
 # the ones whose backend is not here
 VERL_BASE_CONFIGS = ("ppo_trainer",)
-VERL_OTHER_BACKENDS = {"ppo_veomni_trainer": "the VeOmni backend (FSDP2 trains here)",
-                       "ppo_torchtitan_trainer": "the torchtitan backend (FSDP2 trains here)"}
+VERL_OTHER_BACKENDS = {
+    "ppo_veomni_trainer": "the VeOmni backend (FSDP2 trains here)",
+    "ppo_torchtitan_trainer": "the torchtitan backend (FSDP2 trains here)",
+}
 
 
 def _hydra_option(name: str, value: str) -> list[str]:
@@ -107,16 +133,20 @@ def _hydra_option(name: str, value: str) -> list[str]:
     if name == "--config-path":
         if stem.rstrip("/") in ("config", "pkg://verl.trainer.config", "verl/trainer/config"):
             return []  # verl's packaged configs, as its examples name them
-        raise ConfigError(f"--config-path={value}: a config directory of your own is not read here; write it as a "
-                          f"recipe (recipes/NAME.yaml, or a path) and pass recipe=NAME")
+        raise ConfigError(
+            f"--config-path={value}: a config directory of your own is not read here; write it as a "
+            f"recipe (recipes/NAME.yaml, or a path) and pass recipe=NAME"
+        )
     if stem in VERL_BASE_CONFIGS:
         return []
     if stem == "ppo_megatron_trainer":
         return ["actor_rollout_ref.actor.strategy=megatron"]
     if stem in VERL_OTHER_BACKENDS:
         raise ConfigError(f"--config-name={value}: {VERL_OTHER_BACKENDS[stem]} is not available in rlhf-hpc")
-    raise ConfigError(f"--config-name={value}: verl config files other than ppo_trainer are not read here; write "
-                      f"yours as a recipe (recipes/NAME.yaml, or a path) and pass recipe=NAME")
+    raise ConfigError(
+        f"--config-name={value}: verl config files other than ppo_trainer are not read here; write "
+        f"yours as a recipe (recipes/NAME.yaml, or a path) and pass recipe=NAME"
+    )
 
 
 def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, list], dict[str, bool]]:
@@ -140,10 +170,9 @@ def parse_args(argv: list[str]) -> tuple[Optional[str], list[str], dict[str, lis
         elif arg.startswith("-"):
             raise ConfigError(f"unknown option '{arg}'; see python launch.py --help")
         elif "=" not in arg:
-            raise ConfigError(f"argument '{arg}' is not of the form key.path=value; "
-                              f"see python launch.py --help")
+            raise ConfigError(f"argument '{arg}' is not of the form key.path=value; see python launch.py --help")
         elif arg.startswith("sweep."):
-            key, value = parse_override(arg[len("sweep."):])
+            key, value = parse_override(arg[len("sweep.") :])
             if not isinstance(value, list) or not value:
                 raise ConfigError(f"{arg}: a sweep needs a non-empty list of values, e.g. sweep.{key}=[1,2]")
             sweeps[key] = value
@@ -168,8 +197,10 @@ def sweep_elements(overrides: list[str], sweeps: dict[str, list]) -> list[tuple[
 def export(argv: list[str]) -> int:
     """``export CKPT --out DIR``: a sharded checkpoint's actor as a Hugging Face model directory."""
     import argparse
-    parser = argparse.ArgumentParser(prog="python launch.py export",
-                                     description="Write the actor of a checkpoint as a Hugging Face model.")
+
+    parser = argparse.ArgumentParser(
+        prog="python launch.py export", description="Write the actor of a checkpoint as a Hugging Face model."
+    )
     parser.add_argument("checkpoint", help="a global_step_N directory of a run")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -206,8 +237,10 @@ def run(argv: list[str]) -> int:
     elements = resolve_elements(recipe, overrides, sweeps, dry)
     run_dirs = [Path(c.trainer.default_local_dir).expanduser() for c in elements]
     if len(set(run_dirs)) < len(run_dirs):
-        raise ConfigError("sweep elements share one trainer.default_local_dir: put ${trainer.experiment_name} in it "
-                          "so each element gets its own run directory")
+        raise ConfigError(
+            "sweep elements share one trainer.default_local_dir: put ${trainer.experiment_name} in it "
+            "so each element gets its own run directory"
+        )
     cfg = elements[0]
     for c in elements:
         check_data(c)
@@ -240,8 +273,9 @@ def run(argv: list[str]) -> int:
     return run_local(cfg, config_path)  # (locks the run directory, then writes its config)
 
 
-def resolve_elements(recipe: Optional[str], overrides: list[str], sweeps: dict[str, list], dry: bool,
-                     quiet: bool = False) -> list:
+def resolve_elements(
+    recipe: Optional[str], overrides: list[str], sweeps: dict[str, list], dry: bool, quiet: bool = False
+) -> list:
     """The config of each sweep element (one without a sweep). A dry run may be prepared away from
     the cluster, where the data and model paths don't exist: missing files are reported but do not
     stop it. A real launch checks them first."""
@@ -249,8 +283,11 @@ def resolve_elements(recipe: Optional[str], overrides: list[str], sweeps: dict[s
     for element_overrides, suffix in sweep_elements(overrides, sweeps):
         cfg, warnings = load_config(recipe, element_overrides, check_files=not dry)
         if suffix:
-            cfg, _ = load_config(recipe, element_overrides + [
-                f"trainer.experiment_name={cfg.trainer.experiment_name}_{suffix}"], check_files=not dry)
+            cfg, _ = load_config(
+                recipe,
+                element_overrides + [f"trainer.experiment_name={cfg.trainer.experiment_name}_{suffix}"],
+                check_files=not dry,
+            )
         for w in warnings if not quiet else ():
             print(f"warning: {w}", file=sys.stderr)
         elements.append(cfg)
@@ -315,15 +352,20 @@ def print_layout_table(argv: list[str]) -> int:
         plan = build_time_plan(cfg)
         slowest = max((p for p in plan.phases if p.name != "save_checkpoint"), key=lambda p: p.seconds)
         fits.append((plan.step_s, label, memory.peak / 2**30 if memory else float("nan"), plan, slowest))
-    first = (fits[0][3] if fits else None)
+    first = fits[0][3] if fits else None
     if first is not None:
-        print(f"# {first.world} x {first.hardware.name}; {first.workload.rows} responses of {first.workload.prompt:.0f} + "
-              f"{first.workload.response:.0f} tokens ({first.workload.source})")
+        print(
+            f"# {first.world} x {first.hardware.name}; {first.workload.rows} responses of "
+            f"{first.workload.prompt:.0f} + "
+            f"{first.workload.response:.0f} tokens ({first.workload.source})"
+        )
     print("| layout | step (s) | tokens/s per GPU | slowest phase (bound) | communication | peak memory (GiB) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for step_s, label, peak, plan, slowest in sorted(fits, key=lambda f: f[0]):
-        print(f"| {label} | {step_s:.3g} | {plan.tokens_per_s_per_gpu:,.0f} | {slowest.name} {slowest.seconds:.3g} s "
-              f"({slowest.bound}) | {plan.comm_share:.0%} | {peak:.1f} |")
+        print(
+            f"| {label} | {step_s:.3g} | {plan.tokens_per_s_per_gpu:,.0f} | {slowest.name} {slowest.seconds:.3g} s "
+            f"({slowest.bound}) | {plan.comm_share:.0%} | {peak:.1f} |"
+        )
     for label, why in refused:
         print(f"| {label} | does not fit: {why} | | | | |")
     return 0 if fits else 1
@@ -349,13 +391,18 @@ def preflight_args(argv: list[str]) -> list[str]:
     with a time limit of at most ``PREFLIGHT_TIME_MIN`` minutes."""
     recipe, overrides, sweeps, _ = parse_args(argv)
     if sweeps:
-        raise ConfigError("usage: python launch.py preflight [recipe=NAME] [key=value ...] (no sweeps: one "
-                          "allocation is checked at a time)")
+        raise ConfigError(
+            "usage: python launch.py preflight [recipe=NAME] [key=value ...] (no sweeps: one "
+            "allocation is checked at a time)"
+        )
     cfg, _ = load_config(recipe, overrides, check_files=False)
     tr = cfg.trainer
-    return argv + ["trainer.preflight=true", f"trainer.experiment_name={tr.experiment_name}_preflight",
-                   f"trainer.default_local_dir={Path(tr.default_local_dir).expanduser() / 'preflight'}",
-                   f"launcher.time_min={min(cfg.launcher.time_min, PREFLIGHT_TIME_MIN)}"]
+    return argv + [
+        "trainer.preflight=true",
+        f"trainer.experiment_name={tr.experiment_name}_preflight",
+        f"trainer.default_local_dir={Path(tr.default_local_dir).expanduser() / 'preflight'}",
+        f"launcher.time_min={min(cfg.launcher.time_min, PREFLIGHT_TIME_MIN)}",
+    ]
 
 
 def prepare_run(argv: list[str]) -> int:
@@ -374,6 +421,7 @@ def prepare_run(argv: list[str]) -> int:
 
 def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
     from rlhf_hpc.launch import slurm  # (imports submitit: only for cluster=slurm)
+
     cfg = elements[0]
     if dry:
         for c, d in zip(elements, run_dirs):
@@ -386,8 +434,10 @@ def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
         print(slurm.sbatch_text(cfg, run_dirs[0] / "slurm"))
         return 0
     if not slurm.have_slurm():
-        raise ConfigError("launcher.cluster=slurm but sbatch is not on PATH: run on a login node of the cluster, "
-                          "or cluster=local to run here")
+        raise ConfigError(
+            "launcher.cluster=slurm but sbatch is not on PATH: run on a login node of the cluster, "
+            "or cluster=local to run here"
+        )
     slurm.check_cluster(cfg)
     for c, d in zip(elements, run_dirs):
         check_before_start(c, d)
@@ -400,6 +450,7 @@ def launch_slurm(elements: list, run_dirs: list[Path], dry: bool) -> int:
 
 def jobs_command(what: str, argv: list[str]) -> int:
     from rlhf_hpc.launch import slurm  # (imports submitit: only for Slurm jobs)
+
     if len(argv) != 1:
         raise ConfigError(f"usage: python launch.py {what} RUN_DIR")
     records = slurm.run_jobs(Path(argv[0]))

@@ -18,6 +18,7 @@ A failed check names its cause and the key to change; the job then ends with tha
 error (``launch.stop.record_user_error``: exit code 2, no requeue). Nothing of a run is touched:
 no checkpoint is written and the weights never change (no optimizer step).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,13 +33,19 @@ import torch.distributed as dist
 
 from rlhf_hpc.config.engines import ENGINES
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_min, all_reduce_sum,
-                                                build_rollout_tp_group, build_train_mesh, device_memory_gb,
-                                                mesh_shape)
-from rlhf_hpc.planning.sizing import GiB
 from rlhf_hpc.data.dataset import load_examples
 from rlhf_hpc.distributed import sequence_parallel
 from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
+from rlhf_hpc.distributed.process_group import (
+    DistContext,
+    all_reduce_max,
+    all_reduce_min,
+    all_reduce_sum,
+    build_rollout_tp_group,
+    build_train_mesh,
+    device_memory_gb,
+    mesh_shape,
+)
 from rlhf_hpc.distributed.rows import RolloutRow
 from rlhf_hpc.models.hf import torch_dtype
 from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
@@ -47,6 +54,7 @@ from rlhf_hpc.ops.batching import make_padded_batch, to_device
 from rlhf_hpc.ops.step_shape import micro_tokens
 from rlhf_hpc.planning.layout import resolved_fsdp_configs
 from rlhf_hpc.planning.memory_plan import check_plan
+from rlhf_hpc.planning.sizing import GiB
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ppo.faults import FaultInjector
 from rlhf_hpc.ppo.step_batch import make_step_batch, sampling_for
@@ -64,8 +72,14 @@ REPORT = "preflight.txt"
 # (NVLink 3/4: 230-480 all-reduce; PCIe Gen4 x16: ~20; InfiniBand HDR 200 Gb/s: ~20-24 per node;
 # 25 GbE: ~2.5). gloo's floors only catch a transport that does not work at all: its 16 MiB
 # all-gather on one host is 0.03-0.34 GB/s on 2-core machines (the CPU and its memory, not the link)
-BUSBW_FLOOR_GBPS = {"NVLink": 60.0, "PCIe": 5.0, "InfiniBand": 5.0, "Ethernet": 0.5,
-                    "one host (gloo)": 0.01, "network (gloo)": 0.01}
+BUSBW_FLOOR_GBPS = {
+    "NVLink": 60.0,
+    "PCIe": 5.0,
+    "InfiniBand": 5.0,
+    "Ethernet": 0.5,
+    "one host (gloo)": 0.01,
+    "network (gloo)": 0.01,
+}
 MESSAGE_BYTES = {"cuda": 256 * 2**20, "cpu": 16 * 2**20}
 PLAN_TOLERANCE = 1.3  # a measured peak above 1.3x the plan's means the plan is wrong for this job
 GEN_PROMPTS, GEN_TOKENS = 4, 16  # per rank: the short generation
@@ -81,7 +95,9 @@ class Check:
 
     def line(self) -> str:
         status = "SKIP" if self.ok is None else ("OK  " if self.ok else "FAIL")
-        return f"{status} {self.name:<20} {self.detail}" + (f"; fix: {self.fix}" if self.fix and self.ok is False else "")
+        return f"{status} {self.name:<20} {self.detail}" + (
+            f"; fix: {self.fix}" if self.fix and self.ok is False else ""
+        )
 
 
 class PreflightFailed(Exception):
@@ -113,8 +129,14 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
             return add(check)
         if check is not None and check.ok is False:  # this rank's own verdict
             return add(check)
-        return add(Check(stage, False, error or "failed on another rank (that rank's log has its line)",
-                         "see the error above" if error else "see the other ranks' lines"))
+        return add(
+            Check(
+                stage,
+                False,
+                error or "failed on another rank (that rank's log has its line)",
+                "see the error above" if error else "see the other ranks' lines",
+            )
+        )
 
     hosts: list = [None] * ctx.world_size
     dist.all_gather_object(hosts, socket.gethostname())
@@ -133,8 +155,13 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
         t0 = time.perf_counter()
         state["rollout"] = make_engine(cfg, arr.model.path, ctx.device, tp_group)
         engines = ctx.world_size // arr.rollout.tensor_model_parallel_size
-        return Check("rollout engine", True, f"{state['rollout'].name} up in {time.perf_counter() - t0:.1f} s "
-                     f"(TP={arr.rollout.tensor_model_parallel_size}, {engines} engine{'s' * (engines > 1)})")
+        return Check(
+            "rollout engine",
+            True,
+            f"{state['rollout'].name} up in {time.perf_counter() - t0:.1f} s "
+            f"(TP={arr.rollout.tensor_model_parallel_size}, {engines} engine{'s' * (engines > 1)})",
+        )
+
     agreed("rollout engine", start)
     rollout = state["rollout"]
     agreed("weight sync", lambda: sync_check(cfg, models, rollout, faults))
@@ -153,9 +180,13 @@ def process_group_check(cfg: Config, ctx: DistContext, hosts: list[str]) -> Chec
     replicate, shard = mesh_shape(ctx.world_size, fsdp.fsdp_size)
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     nodes = len(dict.fromkeys(hosts))
-    return Check("process group", True, f"{ctx.world_size} ranks on {nodes} host{'s' * (nodes > 1)} "
-                 f"({ctx.backend}, {ctx.device.type}); actor mesh replicate={replicate} x shard={shard}; "
-                 f"rollout TP={tp} x {ctx.world_size // tp} engines")
+    return Check(
+        "process group",
+        True,
+        f"{ctx.world_size} ranks on {nodes} host{'s' * (nodes > 1)} "
+        f"({ctx.backend}, {ctx.device.type}); actor mesh replicate={replicate} x shard={shard}; "
+        f"rollout TP={tp} x {ctx.world_size // tp} engines",
+    )
 
 
 # ---------------------------------------------------------------------------------------- 2
@@ -174,6 +205,7 @@ def nvlink_active() -> bool:
     """Whether this GPU has an active NVLink (NVML, as vLLM's own topology check reads it)."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
         index = torch.cuda.current_device()
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -226,9 +258,12 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
         for name in mesh.mesh_dim_names:
             if mesh[name].size() > 1:
                 group = mesh.get_group(name)
-                dims.append((name, group, dist.get_process_group_ranks(group),
-                             "actor_rollout_ref.actor.fsdp_config.fsdp_size"))
-    if tp > 1:  # the engine's all-reduces: tp consecutive ranks (rlhf_hpc.distributed.process_group.build_rollout_tp_group)
+                dims.append(
+                    (name, group, dist.get_process_group_ranks(group), "actor_rollout_ref.actor.fsdp_config.fsdp_size")
+                )
+    if (
+        tp > 1
+    ):  # the engine's all-reduces: tp consecutive ranks (rlhf_hpc.distributed.process_group.build_rollout_tp_group)
         mine = None
         for start in range(0, ctx.world_size, tp):
             group = dist.new_group(list(range(start, start + tp)))
@@ -246,12 +281,20 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
         # the group's slowest rank sets what a collective gets: agree on the minimum
         low = all_reduce_min(torch.tensor([min(measured.values())], dtype=torch.float64)).item()
         ok = low >= floor
-        fix = (f"{link} gives far less than it should: check NCCL_SOCKET_IFNAME / NCCL_IB_HCA and the fabric, "
-               f"or keep this dimension inside a node ({key})")
-        out.append(Check(f"bandwidth {name}", ok,
-                         f"{len(ranks)} ranks over {link}: all-gather {measured['all_gather']:.2f} GB/s, "
-                         f"all-reduce {measured['all_reduce']:.2f} GB/s bus bandwidth "
-                         f"({size // 2**20} MiB; expect >= {floor:g})", fix))
+        fix = (
+            f"{link} gives far less than it should: check NCCL_SOCKET_IFNAME / NCCL_IB_HCA and the fabric, "
+            f"or keep this dimension inside a node ({key})"
+        )
+        out.append(
+            Check(
+                f"bandwidth {name}",
+                ok,
+                f"{len(ranks)} ranks over {link}: all-gather {measured['all_gather']:.2f} GB/s, "
+                f"all-reduce {measured['all_reduce']:.2f} GB/s bus bandwidth "
+                f"({size // 2**20} MiB; expect >= {floor:g})",
+                fix,
+            )
+        )
     return out
 
 
@@ -259,18 +302,28 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
 def sync_check(cfg: Config, models, rollout, faults) -> Check:
     rollout.resume()
     arr = cfg.actor_rollout_ref
-    timing = sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype),
-                                     arr.rollout.update_weights_bucket_mb, transform=faults.weights_transform(0))
-    return Check("weight sync", True, f"{len(rollout.weight_spec())} tensors in {timing['timing_s/update_weights']:.2f} s, "
-                 f"every name once with its shape (buckets of {arr.rollout.update_weights_bucket_mb} MB)")
+    timing = sync_weights_to_rollout(
+        models.actor.model,
+        rollout,
+        torch_dtype(arr.rollout.dtype),
+        arr.rollout.update_weights_bucket_mb,
+        transform=faults.weights_transform(0),
+    )
+    return Check(
+        "weight sync",
+        True,
+        f"{len(rollout.weight_spec())} tensors in {timing['timing_s/update_weights']:.2f} s, "
+        f"every name once with its shape (buckets of {arr.rollout.update_weights_bucket_mb} MB)",
+    )
 
 
 def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) -> Check:
     """A few of the recipe's own prompts, GEN_TOKENS tokens each; the actor scores the engine's
     tokens and the mean difference must stay within the stop rule's limit for these dtypes."""
     arr = cfg.actor_rollout_ref
-    examples = load_examples(cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed,
-                             tools=tool_schemas(run_tools(cfg)) or None)  # (the prompts as the run shows them)
+    examples = load_examples(
+        cfg.data.train_files, tokenizer, cfg.data, split_seed=cfg.data.seed, tools=tool_schemas(run_tools(cfg)) or None
+    )  # (the prompts as the run shows them)
     dp = getattr(rollout, "dp_rank", ctx.rank)
     mine = [examples[(dp * GEN_PROMPTS + i) % len(examples)] for i in range(GEN_PROMPTS)]
     sampling = sampling_for(cfg, tokenizer, seed=cfg.trainer.seed)
@@ -278,24 +331,42 @@ def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) 
     t0 = time.perf_counter()
     groups = rollout.generate([e.prompt_ids for e in mine], sampling)
     gen_s = time.perf_counter() - t0
-    rows = [RolloutRow(prompt_pos=i, example=i, prompt_ids=e.prompt_ids, token_ids=list(r.token_ids),
-                       logprobs=list(r.logprobs), finish_reason=r.finish_reason)
-            for i, (e, group) in enumerate(zip(mine, groups)) for r in group]
+    rows = [
+        RolloutRow(
+            prompt_pos=i,
+            example=i,
+            prompt_ids=e.prompt_ids,
+            token_ids=list(r.token_ids),
+            logprobs=list(r.logprobs),
+            finish_reason=r.finish_reason,
+        )
+        for i, (e, group) in enumerate(zip(mine, groups))
+        for r in group
+    ]
     batch = make_step_batch(cfg, tokenizer, rows)
-    lp, _ = models.actor.compute_log_prob(batch, arr.rollout.log_prob_micro_batch_size_per_gpu,
-                                          arr.rollout.log_prob_use_dynamic_bsz, arr.rollout.log_prob_max_token_len_per_gpu)
+    lp, _ = models.actor.compute_log_prob(
+        batch,
+        arr.rollout.log_prob_micro_batch_size_per_gpu,
+        arr.rollout.log_prob_use_dynamic_bsz,
+        arr.rollout.log_prob_max_token_len_per_gpu,
+    )
     m = logprob_mismatch(batch["engine_log_probs"], lp, batch["response_mask"], all_reduce_sum, all_reduce_max)
     check = LogprobCheck(arr.rollout.dtype, arr.actor.fsdp_config.mixed_precision.param_dtype)
     # |k1| and k3: on a few dozen tokens k1 of a broken engine can come out negative
     ok = max(abs(m["rollout/engine_actor_kl"]), m["rollout/engine_actor_k3_kl"]) <= check.limit
     tokens = int(batch["response_mask"].sum())
-    return Check("generation", ok, f"{tokens} tokens in {gen_s:.1f} s on this rank; engine vs actor log-probs "
-                 f"({check.precision}): KL {m['rollout/engine_actor_kl']:.2e} (k3 {m['rollout/engine_actor_k3_kl']:.2e}), |diff| mean "
-                 f"{m['rollout/logprob_diff_mean']:.2e}, max {m['rollout/logprob_diff_max']:.2e} "
-                 f"(limit {check.limit:g})",
-                 "the engine samples from other weights than the actor's: compare actor_rollout_ref.rollout.dtype "
-                 "with actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype, and see whether the "
-                 "model's architecture is tested (rlhf_hpc/models/architectures.py)")
+    return Check(
+        "generation",
+        ok,
+        f"{tokens} tokens in {gen_s:.1f} s on this rank; engine vs actor log-probs "
+        f"({check.precision}): KL {m['rollout/engine_actor_kl']:.2e} "
+        f"(k3 {m['rollout/engine_actor_k3_kl']:.2e}), |diff| mean "
+        f"{m['rollout/logprob_diff_mean']:.2e}, max {m['rollout/logprob_diff_max']:.2e} "
+        f"(limit {check.limit:g})",
+        "the engine samples from other weights than the actor's: compare actor_rollout_ref.rollout.dtype "
+        "with actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype, and see whether the "
+        "model's architecture is tested (rlhf_hpc/models/architectures.py)",
+    )
 
 
 # ---------------------------------------------------------------------------------------- 4
@@ -305,22 +376,29 @@ def sleep_check(cfg: Config, ctx: DistContext, rollout, plan, state: dict) -> Ch
     arr = cfg.actor_rollout_ref
     if not getattr(rollout, "sleep_enabled", False):
         paged = ENGINES[rollout.name].paged
-        why = ("vLLM's CPU build has no sleep mode: its weights and KV space stay, and the plan counts them in "
-               "every phase" if ctx.device.type != "cuda" and paged else
-               f"the {rollout.name} engine keeps its weights (the plan counts them)" if not paged else
-               "actor_rollout_ref.rollout.free_cache_engine=false: the engine keeps its memory")
+        why = (
+            "vLLM's CPU build has no sleep mode: its weights and KV space stay, and the plan counts them in every phase"
+            if ctx.device.type != "cuda" and paged
+            else f"the {rollout.name} engine keeps its weights (the plan counts them)"
+            if not paged
+            else "actor_rollout_ref.rollout.free_cache_engine=false: the engine keeps its memory"
+        )
         return Check("sleep/wake", None, why)
     share = arr.rollout.gpu_memory_utilization * plan.capacity if plan else None
     before = torch.cuda.mem_get_info(ctx.device)[0]
     rollout.release()
     state["freed"] = freed = torch.cuda.mem_get_info(ctx.device)[0] - before
     ok = share is None or freed >= 0.8 * share
-    return Check("sleep/wake", ok, f"sleep freed {freed / GiB:.1f} GiB (plan: vLLM's share {(share or 0) / GiB:.1f} GiB, "
-                 f"gpu_memory_utilization={arr.rollout.gpu_memory_utilization})",
-                 f"vLLM freed less than its share of the plan's {(plan.capacity if plan else 0) / GiB:.0f} GiB GPU "
-                 f"({(plan.capacity_source if plan else '') or 'the 80 GiB default'}): if the GPU is smaller, set "
-                 f"hardware.hbm_gb; else training would run beside vLLM: check the vLLM version (env/setup.sh gpu) "
-                 f"and actor_rollout_ref.rollout.free_cache_engine")
+    return Check(
+        "sleep/wake",
+        ok,
+        f"sleep freed {freed / GiB:.1f} GiB (plan: vLLM's share {(share or 0) / GiB:.1f} GiB, "
+        f"gpu_memory_utilization={arr.rollout.gpu_memory_utilization})",
+        f"vLLM freed less than its share of the plan's {(plan.capacity if plan else 0) / GiB:.0f} GiB GPU "
+        f"({(plan.capacity_source if plan else '') or 'the 80 GiB default'}): if the GPU is smaller, set "
+        f"hardware.hbm_gb; else training would run beside vLLM: check the vLLM version (env/setup.sh gpu) "
+        f"and actor_rollout_ref.rollout.free_cache_engine",
+    )
 
 
 def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> Check:
@@ -331,13 +409,18 @@ def wake_check(cfg: Config, ctx: DistContext, models, rollout, state: dict) -> C
     torch.cuda.empty_cache()  # what the micro-batch left in PyTorch's cache is not the engine's
     before = torch.cuda.mem_get_info(ctx.device)[0]
     rollout.resume()
-    sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype),
-                            arr.rollout.update_weights_bucket_mb)
+    sync_weights_to_rollout(
+        models.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb
+    )
     rollout.generate([[1, 2, 3]], Sampling(n=1, max_tokens=4, do_sample=False))  # wakes the KV cache
     taken = before - torch.cuda.mem_get_info(ctx.device)[0]
     ok = taken <= 1.1 * freed_then + GiB
-    return Check("sleep/wake", ok, f"wake took back {taken / GiB:.1f} GiB of the {freed_then / GiB:.1f} GiB freed",
-                 "vLLM takes more on wake than it gave back: lower actor_rollout_ref.rollout.gpu_memory_utilization")
+    return Check(
+        "sleep/wake",
+        ok,
+        f"wake took back {taken / GiB:.1f} GiB of the {freed_then / GiB:.1f} GiB freed",
+        "vLLM takes more on wake than it gave back: lower actor_rollout_ref.rollout.gpu_memory_utilization",
+    )
 
 
 # ---------------------------------------------------------------------------------------- 5
@@ -351,14 +434,22 @@ def micro_batch_check(cfg: Config, ctx: DistContext, models, tokenizer, plan) ->
     P, R = d.max_prompt_length, d.max_response_length
     per_rank_rows = max(1, d.train_batch_size * arr.rollout.n // max(ctx.world_size, 1))
     sp = arr.actor.ulysses_sequence_parallel_size
-    tokens, _ = micro_tokens(arr.actor.ppo_micro_batch_size_per_gpu, per_rank_rows, arr.actor.use_dynamic_bsz,
-                             arr.actor.ppo_max_token_len_per_gpu, P, R, sp)
+    tokens, _ = micro_tokens(
+        arr.actor.ppo_micro_batch_size_per_gpu,
+        per_rank_rows,
+        arr.actor.use_dynamic_bsz,
+        arr.actor.ppo_max_token_len_per_gpu,
+        P,
+        R,
+        sp,
+    )
     rows = max(1, tokens // (P + R))
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
     vocab = len(tokenizer)
     ids = lambda n: torch.randint(3, max(4, vocab - 1), (n,), generator=gen).tolist()  # noqa: E731
-    batch = make_padded_batch([ids(P) for _ in range(rows)], [ids(R) for _ in range(rows)],
-                              tokenizer.pad_token_id or 0, P, R)
+    batch = make_padded_batch(
+        [ids(P) for _ in range(rows)], [ids(R) for _ in range(rows)], tokenizer.pad_token_id or 0, P, R
+    )
     if actor.sp is not None:
         batch = sequence_parallel.gather_rows(batch, actor.sp)[0]
     on_gpu = ctx.device.type == "cuda"
@@ -390,10 +481,15 @@ def micro_batch_check(cfg: Config, ctx: DistContext, models, tokenizer, plan) ->
     ratio = peak / max(planned, 1.0)
     fits = projected <= plan.capacity
     ok = fits and ratio <= PLAN_TOLERANCE
-    detail += (f", plan {planned / GiB:.2f} GiB for it ({ratio:.2f}x; the optimizer's {optimizer / GiB:.2f} GiB comes "
-               f"with the first step: {projected / GiB:.1f} of {plan.capacity / GiB:.0f} GiB)")
-    why = ("the update would not fit" if not fits else
-           f"the plan underestimates this phase by more than {PLAN_TOLERANCE}x (please report it)")
+    detail += (
+        f", plan {planned / GiB:.2f} GiB for it ({ratio:.2f}x; the optimizer's {optimizer / GiB:.2f} GiB comes "
+        f"with the first step: {projected / GiB:.1f} of {plan.capacity / GiB:.0f} GiB)"
+    )
+    why = (
+        "the update would not fit"
+        if not fits
+        else f"the plan underestimates this phase by more than {PLAN_TOLERANCE}x (please report it)"
+    )
     figures.update(plan_gib=planned / GiB, plan_ratio=ratio)
     return Check("actor micro-batch", ok, detail, f"{why}: lower {', '.join(phase.shrink[:3])}", figures)
 

@@ -1,4 +1,5 @@
 """What every torchrun rank runs: ``python -m rlhf_hpc.worker RUN_DIR/config.yaml``."""
+
 from __future__ import annotations
 
 import os
@@ -12,22 +13,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.distributed.process_group import exit_process, init_distributed
-from rlhf_hpc.distributed.host_allocator import describe_malloc_settings
-from rlhf_hpc.observability.library_logs import library_log_path, route_library_logs
-from rlhf_hpc.observability.startup import StartupClock
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.recipe.load import load_resolved
 from rlhf_hpc.data.dataset import DataError
 from rlhf_hpc.distributed.heartbeat import Heartbeat
-from rlhf_hpc.launch.failure import (FAILED, GUARD_STOP, RUN_DIR_UNWRITABLE, Failure, lost_peer, record_failure,
-                                     unwritable_path)
+from rlhf_hpc.distributed.host_allocator import describe_malloc_settings
+from rlhf_hpc.distributed.process_group import exit_process, init_distributed
+from rlhf_hpc.launch.failure import (
+    FAILED,
+    GUARD_STOP,
+    RUN_DIR_UNWRITABLE,
+    Failure,
+    lost_peer,
+    record_failure,
+    unwritable_path,
+)
 from rlhf_hpc.launch.rank_group import die_with_parent
 from rlhf_hpc.launch.stop import install_signal_handler, record_user_error
 from rlhf_hpc.launch.watchdog import describe_rank
+from rlhf_hpc.observability.library_logs import library_log_path, route_library_logs
+from rlhf_hpc.observability.startup import StartupClock
 from rlhf_hpc.ppo.guard import GuardStop
 from rlhf_hpc.ppo.trainer import fit
 from rlhf_hpc.preflight import PreflightFailed, run_preflight, write_report
+from rlhf_hpc.recipe.load import load_resolved
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
@@ -72,8 +80,11 @@ def run_rank(cfg, run_dir: Path, clock: StartupClock) -> int:
     hosts: list = [None] * ctx.world_size
     dist.all_gather_object(hosts, socket.gethostname())
     if ctx.is_main:
-        print(f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
-              f"device {ctx.device.type}, hosts by rank: {','.join(hosts)}", flush=True)
+        print(
+            f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
+            f"device {ctx.device.type}, hosts by rank: {','.join(hosts)}",
+            flush=True,
+        )
         if ctx.device.type == "cpu":
             print(f"[rlhf-hpc] host memory: {describe_malloc_settings()}", flush=True)
         print(f"[rlhf-hpc] vLLM's and torch's warnings: {library_log_path(run_dir, '*')}", flush=True)
@@ -111,25 +122,31 @@ def rank_failed(e: BaseException, run_dir: Path, beat) -> int:
         record_failure(run_dir, Failure(RUN_DIR_UNWRITABLE, f"cannot write {unwritable}", where))
     elif lost_peer(e):
         said = re.sub(r"^\[[^]]*\] ", "", str(e).splitlines()[0]).split(". ")[0]  # gloo's words, not its source path
-        print(f"[rlhf-hpc] {where}: a collective failed, a peer is gone ({said}); waiting for the launcher",
-              file=sys.stderr, flush=True)
+        print(
+            f"[rlhf-hpc] {where}: a collective failed, a peer is gone ({said}); waiting for the launcher",
+            file=sys.stderr,
+            flush=True,
+        )
         beat.set_state("lost peer")
         time.sleep(LOST_PEER_WAIT_S)
         return 1
     else:
         traceback.print_exception(e)  # once, by the rank that failed
         first = str(e).splitlines()[0] if str(e) else ""
-        record_failure(run_dir, Failure(FAILED, f"{type(e).__name__}{': ' + first if first else ''} (traceback above)",
-                                        where))
+        record_failure(
+            run_dir, Failure(FAILED, f"{type(e).__name__}{': ' + first if first else ''} (traceback above)", where)
+        )
     return 0
 
 
 def preflight(cfg, ctx, run_dir: Path) -> None:
     """The allocation check in place of training (rlhf_hpc.preflight): a failed check becomes the
     job's one-line error (exit code 2 from the launcher, no requeue)."""
+
     def log(line: str) -> None:  # rank 0 reports (other ranks' prints would interleave with its lines)
         if ctx.is_main:
             print(f"[rlhf-hpc] preflight: {line}", flush=True)
+
     checks: list = []
     try:
         checks = run_preflight(cfg, ctx, log, checks)

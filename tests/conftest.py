@@ -4,6 +4,7 @@ Tests that need an optional component (vLLM, Slurm, the ../shared data) skip whe
 except where ``RLHF_HPC_REQUIRE_ALL=1`` (set by ``.ci/run``): there a missing component fails the
 test, so CI never passes by skipping.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -54,6 +55,7 @@ def engine_available(name: str) -> None:
 def smollm() -> str:
     """The real model (SmolLM2-135M-Instruct) on disk, prepared once per machine (rlhf_hpc.models.real_model)."""
     from rlhf_hpc.models import real_model
+
     try:
         return str(real_model.prepare(log=lambda *_: None))
     except real_model.PrepareError as e:
@@ -66,16 +68,27 @@ def shared_dir() -> Path:
     return SHARED
 
 
-def run_launch(*args: str, cwd: Path = REPO, timeout: float = 300, env: dict | None = None
-               ) -> subprocess.CompletedProcess:
+def run_launch(
+    *args: str, cwd: Path = REPO, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """``python launch.py ARGS`` in a subprocess, as a user would type it. Under another seed base
     (``RLHF_HPC_TEST_SEED``), a training launch that names no seed gets ``trainer.seed`` moved by it."""
     full_env = dict(os.environ, **(env or {}))
-    if args and "=" in args[0] and "--dry-run" not in args and not any(a.startswith(("trainer.seed=", "-"))
-                                                                       for a in args):
+    if (
+        args
+        and "=" in args[0]
+        and "--dry-run" not in args
+        and not any(a.startswith(("trainer.seed=", "-")) for a in args)
+    ):
         args = (*args, *seed_args())
-    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def wandb_records(wandb_file):
@@ -85,6 +98,7 @@ def wandb_records(wandb_file):
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
+
     data = Path(wandb_file).read_bytes()
     block, hdr, pos, buf = 32768, 7, 7, b""
     while pos + hdr <= len(data):
@@ -92,10 +106,10 @@ def wandb_records(wandb_file):
         if left < hdr:  # block trailer padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + hdr])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + hdr])
         if kind not in (1, 2, 3, 4) or pos + hdr + length > len(data):
             return  # not written yet (zeros, or a chunk cut short)
-        chunk = data[pos + hdr:pos + hdr + length]
+        chunk = data[pos + hdr : pos + hdr + length]
         pos += hdr + length
         buf = chunk if kind in (1, 2) else buf + chunk  # FULL/FIRST start, MIDDLE/LAST continue
         if kind in (1, 4):
@@ -115,11 +129,13 @@ def wandb_run_record(wandb_file: Path):
 def wandb_history(wandb_file: Path) -> list[dict]:
     """The rows W&B kept (its history records), each as {key: value}, ``_step`` included."""
     import json
+
     rows = []
     for rec in wandb_records(wandb_file):
         if rec.WhichOneof("record_type") == "history":
-            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                         for item in rec.history.item})
+            rows.append(
+                {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in rec.history.item}
+            )
     return rows
 
 
@@ -127,6 +143,7 @@ def wandb_history_so_far(wandb_file: Path) -> list[dict]:
     """``wandb_history`` of a file W&B's service process may still be writing: none while a record
     is half written (a torn read), which the caller's wait retries."""
     from google.protobuf.message import DecodeError
+
     try:
         return wandb_history(wandb_file)
     except DecodeError:

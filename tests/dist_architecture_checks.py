@@ -22,6 +22,7 @@ with llama3 rope scaling, Mistral, Gemma 2, Gemma 3), in one process group:
 
 Rank 0 writes OUT/train.json; the rollout phase OUT/rollout.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,25 +35,38 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.distributed.loading import build_sharded
+from rlhf_hpc.distributed.process_group import (
+    DistContext,
+    all_reduce_max,
+    all_reduce_max_int,
+    all_reduce_sum,
+    build_train_mesh,
+    exit_process,
+)
+from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
+from rlhf_hpc.models.hf import build_causal_lm, build_critic
+from rlhf_hpc.ops.batching import make_padded_batch, select_rows
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ppo.actor import Actor, ActorSpec
-from rlhf_hpc.ops.batching import make_padded_batch, select_rows
-from rlhf_hpc.config.schema import ActorConfig, FSDPConfig, MixedPrecisionConfig
-from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_max_int, all_reduce_sum,
-                                                build_train_mesh, exit_process)
-from rlhf_hpc.distributed.loading import build_sharded
-from rlhf_hpc.models.hf import build_causal_lm, build_critic
 from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.ppo.update import Placement
-from rlhf_hpc.distributed.fsdp import parallelize
 from rlhf_hpc.recipe.load import load_config, write_resolved
-from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
 from rlhf_hpc.rollout.base import Sampling, logprob_mismatch
 from rlhf_hpc.rollout.factory import make_engine
-from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
+from rlhf_hpc.rollout.weight_sync import stream_full_params, sync_weights_to_rollout
 
-ARCHS = {"qwen2": "tiny://qwen2", "qwen2_tied": "tiny://qwen2?tie_word_embeddings=true", "qwen3": "tiny://qwen3",
-         "llama": "tiny://llama", "mistral": "tiny://mistral", "gemma2": "tiny://gemma2", "gemma3": "tiny://gemma3"}
+ARCHS = {
+    "qwen2": "tiny://qwen2",
+    "qwen2_tied": "tiny://qwen2?tie_word_embeddings=true",
+    "qwen3": "tiny://qwen3",
+    "llama": "tiny://llama",
+    "mistral": "tiny://mistral",
+    "gemma2": "tiny://gemma2",
+    "gemma3": "tiny://gemma3",
+}
 # rows of up to 24 + 16 tokens: longer than the Gemma models' sliding window (32 tokens)
 ROWS, P, R, PER_RANK_MINI = 8, 24, 16, 2
 FP32 = MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")
@@ -72,21 +86,43 @@ def global_batch() -> dict[str, torch.Tensor]:
 
 
 def actor_cfg() -> ActorConfig:
-    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=True,
-                      kl_loss_coef=0.1, entropy_coeff=0.01)
+    cfg = ActorConfig(
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+    )
     cfg.optim.lr, cfg.optim.weight_decay = 1e-3, 0.01
     return cfg
 
 
 def sharded_actor(path: str, world: int, sp_size: int = 1) -> Actor:
     model = build_causal_lm(path, torch.float32, seed=0, attn="varlen")
-    parallelize(model, build_train_mesh(CPU, world, -1), FSDPConfig(fsdp_size=-1, mixed_precision=FP32), CPU,
-                gradient_checkpointing=True)
+    parallelize(
+        model,
+        build_train_mesh(CPU, world, -1),
+        FSDPConfig(fsdp_size=-1, mixed_precision=FP32),
+        CPU,
+        gradient_checkpointing=True,
+    )
     cfg = actor_cfg()
-    return Actor(model, cfg, ActorSpec(temperature=0.8, optimizer=build_optimizer(model, cfg.optim), norm_const=R,
-                                       placement=Placement(dp_size=world, all_reduce=all_reduce_sum,
-                                                           sync_max=lambda k: all_reduce_max_int(k, CPU),
-                                                           sp=build_sequence_parallel(sp_size))))
+    return Actor(
+        model,
+        cfg,
+        ActorSpec(
+            temperature=0.8,
+            optimizer=build_optimizer(model, cfg.optim),
+            norm_const=R,
+            placement=Placement(
+                dp_size=world,
+                all_reduce=all_reduce_sum,
+                sync_max=lambda k: all_reduce_max_int(k, CPU),
+                sp=build_sequence_parallel(sp_size),
+            ),
+        ),
+    )
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -118,21 +154,32 @@ def check_training(path: str, rank: int, world: int, res: dict) -> Actor:
     if rank == 0:
         plain = build_causal_lm(path, torch.float32, seed=0, attn="eager")
         before = {k: v.clone() for k, v in plain.state_dict().items()}
-        ref = Actor(plain, dataclasses.replace(actor_cfg(), ppo_micro_batch_size_per_gpu=ROWS),
-                    ActorSpec(temperature=0.8, remove_padding=False, optimizer=build_optimizer(plain, actor_cfg().optim),
-                              norm_const=R))
+        ref = Actor(
+            plain,
+            dataclasses.replace(actor_cfg(), ppo_micro_batch_size_per_gpu=ROWS),
+            ActorSpec(
+                temperature=0.8, remove_padding=False, optimizer=build_optimizer(plain, actor_cfg().optim), norm_const=R
+            ),
+        )
         # reference mini-batch k = the union of every rank's mini-batch k
-        order = [r * per + k * PER_RANK_MINI + i for k in range(per // PER_RANK_MINI) for r in range(world)
-                 for i in range(PER_RANK_MINI)]
+        order = [
+            r * per + k * PER_RANK_MINI + i
+            for k in range(per // PER_RANK_MINI)
+            for r in range(world)
+            for i in range(PER_RANK_MINI)
+        ]
         ref_batch = select_rows(batch, order)
         ref_lp, _ = ref.compute_log_prob(ref_batch, micro_batch_size=ROWS)
         ref_batch["old_log_probs"] = ref_lp + 0.05 * ref_batch["response_mask"]
         for _ in range(2):
             ref.update_policy(ref_batch, PER_RANK_MINI * world)
         after = plain.state_dict()
-        res.update(logprob_max_diff=(all_lp[order] - ref_lp).abs().max().item(),
-                   ulysses_max_diff=(all_sp - all_lp).abs().max().item(),
-                   param_max_diff=max_diff(params, after), param_moved=max_diff(after, before))
+        res.update(
+            logprob_max_diff=(all_lp[order] - ref_lp).abs().max().item(),
+            ulysses_max_diff=(all_sp - all_lp).abs().max().item(),
+            param_max_diff=max_diff(params, after),
+            param_moved=max_diff(after, before),
+        )
     dist.barrier()
     return actor
 
@@ -141,14 +188,24 @@ def check_rollout(path: str, actor: Actor, res: dict, close: bool = False) -> No
     """3: the weight sync into vLLM, the engine's log-probs of its own samples against the actor's.
     Every rank of the process group (if any) has its own engine. vLLM's teardown ends the process
     group, so an engine is closed only where nothing distributed follows (``close``)."""
-    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={path}",
-                                        f"data.max_prompt_length={P}", f"data.max_response_length={R}"])
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "actor_rollout_ref.rollout.name=vllm",
+            f"actor_rollout_ref.model.path={path}",
+            f"data.max_prompt_length={P}",
+            f"data.max_response_length={R}",
+        ],
+    )
     engine = make_engine(cfg, path, CPU)
     torch.manual_seed(1234)  # vLLM re-seeds the global RNG when it starts
     g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
-    prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(8, P + 1, (4,), generator=g)]
+    prompts = [
+        torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(8, P + 1, (4,), generator=g)
+    ]
     if engine.tied_aliases:  # a tied head vLLM holds as its own layer: what the sync did before it fed it
         from rlhf_hpc.rollout.vllm_engine import ReloadVerdicts
+
         first_names = iter(list(stream_full_params(actor.model, torch.float32, bucket_mb=1.0)))
         with ReloadVerdicts(engine.param_layers) as verdicts:
             engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": first_names})
@@ -161,7 +218,7 @@ def check_rollout(path: str, actor: Actor, res: dict, close: bool = False) -> No
     lp, _ = actor.compute_log_prob(batch, micro_batch_size=8)
     engine_lp = torch.zeros_like(lp)
     for i, r in enumerate(flat):
-        engine_lp[i, :len(r.logprobs)] = torch.tensor(r.logprobs)
+        engine_lp[i, : len(r.logprobs)] = torch.tensor(r.logprobs)
     reduce = dict(all_reduce_sum=all_reduce_sum, all_reduce_max=all_reduce_max) if dist.is_initialized() else {}
     res["rollout"] = logprob_mismatch(engine_lp, lp, batch["response_mask"], **reduce)
     res["fed_aliases"] = dict(engine.tied_aliases)
@@ -174,8 +231,10 @@ def check_checkpoint(name: str, path: str, actor: Actor, out: Path, rank: int, w
     """4: save on the 1x2 mesh, load into a fresh actor, export to Hugging Face."""
     run = out / name
     if rank == 0:
-        write_resolved(load_config("tiny_klppo", [f"trainer.default_local_dir={run}",
-                                                  f"actor_rollout_ref.model.path={path}"])[0], run)
+        write_resolved(
+            load_config("tiny_klppo", [f"trainer.default_local_dir={run}", f"actor_rollout_ref.model.path={path}"])[0],
+            run,
+        )
     dist.barrier()
     saved_at = ckpt.save_checkpoint(run, 2, {"actor": (actor.model, actor.optimizer)}, extra={"global_step": 2})
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -187,8 +246,10 @@ def check_checkpoint(name: str, path: str, actor: Actor, out: Path, rank: int, w
         res["resume_params_bit_exact"] = msd.keys() == msd2.keys() and all(torch.equal(msd[k], msd2[k]) for k in msd)
         state, state2 = osd["state"], osd2["state"]
         res["resume_optimizer_bit_exact"] = state.keys() == state2.keys() and all(
-            torch.equal(state[k][s], state2[k][s]) for k in state for s in state[k])
+            torch.equal(state[k][s], state2[k][s]) for k in state for s in state[k]
+        )
         from transformers import AutoModelForCausalLM
+
         hf_dir = ckpt.export_hf(saved_at, out / f"{name}-hf", dtype="float32")
         # eager as the reference: transformers' sdpa drops Gemma 2's attention soft-capping
         exported = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
@@ -220,25 +281,44 @@ def check_load_once(name: str, path: str, out: Path, rank: int, world: int, res:
     found = {}
     for layout, fsdp_size in (("sharded", -1), ("replicated", 1)):
         fsdp = FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32)
-        model = build_sharded(lambda device: build_causal_lm(str(saved), torch.float32, device, attn="varlen"),
-                              fsdp, ctx, gradient_checkpointing=False, from_checkpoint=True)
-        critic = build_sharded(lambda device: build_critic(str(saved), torch.float32, device, seed=1),
-                               fsdp, ctx, gradient_checkpointing=False, from_checkpoint=True)
-        found[layout] = (ckpt.full_model_state(model), ckpt.full_model_state(critic), dict(model.named_buffers()),
-                         model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+        model = build_sharded(
+            lambda device: build_causal_lm(str(saved), torch.float32, device, attn="varlen"),
+            fsdp,
+            ctx,
+            gradient_checkpointing=False,
+            from_checkpoint=True,
+        )
+        critic = build_sharded(
+            lambda device: build_critic(str(saved), torch.float32, device, seed=1),
+            fsdp,
+            ctx,
+            gradient_checkpointing=False,
+            from_checkpoint=True,
+        )
+        found[layout] = (
+            ckpt.full_model_state(model),
+            ckpt.full_model_state(critic),
+            dict(model.named_buffers()),
+            model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+        )
     if rank == 0:
         from transformers import AutoModelForCausalLM
+
         ref = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
         ref_critic = build_critic(str(saved), torch.float32, "cpu", seed=1)
         want, want_critic, want_buffers = ref.state_dict(), ref_critic.state_dict(), dict(ref.named_buffers())
         tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
-        res["load_once"] = {layout: {
-            "params_bit_exact": state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want),
-            "critic_bit_exact": cstate.keys() == want_critic.keys() and all(
-                torch.equal(cstate[k], want_critic[k]) for k in want_critic),
-            "buffers_bit_exact": buffers.keys() == want_buffers.keys() and all(
-                torch.equal(buffers[k], want_buffers[k]) for k in want_buffers),
-            "tie_kept": is_tied == tied} for layout, (state, cstate, buffers, is_tied) in found.items()}
+        res["load_once"] = {
+            layout: {
+                "params_bit_exact": state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want),
+                "critic_bit_exact": cstate.keys() == want_critic.keys()
+                and all(torch.equal(cstate[k], want_critic[k]) for k in want_critic),
+                "buffers_bit_exact": buffers.keys() == want_buffers.keys()
+                and all(torch.equal(buffers[k], want_buffers[k]) for k in want_buffers),
+                "tie_kept": is_tied == tied,
+            }
+            for layout, (state, cstate, buffers, is_tied) in found.items()
+        }
     dist.barrier()
 
 

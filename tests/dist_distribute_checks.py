@@ -5,6 +5,7 @@
 6 prompts x 2 responses on 4 ranks: prompt shares of 2, 2, 1, 1, then 3 rows per rank. Rank 0
 writes OUT/distribute.json with what it measured; the test module asserts on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.ops import estimators
-from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.distributed.process_group import all_reduce_sum, exit_process
 from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows
+from rlhf_hpc.ops import estimators
+from rlhf_hpc.ops.batching import make_padded_batch
 from tests.dist_engine_checks import actor_cfg, full_grads, max_diff, sharded_actor
 
 PROMPTS, N, P, R = 6, 2, 8, 6
@@ -32,9 +33,16 @@ def generated_rows(rank: int, world: int) -> list[RolloutRow]:
         prompt = torch.randint(1, 256, (int(torch.randint(2, P + 1, (1,), generator=g)),), generator=g).tolist()
         for i in range(N):
             length = 1 + (pos * 3 + i * 5) % R
-            rows.append(RolloutRow(prompt_pos=pos, example=pos, prompt_ids=prompt,
-                                   token_ids=torch.randint(1, 256, (length,), generator=g).tolist(),
-                                   logprobs=[-1.0] * length, finish_reason="length"))
+            rows.append(
+                RolloutRow(
+                    prompt_pos=pos,
+                    example=pos,
+                    prompt_ids=prompt,
+                    token_ids=torch.randint(1, 256, (length,), generator=g).tolist(),
+                    logprobs=[-1.0] * length,
+                    finish_reason="length",
+                )
+            )
     return rows
 
 
@@ -72,9 +80,13 @@ def main(out: Path) -> None:
         keys = gather(sorted((r.prompt_pos, tuple(r.token_ids)) for r in mine))
         tokens = gather(sum(r.num_tokens for r in mine))  # prompt + response tokens
         name = "balanced" if balance else "contiguous"
-        res[name] = {"rows_per_rank": [len(k) for k in keys], "rows": [list(map(list, k)) for k in keys],
-                     "metrics": metrics, "coverage": coverage([r.prompt_pos for r in mine], PROMPTS),
-                     "tokens_per_rank": tokens}
+        res[name] = {
+            "rows_per_rank": [len(k) for k in keys],
+            "rows": [list(map(list, k)) for k in keys],
+            "metrics": metrics,
+            "coverage": coverage([r.prompt_pos for r in mine], PROMPTS),
+            "tokens_per_rank": tokens,
+        }
         assigned[name] = mine
     res["all_rows"] = sorted([r.prompt_pos, r.token_ids] for part in gather(local) for r in part)
 
@@ -85,17 +97,22 @@ def main(out: Path) -> None:
     dist_adv = {
         "grpo": estimators.grpo_advantages(rewards, mask, uid, all_reduce=all_reduce_sum, num_groups=PROMPTS)[0],
         "rloo": estimators.rloo_advantages(rewards, mask, uid, all_reduce=all_reduce_sum, num_groups=PROMPTS)[0],
-        "rpp_baseline": estimators.reinforce_pp_baseline_advantages(rewards, mask, uid, all_reduce=all_reduce_sum,
-                                                               num_groups=PROMPTS)[0],
+        "rpp_baseline": estimators.reinforce_pp_baseline_advantages(
+            rewards, mask, uid, all_reduce=all_reduce_sum, num_groups=PROMPTS
+        )[0],
     }
     gathered = gather({k: (uid.tolist(), [r.token_ids for r in mine], v.tolist()) for k, v in dist_adv.items()})
-    res["groups_split_over_ranks"] = len({(pos, rk) for rk, part in enumerate(gather(uid.tolist())) for pos in part}) > PROMPTS
+    res["groups_split_over_ranks"] = (
+        len({(pos, rk) for rk, part in enumerate(gather(uid.tolist())) for pos in part}) > PROMPTS
+    )
     all_rows = [r for part in gather(local) for r in part]
     rewards_all, mask_all = token_rewards(all_rows)
     uid_all = torch.tensor([r.prompt_pos for r in all_rows])
-    ref = {"grpo": estimators.grpo_advantages(rewards_all, mask_all, uid_all)[0],
-           "rloo": estimators.rloo_advantages(rewards_all, mask_all, uid_all)[0],
-           "rpp_baseline": estimators.reinforce_pp_baseline_advantages(rewards_all, mask_all, uid_all)[0]}
+    ref = {
+        "grpo": estimators.grpo_advantages(rewards_all, mask_all, uid_all)[0],
+        "rloo": estimators.rloo_advantages(rewards_all, mask_all, uid_all)[0],
+        "rpp_baseline": estimators.reinforce_pp_baseline_advantages(rewards_all, mask_all, uid_all)[0],
+    }
     key_of = {(r.prompt_pos, tuple(r.token_ids)): i for i, r in enumerate(all_rows)}
     res["adv_max_diff"] = {}
     for k in ref:
@@ -112,8 +129,15 @@ def main(out: Path) -> None:
         cfg = actor_cfg()
         actor = sharded_actor(cfg, fsdp_size=2, world=world)
         batch = make_padded_batch([r.prompt_ids for r in rows], [r.token_ids for r in rows], 0, P, R)
-        batch["advantages"] = torch.stack([torch.randn(R, generator=torch.Generator().manual_seed(
-            r.prompt_pos * 101 + len(r.token_ids))) for r in rows]) * batch["response_mask"]
+        batch["advantages"] = (
+            torch.stack(
+                [
+                    torch.randn(R, generator=torch.Generator().manual_seed(r.prompt_pos * 101 + len(r.token_ids)))
+                    for r in rows
+                ]
+            )
+            * batch["response_mask"]
+        )
         batch["ref_log_prob"] = -0.5 * batch["response_mask"].float()
         old_lp, _ = actor.compute_log_prob(batch, micro_batch_size=2)
         batch["old_log_probs"] = old_lp + 0.05 * batch["response_mask"]
@@ -121,8 +145,10 @@ def main(out: Path) -> None:
         grads[name] = full_grads(actor.model)
     res["update_grad_max_diff"] = max_diff(grads["balanced"], grads["contiguous"])
     res["update_grad_max"] = max(v.abs().max().item() for v in grads["balanced"].values())
-    res["update_metric_diff"] = {k: abs(metrics["balanced"][k] - metrics["contiguous"][k])
-                                 for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm")}
+    res["update_metric_diff"] = {
+        k: abs(metrics["balanced"][k] - metrics["contiguous"][k])
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
+    }
     if rank == 0:
         (out / "distribute.json").write_text(json.dumps(res))
     dist.barrier()

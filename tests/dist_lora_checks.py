@@ -8,6 +8,7 @@ metrics of three updates, the adapter after them, the frozen base unchanged), th
 the adapter off against a separate base model, and the merged weights the engines receive against
 the single process's merge. Rank 0 writes OUT/lora.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,16 @@ from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.ppo.update import Placement
 from rlhf_hpc.rollout.weight_sync import stream_full_params
-from tests.dist_engine_checks import FP32, PER_RANK_MINI, R, actor_cfg, global_batch, max_diff, rank_rows, \
-    reference_order
+from tests.dist_engine_checks import (
+    FP32,
+    PER_RANK_MINI,
+    R,
+    actor_cfg,
+    global_batch,
+    max_diff,
+    rank_rows,
+    reference_order,
+)
 
 CPU = torch.device("cpu")
 LORA = ModelConfig(path="tiny://qwen2", lora_rank=4, lora_alpha=8)
@@ -44,10 +53,18 @@ def check(name: str, path: str, fsdp_size: int, rank: int, world: int, results: 
     batch, cfg = global_batch(), actor_cfg()
     cfg.optim.lr = 2e-2  # the adapter moves visibly in three updates
     model = lora_model(path)
-    parallelize(model, build_train_mesh(CPU, world, fsdp_size), FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32),
-                CPU, gradient_checkpointing=True)
-    common = ActorSpec(temperature=0.8, norm_const=R, placement=Placement(
-        dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU)))
+    parallelize(
+        model,
+        build_train_mesh(CPU, world, fsdp_size),
+        FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32),
+        CPU,
+        gradient_checkpointing=True,
+    )
+    common = ActorSpec(
+        temperature=0.8,
+        norm_const=R,
+        placement=Placement(dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU)),
+    )
     actor = Actor(model, cfg, dataclasses.replace(common, optimizer=build_optimizer(model, cfg.optim)))
     reference = Actor(AdapterDisabled(model), cfg, common)
     local = select_rows(batch, rank_rows(rank, world))
@@ -58,16 +75,21 @@ def check(name: str, path: str, fsdp_size: int, rank: int, world: int, results: 
     new_lp, _ = actor.compute_log_prob(local, micro_batch_size=3)
     params = ckpt.full_model_state(actor.model)
     merged = dict(merged_weights(stream_full_params(model, torch.float32, 1.0), lora_scaling(model)))
-    gathered = {k: [torch.zeros_like(t) for _ in range(world)] for k, t in
-                (("old", old_lp), ("ref", ref_lp), ("new", new_lp))}
+    gathered = {
+        k: [torch.zeros_like(t) for _ in range(world)] for k, t in (("old", old_lp), ("ref", ref_lp), ("new", new_lp))
+    }
     for k, t in (("old", old_lp), ("ref", ref_lp), ("new", new_lp)):
         dist.all_gather(gathered[k], t)
     if rank == 0:
         order = reference_order(world)
         single = lora_model(path)
-        one = Actor(single, dataclasses.replace(cfg, ppo_micro_batch_size_per_gpu=4),
-                    ActorSpec(temperature=0.8, remove_padding=False, optimizer=build_optimizer(single, cfg.optim),
-                              norm_const=R))
+        one = Actor(
+            single,
+            dataclasses.replace(cfg, ppo_micro_batch_size_per_gpu=4),
+            ActorSpec(
+                temperature=0.8, remove_padding=False, optimizer=build_optimizer(single, cfg.optim), norm_const=R
+            ),
+        )
         whole = select_rows(batch, order)
         lp, _ = one.compute_log_prob(whole, micro_batch_size=16)
         whole["old_log_probs"] = lp + 0.05 * whole["response_mask"]
@@ -84,16 +106,22 @@ def check(name: str, path: str, fsdp_size: int, rank: int, world: int, results: 
             "logprob_max_diff": (torch.cat(gathered["old"])[order] - lp).abs().max().item(),
             # per update: the first is of the same weights; later ones follow Adam, which turns the rounding
             # differences of near-zero gradients (lora_A's start at 0: B = 0) into steps of up to lr
-            "metric_rel_diff": [max(abs(s[k] - o[k]) / max(1.0, abs(o[k])) for k in
-                                    ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"))
-                                for s, o in zip(metrics, one_metrics)],
+            "metric_rel_diff": [
+                max(
+                    abs(s[k] - o[k]) / max(1.0, abs(o[k]))
+                    for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl")
+                )
+                for s, o in zip(metrics, one_metrics)
+            ],
             "lr": cfg.optim.lr,
             "adapter_max_diff": max_diff({k: params[k] for k in adapter}, dict(single.state_dict())),
             "adapter_moved": max_diff({k: params[k] for k in adapter}, start),
             "base_moved": max_diff({k: params[k] for k in frozen}, start),
             "reference_vs_base_model": (torch.cat(gathered["ref"])[order] - base_lp).abs().max().item(),
-            "reference_vs_trained_actor": (torch.cat(gathered["ref"])[order] - torch.cat(gathered["new"])[order]
-                                           ).abs().max().item(),
+            "reference_vs_trained_actor": (torch.cat(gathered["ref"])[order] - torch.cat(gathered["new"])[order])
+            .abs()
+            .max()
+            .item(),
             "merged_vs_single": max_diff(merged, merged_state_dict(single)),
             "merged_names_are_base_names": sorted(merged) == sorted(n for n, _ in base.named_parameters()),
         }

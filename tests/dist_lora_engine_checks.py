@@ -8,6 +8,7 @@ seam, never the product's) over two syncs of a LoRA actor, each followed by two 
 many decode steps, and checks the engine samples with the adapter it was given last (greedy tokens
 equal to a plain transformers decode of the merged model). Writes OUT/lora_engine.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,20 +33,32 @@ P, R = 8, 24
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
-    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8",
-                                        "actor_rollout_ref.model.lora_alpha=16", f"data.max_prompt_length={P}",
-                                        f"data.max_response_length={R}"])
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.lora_alpha=16",
+            f"data.max_prompt_length={P}",
+            f"data.max_response_length={R}",
+        ],
+    )
     engine = make_engine(cfg, "tiny://qwen2", CPU)
     from vllm.lora.worker_manager import WorkerLoRAManager
+
     loads = []
     original = WorkerLoRAManager._load_adapter
 
     def counted(self, request):
         loads.append(request.lora_int_id)
         return original(self, request)
+
     WorkerLoRAManager._load_adapter = counted
-    model = apply_lora(build_causal_lm("tiny://qwen2", torch.float32, seed=0),
-                       ModelConfig(path="tiny://qwen2", lora_rank=8, lora_alpha=16), seed=5)
+    model = apply_lora(
+        build_causal_lm("tiny://qwen2", torch.float32, seed=0),
+        ModelConfig(path="tiny://qwen2", lora_rank=8, lora_alpha=16),
+        seed=5,
+    )
     prompts = [[5, 9, 13, 2], [7, 7, 30, 41, 3]]
     greedy = Sampling(n=1, temperature=0.0, max_tokens=R, do_sample=False, ignore_eos=True)
     res: dict = {"loads_per_sync": [], "greedy_matches": []}
@@ -60,8 +73,9 @@ def main(out: Path) -> None:
         res["loads_per_sync"].append(len(loads) - before)
         merged = dict(merged_weights(stream_full_params(model, torch.float32, 1.0), lora_scaling(model)))
         expected = hf_greedy(merged, prompts, R)
-        res["greedy_matches"].append([[r.token_ids for r in group][0] == e for out_ in outs
-                                      for group, e in zip(out_, expected)])
+        res["greedy_matches"].append(
+            [[r.token_ids for r in group][0] == e for out_ in outs for group, e in zip(out_, expected)]
+        )
     res["decode_steps_per_generate"] = R
     out.mkdir(parents=True, exist_ok=True)
     (out / "lora_engine.json").write_text(json.dumps(res))

@@ -7,6 +7,7 @@ A tiny Qwen2 on a (replicate 2, shard 2) mesh runs forward/backward twice, step 
 leaves the gradients as they are is shown by test_engine_dist.py's HSDP equivalence runs, which
 go through the same ``parallelize``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf_hpc.config.schema import FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.fsdp import parallelize
 from rlhf_hpc.distributed.process_group import build_train_mesh, exit_process
 from rlhf_hpc.models.hf import build_causal_lm
-from rlhf_hpc.distributed.fsdp import parallelize
 from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.observability.profiling import StepProfiler
 from rlhf_hpc.recipe.load import load_config
@@ -32,8 +33,11 @@ def main(out: Path) -> None:
     fsdp = FSDPConfig(fsdp_size=2, mixed_precision=MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32"))
     model = build_causal_lm("tiny://qwen2?vocab_size=64", torch.float32)
     parallelize(model, build_train_mesh(CPU, 4, 2), fsdp, CPU)
-    cfg = load_config("tiny_klppo", ["trainer.n_gpus_per_node=4", "global_profiler.steps=[2]",
-                                     f"global_profiler.save_path={out}"], check_files=False)[0]
+    cfg = load_config(
+        "tiny_klppo",
+        ["trainer.n_gpus_per_node=4", "global_profiler.steps=[2]", f"global_profiler.save_path={out}"],
+        check_files=False,
+    )[0]
     profiler = StepProfiler(cfg, rank, CPU, out)
     torch.manual_seed(rank)
     ids = torch.randint(0, 64, (2, 12))

@@ -5,6 +5,7 @@ FSDP2-sharded, each rank scoring its own rows; test_reward_model.py compares wit
 
 Each rank writes OUT/rank<R>.json: its rows and, per case, its scores.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlhf_hpc.ops.batching import select_rows
 from rlhf_hpc.distributed.process_group import exit_process, init_distributed
+from rlhf_hpc.ops.batching import select_rows
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rewards.reward_model import build_reward_model
 from tests.test_reward_model import random_batch
@@ -31,8 +32,12 @@ CASES = {
 
 
 def main(rm_dir: str, out: Path) -> None:
-    base = ["reward_model.enable=true", f"reward_model.model.path={rm_dir}", "reward_model.micro_batch_size_per_gpu=2",
-            f"reward_model.model.fsdp_config.{FP32}"]
+    base = [
+        "reward_model.enable=true",
+        f"reward_model.model.path={rm_dir}",
+        "reward_model.micro_batch_size_per_gpu=2",
+        f"reward_model.model.fsdp_config.{FP32}",
+    ]
     batch, _ = random_batch(n=8)
     ctx = None
     result: dict = {"scores": {}}

@@ -11,6 +11,7 @@ and a slice may hold prompt tokens only), values and one critic update (token bu
 writes OUT/sp.json: for sp=2 and sp=4 the largest absolute difference from sp=1 of each output
 (and the sizes those differences are measured against); the test module asserts on them.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,17 +21,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
+from rlhf_hpc.distributed.fsdp import parallelize
+from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
+from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
+from rlhf_hpc.models.hf import build_causal_lm, build_critic
+from rlhf_hpc.ops.batching import make_padded_batch, select_rows
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ppo.actor import Actor, ActorSpec
-from rlhf_hpc.ops.batching import make_padded_batch, select_rows
-from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.ppo.critic import Critic, CriticSpec
-from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
-from rlhf_hpc.models.hf import build_causal_lm, build_critic
 from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.ppo.update import Placement
-from rlhf_hpc.distributed.fsdp import parallelize
-from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
 
 ROWS, P, R, PER_RANK_MINI, FSDP_SIZE = 16, 32, 24, 2, 2
 FP32 = MixedPrecisionConfig(param_dtype="float32", reduce_dtype="float32")
@@ -53,14 +54,23 @@ def rows_of(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def shard(model, world: int):
-    parallelize(model, build_train_mesh(CPU, world, FSDP_SIZE), FSDPConfig(fsdp_size=FSDP_SIZE, mixed_precision=FP32),
-                CPU, gradient_checkpointing=True)
+    parallelize(
+        model,
+        build_train_mesh(CPU, world, FSDP_SIZE),
+        FSDPConfig(fsdp_size=FSDP_SIZE, mixed_precision=FP32),
+        CPU,
+        gradient_checkpointing=True,
+    )
     return model
 
 
 def placement(world: int, sp_size: int) -> Placement:
-    return Placement(dp_size=world, all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, CPU),
-                     sp=build_sequence_parallel(sp_size))
+    return Placement(
+        dp_size=world,
+        all_reduce=all_reduce_sum,
+        sync_max=lambda k: all_reduce_max_int(k, CPU),
+        sp=build_sequence_parallel(sp_size),
+    )
 
 
 def gathered(t: torch.Tensor) -> torch.Tensor:
@@ -73,14 +83,35 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
 def run(sp_size: int, rank: int, world: int) -> dict:
     out: dict = {}
     local = rows_of(rank, world)
-    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=True,
-                      kl_loss_coef=0.1, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")
+    cfg = ActorConfig(
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+        loss_agg_mode="seq-mean-token-mean",
+    )
     cfg.optim.lr, cfg.optim.weight_decay = 1e-3, 0.01
     model = shard(build_causal_lm("tiny://qwen2", torch.float32, seed=0, attn="varlen"), world)
-    actor = Actor(model, cfg, ActorSpec(temperature=0.8, optimizer=build_optimizer(model, cfg.optim), norm_const=R,
-                                        placement=placement(world, sp_size)))
-    lp, ent, spi2 = actor.compute_log_prob(local, micro_batch_size=4, use_dynamic_bsz=True, max_token_len=P + R,
-                                           with_entropy=True, with_sum_pi_squared=True)
+    actor = Actor(
+        model,
+        cfg,
+        ActorSpec(
+            temperature=0.8,
+            optimizer=build_optimizer(model, cfg.optim),
+            norm_const=R,
+            placement=placement(world, sp_size),
+        ),
+    )
+    lp, ent, spi2 = actor.compute_log_prob(
+        local,
+        micro_batch_size=4,
+        use_dynamic_bsz=True,
+        max_token_len=P + R,
+        with_entropy=True,
+        with_sum_pi_squared=True,
+    )
     out["log_probs"], out["entropy"], out["sum_pi_squared"] = gathered(lp), gathered(ent), gathered(spi2)
     local["old_log_probs"] = lp + 0.05 * local["response_mask"]  # ratio != 1: clipping is exercised
     seen: list[int] = []  # tokens of each forward on this rank: the slice, under sp
@@ -93,13 +124,23 @@ def run(sp_size: int, rank: int, world: int) -> dict:
     out["log_probs_after"] = gathered(lp_after)
     del actor, model
 
-    ccfg = CriticConfig(ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=P + R,
-                        forward_max_token_len_per_gpu=P + R, ppo_epochs=1, shuffle=False, loss_agg_mode="token-mean")
+    ccfg = CriticConfig(
+        ppo_micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=True,
+        ppo_max_token_len_per_gpu=P + R,
+        forward_max_token_len_per_gpu=P + R,
+        ppo_epochs=1,
+        shuffle=False,
+        loss_agg_mode="token-mean",
+    )
     ccfg.optim.lr = 1e-3
     init = build_causal_lm("tiny://qwen2", torch.float32, seed=0, attn="varlen")
     cmodel = shard(build_critic("tiny://qwen2", torch.float32, seed=1, attn="varlen", init_from=init), world)
-    critic = Critic(cmodel, ccfg, CriticSpec(optimizer=build_optimizer(cmodel, ccfg.optim), norm_const=R,
-                                             placement=placement(world, sp_size)))
+    critic = Critic(
+        cmodel,
+        ccfg,
+        CriticSpec(optimizer=build_optimizer(cmodel, ccfg.optim), norm_const=R, placement=placement(world, sp_size)),
+    )
     values = critic.compute_values(local, micro_batch_size=2)
     out["values"] = gathered(values)
     local["values"] = values
@@ -127,21 +168,26 @@ def main(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {sp: run(sp, rank, world) for sp in (1, 2, 4)}
     base, init = runs[1], run_init_params(rank, world)
-    res: dict = {"row_tokens": rows_of(0, 1)["attention_mask"].sum(-1).tolist(),
-                 # what the differences are measured against: sizes of the sp=1 outputs and updates
-                 "scale": {"log_probs": base["log_probs"].abs().max().item(),
-                           "entropy": base["entropy"].abs().max().item(),
-                           "sum_pi_squared": base["sum_pi_squared"].abs().max().item(),
-                           "values": base["values"].abs().max().item(),
-                           "actor_update": max_diff(base["actor_params"], init[0]) if rank == 0 else None,
-                           "critic_update": max_diff(base["critic_params"], init[1]) if rank == 0 else None,
-                           "actor_metrics": base["actor_metrics"], "critic_metrics": base["critic_metrics"]}}
+    res: dict = {
+        "row_tokens": rows_of(0, 1)["attention_mask"].sum(-1).tolist(),
+        # what the differences are measured against: sizes of the sp=1 outputs and updates
+        "scale": {
+            "log_probs": base["log_probs"].abs().max().item(),
+            "entropy": base["entropy"].abs().max().item(),
+            "sum_pi_squared": base["sum_pi_squared"].abs().max().item(),
+            "values": base["values"].abs().max().item(),
+            "actor_update": max_diff(base["actor_params"], init[0]) if rank == 0 else None,
+            "critic_update": max_diff(base["critic_params"], init[1]) if rank == 0 else None,
+            "actor_metrics": base["actor_metrics"],
+            "critic_metrics": base["critic_metrics"],
+        },
+    }
     res["update_forward_tokens_max"] = {sp: runs[sp].pop("update_forward_tokens_max") for sp in runs}
     for sp in (2, 4):
-        res[f"sp{sp}"] = {k: max_diff(runs[sp][k], base[k]) for k in base
-                          if rank == 0 or not k.endswith("_params")}
-        res[f"sp{sp}"]["metric_diffs"] = {k: abs(runs[sp][m][k] - base[m][k])
-                                          for m in ("actor_metrics", "critic_metrics") for k in base[m]}
+        res[f"sp{sp}"] = {k: max_diff(runs[sp][k], base[k]) for k in base if rank == 0 or not k.endswith("_params")}
+        res[f"sp{sp}"]["metric_diffs"] = {
+            k: abs(runs[sp][m][k] - base[m][k]) for m in ("actor_metrics", "critic_metrics") for k in base[m]
+        }
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sp.json").write_text(json.dumps(res))

@@ -5,6 +5,7 @@ cgroup of its own to measure what a program held from outside (tests/test_sandbo
 (SandboxConfig fields), ``program``. Waits for a line on stdin first: the test moves this process
 into its measuring cgroup, then says go (the sandbox finds its cgroup parent from this process's own).
 """
+
 from __future__ import annotations
 
 import json

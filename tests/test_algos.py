@@ -1,4 +1,5 @@
 """The RL math: hand-computed cases, properties, and global normalisation under any batch split."""
+
 from __future__ import annotations
 
 import math
@@ -10,11 +11,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf_hpc.ops import algos
-from rlhf_hpc.ops.algos import (AdaptiveKLController, FixedKLController, agg_loss, apply_kl_to_rewards,
-                                entropy_from_logits, entropy_from_logits_chunked, global_batch_counts, kl_penalty,
-                                logprobs_from_logits, masked_mean, masked_var, masked_whiten, value_loss)
-from rlhf_hpc.ops.estimators import (gae_advantages, grpo_advantages, reinforce_pp_advantages,
-                                     reinforce_pp_baseline_advantages, rloo_advantages)
+from rlhf_hpc.ops.algos import (
+    AdaptiveKLController,
+    FixedKLController,
+    agg_loss,
+    apply_kl_to_rewards,
+    entropy_from_logits,
+    entropy_from_logits_chunked,
+    global_batch_counts,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    value_loss,
+)
+from rlhf_hpc.ops.estimators import (
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
 from rlhf_hpc.ops.policy_losses import ppo_clip_loss as policy_loss
 
 T = torch.tensor
@@ -23,8 +41,9 @@ settings.load_profile("rlhf")
 
 
 def close(a, b, tol=1e-6):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64),
-                               torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=0
+    )
 
 
 # ------------------------------------------------------------------------------ masked stats
@@ -58,6 +77,7 @@ class LockstepAllReduce:
             out = self.reduce(torch.stack(self.slots))
             self.barrier.wait()
             return out
+
         return all_reduce
 
 
@@ -67,6 +87,7 @@ def run_ranks(world: int, fn):
 
     def target(rank):
         results[rank] = fn(rank, ar.for_rank(rank))
+
     threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
     for th in threads:
         th.start()
@@ -80,9 +101,14 @@ def test_masked_stats_with_all_reduce_match_the_whole_batch():
     m = (torch.rand(6, 5) > 0.3).double()
     m[:, 0] = 1
     rows = [slice(0, 2), slice(2, 6)]  # uneven shares
-    out = run_ranks(2, lambda r, ar: (masked_mean(x[rows[r]], m[rows[r]], all_reduce=ar),
-                                      masked_var(x[rows[r]], m[rows[r]], all_reduce=ar),
-                                      masked_whiten(x[rows[r]], m[rows[r]], all_reduce=ar)))
+    out = run_ranks(
+        2,
+        lambda r, ar: (
+            masked_mean(x[rows[r]], m[rows[r]], all_reduce=ar),
+            masked_var(x[rows[r]], m[rows[r]], all_reduce=ar),
+            masked_whiten(x[rows[r]], m[rows[r]], all_reduce=ar),
+        ),
+    )
     for r in (0, 1):
         close(out[r][0], masked_mean(x, m), tol=1e-12)
         close(out[r][1], masked_var(x, m), tol=1e-12)
@@ -120,8 +146,12 @@ def _masked_batch(seed, B, Tn):
     return r, v, m
 
 
-@given(seed=st.integers(0, 10_000), B=st.integers(1, 4), Tn=st.integers(1, 8),
-       gamma=st.floats(0.5, 1.0), )
+@given(
+    seed=st.integers(0, 10_000),
+    B=st.integers(1, 4),
+    Tn=st.integers(1, 8),
+    gamma=st.floats(0.5, 1.0),
+)
 def test_gae_with_lam_1_is_reward_to_go_minus_values(seed, B, Tn, gamma):
     r, v, m = _masked_batch(seed, B, Tn)
     r, v = r * m, v * m  # right padding: nothing after the last valid token
@@ -138,8 +168,13 @@ def test_gae_with_gamma_lam_1_and_zero_values_is_reward_to_go(seed, B, Tn):
     close(adv, _reward_to_go(r, 1.0) * m, tol=1e-9)
 
 
-@given(seed=st.integers(0, 10_000), B=st.integers(1, 4), Tn=st.integers(2, 8),
-       gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0))
+@given(
+    seed=st.integers(0, 10_000),
+    B=st.integers(1, 4),
+    Tn=st.integers(2, 8),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+)
 def test_gae_masked_positions_change_nothing(seed, B, Tn, gamma, lam):
     g = torch.Generator().manual_seed(seed + 1)
     r, v, _ = _masked_batch(seed, B, Tn)
@@ -176,8 +211,11 @@ def test_straight_through_kl_has_k3_value_and_k2_gradient():
 
 
 def test_unknown_kl_kind_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid kinds: kl, k1, abs, mse, k2, "
-                                         r"low_var_kl, k3, kl\+"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown KL estimator 'k4'; valid kinds: kl, k1, abs, mse, k2, "
+        r"low_var_kl, k3, kl\+",
+    ):
         kl_penalty(T([0.0]), T([0.0]), "k4")
 
 
@@ -236,6 +274,7 @@ def test_adaptive_controller_direction_and_bound(kl, target, n):
 
 def test_make_kl_controller_from_config():
     from rlhf_hpc.config.schema import KLControlConfig
+
     assert isinstance(algos.make_kl_controller(KLControlConfig()), FixedKLController)
     c = algos.make_kl_controller(KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.02, horizon=50))
     assert isinstance(c, AdaptiveKLController) and (c.value, c.target, c.horizon) == (0.2, 0.02, 50)
@@ -265,9 +304,9 @@ def test_apply_kl_to_rewards_all_reduce_keeps_ranks_in_step():
 
     def rank_fn(r, ar):
         c = AdaptiveKLController(0.1, 0.01, 100)
-        _, m = apply_kl_to_rewards(scores[rows[r]], lp[rows[r]], ref[rows[r]], mask[rows[r]], c, "k3",
-                                   all_reduce=ar)
+        _, m = apply_kl_to_rewards(scores[rows[r]], lp[rows[r]], ref[rows[r]], mask[rows[r]], c, "k3", all_reduce=ar)
         return m, c.value
+
     for m, value in run_ranks(2, rank_fn):
         assert m["actor/reward_kl_penalty"] == pytest.approx(m_whole["actor/reward_kl_penalty"])
         assert value == pytest.approx(whole.value)
@@ -320,8 +359,16 @@ def test_policy_loss_is_the_plain_surrogate_at_ratio_one(seed, mode):
 
 @given(log_ratio=st.floats(-5, 5), a=st.floats(-10, -1e-3), c=st.floats(1.01, 10))
 def test_dual_clip_caps_the_loss_of_negative_advantages(log_ratio, a, c):
-    loss, _ = policy_loss(torch.zeros(1, 1, dtype=torch.float64), T([[log_ratio]], dtype=torch.float64),
-                          T([[a]], dtype=torch.float64), torch.ones(1, 1), 0.2, 0.2, c, "token-mean")
+    loss, _ = policy_loss(
+        torch.zeros(1, 1, dtype=torch.float64),
+        T([[log_ratio]], dtype=torch.float64),
+        T([[a]], dtype=torch.float64),
+        torch.ones(1, 1),
+        0.2,
+        0.2,
+        c,
+        "token-mean",
+    )
     assert loss.item() <= -a * c + 1e-9
 
 
@@ -368,8 +415,11 @@ def test_chunked_entropy_equals_unchunked_in_value_and_gradient():
 def test_logprobs_from_logits():
     logits = torch.randn(2, 3, 11)
     labels = torch.randint(0, 11, (2, 3))
-    close(logprobs_from_logits(logits, labels),
-          torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1), tol=1e-6)
+    close(
+        logprobs_from_logits(logits, labels),
+        torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1),
+        tol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -377,6 +427,7 @@ def test_chunked_token_logprobs_equal_the_full_fp32_upcast(dtype):
     """What actor.per_token_logprobs computed before chunking: a full fp32 copy divided by the
     temperature, then log-softmax and entropy over it; values and gradients to 1e-5."""
     from rlhf_hpc.ops.algos import token_logprobs_chunked
+
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(37, 300, generator=g) * 3).to(dtype).requires_grad_(True)
     labels = torch.randint(0, 300, (37,), generator=g)
@@ -390,13 +441,13 @@ def test_chunked_token_logprobs_equal_the_full_fp32_upcast(dtype):
     # the gradient reaches the logits in their dtype: the entropy's and the log-prob's parts are
     # rounded to bf16 apart (chunks are recomputed separately), so bf16 agrees to its own precision
     parts = [torch.autograd.grad(f.sum(), upcast, retain_graph=True)[0].abs() for f in (lp_ref * 1.3, ent_ref * 0.1)]
-    tol = 1e-5 + (2 ** -7 * (parts[0] + parts[1] + g_ref.float().abs()) if dtype == torch.bfloat16 else 0)
+    tol = 1e-5 + (2**-7 * (parts[0] + parts[1] + g_ref.float().abs()) if dtype == torch.bfloat16 else 0)
     assert ((g_chunk.float() - g_ref.float()).abs() <= tol).all()
     # the log-probs' own backward (written out, not autograd's): the same gradient to fp32 rounding,
     # then rounded once to the logits' dtype (one bf16 step apart at most)
     g_lp = torch.autograd.grad(token_logprobs_chunked(logits, labels, 0.7, chunk_size=8)[0].sum(), logits)[0]
     g_lp_ref = torch.autograd.grad(logprobs_from_logits(logits.float() / 0.7, labels).sum(), logits)[0]
-    step = 1e-6 + (2 ** -7 * g_lp_ref.float().abs() if dtype == torch.bfloat16 else 1e-6 * g_lp_ref.abs())
+    step = 1e-6 + (2**-7 * g_lp_ref.float().abs() if dtype == torch.bfloat16 else 1e-6 * g_lp_ref.abs())
     assert ((g_lp.float() - g_lp_ref.float()).abs() <= step).all() and g_lp.float().abs().sum() > 1
     # entropy for metrics only: no graph through it; without entropy: none computed
     lp2, ent2 = token_logprobs_chunked(logits, labels, 0.7, with_entropy=True, entropy_grad=False, chunk_size=8)
@@ -462,9 +513,14 @@ def _mini_batch(B=8, Tn=6, D=6):
     g = torch.Generator().manual_seed(1)
     lengths = T([1, 6, 2, 5, 3, 6, 4, 2])
     mask = (torch.arange(Tn)[None, :] < lengths[:, None]).float()
-    return dict(feats=torch.randn(B, Tn, D, generator=g), old_lp=torch.randn(B, Tn, generator=g) * 0.1 - 0.7,
-                adv=torch.randn(B, Tn, generator=g), returns=torch.randn(B, Tn, generator=g),
-                old_v=torch.randn(B, Tn, generator=g), mask=mask)
+    return dict(
+        feats=torch.randn(B, Tn, D, generator=g),
+        old_lp=torch.randn(B, Tn, generator=g) * 0.1 - 0.7,
+        adv=torch.randn(B, Tn, generator=g),
+        returns=torch.randn(B, Tn, generator=g),
+        old_v=torch.randn(B, Tn, generator=g),
+        mask=mask,
+    )
 
 
 def _trim(part):
@@ -511,9 +567,11 @@ def test_loss_and_gradients_do_not_depend_on_the_split(mode):
 
     rows = list(range(8))
     ref_loss, ref_grad = run([[rows]])
-    for layout in ([[[0, 1], [2, 3], [4, 5], [6, 7]]],  # 4 micro-batches x 1 rank
-                   [[[0, 1], [2, 3]], [[4, 5], [6, 7]]],  # 2 micro-batches x 2 ranks
-                   [[[7], [0, 3, 5]], [[1, 2], [4, 6]]]):  # uneven, shuffled
+    for layout in (
+        [[[0, 1], [2, 3], [4, 5], [6, 7]]],  # 4 micro-batches x 1 rank
+        [[[0, 1], [2, 3]], [[4, 5], [6, 7]]],  # 2 micro-batches x 2 ranks
+        [[[7], [0, 3, 5]], [[1, 2], [4, 6]]],
+    ):  # uneven, shuffled
         loss, grad = run(layout)
         # (token-sum is a sum, not a mean: its float32 rounding grows with its size, ~20 here)
         scale = max(1.0, abs(ref_loss)) if mode == "token-sum" else 1.0

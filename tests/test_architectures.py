@@ -13,6 +13,7 @@ weight sync into vLLM with the engine's log-probs against the actor's.
 Tolerances (fp32): log-probs 1e-5 (measured <= 1e-6), parameters after two AdamW steps that move
 them by ~4e-3: 1e-4 (measured <= 4e-5), vLLM against the actor 1e-4 (measured <= 1.5e-6).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,17 +25,24 @@ import sys
 import pytest
 import torch
 
-from rlhf_hpc.ppo.actor import per_token_logprobs
-from rlhf_hpc.ops.batching import make_padded_batch
-from rlhf_hpc.models.hf import TINY_MODELS, build_causal_lm, build_critic
 from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.models.hf import TINY_MODELS, build_causal_lm, build_critic
+from rlhf_hpc.ops.batching import make_padded_batch
+from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.recipe.load import load_config
 from tests.conftest import REPO, require
 from tests.dist_architecture_checks import ARCHS
 
 SCRIPT = REPO / "tests" / "dist_architecture_checks.py"
-TIED = {"qwen2": False, "qwen2_tied": True, "qwen3": True, "llama": True, "mistral": False, "gemma2": True,
-        "gemma3": True}
+TIED = {
+    "qwen2": False,
+    "qwen2_tied": True,
+    "qwen3": True,
+    "llama": True,
+    "mistral": False,
+    "gemma2": True,
+    "gemma3": True,
+}
 
 
 def test_the_matrix_covers_every_tiny_architecture():
@@ -70,8 +78,8 @@ def test_actor_logprobs_equal_a_plain_transformers_forward(name):
     ref = torch.zeros(batch["response_mask"].shape)
     with torch.no_grad():
         for i, (p, r) in enumerate(zip(prompts, resps)):
-            logits = plain(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float()
-            ref[i, :len(r)] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+            logits = plain(torch.tensor([p + r])).logits[0, len(p) - 1 : -1].float()
+            ref[i, : len(r)] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
     model = sharpened(build_causal_lm(path, torch.float32, seed=0, attn="varlen"))
     with torch.no_grad():
         for packed in (True, False):
@@ -91,10 +99,18 @@ def test_sdpa_would_be_wrong_for_gemma2_and_is_refused():
         with torch.no_grad():
             lps[attn] = per_token_logprobs(model, batch)[0]
     assert (lps["sdpa"] - lps["varlen"]).abs().max() > 0.1
-    with pytest.raises(ConfigError, match=r"override_config.attn_implementation=sdpa: Gemma2ForCausalLM soft-caps its "
-                                          r"attention scores \(attn_logit_softcapping=1.0\), which sdpa ignores"):
-        load_config("tiny_klppo", ["actor_rollout_ref.model.path=tiny://gemma2",
-                                   "actor_rollout_ref.model.override_config.attn_implementation=sdpa"])
+    with pytest.raises(
+        ConfigError,
+        match=r"override_config.attn_implementation=sdpa: Gemma2ForCausalLM soft-caps its "
+        r"attention scores \(attn_logit_softcapping=1.0\), which sdpa ignores",
+    ):
+        load_config(
+            "tiny_klppo",
+            [
+                "actor_rollout_ref.model.path=tiny://gemma2",
+                "actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            ],
+        )
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -111,6 +127,7 @@ def test_critic_builds_on_the_backbone(name):
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_memory_plan_reads_the_shape(name):
     from rlhf_hpc.planning.sizing import model_shape
+
     path = ARCHS[name]
     model = build_causal_lm(path, torch.float32, seed=0)
     s = model_shape(path)
@@ -119,8 +136,12 @@ def test_memory_plan_reads_the_shape(name):
     assert (s.head_params == 0) == TIED[name]
     assert s.embed_params == cfg.vocab_size * cfg.hidden_size
     assert (s.layers, s.heads, s.kv_heads, s.head_dim, s.vocab) == (
-        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, cfg.vocab_size)
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        cfg.vocab_size,
+    )
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
@@ -131,8 +152,14 @@ def test_ulysses_head_checks(name):
     for sp in (2, 4):
         load_config("tiny_klppo", base + [f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"])
     with pytest.raises(ConfigError, match="the model's 4 attention heads do not divide by 3"):
-        load_config("tiny_klppo", ["trainer.n_gpus_per_node=3", f"actor_rollout_ref.model.path={path}",
-                                   "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"])
+        load_config(
+            "tiny_klppo",
+            [
+                "trainer.n_gpus_per_node=3",
+                f"actor_rollout_ref.model.path={path}",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3",
+            ],
+        )
 
 
 def write_config(tmp_path, config) -> str:
@@ -142,10 +169,22 @@ def write_config(tmp_path, config) -> str:
 
 def test_an_architecture_that_cannot_work_is_refused_at_dry_run(tmp_path):
     from transformers import BertConfig, Gemma3Config
-    bert = write_config(tmp_path / "bert", BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                      intermediate_size=64, architectures=["BertForMaskedLM"]))
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.path: BertForMaskedLM \(model_type bert\) is not a "
-                                          r"decoder-only causal language model"):
+
+    bert = write_config(
+        tmp_path / "bert",
+        BertConfig(
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            architectures=["BertForMaskedLM"],
+        ),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref.model.path: BertForMaskedLM \(model_type bert\) is not a "
+        r"decoder-only causal language model",
+    ):
         load_config("tiny_klppo", [f"actor_rollout_ref.model.path={bert}", "actor_rollout_ref.rollout.name=hf"])
     gemma3 = write_config(tmp_path / "gemma3", Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]))
     with pytest.raises(ConfigError, match="Gemma3ForConditionalGeneration is a multimodal model.*gemma3_text"):
@@ -154,14 +193,25 @@ def test_an_architecture_that_cannot_work_is_refused_at_dry_run(tmp_path):
 
 def test_an_untested_causal_lm_gets_a_warning_not_a_refusal(tmp_path):
     from transformers import AutoModelForCausalLM, Olmo2Config
-    config = Olmo2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64,
-                         architectures=["Olmo2ForCausalLM"])
+
+    config = Olmo2Config(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        architectures=["Olmo2ForCausalLM"],
+    )
     olmo = write_config(tmp_path / "olmo2", config)
     AutoModelForCausalLM.from_config(config).save_pretrained(olmo)  # (a directory without weights is refused)
-    _, warnings = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={olmo}", "actor_rollout_ref.rollout.name=hf",
-                                             "data.tokenizer=tiny://chars"])
-    assert any(w.startswith("actor_rollout_ref.model.path: Olmo2ForCausalLM is not among the architectures tested")
-               for w in warnings), warnings
+    _, warnings = load_config(
+        "tiny_klppo",
+        [f"actor_rollout_ref.model.path={olmo}", "actor_rollout_ref.rollout.name=hf", "data.tokenizer=tiny://chars"],
+    )
+    assert any(
+        w.startswith("actor_rollout_ref.model.path: Olmo2ForCausalLM is not among the architectures tested")
+        for w in warnings
+    ), warnings
     _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.model.path=tiny://gemma2"])
     assert not [w for w in warnings if "architectures tested" in w]
 
@@ -171,8 +221,22 @@ def test_an_untested_causal_lm_gets_a_warning_not_a_refusal(tmp_path):
 def matrix(tmp_path_factory):
     out = tmp_path_factory.mktemp("architectures")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(SCRIPT), "train", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            "train",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "train.json").read_text()), out
 
@@ -182,8 +246,9 @@ def engines(tmp_path_factory):
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
     out = tmp_path_factory.mktemp("architectures-rollout")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "rollout", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "rollout", str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "rollout.json").read_text())
 
@@ -209,8 +274,14 @@ def test_checkpoint_resume_and_export_round_trip(matrix, name):
     assert export["class"] == ARCHS_CLASS[name.removesuffix("_tied")]
 
 
-ARCHS_CLASS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-               "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+ARCHS_CLASS = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 @pytest.mark.slow
@@ -254,5 +325,6 @@ def test_a_checkpoint_read_by_rank0_alone_equals_from_pretrained(matrix, name):
     """rlhf_hpc.distributed.loading: rank 0 reads, the other rank builds on the meta device and receives its
     shard (FSDP2) or the whole model (replicated on the host); actor and critic, bit for bit."""
     for layout, r in matrix[0][name]["load_once"].items():
-        assert r == {"params_bit_exact": True, "critic_bit_exact": True, "buffers_bit_exact": True,
-                     "tie_kept": True}, layout
+        assert r == {"params_bit_exact": True, "critic_bit_exact": True, "buffers_bit_exact": True, "tie_kept": True}, (
+            layout
+        )

@@ -7,21 +7,31 @@ stated tolerance, the same losses at every step. The standing rollout/actor chec
 bypass mode (on the update's first mini-batch, before its optimizer step), and combinations that
 would make the anchor wrong are refused before launch.
 """
+
 from __future__ import annotations
 
 import pytest
 
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.observability.tracking import read_metrics
+from rlhf_hpc.recipe.load import load_config
 from tests.conftest import run_launch
 
 STEPS = 4
 # old log-probs differ by the engine/actor rounding (~1e-7 per token); over 4 steps the losses
 # move by ~1e-6 relative, so 1e-3 is loose, and any real change of the update is far above it
 TOLERANCE = 1e-3
-SAME = ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm", "critic/vf_loss",
-        "critic/grad_norm", "critic/advantages/mean", "critic/returns/mean", "actor/reward_kl_penalty")
+SAME = (
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "actor/reward_kl_penalty",
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +39,16 @@ def runs(tmp_path_factory):
     out = {}
     for bypass in (False, True):
         run = tmp_path_factory.mktemp(f"bypass-{bypass}") / "run"
-        proc = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "actor_rollout_ref.rollout.name=hf",
-                          f"trainer.total_training_steps={STEPS}", "trainer.save_freq=0", "trainer.test_freq=0",
-                          f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}", timeout=600)
+        proc = run_launch(
+            "recipe=tiny_klppo",
+            f"trainer.default_local_dir={run}",
+            "actor_rollout_ref.rollout.name=hf",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.save_freq=0",
+            "trainer.test_freq=0",
+            f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}",
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         out[bypass] = read_metrics(run)
     return out
@@ -60,14 +77,20 @@ def test_bypass_still_checks_the_engine_against_the_actor(runs):
 
 def test_bypass_combinations_that_break_the_anchor_are_refused():
     with pytest.raises(ConfigError, match=r"bypass_mode=true takes the engine's log-probs.*top_p=0.9.*set top_p=1.0"):
-        load_config("tiny_klppo", ["algorithm.rollout_correction.bypass_mode=true",
-                                   "actor_rollout_ref.rollout.top_p=0.9"])
+        load_config(
+            "tiny_klppo", ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.top_p=0.9"]
+        )
     # the REINFORCE loss is bypass mode's (verl ignores it otherwise; here it is refused)
     with pytest.raises(ConfigError, match=r"loss_type=reinforce applies in bypass mode only"):
         load_config("tiny_klppo", ["algorithm.rollout_correction.loss_type=reinforce"])
     # verl's command line with the corrections off runs as it is
-    cfg, _ = load_config("tiny_klppo", ["algorithm.rollout_correction.bypass_mode=true",
-                                        "algorithm.rollout_correction.loss_type=ppo_clip",
-                                        "algorithm.rollout_correction.rollout_is=null",
-                                        "algorithm.rollout_correction.rollout_is_threshold=2.0"])
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "algorithm.rollout_correction.bypass_mode=true",
+            "algorithm.rollout_correction.loss_type=ppo_clip",
+            "algorithm.rollout_correction.rollout_is=null",
+            "algorithm.rollout_correction.rollout_is_threshold=2.0",
+        ],
+    )
     assert cfg.algorithm.rollout_correction.bypass_mode is True

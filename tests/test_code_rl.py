@@ -4,6 +4,7 @@ printing an expression of it), trained by GRPO on 2 CPU ranks; every response's 
 against each of its row's cases in the sandbox, and the score is verl's share of the cases passed.
 The form is all it learns in this teaching: it rarely copies the task's constant (greedy 0.10 of
 the cases after 400 teaching steps, measured), so this shows the path, not learning."""
+
 from __future__ import annotations
 
 import re
@@ -35,16 +36,19 @@ def program(expression: str) -> str:
 
 def code_turns(right_share: float):
     """The taught answer: the task's program for ``right_share`` of the rows, another kind's else."""
+
     def turns(row: dict, rng) -> list[dict]:
         kind, k = task_of(row)
         if rng.random() >= right_share:
             kind = rng.choice([j for j in range(len(EXPRESSIONS)) if j != kind])
         return [{"role": "assistant", "content": program(EXPRESSIONS[kind].format(k=k))}]
+
     return turns
 
 
 def test_the_taught_programs_are_what_the_cases_check():
     from rlhf_hpc.rewards import rule_score
+
     rows = synthetic_rows("synthetic://code?size=24", 3)
     assert {task_of(r)[0] for r in rows} == set(range(len(CODE_TASKS)))
     right, wrong = code_turns(1.0), code_turns(0.0)
@@ -53,6 +57,7 @@ def test_the_taught_programs_are_what_the_cases_check():
     except SandboxUnavailable as e:
         require("a sandbox (bwrap with namespaces)", False, str(e))
     import random
+
     rng = random.Random(0)
     for row in rows[:6]:
         truth = row["reward_model"]["ground_truth"]
@@ -66,16 +71,35 @@ def test_grpo_on_the_programming_set_runs_every_program_in_the_sandbox(shared_di
         sandbox_backend(SandboxConfig())
     except SandboxUnavailable as e:
         require("a sandbox (bwrap with namespaces)", False, str(e))
-    model = tool_model.teach_tool_caller(tmp_path / "model", shared_dir / "assets" / "qwen2-tokenizer",
-                                         synthetic_rows("synthetic://code?size=256", 0), [], code_turns(0.5), steps=80)
+    model = tool_model.teach_tool_caller(
+        tmp_path / "model",
+        shared_dir / "assets" / "qwen2-tokenizer",
+        synthetic_rows("synthetic://code?size=256", 0),
+        [],
+        code_turns(0.5),
+        steps=80,
+    )
     run = run_launch(
-        "recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path / 'run'}", "data.train_files=synthetic://code?size=256",
-        "data.val_files=null", "data.max_prompt_length=64", "data.max_response_length=48", "data.train_batch_size=8",
-        f"actor_rollout_ref.model.path={model}", "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
-        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.optim.lr=1e-4",
-        "actor_rollout_ref.rollout.max_num_batched_tokens=4096", "trainer.total_training_steps=2", "trainer.save_freq=-1",
-        "trainer.test_freq=-1", timeout=600)
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "data.train_files=synthetic://code?size=256",
+        "data.val_files=null",
+        "data.max_prompt_length=64",
+        "data.max_response_length=48",
+        "data.train_batch_size=8",
+        f"actor_rollout_ref.model.path={model}",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["training/global_step"] for m in metrics] == [1, 2]

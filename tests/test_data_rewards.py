@@ -1,4 +1,5 @@
 """Data in the reference format, the stateful sampler, GSM8K preparation and rule rewards."""
+
 from __future__ import annotations
 
 import json
@@ -12,21 +13,26 @@ import pytest
 from rlhf_hpc.config.schema import DataConfig
 from rlhf_hpc.data.dataset import DataError, StatefulSampler, load_examples
 from rlhf_hpc.data.prepare import gsm8k_rows
-from rlhf_hpc.rewards.synthetic import copy_score
 from rlhf_hpc.data.synthetic import synthetic_rows
+from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rewards import RewardFunction, rule_score
 from rlhf_hpc.rewards.gsm8k import extract_answer, gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score, last_boxed
-from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
+from rlhf_hpc.rewards.synthetic import copy_score
 from tests.conftest import REPO
 
 TOK = build_tiny_tokenizer()
 
 
 def row(content="copy: 1", **kw):
-    r = {"data_source": "synthetic/copy", "prompt": [{"role": "user", "content": content}], "ability": "copy",
-         "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": 0}}
+    r = {
+        "data_source": "synthetic/copy",
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "copy",
+        "reward_model": {"style": "rule", "ground_truth": "1"},
+        "extra_info": {"index": 0},
+    }
     r.update(kw)
     return r
 
@@ -45,11 +51,14 @@ def test_rows_become_chat_formatted_prompts(tmp_path):
     assert (ex[0].data_source, ex[0].ground_truth, ex[0].extra_info) == ("synthetic/copy", "1", {"index": 0})
 
 
-@pytest.mark.parametrize("bad,column,what", [
-    ({"data_source": None}, "data_source", "missing"),
-    ({"prompt": "copy: 1"}, "prompt", "expected a non-empty list of chat messages"),
-    ({"reward_model": {"style": "rule"}}, "reward_model", "expected a mapping with a non-null 'ground_truth'"),
-])
+@pytest.mark.parametrize(
+    "bad,column,what",
+    [
+        ({"data_source": None}, "data_source", "missing"),
+        ({"prompt": "copy: 1"}, "prompt", "expected a non-empty list of chat messages"),
+        ({"reward_model": {"style": "rule"}}, "reward_model", "expected a mapping with a non-null 'ground_truth'"),
+    ],
+)
 def test_a_bad_row_names_file_row_and_column(tmp_path, bad, column, what):
     rows = [row(), row(), {**row(), **bad}]
     path = write(tmp_path, rows) if column != "prompt" else None
@@ -71,8 +80,10 @@ def test_overlong_prompts_error_truncate_or_filter(tmp_path):
     path = write(tmp_path, [row("copy: 1"), row("copy: " + "9" * 40)])
     with pytest.raises(DataError) as e:
         load_examples(path, TOK, DataConfig(max_prompt_length=32))
-    assert str(e.value).startswith(f"{path}, row 1, column 'prompt': the prompt is 65 tokens, more than "
-                                   "data.max_prompt_length=32 (set data.truncation=left|right")
+    assert str(e.value).startswith(
+        f"{path}, row 1, column 'prompt': the prompt is 65 tokens, more than "
+        "data.max_prompt_length=32 (set data.truncation=left|right"
+    )
     left = load_examples(path, TOK, DataConfig(max_prompt_length=32, truncation="left"))
     right = load_examples(path, TOK, DataConfig(max_prompt_length=32, truncation="right"))
     assert len(left[1].prompt_ids) == len(right[1].prompt_ids) == 32
@@ -122,8 +133,17 @@ def test_gsm8k_strict_and_flexible():
 
 
 # formats of a correct final answer a person reads as the number itself
-RIGHT = ["#### 18", "#### $18", "####18", "#### 18.00", "#### 18.", "#### $ 18", "#### 18 dollars",
-         "so she makes $18.\n#### 18.0", "#### 1,234 is wrong, the total is\n#### 18"]
+RIGHT = [
+    "#### 18",
+    "#### $18",
+    "####18",
+    "#### 18.00",
+    "#### 18.",
+    "#### $ 18",
+    "#### 18 dollars",
+    "so she makes $18.\n#### 18.0",
+    "#### 1,234 is wrong, the total is\n#### 18",
+]
 
 
 @pytest.mark.parametrize("text", RIGHT)
@@ -132,14 +152,24 @@ def test_gsm8k_formats_of_a_right_answer_score_one(text):
     assert gsm8k_score(text, "18", method="flexible") == 1.0  # the last number is the answer too
 
 
-@pytest.mark.parametrize("text,truth", [("#### 1,234", "1234"), ("#### $1,234.00", "1234"), ("#### -7", "-7"),
-                                        ("#### 0.50", "0.5"), ("#### .5", "0.5"), ("#### 1,234,567", "1234567")])
+@pytest.mark.parametrize(
+    "text,truth",
+    [
+        ("#### 1,234", "1234"),
+        ("#### $1,234.00", "1234"),
+        ("#### -7", "-7"),
+        ("#### 0.50", "0.5"),
+        ("#### .5", "0.5"),
+        ("#### 1,234,567", "1234567"),
+    ],
+)
 def test_gsm8k_number_formats(text, truth):
     assert gsm8k_score(text, truth) == 1.0 and gsm8k_score(text, truth, method="flexible") == 1.0
 
 
-@pytest.mark.parametrize("text", ["#### 19", "#### 18.5", "#### 180", "#### 1,8", "#### -18", "#### eighteen",
-                                  "18", "#### 18 then #### 17"])
+@pytest.mark.parametrize(
+    "text", ["#### 19", "#### 18.5", "#### 180", "#### 1,8", "#### -18", "#### eighteen", "18", "#### 18 then #### 17"]
+)
 def test_gsm8k_wrong_answers_stay_wrong(text):
     assert gsm8k_score(text, "18") == 0.0
 
@@ -156,8 +186,10 @@ def test_dispatch_and_custom_function(tmp_path):
     with pytest.raises(ValueError, match="no rule reward for data_source 'my/data'"):
         rule_score("my/data", "x", "y", {})
     fn = tmp_path / "reward.py"
-    fn.write_text("def score(data_source, response, ground_truth, extra_info):\n"
-                  "    return float(len(response) == int(ground_truth))\n")
+    fn.write_text(
+        "def score(data_source, response, ground_truth, extra_info):\n"
+        "    return float(len(response) == int(ground_truth))\n"
+    )
     cfg, _ = load_config("tiny_klppo", [f"custom_reward_function.path={fn}", "custom_reward_function.name=score"])
     reward = RewardFunction(cfg.custom_reward_function)
     assert reward("my/data", "abc", "3", {}) == 1.0
@@ -182,9 +214,22 @@ def test_gsm8k_reference_answers_score_one_and_perturbed_zero(shared_dir):
 
 
 def test_prepare_cli_and_loading_with_the_real_qwen2_tokenizer(shared_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "rlhf_hpc.data.prepare", "gsm8k", "--src",
-                          str(shared_dir / "data/gsm8k"), "--out", str(tmp_path)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf_hpc.data.prepare",
+            "gsm8k",
+            "--src",
+            str(shared_dir / "data/gsm8k"),
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "train: 7473 rows" in out.stdout and "test: 1319 rows" in out.stdout
     table = pq.read_table(tmp_path / "test.parquet")
@@ -193,6 +238,7 @@ def test_prepare_cli_and_loading_with_the_real_qwen2_tokenizer(shared_dir, tmp_p
     assert first["data_source"] == "openai/gsm8k" and first["reward_model"]["ground_truth"] == "18"
     assert first["prompt"][0]["content"].endswith('output the final answer after "####".')
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(shared_dir / "assets/qwen2-tokenizer")
     ex = load_examples(str(tmp_path / "test.parquet"), tok, DataConfig(max_prompt_length=512))
     assert len(ex) == 1319

@@ -5,6 +5,7 @@ rows sit. One 4-rank torchrun (tests/dist_distribute_checks.py) plus single-proc
 Tolerances (fp32): advantages 1e-6 (float64 group sums vs float32 per-group mean/std), gradients
 after one mini-batch 1e-6 absolute (they are ~1e-1; summation order is all that differs).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,6 +34,7 @@ def test_prompt_shares_cover_every_prompt_once_and_differ_by_at_most_one(prompts
 def _best_spread(weights, k):
     """Exhaustive: the smallest max-min of k equal-size sets (small inputs only)."""
     n, per, best = len(weights), len(weights) // k, None
+
     def assign(i, sets):
         nonlocal best
         if i == n:
@@ -46,6 +48,7 @@ def _best_spread(weights, k):
                 s.pop()
                 if not s:
                     break  # empty sets are interchangeable
+
     assign(0, [[] for _ in range(k)])
     return best
 
@@ -53,6 +56,7 @@ def _best_spread(weights, k):
 @pytest.mark.parametrize("seed", range(6))
 def test_balanced_partitions_are_equal_sized_and_near_optimal(seed):
     import random
+
     rng = random.Random(seed)
     weights = [rng.randint(5, 300) for _ in range(8)]
     parts = balanced_partitions(weights, 2)
@@ -77,8 +81,13 @@ def test_balanced_partitions_even_out_a_skewed_batch():
 def checks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distribute")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "distribute.json").read_text())
 

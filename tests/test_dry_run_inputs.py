@@ -2,6 +2,7 @@
 and the key, no traceback: the CPU calibration file (schema-checked, written atomically), the
 ``plan.*`` lengths, the data files (exist, a file, parquet, rows, at least one batch). Real files in
 tmp_path; the CLI runs in this process (``rlhf_hpc.cli.main``)."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,16 @@ from rlhf_hpc.planning.time_plan import workload_of
 from rlhf_hpc.recipe.input_checks import parquet_rows
 from rlhf_hpc.recipe.load import load_config
 
-GOOD = {"fp32_tflops": 0.05, "bf16_tflops": 0.02, "hbm_gb_s": 12.5, "sync_layer_overhead_s": 0.0,
-        "backward_ratio": 0.0, "prefill_fp32_tflops": None, "overlap_comm": False,
-        "measured": {"ranks": 2, "threads_per_rank": 1, "date": "2026-01-02"}}
+GOOD = {
+    "fp32_tflops": 0.05,
+    "bf16_tflops": 0.02,
+    "hbm_gb_s": 12.5,
+    "sync_layer_overhead_s": 0.0,
+    "backward_ratio": 0.0,
+    "prefill_fp32_tflops": None,
+    "overlap_comm": False,
+    "measured": {"ranks": 2, "threads_per_rank": 1, "date": "2026-01-02"},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +52,14 @@ def dry_run(capsys, *overrides: str) -> tuple[int, str]:
 
 
 def rows(n: int) -> list[dict]:
-    return [{"data_source": "synthetic/copy", "prompt": [{"role": "user", "content": f"copy: {i}"}],
-             "reward_model": {"style": "rule", "ground_truth": str(i)}} for i in range(n)]
+    return [
+        {
+            "data_source": "synthetic/copy",
+            "prompt": [{"role": "user", "content": f"copy: {i}"}],
+            "reward_model": {"style": "rule", "ground_truth": str(i)},
+        }
+        for i in range(n)
+    ]
 
 
 def parquet(path, n: int) -> str:
@@ -55,17 +69,20 @@ def parquet(path, n: int) -> str:
 
 
 # ------------------------------------------------------------------------ the calibration file
-@pytest.mark.parametrize("text,says", [
-    ('{"fp32_tflops": 0.05', "is not a JSON file (JSONDecodeError"),
-    ("[0.05, 12.5]", "holds an array, not an object of named figures"),
-    ('{"fp32_tflops": 0}', "'fp32_tflops' is 0 (a number); a rate the plan divides by must be a number > 0"),
-    ('{"hbm_gb_s": "fast"}', "'hbm_gb_s' is \"fast\" (a string); a rate the plan divides by must be a number > 0"),
-    ('{"layer_overhead_s": -1e-3}', "'layer_overhead_s' is -0.001 (a number); expected a number >= 0"),
-    ('{"fp32_tflops": true}', "'fp32_tflops' is true (a boolean)"),
-    ('{"fp32_tflops": NaN}', "'fp32_tflops' is NaN (a number)"),
-    ('{"hbm_gbs": 12.5}', "unknown figure 'hbm_gbs' (did you mean 'hbm_gb_s'?)"),
-    ('{"measured": "today"}', "'measured' is \"today\" (a string); expected an object"),
-])
+@pytest.mark.parametrize(
+    "text,says",
+    [
+        ('{"fp32_tflops": 0.05', "is not a JSON file (JSONDecodeError"),
+        ("[0.05, 12.5]", "holds an array, not an object of named figures"),
+        ('{"fp32_tflops": 0}', "'fp32_tflops' is 0 (a number); a rate the plan divides by must be a number > 0"),
+        ('{"hbm_gb_s": "fast"}', "'hbm_gb_s' is \"fast\" (a string); a rate the plan divides by must be a number > 0"),
+        ('{"layer_overhead_s": -1e-3}', "'layer_overhead_s' is -0.001 (a number); expected a number >= 0"),
+        ('{"fp32_tflops": true}', "'fp32_tflops' is true (a boolean)"),
+        ('{"fp32_tflops": NaN}', "'fp32_tflops' is NaN (a number)"),
+        ('{"hbm_gbs": 12.5}', "unknown figure 'hbm_gbs' (did you mean 'hbm_gb_s'?)"),
+        ('{"measured": "today"}', "'measured' is \"today\" (a string); expected an object"),
+    ],
+)
 def test_a_bad_default_calibration_file_is_refused_at_the_dry_run(capsys, own_cache, text, says):
     own_cache.parent.mkdir(parents=True)
     own_cache.write_text(text)
@@ -81,8 +98,10 @@ def test_a_bad_named_calibration_file_is_refused_naming_the_key(capsys, tmp_path
     named.write_text('{"fp32_tflops": 0.05, "cast_gb_s": 0}')
     rc, err = dry_run(capsys, f"hardware.calibration={named}")
     assert rc == 2
-    assert (f"hardware.calibration: {named}: 'cast_gb_s' is 0 (a number); a rate the plan divides by must be a "
-            f"number > 0; write it again with python -m rlhf_hpc.bench.calibrate --out {named}\n") in err
+    assert (
+        f"hardware.calibration: {named}: 'cast_gb_s' is 0 (a number); a rate the plan divides by must be a "
+        f"number > 0; write it again with python -m rlhf_hpc.bench.calibrate --out {named}\n"
+    ) in err
     rc, err = dry_run(capsys, f"hardware.calibration={tmp_path}")
     assert rc == 2 and f"hardware.calibration: no file {tmp_path} (a directory)" in err
 
@@ -95,8 +114,10 @@ def test_a_good_calibration_file_is_read_with_zero_overheads_and_null_rates(caps
     assert hw.layer_overhead_s == UNCALIBRATED_CPU.layer_overhead_s  # not in the file: the nominal figure
     assert "2026-01-02 calibration" in hw.name and str(own_cache) in hw.source
     assert launch(["recipe=tiny_klppo", "--dry-run"]) == 0
-    assert f"# time plan per step on 2 x CPU rank (2026-01-02 calibration) (measured by rlhf_hpc.bench.calibrate: " \
-           f"{own_cache})" in capsys.readouterr().out
+    assert (
+        f"# time plan per step on 2 x CPU rank (2026-01-02 calibration) (measured by rlhf_hpc.bench.calibrate: "
+        f"{own_cache})" in capsys.readouterr().out
+    )
 
 
 def test_the_writer_refuses_what_the_reader_would_refuse_and_leaves_the_file(own_cache):
@@ -143,8 +164,10 @@ def test_a_local_cpu_run_without_the_file_calibrates_first_and_the_dry_run_says_
     assert not needs("launcher.cluster=slurm")
     assert launch(["recipe=tiny_klppo", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert (f"# no calibration file for this CPU ({own_cache}): the plans below use nominal figures; the run "
-            f"measures this machine first (about a minute, once)") in out
+    assert (
+        f"# no calibration file for this CPU ({own_cache}): the plans below use nominal figures; the run "
+        f"measures this machine first (about a minute, once)"
+    ) in out
     assert "# time plan per step on 2 x CPU (uncalibrated)" in out
     assert launch(["recipe=tiny_klppo", "hardware.first_run_calibration=false", "--dry-run"]) == 0
     assert "# no calibration file" not in capsys.readouterr().out
@@ -155,17 +178,26 @@ def test_a_local_cpu_run_without_the_file_calibrates_first_and_the_dry_run_says_
 
 
 # ------------------------------------------------------------------------------------ plan keys
-@pytest.mark.parametrize("override,says", [
-    ("plan.response_length=-1", "plan.response_length=-1: the data's mean response length in tokens must be > 0; "
-                                "to plan with the maximum (data.max_response_length=8) leave plan.response_length "
-                                "unset (null)"),
-    ("plan.response_length=0", "plan.response_length=0: the data's mean response length in tokens must be > 0"),
-    ("plan.prompt_length=0", "plan.prompt_length=0: the data's mean prompt length in tokens must be > 0"),
-    ("plan.response_length=9", "plan.response_length=9 is larger than data.max_response_length=8: a mean cannot "
-                               "pass the maximum; set plan.response_length <= 8 (or null: plan with the maximum), "
-                               "or raise data.max_response_length"),
-    ("plan.prompt_length=33", "plan.prompt_length=33 is larger than data.max_prompt_length=32"),
-])
+@pytest.mark.parametrize(
+    "override,says",
+    [
+        (
+            "plan.response_length=-1",
+            "plan.response_length=-1: the data's mean response length in tokens must be > 0; "
+            "to plan with the maximum (data.max_response_length=8) leave plan.response_length "
+            "unset (null)",
+        ),
+        ("plan.response_length=0", "plan.response_length=0: the data's mean response length in tokens must be > 0"),
+        ("plan.prompt_length=0", "plan.prompt_length=0: the data's mean prompt length in tokens must be > 0"),
+        (
+            "plan.response_length=9",
+            "plan.response_length=9 is larger than data.max_response_length=8: a mean cannot "
+            "pass the maximum; set plan.response_length <= 8 (or null: plan with the maximum), "
+            "or raise data.max_response_length",
+        ),
+        ("plan.prompt_length=33", "plan.prompt_length=33 is larger than data.max_prompt_length=32"),
+    ],
+)
 def test_bad_plan_lengths_are_refused_at_the_dry_run(capsys, override, says):
     rc, err = dry_run(capsys, override)
     assert rc == 2 and says in err
@@ -185,13 +217,25 @@ def test_a_directory_as_a_data_file_says_so_and_which_file(capsys, tmp_path):
     data = tmp_path / "gsm8k"
     data.mkdir()
     rc, err = dry_run(capsys, f"data.train_files={data}")
-    assert rc == 2 and (f"data.train_files: '{data}' is a directory; a data file is one parquet file in verl's "
-                        f"format (python -m rlhf_hpc.data.prepare writes them as <dir>/train.parquet") in err
+    assert (
+        rc == 2
+        and (
+            f"data.train_files: '{data}' is a directory; a data file is one parquet file in verl's "
+            f"format (python -m rlhf_hpc.data.prepare writes them as <dir>/train.parquet"
+        )
+        in err
+    )
     parquet(data / "train.parquet", 16)
     rc, err = dry_run(capsys, f"data.train_files={data}")
-    assert rc == 2 and (f"data.train_files: '{data}' is a directory; a data file is one parquet file in verl's "
-                        f"format (it holds train.parquet: name one, or list them (data.train_files=["
-                        f"{data / 'train.parquet'}, ...]))") in err
+    assert (
+        rc == 2
+        and (
+            f"data.train_files: '{data}' is a directory; a data file is one parquet file in verl's "
+            f"format (it holds train.parquet: name one, or list them (data.train_files=["
+            f"{data / 'train.parquet'}, ...]))"
+        )
+        in err
+    )
     with pytest.raises(DataError, match=f"{data}: a directory, not a parquet file: name the file in it"):
         load_examples(str(data), build_tiny_tokenizer(), DataConfig())  # what the ranks say
 
@@ -213,15 +257,26 @@ def test_empty_and_unreadable_data_files_are_refused_naming_the_key(capsys, tmp_
 def test_fewer_rows_than_one_batch_are_refused_at_the_dry_run(capsys, tmp_path):
     a, b = parquet(tmp_path / "a.parquet", 10), parquet(tmp_path / "b.parquet", 5)
     rc, err = dry_run(capsys, f"data.train_files=[{a},{b}]")
-    assert rc == 2 and ("data.train_files: 15 rows in all, fewer than data.train_batch_size=16 prompts a step "
-                        "takes, so not one batch (rows counted in the files, before the data.max_prompt_length "
-                        "filter, which can only lower the count; the ranks count again after it); lower "
-                        "data.train_batch_size or add rows") in err
+    assert (
+        rc == 2
+        and (
+            "data.train_files: 15 rows in all, fewer than data.train_batch_size=16 prompts a step "
+            "takes, so not one batch (rows counted in the files, before the data.max_prompt_length "
+            "filter, which can only lower the count; the ranks count again after it); lower "
+            "data.train_batch_size or add rows"
+        )
+        in err
+    )
     c = parquet(tmp_path / "c.parquet", 1)
     rc, _ = dry_run(capsys, f"data.train_files=[{a},{b},{c}]")
     assert rc == 0  # 16 rows: one batch
-    dapo = ["algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-            "data.gen_batch_size=24", "algorithm.use_kl_in_reward=false"]
+    dapo = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc",
+        "data.gen_batch_size=24",
+        "algorithm.use_kl_in_reward=false",
+    ]
     rc, err = dry_run(capsys, f"data.train_files=[{a},{b},{c}]", *dapo)
     assert rc == 2 and "data.train_files: 16 rows in all, fewer than data.gen_batch_size=24 prompts" in err
     assert parquet_rows(a) == 10  # from the footer
@@ -232,8 +287,9 @@ def test_the_ranks_say_empty_or_filtered_and_count_after_the_filter(tmp_path):
     with pytest.raises(DataError, match=r"empty.parquet: no rows \(an empty data file\)"):
         load_examples(parquet(tmp_path / "empty.parquet", 0), tok, DataConfig())
     with pytest.raises(DataError, match=r"all 3 rows filtered out as longer than data.max_prompt_length=4 tokens"):
-        load_examples(parquet(tmp_path / "three.parquet", 3), tok, DataConfig(max_prompt_length=4,
-                                                                               filter_overlong_prompts=True))
+        load_examples(
+            parquet(tmp_path / "three.parquet", 3), tok, DataConfig(max_prompt_length=4, filter_overlong_prompts=True)
+        )
     with pytest.raises(DataError, match=r"\(3 prompts, counted after the data.max_prompt_length filter\)"):
         StatefulSampler(3, 4, seed=0)
 
@@ -260,6 +316,7 @@ NEOVERSE_V1 = "Features\t: fp asimd sve bf16 i8mm\n"
 
 def test_native_bf16_is_read_from_the_cpu_flags():
     from rlhf_hpc.planning.hardware import cpu_has_native_bf16
+
     assert cpu_has_native_bf16(ZEN3) is False
     assert cpu_has_native_bf16(SAPPHIRE_RAPIDS) is True
     assert cpu_has_native_bf16(NEOVERSE_V1) is True
@@ -269,10 +326,14 @@ def test_native_bf16_is_read_from_the_cpu_flags():
 def test_the_bf16_keys_are_the_models_the_run_has():
     from rlhf_hpc.planning.hardware import cpu_bf16_keys
     from rlhf_hpc.recipe.load import load_config
+
     mp = "fsdp_config.mixed_precision.param_dtype"
     grpo, _ = load_config("smollm2_add_grpo", [], check_files=False)
-    assert cpu_bf16_keys(grpo) == [f"actor_rollout_ref.actor.{mp}", "actor_rollout_ref.rollout.dtype",
-                                   f"actor_rollout_ref.ref.{mp}"]
+    assert cpu_bf16_keys(grpo) == [
+        f"actor_rollout_ref.actor.{mp}",
+        "actor_rollout_ref.rollout.dtype",
+        f"actor_rollout_ref.ref.{mp}",
+    ]
     lora, _ = load_config("smollm2_add_grpo", ["actor_rollout_ref.model.lora_rank=8"], check_files=False)
     assert f"actor_rollout_ref.ref.{mp}" not in cpu_bf16_keys(lora)  # the reference is the actor, adapter off
     klppo, _ = load_config("qwen7b_klppo", ["trainer.device=cpu"], check_files=False)
@@ -286,6 +347,7 @@ def test_the_dry_run_says_bf16_is_slow_here_exactly_without_native_bf16(capsys, 
     a GPU run is never warned about the login node's CPU."""
     from rlhf_hpc.planning.hardware import cpu_bf16_keys, cpu_dtype_warnings, cpu_has_native_bf16
     from rlhf_hpc.recipe.load import load_config
+
     cfg, _ = load_config("smollm2_add_grpo", [], check_files=False)
     (w,) = cpu_dtype_warnings(cfg, native_bf16=False)
     fix = " ".join(f"{k}=float32" for k in cpu_bf16_keys(cfg))
@@ -304,8 +366,15 @@ def test_the_dry_run_says_bf16_is_slow_here_exactly_without_native_bf16(capsys, 
 def test_a_context_longer_than_the_models_positions_is_refused_for_vllm_and_warned_for_hf(capsys):
     # tiny://qwen2 is built for 1024 positions (default RoPE): vLLM would refuse 1020 + 8 at its start
     rc, err = dry_run(capsys, "data.max_prompt_length=1020", "actor_rollout_ref.rollout.name=vllm")
-    assert rc == 2 and ("data.max_prompt_length + data.max_response_length = 1020 + 8 is longer than the 1024 "
-                        "positions of actor_rollout_ref.model.path=tiny://qwen2") in err and "the vllm engine refuses" in err, err
+    assert (
+        rc == 2
+        and (
+            "data.max_prompt_length + data.max_response_length = 1020 + 8 is longer than the 1024 "
+            "positions of actor_rollout_ref.model.path=tiny://qwen2"
+        )
+        in err
+        and "the vllm engine refuses" in err
+    ), err
     rc, err = dry_run(capsys, "data.max_prompt_length=1020")  # (the recipe's auto: vLLM where installed)
     assert rc == 2 and "the vllm engine refuses a longer context" in err, err
     rc, err = dry_run(capsys, "data.max_prompt_length=1020", "actor_rollout_ref.rollout.name=hf")  # (runs them)

@@ -1,12 +1,13 @@
 """FSDP2 engine under torchrun on CPU (gloo): sharded == single-process, checkpoints reshard.
 
-One 4-rank torchrun (meshes 2x2, 1x4 and 4x1 (replicated: shared memory and gloo), actor and critic, the shared-memory
-all-reduce, save, a save that dies half-way,
-retention) and one 2-rank torchrun (load the 4-rank checkpoint on a 1x2 mesh, export to HF; replicated <-> sharded
-checkpoints).
-Tolerances (fp32): log-probs/values 1e-5, metrics 1e-5 relative (absolute below 1), gradients 1e-5, parameters after 3 steps of
-AdamW at lr 1e-3 (a movement of ~6e-3) 1e-4; measured: ~5e-7, ~4e-7, ~1e-7 and ~5e-6.
+One 4-rank torchrun (meshes 2x2, 1x4 and 4x1 (replicated: shared memory and gloo), actor and critic,
+the shared-memory all-reduce, save, a save that dies half-way, retention) and one 2-rank torchrun
+(load the 4-rank checkpoint on a 1x2 mesh, export to HF; replicated <-> sharded checkpoints).
+Tolerances (fp32): log-probs/values 1e-5, metrics 1e-5 relative (absolute below 1), gradients 1e-5,
+parameters after 3 steps of AdamW at lr 1e-3 (a movement of ~6e-3) 1e-4; measured: ~5e-7, ~4e-7,
+~1e-7 and ~5e-6.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,22 @@ SCRIPT = REPO / "tests" / "dist_engine_checks.py"
 
 def torchrun(nproc: int, phase: str, out: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", str(SCRIPT), phase, str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(SCRIPT),
+            phase,
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / f"{phase}.json").read_text())
 
@@ -51,8 +65,10 @@ def test_sharded_actor_matches_single_process(results, name):
     # a replicated mesh on the host: gradients averaged by ReplicaGradients (through shared memory, all
     # ranks being on this machine; or by asynchronous gloo all-reduces), not FSDP2's HSDP all-reduce;
     # the same numbers either way
-    assert r["gradient_reduction"] == {"actor_4x1": "host replicas, shared memory",
-                                       "actor_4x1_gloo": "host replicas, gloo"}.get(name, "fsdp2")
+    assert r["gradient_reduction"] == {
+        "actor_4x1": "host replicas, shared memory",
+        "actor_4x1_gloo": "host replicas, gloo",
+    }.get(name, "fsdp2")
 
 
 def test_shared_memory_mean_equals_gloo_all_reduce(results):
@@ -80,9 +96,15 @@ def test_host_replicas_only_where_every_rank_holds_the_model_and_reduces_in_its_
     averages it, with bf16 compute too (gradients reduced in fp32, as reduce_dtype says); a bf16
     reduce_dtype, offload, an explicit reshard_after_forward or forward_prefetch (FSDP2 features), or
     a real shard group stay with FSDP2."""
-    assert results[0]["host_replicas"] == {"4x1": True, "4x1_bf16_compute": True, "4x1_bf16_reduce": False,
-                                           "4x1_offload": False, "4x1_reshard_after_forward": False,
-                                           "4x1_forward_prefetch": False, "2x2": False}
+    assert results[0]["host_replicas"] == {
+        "4x1": True,
+        "4x1_bf16_compute": True,
+        "4x1_bf16_reduce": False,
+        "4x1_offload": False,
+        "4x1_reshard_after_forward": False,
+        "4x1_forward_prefetch": False,
+        "2x2": False,
+    }
 
 
 def test_sharded_critic_matches_single_process(results):
@@ -104,8 +126,10 @@ def test_crash_during_save_keeps_the_previous_checkpoint(results):
 def test_checkpoints_load_across_replicated_and_sharded_layouts(results):
     """A checkpoint of a replicated actor (host replicas: each rank's FSDP2 mesh is the rank alone)
     loads bit-exact into a sharded one, and a sharded one into a replicated one."""
-    assert results[1]["across_layouts"] == {"2x2_into_2x1": ["host replicas, shared memory", True, True],
-                                            "4x1_into_1x2": ["fsdp2", True, True]}
+    assert results[1]["across_layouts"] == {
+        "2x2_into_2x1": ["host replicas, shared memory", True, True],
+        "4x1_into_1x2": ["fsdp2", True, True],
+    }
 
 
 def test_retention_keeps_the_newest(results):
@@ -129,6 +153,7 @@ def test_export_command(results, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import run_launch
+
     ckpt = Path(results[1]["checkpoint"])
     out = run_launch("export", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "float32")
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,5 @@
 """env/setup.sh: idempotent, refuses unknown profiles, and the venv it built is the CPU one."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,11 @@ def _running_in_setup_venv() -> bool:
 
 
 def test_second_run_is_a_fast_no_op():
-    require("a venv built by env/setup.sh", _running_in_setup_venv(),
-            f"tests run from {sys.prefix}, not from a venv env/setup.sh made")
+    require(
+        "a venv built by env/setup.sh",
+        _running_in_setup_venv(),
+        f"tests run from {sys.prefix}, not from a venv env/setup.sh made",
+    )
     env = dict(os.environ, RLHF_HPC_VENV=sys.prefix)
     t0 = time.monotonic()
     out = subprocess.run(["bash", str(SETUP), "cpu"], env=env, capture_output=True, text=True, timeout=60)
@@ -33,6 +37,7 @@ def test_cpu_venv_has_no_cuda_torch_and_no_vllm_breakers():
     import importlib.util
 
     import torch
+
     assert torch.version.cuda is None and torch.__version__ == "2.13.0+cpu"
     for name in ("torchvision", "torchaudio", "torchcodec", "triton"):
         assert importlib.util.find_spec(name) is None, f"{name} breaks 'import vllm' on CPU"
@@ -52,8 +57,9 @@ def _fake_nvidia_smi(bin_dir: Path, driver: str | None) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     smi = bin_dir / "nvidia-smi"
     listing = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)" if driver else ""
-    smi.write_text("#!/bin/sh\n"
-                   f'case "$*" in *driver_version*) echo "{driver or ""}" ;; *-L*) echo "{listing}" ;; esac\n')
+    smi.write_text(
+        f'#!/bin/sh\ncase "$*" in *driver_version*) echo "{driver or ""}" ;; *-L*) echo "{listing}" ;; esac\n'
+    )
     smi.chmod(0o755)
 
 
@@ -62,12 +68,14 @@ def _plan(tmp_path: Path, driver: str | None, profile: str = "gpu", **env_vars: 
     bin_dir = tmp_path / "bin"
     if driver is not None:
         _fake_nvidia_smi(bin_dir, driver)
-    path = os.pathsep.join([str(bin_dir)] + [p for p in os.environ["PATH"].split(os.pathsep)
-                                             if not (Path(p) / "nvidia-smi").exists()])
+    path = os.pathsep.join(
+        [str(bin_dir)] + [p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists()]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_HPC_")}
     env.update(PATH=path, RLHF_HPC_VENV=str(tmp_path / "venv"), **env_vars)
-    out = subprocess.run(["bash", str(SETUP), profile, "--print-plan"], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        ["bash", str(SETUP), profile, "--print-plan"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert not (tmp_path / "venv").exists()  # a plan installs nothing
     return out
 
@@ -86,13 +94,20 @@ def test_a_driver_of_r580_or_newer_gets_the_cuda13_build(tmp_path):
 def test_drivers_r525_to_r579_get_the_newest_vllm_with_a_cuda12_build(tmp_path):
     """vLLM 0.33 has no CUDA 12 build: 0.26.0+cu129 from vLLM's per-release index, torch 2.11.0 from
     PyTorch's cu129 index (no +cu128 asset exists, so no release URL of one is ever named)."""
-    for driver, compat in (("575.57.08", False), ("570.133.20", True), ("550.163.01", True), ("535.104.05", True),
-                           ("525.60.13", True)):
+    for driver, compat in (
+        ("575.57.08", False),
+        ("570.133.20", True),
+        ("550.163.01", True),
+        ("535.104.05", True),
+        ("525.60.13", True),
+    ):
         out = _plan(tmp_path, driver)
         assert out.returncode == 0, out.stderr
         assert f"driver {driver} -> CUDA 12.9 build of vLLM 0.26.0 (cu129)" in out.stdout
-        assert ("plan: pip install vllm==0.26.0+cu129 torch==2.11.0 --extra-index-url https://wheels.vllm.ai/0.26.0/cu129"
-                " --extra-index-url https://download.pytorch.org/whl/cu129\n") in out.stdout
+        assert (
+            "plan: pip install vllm==0.26.0+cu129 torch==2.11.0 --extra-index-url https://wheels.vllm.ai/0.26.0/cu129"
+            " --extra-index-url https://download.pytorch.org/whl/cu129\n"
+        ) in out.stdout
         assert "vLLM 0.33.0 has no CUDA 12 build" in out.stdout and "download-kernels" not in out.stdout
         assert "cu128" not in out.stdout and "github.com" not in out.stdout
         assert ("minor-version compatibility" in out.stdout) is compat, (driver, out.stdout)
@@ -124,8 +139,7 @@ def test_no_driver_stops_unless_the_build_is_named(tmp_path):
 def test_a_python_older_than_3_11_is_refused_by_name(tmp_path):
     """vLLM needs 3.11: said before pip runs, for both profiles, naming the interpreter's version."""
     fake = tmp_path / "python3.10"
-    fake.write_text("#!/bin/sh\n"
-                    'case "$*" in *sys.exit*) exit 1 ;; *python_version*) echo 3.10.14 ;; esac\n')
+    fake.write_text('#!/bin/sh\ncase "$*" in *sys.exit*) exit 1 ;; *python_version*) echo 3.10.14 ;; esac\n')
     fake.chmod(0o755)
     for profile in ("cpu", "gpu"):
         out = _plan(tmp_path, "580.95.05", profile=profile, PYTHON=str(fake))
@@ -155,14 +169,17 @@ def test_the_container_and_the_profile_name_the_same_cuda():
     assert "From: nvidia/cuda:12.9.1-cudnn-devel-ubuntu22.04" in definition and "RLHF_HPC_CUDA=12.9" in definition
     assert "module load cuda/12.9" in (REPO / "slurm" / "clusters" / "example-gpu.yaml").read_text()
     import configparser
+
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
+
     assert f"vllm>={VLLM_MIN},<{VLLM_BELOW}" in cfg["options.extras_require"]["gpu"]
     assert "flash-attn" not in cfg["options.extras_require"]["gpu"]
     setup = SETUP.read_text()
     vllm_gpu = next(line.split("=")[1] for line in setup.splitlines() if line.startswith("VLLM_GPU="))
     from packaging.version import Version
+
     vllm_cu12 = next(line.split("=")[1] for line in setup.splitlines() if line.startswith("VLLM_CU12="))
     assert Version(VLLM_MIN) <= Version(vllm_cu12) < Version(vllm_gpu) < Version(VLLM_BELOW)
     assert cfg["options"]["python_requires"].strip() == ">=3.11"

@@ -3,6 +3,7 @@
 baselines and ``reinforce_plus_plus`` on multi-turn masks. Each equals verl 0.9.1's code (transcribed
 below from its wheel's ``trainer/ppo/core_algos.py`` / ``utils/groupwise.py``) on random tensors, and
 the grouped ones over two simulated ranks equal the whole batch."""
+
 from __future__ import annotations
 
 import threading
@@ -13,9 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_hpc.ops.estimators import (ADV_ESTIMATORS, AdvantageInputs, compute_advantages, grpo_passk_advantages,
-                                     opo_advantages, optimal_token_baseline_advantages, reinforce_pp_advantages,
-                                     remax_advantages)
+from rlhf_hpc.ops.estimators import (
+    ADV_ESTIMATORS,
+    AdvantageInputs,
+    compute_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
+    optimal_token_baseline_advantages,
+    reinforce_pp_advantages,
+    remax_advantages,
+)
 from tests.test_algos import LockstepAllReduce, run_ranks
 
 
@@ -93,8 +101,15 @@ def verl_grpo(token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_
     return scores, scores
 
 
-def verl_gdpo(token_level_rewards, response_mask, index, score_list=None, reward_weights=None, epsilon=1e-6,
-              norm_adv_by_std_in_grpo=True):
+def verl_gdpo(
+    token_level_rewards,
+    response_mask,
+    index,
+    score_list=None,
+    reward_weights=None,
+    epsilon=1e-6,
+    norm_adv_by_std_in_grpo=True,
+):
     """verl 0.9.1's compute_gdpo_outcome_advantage, its per-key scores (``score_list``) placed as it places
     them (on each row's last response position)."""
     score_list = score_list if score_list is not None else [token_level_rewards]
@@ -102,8 +117,9 @@ def verl_gdpo(token_level_rewards, response_mask, index, score_list=None, reward
     new_advantage = None
     for i in range(len(score_list)):
         normalized_score, _ = verl_grpo(score_list[i].clone(), response_mask, index, epsilon, norm_adv_by_std_in_grpo)
-        new_advantage = weights[i] * normalized_score if new_advantage is None else \
-            new_advantage + weights[i] * normalized_score
+        new_advantage = (
+            weights[i] * normalized_score if new_advantage is None else new_advantage + weights[i] * normalized_score
+        )
     advantages = verl_masked_whiten(new_advantage, response_mask) * response_mask
     return advantages, advantages
 
@@ -145,7 +161,8 @@ def verl_grpo_passk(token_level_rewards, response_mask, index, epsilon=1e-6, con
             rewards = torch.stack(id2scores[idx])
             if rewards.numel() < 2:
                 raise ValueError(
-                    f"Pass@k requires at least 2 samples per group. Got {rewards.numel()} for group {idx}.")
+                    f"Pass@k requires at least 2 samples per group. Got {rewards.numel()} for group {idx}."
+                )
             topk, topk_idx = torch.topk(rewards, 2)
             r_max, r_second_max = topk[0], topk[1]
             i_max = id2indices[idx][topk_idx[0].item()]
@@ -187,8 +204,16 @@ def verl_remax(token_level_rewards, reward_baselines, response_mask):
     return advantages, returns
 
 
-def verl_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
-             handle_zero_tail=True, epsilon=1e-8):
+def verl_otb(
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_probs,
+    sum_pi_squared,
+    rollout_is_weights=None,
+    handle_zero_tail=True,
+    epsilon=1e-8,
+):
     """verl's compute_optimal_token_baseline_advantage (0.9.1: handle_zero_tail defaults to True, and
     the trainer never passes it)."""
     with torch.no_grad():
@@ -228,8 +253,16 @@ def verl_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_sq
     return advantages, returns
 
 
-def verl_tir_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
-                 handle_zero_tail=True, epsilon=1e-8):
+def verl_tir_otb(
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_probs,
+    sum_pi_squared,
+    rollout_is_weights=None,
+    handle_zero_tail=True,
+    epsilon=1e-8,
+):
     """verl's compute_multi_turn_optimal_token_baseline_advantage."""
     with torch.no_grad():
         token_returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
@@ -285,8 +318,9 @@ def verl_tir_otb(token_level_rewards, response_mask, index, old_log_probs, sum_p
 
 
 # ----------------------------------------------------------------------------------- helpers
-def random_rows(seed: int, rows: int = 16, T: int = 7, groups: int = 5, continuous: bool = False,
-                dense_rewards: bool = False):
+def random_rows(
+    seed: int, rows: int = 16, T: int = 7, groups: int = 5, continuous: bool = False, dense_rewards: bool = False
+):
     """Right-padded responses; outcome scores on the last token (or rewards on every token)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, T + 1, (rows,), generator=g)
@@ -300,8 +334,9 @@ def random_rows(seed: int, rows: int = 16, T: int = 7, groups: int = 5, continuo
     if dense_rewards:
         rewards = torch.randn(rows, T, generator=g) * mask
     # every group of at least 2 rows (as rollout.n >= 2 makes them)
-    index = torch.cat([torch.arange(groups), torch.arange(groups),
-                       torch.randint(0, groups, (rows - 2 * groups,), generator=g)])
+    index = torch.cat(
+        [torch.arange(groups), torch.arange(groups), torch.randint(0, groups, (rows - 2 * groups,), generator=g)]
+    )
     index = index[torch.randperm(rows, generator=g)]
     return rewards, mask, index
 
@@ -314,9 +349,21 @@ def over_two_ranks(name, rewards, mask, index, groups, norm=True, **extra):
     """The estimator's rows from two simulated ranks (uneven shares, groups split across them), joined."""
     halves = [slice(0, 9), slice(9, rewards.shape[0])]
     maxes = LockstepAllReduce(2, reduce=lambda stacked: stacked.amax(0))
-    out = run_ranks(2, lambda r, ar: compute_advantages(cfg(name, norm), AdvantageInputs(
-        rewards[halves[r]], mask[halves[r]], index[halves[r]], num_groups=groups, all_reduce=ar,
-        all_reduce_max=maxes.for_rank(r), **{k: v[halves[r]] for k, v in extra.items()})))
+    out = run_ranks(
+        2,
+        lambda r, ar: compute_advantages(
+            cfg(name, norm),
+            AdvantageInputs(
+                rewards[halves[r]],
+                mask[halves[r]],
+                index[halves[r]],
+                num_groups=groups,
+                all_reduce=ar,
+                all_reduce_max=maxes.for_rank(r),
+                **{k: v[halves[r]] for k, v in extra.items()},
+            ),
+        ),
+    )
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
 
@@ -353,7 +400,7 @@ def multi_turn_rows(seed: int, rows: int = 12, T: int = 10):
     for r in range(rows):
         if lengths[r] >= 5 and torch.rand((), generator=g) < 0.7:
             start = int(torch.randint(1, int(lengths[r]) - 2, (), generator=g))
-            mask[r, start:start + int(torch.randint(1, 3, (), generator=g))] = 0.0
+            mask[r, start : start + int(torch.randint(1, 3, (), generator=g))] = 0.0
     rewards = torch.randn(rows, T, generator=g) * (torch.rand(rows, T, generator=g) < 0.3)
     rewards[torch.arange(rows), lengths - 1] += torch.randint(0, 2, (rows,), generator=g).float()
     return rewards, mask
@@ -384,22 +431,35 @@ def test_gdpo_equals_verls_code(seed, norm, weights):
         t = torch.zeros_like(rewards)
         t[torch.arange(rewards.shape[0]), lengths - 1] = components[:, k]
         placed.append(t)
-    c = SimpleNamespace(adv_estimator="gdpo", norm_adv_by_std_in_grpo=norm, gamma=1.0, lam=1.0,
-                        gdpo_reward_weights=weights)
+    c = SimpleNamespace(
+        adv_estimator="gdpo", norm_adv_by_std_in_grpo=norm, gamma=1.0, lam=1.0, gdpo_reward_weights=weights
+    )
     ours, ret = compute_advantages(c, AdvantageInputs(rewards, mask, index, reward_components=components))
     ref, _ = verl_gdpo(rewards, mask, index.tolist(), placed, weights, norm_adv_by_std_in_grpo=norm)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours, ret)
     # without keys: verl's fallback, the score alone (the dry run requires keys of a run)
-    ours, _ = compute_advantages(SimpleNamespace(**{**vars(c), "gdpo_reward_weights": None}),
-                                 AdvantageInputs(rewards, mask, index))
+    ours, _ = compute_advantages(
+        SimpleNamespace(**{**vars(c), "gdpo_reward_weights": None}), AdvantageInputs(rewards, mask, index)
+    )
     ref, _ = verl_gdpo(rewards, mask, index.tolist(), norm_adv_by_std_in_grpo=norm)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     # two ranks holding halves give the whole batch's
     halves = [slice(0, 9), slice(9, 16)]
-    out = run_ranks(2, lambda r, ar: compute_advantages(c, AdvantageInputs(
-        rewards[halves[r]], mask[halves[r]], index[halves[r]], num_groups=5, all_reduce=ar,
-        reward_components=components[halves[r]])))
+    out = run_ranks(
+        2,
+        lambda r, ar: compute_advantages(
+            c,
+            AdvantageInputs(
+                rewards[halves[r]],
+                mask[halves[r]],
+                index[halves[r]],
+                num_groups=5,
+                all_reduce=ar,
+                reward_components=components[halves[r]],
+            ),
+        ),
+    )
     whole, _ = compute_advantages(c, AdvantageInputs(rewards, mask, index, num_groups=5, reward_components=components))
     torch.testing.assert_close(torch.cat([o[0] for o in out]), whole, rtol=1e-6, atol=1e-6)
 
@@ -465,8 +525,9 @@ def test_opo_equals_verls_code(seed):
 def test_remax_equals_verls_code(seed):
     rewards, mask, _ = random_rows(seed, dense_rewards=seed % 2 == 1)
     baselines = torch.randn(rewards.shape[0], generator=torch.Generator().manual_seed(seed))
-    ours = compute_advantages(cfg("remax"), AdvantageInputs(rewards, mask, torch.arange(rewards.shape[0]),
-                                                            reward_baselines=baselines))
+    ours = compute_advantages(
+        cfg("remax"), AdvantageInputs(rewards, mask, torch.arange(rewards.shape[0]), reward_baselines=baselines)
+    )
     ref = verl_remax(rewards, baselines, mask)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -492,7 +553,7 @@ def otb_inputs(seed: int, holes: bool = False, rows: int = 16, T: int = 7):
     probs = torch.softmax(torch.randn(rows, T, 11, generator=g) * 2, -1)
     tokens = torch.randint(0, 11, (rows, T), generator=g)
     old_log_probs = probs.gather(-1, tokens[..., None]).squeeze(-1).log()
-    sum_pi_squared = (probs ** 2).sum(-1)
+    sum_pi_squared = (probs**2).sum(-1)
     is_weights = torch.rand(rows, T, generator=g) * 2
     return rewards, mask, index, old_log_probs, sum_pi_squared, is_weights
 
@@ -513,8 +574,9 @@ def test_optimal_token_baseline_equals_verls_code(seed, zero_tail, with_is):
 @pytest.mark.parametrize("zero_tail", [True, False])
 def test_tir_optimal_token_baseline_equals_verls_code(seed, zero_tail):
     rewards, mask, index, lp, spi2, w = otb_inputs(seed, holes=seed % 2 == 0)
-    ours = optimal_token_baseline_advantages(rewards, mask, index, lp, spi2, w, handle_zero_tail=zero_tail,
-                                             by_valid_token=True)
+    ours = optimal_token_baseline_advantages(
+        rewards, mask, index, lp, spi2, w, handle_zero_tail=zero_tail, by_valid_token=True
+    )
     ref = verl_tir_otb(rewards, mask, index.tolist(), lp, spi2, w, handle_zero_tail=zero_tail)
     torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[1], ref[1] * mask)
@@ -524,8 +586,9 @@ def test_tir_optimal_token_baseline_equals_verls_code(seed, zero_tail):
 def test_the_optimal_token_baseline_entry_equals_verls_code_with_its_defaults(seed):
     rewards, mask, index, lp, spi2, w = otb_inputs(seed, holes=seed % 2 == 1)
     c = SimpleNamespace(adv_estimator="optimal_token_baseline", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
-    ours, _ = compute_advantages(c, AdvantageInputs(rewards, mask, index, old_log_probs=lp, sum_pi_squared=spi2,
-                                                    rollout_is_weights=w))
+    ours, _ = compute_advantages(
+        c, AdvantageInputs(rewards, mask, index, old_log_probs=lp, sum_pi_squared=spi2, rollout_is_weights=w)
+    )
     ref, _ = verl_otb(rewards, mask, index.tolist(), lp, spi2, w)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
@@ -547,8 +610,12 @@ def test_optimal_token_baseline_over_two_ranks_equals_the_whole_batch(by_valid_t
         kw = dict(handle_zero_tail=True, by_valid_token=by_valid_token, num_groups=5)
         whole = optimal_token_baseline_advantages(rewards, mask, index, lp, spi2, w, **kw)
         halves = [slice(0, 9), slice(9, 16)]
-        out = run_ranks(2, lambda r, ar: optimal_token_baseline_advantages(
-            *(t[halves[r]] for t in (rewards, mask, index, lp, spi2, w)), all_reduce=ar, **kw))
+        out = run_ranks(
+            2,
+            lambda r, ar: optimal_token_baseline_advantages(
+                *(t[halves[r]] for t in (rewards, mask, index, lp, spi2, w)), all_reduce=ar, **kw
+            ),
+        )
         for i in range(2):
             torch.testing.assert_close(torch.cat([o[i] for o in out]), whole[i], rtol=1e-6, atol=1e-6)
 
@@ -586,6 +653,7 @@ def test_the_entries_declare_what_they_need():
 class FakeEngine:
     """A rollout engine answering every prompt with "1" when greedy (copy score 1.0) and with
     "12" / "2" when sampling (n of them), recording the sampling settings it was asked for."""
+
     dp_rank = 0
 
     def __init__(self, tok):
@@ -593,8 +661,9 @@ class FakeEngine:
 
     def generate(self, prompts, sampling):
         from rlhf_hpc.rollout.base import Response
+
         self.calls.append(sampling)
-        texts = ["1"] if sampling.greedy else ["12", "2", "1"][:sampling.n]
+        texts = ["1"] if sampling.greedy else ["12", "2", "1"][: sampling.n]
         out = []
         for _ in prompts:
             group = []
@@ -624,8 +693,15 @@ def test_remax_trainer_generates_and_scores_one_greedy_response_per_prompt():
     t = object.__new__(PPOTrainer)  # the two phases alone: no models, no process group
     t.cfg, t.tokenizer = config, tok
     t.ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    t.train_set = [Example(prompt_ids=tok.encode(f"copy: {i}", add_special_tokens=False), data_source="synthetic/copy",
-                           ground_truth="1", index=i) for i in range(4)]
+    t.train_set = [
+        Example(
+            prompt_ids=tok.encode(f"copy: {i}", add_special_tokens=False),
+            data_source="synthetic/copy",
+            ground_truth="1",
+            index=i,
+        )
+        for i in range(4)
+    ]
     t.sampler = SimpleNamespace(next_batch=lambda: [2, 0, 3])
     t.rollout, t.faults = FakeEngine(tok), SimpleNamespace(after_generation=lambda step: None)
     t.generator = Generator(config, t.rollout, tok, [])  # single-turn: the engine itself
@@ -644,11 +720,21 @@ def test_remax_trainer_generates_and_scores_one_greedy_response_per_prompt():
     assert metrics["reward/greedy_baseline/mean"] == 1.0
 
     from rlhf_hpc.ppo.step_batch import scores_on_last_token
+
     rewards = scores_on_last_token(scores, batch["response_mask"])
     mask = batch["response_mask"].float()
-    ours = compute_advantages(config.algorithm, AdvantageInputs(
-        rewards, mask, batch["uid"], num_groups=len(prompts), all_reduce=all_reduce_sum,
-        all_reduce_max=all_reduce_max, reward_baselines=batch["reward_baselines"]))
+    ours = compute_advantages(
+        config.algorithm,
+        AdvantageInputs(
+            rewards,
+            mask,
+            batch["uid"],
+            num_groups=len(prompts),
+            all_reduce=all_reduce_sum,
+            all_reduce_max=all_reduce_max,
+            reward_baselines=batch["reward_baselines"],
+        ),
+    )
     ref = verl_remax(rewards, batch["reward_baselines"], mask)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b)
@@ -658,6 +744,7 @@ def test_remax_trainer_generates_and_scores_one_greedy_response_per_prompt():
 @pytest.mark.parametrize("name", ["grpo_vectorized", "rloo_vectorized", "grpo_passk", "opo", "remax"])
 def test_verls_names_are_chosen_by_its_key_without_a_critic(name):
     from rlhf_hpc.recipe.load import load_config
+
     config, _ = load_config("tiny_klppo", [f"algorithm.adv_estimator={name}"])
     assert config.algorithm.adv_estimator == name and config.critic.enable is False
 
@@ -677,8 +764,15 @@ def test_remax_baselines_are_shared_over_ranks(monkeypatch):
     config, _ = load_config("tiny_klppo", ["algorithm.adv_estimator=remax"])
     tok = build_tiny_tokenizer()
     # the greedy answer is always "1": prompts whose target is "1" score 1, the others 0
-    train = [Example(prompt_ids=tok.encode(f"copy: {i}", add_special_tokens=False), data_source="synthetic/copy",
-                     ground_truth="1" if i % 2 else "2", index=i) for i in range(6)]
+    train = [
+        Example(
+            prompt_ids=tok.encode(f"copy: {i}", add_special_tokens=False),
+            data_source="synthetic/copy",
+            ground_truth="1" if i % 2 else "2",
+            index=i,
+        )
+        for i in range(6)
+    ]
     prompts = [5, 2, 3, 0, 1]  # dataset indices of the step's prompts; expected baselines by position:
     expected = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
     uids = [torch.tensor([4, 0, 3, 3]), torch.tensor([1, 2, 0, 4])]  # rows of each rank, prompts of both
@@ -693,8 +787,14 @@ def test_remax_baselines_are_shared_over_ranks(monkeypatch):
         t.reward_fn, t.reward_model = RewardFunction(config.custom_reward_function), None
         t.overlong = False  # (no dapo reward manager)
         mine = prompt_share(len(prompts), 2, rank)
-        t.greedy_rows = rollout_rows(train, prompts, mine, FakeEngine(tok).generate(
-            [train[prompts[p]].prompt_ids for p in mine], sampling_for(config, tok, greedy=True)))
+        t.greedy_rows = rollout_rows(
+            train,
+            prompts,
+            mine,
+            FakeEngine(tok).generate(
+                [train[prompts[p]].prompt_ids for p in mine], sampling_for(config, tok, greedy=True)
+            ),
+        )
         metrics = {}
         out = t.baseline_scores({"uid": uids[rank]}, [], len(prompts), Timer(), metrics)
         return out, metrics["reward/greedy_baseline/mean"]
@@ -706,12 +806,12 @@ def test_remax_baselines_are_shared_over_ranks(monkeypatch):
 
 
 # ----------------------------------------------------------------------- gdpo through the trainer
-GDPO_REWARD = '''
+GDPO_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     fmt = float(sum(map(ord, solution_str)) % 2)  # (varies from response to response)
     acc = float(solution_str.strip().startswith(str(ground_truth)[:1]))
     return {"score": fmt + acc, "format_reward": fmt, "accuracy_reward": acc}
-'''
+"""
 
 
 def test_gdpo_reads_its_keys_from_the_reward_functions_dict_and_refuses_what_it_cannot_run(tmp_path):
@@ -719,17 +819,24 @@ def test_gdpo_reads_its_keys_from_the_reward_functions_dict_and_refuses_what_it_
     from rlhf_hpc.ppo.step_batch import score_responses
     from rlhf_hpc.recipe.load import load_config
     from rlhf_hpc.rewards import RewardFunction
+
     fn = tmp_path / "reward.py"
     fn.write_text(GDPO_REWARD)
     base = ["algorithm.adv_estimator=gdpo", f"custom_reward_function.path={fn}", "critic.enable=false"]
-    cfg, _ = load_config("tiny_klppo", base + ["algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]",
-                                               "algorithm.gdpo_reward_weights=[1.0,2.0]"])
+    cfg, _ = load_config(
+        "tiny_klppo",
+        base
+        + ["algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]", "algorithm.gdpo_reward_weights=[1.0,2.0]"],
+    )
     assert cfg.algorithm.gdpo_reward_keys == ["format_reward", "accuracy_reward"]
-    for extra, message in ((["critic.enable=false"], "set algorithm.gdpo_reward_keys"),
-                           (["algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"],
-                            "gdpo_reward_weights has 1 entries for 2"),
-                           (["algorithm.adv_estimator=grpo", "algorithm.gdpo_reward_keys=[a]"],
-                            "read only by adv_estimator=gdpo")):
+    for extra, message in (
+        (["critic.enable=false"], "set algorithm.gdpo_reward_keys"),
+        (
+            ["algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1.0]"],
+            "gdpo_reward_weights has 1 entries for 2",
+        ),
+        (["algorithm.adv_estimator=grpo", "algorithm.gdpo_reward_keys=[a]"], "read only by adv_estimator=gdpo"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_config("tiny_klppo", base + extra)
     # the keys reach the batch, row by row; a key the result lacks is named with its row
@@ -738,14 +845,18 @@ def test_gdpo_reads_its_keys_from_the_reward_functions_dict_and_refuses_what_it_
     class Tok:
         def decode(self, ids, skip_special_tokens=True):
             return "".join(chr(97 + i) for i in ids)
+
     rows = [SimpleNamespace(example=i, num_turns=None) for i in range(3)]
     train = [SimpleNamespace(data_source="x", ground_truth=g, extra_info={}, index=i) for i, g in enumerate("abz")]
     batch = {"responses": torch.tensor([[0, 1], [1, 0], [2, 2]]), "attention_mask": torch.ones(3, 2, dtype=torch.long)}
     scores = score_responses(reward, Tok(), train, rows, batch, ("format_reward", "accuracy_reward"))
     torch.testing.assert_close(scores, torch.tensor([2.0, 2.0, 0.0]))
     torch.testing.assert_close(batch["reward_components"], torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]))
-    with pytest.raises(RuntimeError, match=r"on prompt row 0: algorithm.gdpo_reward_keys names missing_key, which "
-                                           r"its result lacks \(it returned score, format_reward, accuracy_reward\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"on prompt row 0: algorithm.gdpo_reward_keys names missing_key, which "
+        r"its result lacks \(it returned score, format_reward, accuracy_reward\)",
+    ):
         score_responses(reward, Tok(), train, rows, dict(batch), ("missing_key",))
 
 
@@ -753,12 +864,22 @@ def test_gdpo_reads_its_keys_from_the_reward_functions_dict_and_refuses_what_it_
 def test_gdpo_trains_through_the_trainer(tmp_path):
     from rlhf_hpc.observability.tracking import read_metrics
     from tests.conftest import run_launch
+
     fn = tmp_path / "reward.py"
     fn.write_text(GDPO_REWARD)
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path / 'run'}", "algorithm.adv_estimator=gdpo",
-                     "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]", "critic.enable=false",
-                     f"custom_reward_function.path={fn}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                     "trainer.val_before_train=false", "trainer.save_freq=-1", timeout=600)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]",
+        "critic.enable=false",
+        f"custom_reward_function.path={fn}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["training/global_step"] for m in metrics] == [1, 2]

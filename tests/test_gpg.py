@@ -2,6 +2,7 @@
 the registries (docs/extending.md: one function in ops/estimators.py, one in ops/policy_losses.py):
 equal to verl's code (transcribed below from verl's ``core_algos.py``) on random tensors, global over
 ranks, and selected by verl's keys with a typo refused by name."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -10,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.ops.algos import agg_loss
 from rlhf_hpc.ops.estimators import ADV_ESTIMATORS, AdvantageInputs, compute_advantages, gpg_advantages
 from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
-from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.recipe.load import load_config
 from tests.test_algos import run_ranks
 
@@ -69,11 +70,17 @@ def test_gpg_advantages_equal_verls_code(seed):
 
 def test_gpg_advantages_over_two_ranks_equal_the_whole_batch():
     rewards, mask, index = random_rows(7, rows=16)
-    whole, _ = compute_advantages(SimpleNamespace(adv_estimator="gpg"),
-                                  AdvantageInputs(rewards, mask, index, num_groups=5))
+    whole, _ = compute_advantages(
+        SimpleNamespace(adv_estimator="gpg"), AdvantageInputs(rewards, mask, index, num_groups=5)
+    )
     halves = [slice(0, 9), slice(9, 16)]  # uneven shares, groups split across the two ranks
-    out = run_ranks(2, lambda r, ar: compute_advantages(SimpleNamespace(adv_estimator="gpg"), AdvantageInputs(
-        rewards[halves[r]], mask[halves[r]], index[halves[r]], num_groups=5, all_reduce=ar))[0])
+    out = run_ranks(
+        2,
+        lambda r, ar: compute_advantages(
+            SimpleNamespace(adv_estimator="gpg"),
+            AdvantageInputs(rewards[halves[r]], mask[halves[r]], index[halves[r]], num_groups=5, all_reduce=ar),
+        )[0],
+    )
     torch.testing.assert_close(torch.cat(out), whole, rtol=1e-6, atol=1e-6)
     # alpha is global: rows / rows that scored over the whole batch, not each rank's share
     assert ADV_ESTIMATORS["gpg"].grouped and not ADV_ESTIMATORS["gpg"].needs_critic
@@ -96,15 +103,21 @@ def test_gpg_loss_equals_verls_code_and_its_gradient(mode):
 
 
 def test_gpg_is_chosen_by_verls_keys_and_a_typo_is_refused_by_name():
-    cfg, _ = load_config("tiny_klppo", ["algorithm.adv_estimator=gpg",
-                                        "actor_rollout_ref.actor.policy_loss.loss_mode=gpg"])
+    cfg, _ = load_config(
+        "tiny_klppo", ["algorithm.adv_estimator=gpg", "actor_rollout_ref.actor.policy_loss.loss_mode=gpg"]
+    )
     assert cfg.critic.enable is False  # the estimator needs no critic: none is built
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.policy_loss.loss_mode: unknown policy loss "
-                                          r"'gpgg' \(did you mean 'gpg'\?\); registered: vanilla, reinforce, gpg"):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref.actor.policy_loss.loss_mode: unknown policy loss "
+        r"'gpgg' \(did you mean 'gpg'\?\); registered: vanilla, reinforce, gpg",
+    ):
         load_config("tiny_klppo", ["actor_rollout_ref.actor.policy_loss.loss_mode=gpgg"])
     with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: unknown advantage estimator 'gpo'"):
         load_config("tiny_klppo", ["algorithm.adv_estimator=gpo"])
     # at verl's default n=1 it runs as verl's does (a group of one: mean 0), with a warning
     _, warnings = load_config("tiny_klppo", ["algorithm.adv_estimator=gpg", "actor_rollout_ref.rollout.n=1"])
-    assert any(w.startswith("algorithm.adv_estimator=gpg with actor_rollout_ref.rollout.n=1: every group holds one "
-                            "response") for w in warnings), warnings
+    assert any(
+        w.startswith("algorithm.adv_estimator=gpg with actor_rollout_ref.rollout.n=1: every group holds one response")
+        for w in warnings
+    ), warnings

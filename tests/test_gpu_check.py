@@ -3,6 +3,7 @@ the GPU machine will see it: no vLLM, flash-attn, W&B or submitit importable; an
 engine's cases with vLLM importable, as on a cluster's GPU node. Plus the FLOP formula its MFU (and
 the trainer's ``perf/mfu/actor``) divides by, against torch's FLOP counter.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,17 +19,25 @@ from tests.conftest import REPO
 
 # packages the GPU machine does not have: hidden from imports and from importlib.util.find_spec
 ABSENT = ("vllm", "flash_attn", "wandb", "submitit")
-BOOT = ("import sys, runpy\n"
-        f"for name in {ABSENT!r}:\n"
-        "    sys.modules[name] = None\n"
-        "sys.argv = ['gpu_check'] + sys.argv[1:]\n"
-        "runpy.run_module('rlhf_hpc.bench.gpu_check', run_name='__main__')\n")
+BOOT = (
+    "import sys, runpy\n"
+    f"for name in {ABSENT!r}:\n"
+    "    sys.modules[name] = None\n"
+    "sys.argv = ['gpu_check'] + sys.argv[1:]\n"
+    "runpy.run_module('rlhf_hpc.bench.gpu_check', run_name='__main__')\n"
+)
 
 
 def run_check(out_dir, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-c", BOOT, str(out_dir), "--cpu-smoke", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", BOOT, str(out_dir), "--cpu-smoke", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +57,25 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert env["backend"] == "gloo" and env["attn_implementation"] == "varlen"
     assert env["matmul_bf16_tflops"] > 0
     cases = data["cases"]
-    failed = [(c["model"], c["case"], c["status"], c.get("note"), c.get("traceback")) for c in cases
-              if c["status"] != "ok"]
+    failed = [
+        (c["model"], c["case"], c["status"], c.get("note"), c.get("traceback")) for c in cases if c["status"] != "ok"
+    ]
     assert not failed, failed
     names = {(c["model"], c["case"]) for c in cases}
-    for case in ("actor update: packed+dynamic, AC off", "actor update: packed+dynamic, AC on",
-                 "actor update: packed+dynamic, AC off, varlen attn", "rollout: weight sync + hf generate",
-                 "reference log-prob forward"):
+    for case in (
+        "actor update: packed+dynamic, AC off",
+        "actor update: packed+dynamic, AC on",
+        "actor update: packed+dynamic, AC off, varlen attn",
+        "rollout: weight sync + hf generate",
+        "reference log-prob forward",
+    ):
         assert ("smoke-s", case) in names
     # what decides the offload design runs first
-    assert [c["case"] for c in cases[:3]] == ["7B update step, no offload", "7B update step, optimizer offload (7B recipe)",
-                                              "7B update step, param+optimizer offload"]
+    assert [c["case"] for c in cases[:3]] == [
+        "7B update step, no offload",
+        "7B update step, optimizer offload (7B recipe)",
+        "7B update step, param+optimizer offload",
+    ]
     # without vLLM (the GPU image) the colocated engine's cases run the hf engine, and say so
     assert ("tiny_klppo", "tiny KL-PPO in bf16, hf engine (fit)") in names
     assert ("tiny_klppo", "tiny KL-PPO with LoRA, hf engine (fit)") in names
@@ -117,7 +134,7 @@ def test_smoke_prints_the_table_last_and_writes_it(smoke):
     proc, out, data = smoke
     lines = proc.stdout.strip().splitlines()
     n = len(data["cases"])
-    table = lines[-(n + 2):]
+    table = lines[-(n + 2) :]
     assert table[0].startswith("| model | case | status |")
     assert all(line.startswith("| ") for line in table)
     assert (out / "gpu_check.md").read_text().strip().splitlines() == table
@@ -140,8 +157,10 @@ def test_model_flops_match_torch_flop_counter():
 
     from rlhf_hpc.models.hf import build_causal_lm
     from rlhf_hpc.observability.perf import model_flops
-    model = build_causal_lm("tiny://qwen2?vocab_size=320&num_hidden_layers=3&intermediate_size=384", torch.float32,
-                            attn="eager")
+
+    model = build_causal_lm(
+        "tiny://qwen2?vocab_size=320&num_hidden_layers=3&intermediate_size=384", torch.float32, attn="eager"
+    )
     cfg = model.config
     for L, keep in ((48, 48), (80, 16)):
         ids = torch.randint(0, cfg.vocab_size, (1, L))
@@ -160,15 +179,33 @@ def test_the_colocated_engine_cases_run_vllm_where_it_is_installed(tmp_path):
     sync, the preflight's checks (sleep/wake is a GPU check: skipped here, and says why)."""
     pytest.importorskip("vllm")
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "rlhf_hpc.bench.gpu_check", str(tmp_path), "--cpu-smoke",
-                           "--only", "vllm engine", "--budget-s", "500"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf_hpc.bench.gpu_check",
+            str(tmp_path),
+            "--cpu-smoke",
+            "--only",
+            "vllm engine",
+            "--budget-s",
+            "500",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["not_checked"] == []  # vLLM is here: nothing of it left unchecked
     by = {c["case"]: c for c in data["cases"]}
-    assert sorted(by) == ["preflight on this device (tiny_klppo, vllm engine)", "tiny KL-PPO in bf16, vllm engine (fit)",
-                          "tiny KL-PPO with LoRA, vllm engine (fit)"]
+    assert sorted(by) == [
+        "preflight on this device (tiny_klppo, vllm engine)",
+        "tiny KL-PPO in bf16, vllm engine (fit)",
+        "tiny KL-PPO with LoRA, vllm engine (fit)",
+    ]
     assert all(c["status"] == "ok" for c in by.values()), [(c["case"], c.get("note")) for c in by.values()]
     bf16 = by["tiny KL-PPO in bf16, vllm engine (fit)"]
     assert abs(bf16["engine_actor_kl"]) < 0.05 and "vllm engine" in bf16["note"]

@@ -1,5 +1,6 @@
 """Host memory for CPU ranks (rlhf_hpc.distributed.host_allocator): the launcher's environment for the ranks, and
 what the settings do to page faults when a step frees and allocates the same buffers again."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ print(faults() - f0)
 
 
 def _clean_env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("GLIBC_TUNABLES", "LD_PRELOAD") and not k.startswith("MALLOC_")}
+    return {
+        k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD") and not k.startswith("MALLOC_")
+    }
 
 
 def test_cpu_ranks_get_the_settings_unless_the_user_chose(monkeypatch):
@@ -55,10 +57,12 @@ def test_cpu_ranks_get_the_settings_unless_the_user_chose(monkeypatch):
 def test_freed_buffers_are_reused_without_page_faults():
     """glibc's defaults return the freed 64 MiB to the kernel each round and fault it in again
     (here 16,000-29,000 faults of 4 KiB over 10 rounds); with the settings it stays (~70)."""
+
     def faults(env: dict) -> int:
         out = subprocess.run([sys.executable, "-c", ROUNDS], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         return int(out.stdout.split()[-1])
+
     default = faults(_clean_env())
     tuned = faults({**_clean_env(), "GLIBC_TUNABLES": VALUE})
     if default < 2000:
@@ -89,8 +93,9 @@ def test_a_tensor_parallel_engine_with_sleep_mode_all_reduces_through_nccl_only(
     two, _ = load_config("qwen7b_klppo", [f"{tp}=2"], check_files=False)
     assert all(worker_env(two)[n] == "0" for n in names)
     one, _ = load_config("qwen7b_klppo", [f"{tp}=1"], check_files=False)
-    awake, _ = load_config("qwen7b_klppo", [f"{tp}=2", "actor_rollout_ref.rollout.free_cache_engine=false"],
-                           check_files=False)
+    awake, _ = load_config(
+        "qwen7b_klppo", [f"{tp}=2", "actor_rollout_ref.rollout.free_cache_engine=false"], check_files=False
+    )
     assert not any(n in worker_env(one) or n in worker_env(awake) for n in names)
     monkeypatch.setenv("VLLM_ALLREDUCE_USE_FLASHINFER", "1")
     assert worker_env(two)["VLLM_ALLREDUCE_USE_FLASHINFER"] == "1"

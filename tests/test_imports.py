@@ -2,6 +2,7 @@
 no cycles, no private name (``_x``) imported from another module, and every name imported from the
 project exists where it is imported from. A cycle, or a name that moved, hides behind an import
 placed inside a function until the day that function runs."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,22 @@ PACKAGE = REPO / "rlhf_hpc"
 # The layers, bottom first: a module imports only from its own layer and the ones before it (each
 # folder of rlhf_hpc/ is a layer; cli, worker, preflight and bench sit on top). docs/architecture.md
 # says what each holds.
-LAYERS = ("config", "ops", "models", "distributed", "planning", "tools", "recipe", "rollout", "rewards", "data",
-          "observability", "launch", "ppo", "top")
+LAYERS = (
+    "config",
+    "ops",
+    "models",
+    "distributed",
+    "planning",
+    "tools",
+    "recipe",
+    "rollout",
+    "rewards",
+    "data",
+    "observability",
+    "launch",
+    "ppo",
+    "top",
+)
 TOP = ("cli", "worker", "preflight", "bench")
 
 
@@ -36,13 +51,16 @@ def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parts + ([base] if base else []))
                 # `from pkg import mod` imports the module pkg.mod; `from mod import name` the module
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
                 if base in files and base != mod:
-                    private += [(mod, base, a.name) for a in node.names
-                                if a.name.startswith("_") and not a.name.startswith("__")]
+                    private += [
+                        (mod, base, a.name)
+                        for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                    ]
             else:
                 continue
             for target in targets:
@@ -136,8 +154,11 @@ def test_every_imported_project_name_exists():
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and not node.level and node.module in files:
-                missing += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
-                            if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in files]
+                missing += [
+                    f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in files
+                ]
     assert missing == []
 
 
@@ -150,8 +171,12 @@ def test_every_module_sits_in_a_layer_and_imports_only_from_below():
     graph, _ = import_graph()
     modules = [m for m in graph if m != "rlhf_hpc"]
     assert sorted({layer(m) for m in modules} - set(LAYERS)) == []  # a new folder gets its place in LAYERS
-    upward = sorted(f"{m} imports {d} ({layer(m)} < {layer(d)})" for m in modules for d in graph[m]
-                    if d != "rlhf_hpc" and LAYERS.index(layer(d)) > LAYERS.index(layer(m)))
+    upward = sorted(
+        f"{m} imports {d} ({layer(m)} < {layer(d)})"
+        for m in modules
+        for d in graph[m]
+        if d != "rlhf_hpc" and LAYERS.index(layer(d)) > LAYERS.index(layer(m))
+    )
     assert upward == []
 
 
@@ -164,19 +189,34 @@ def test_no_private_name_is_imported_across_modules():
 def registries():
     """Every registry of the package (each module that defines one imported)."""
     import importlib
+
     from rlhf_hpc.config.registry import REGISTRIES
-    for module in ("rlhf_hpc.config.engines", "rlhf_hpc.config.trackers", "rlhf_hpc.ops.estimators",
-                   "rlhf_hpc.ops.policy_losses", "rlhf_hpc.rewards", "rlhf_hpc.planning.hardware"):
+
+    for module in (
+        "rlhf_hpc.config.engines",
+        "rlhf_hpc.config.trackers",
+        "rlhf_hpc.ops.estimators",
+        "rlhf_hpc.ops.policy_losses",
+        "rlhf_hpc.rewards",
+        "rlhf_hpc.planning.hardware",
+    ):
         importlib.import_module(module)
     return {r.key: r for r in REGISTRIES}
 
 
 def test_every_registry_refuses_an_unknown_name_with_its_key_and_names():
     import pytest
+
     from rlhf_hpc.config.errors import ConfigError
+
     found = registries()
-    assert {"algorithm.adv_estimator", "actor_rollout_ref.actor.policy_loss.loss_mode",
-            "actor_rollout_ref.rollout.name", "trainer.logger", "data_source"} <= set(found)
+    assert {
+        "algorithm.adv_estimator",
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        "actor_rollout_ref.rollout.name",
+        "trainer.logger",
+        "data_source",
+    } <= set(found)
     for key, registry in found.items():
         assert len(registry) > 0, key
         with pytest.raises(ConfigError) as e:
@@ -189,6 +229,7 @@ def test_an_unknown_name_raises_where_each_registry_is_used(tmp_path):
     raise (no if-chain whose last branch runs a default)."""
     import pytest
     import torch
+
     from rlhf_hpc.config.errors import ConfigError
     from rlhf_hpc.config.schema import ActorConfig, AlgorithmConfig
     from rlhf_hpc.observability.tracking import Tracker
@@ -196,6 +237,7 @@ def test_an_unknown_name_raises_where_each_registry_is_used(tmp_path):
     from rlhf_hpc.ppo.actor import Actor
     from rlhf_hpc.recipe.load import load_config
     from rlhf_hpc.rollout.factory import make_engine
+
     x = AdvantageInputs(torch.ones(4, 3), torch.ones(4, 3), torch.tensor([0, 0, 1, 1]), num_groups=2)
     with pytest.raises(ConfigError, match="algorithm.adv_estimator: unknown advantage estimator 'grpoo'.*grpo"):
         compute_advantages(AlgorithmConfig(adv_estimator="grpoo"), x)
@@ -221,6 +263,7 @@ def test_registry_entries_resolve_to_what_the_layers_above_call():
     from rlhf_hpc.ops.estimators import ADV_ESTIMATORS
     from rlhf_hpc.rollout.base import RolloutEngine
     from rlhf_hpc.rollout.factory import engine_class
+
     for spec in ENGINES.values():
         cls = engine_class(spec)
         assert cls.name == spec.name
@@ -245,11 +288,16 @@ def test_no_name_of_a_registry_is_compared_outside_it():
             if isinstance(node, ast.Compare):
                 operands = [node.left, *node.comparators]
                 named = [o.attr for o in operands if isinstance(o, ast.Attribute)]
-                if {"adv_estimator", "loss_mode"} & set(named) or any(
-                        isinstance(o, ast.Attribute) and o.attr == "name"
+                if (
+                    {"adv_estimator", "loss_mode"} & set(named)
+                    or any(
+                        isinstance(o, ast.Attribute)
+                        and o.attr == "name"
                         and "rollout" in (getattr(o.value, "attr", None), getattr(o.value, "id", None))
-                        for o in operands) and any(
-                        isinstance(o, ast.Constant) and o.value in ("hf", "vllm") for o in operands):
+                        for o in operands
+                    )
+                    and any(isinstance(o, ast.Constant) and o.value in ("hf", "vllm") for o in operands)
+                ):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert found == []
 
@@ -282,8 +330,14 @@ def test_an_import_inside_a_function_says_why():
         for node in inner_project_imports(path):
             row = node.lineno - 1
             # walk up a block of consecutive imports to the comment above it
-            while "#" not in lines[row] and lines[row - 1].strip().startswith(("import ", "from ")):
-                row -= 1
+            while "#" not in lines[row]:
+                above = lines[row - 1].strip()
+                if above.startswith(("import ", "from ")):
+                    row -= 1
+                elif above == "" and lines[row - 2].strip().startswith(("import ", "from ", "#")):
+                    row -= 1  # the blank line the formatter puts between other packages' imports and ours
+                else:
+                    break
             if "#" not in lines[row] and not lines[row - 1].strip().startswith("#"):
                 unexplained.append(f"{path.relative_to(REPO)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert unexplained == []
@@ -291,8 +345,10 @@ def test_an_import_inside_a_function_says_why():
 
 def test_the_inner_import_finder_sees_imports_in_nested_functions(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("import os\ndef f():\n    def g():\n        from rlhf_hpc.config import tree\n"
-                      "    import json\n    from . import x\n")
+    source.write_text(
+        "import os\ndef f():\n    def g():\n        from rlhf_hpc.config import tree\n"
+        "    import json\n    from . import x\n"
+    )
     assert [n.lineno for n in inner_project_imports(source)] == [4, 6]
 
 
@@ -300,7 +356,9 @@ def test_the_inner_import_finder_sees_imports_in_nested_functions(tmp_path):
 def declared_all(path: Path) -> list[str] | None:
     """The names a module's top-level ``__all__`` lists (None: it has none)."""
     for node in ast.parse(path.read_text()).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
             assert isinstance(node.value, (ast.List, ast.Tuple)), f"{path}: __all__ must be a literal list"
             return [e.value for e in node.value.elts]
@@ -310,8 +368,10 @@ def declared_all(path: Path) -> list[str] | None:
 def defines_anything(path: Path) -> bool:
     """Whether a module binds a name of its own at top level (a package's docstring-only
     ``__init__.py`` does not)."""
-    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign))
-               for n in ast.parse(path.read_text()).body)
+    return any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign))
+        for n in ast.parse(path.read_text()).body
+    )
 
 
 def test_every_module_declares_its_public_surface():
@@ -340,9 +400,18 @@ def test_a_name_imported_from_a_module_is_in_its_all():
     outside = []
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.ImportFrom) and not node.level and node.module in files
-                    and surface[node.module] is not None and path != files[node.module]):
-                outside += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
-                            if a.name not in surface[node.module] and f"{node.module}.{a.name}" not in files
-                            and not a.name.startswith("_")]  # a test may reach a private helper
+            if (
+                isinstance(node, ast.ImportFrom)
+                and not node.level
+                and node.module in files
+                and surface[node.module] is not None
+                and path != files[node.module]
+            ):
+                outside += [
+                    f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name not in surface[node.module]
+                    and f"{node.module}.{a.name}" not in files
+                    and not a.name.startswith("_")
+                ]  # a test may reach a private helper
     assert outside == []

@@ -1,4 +1,5 @@
 """``launch.py`` as a user runs it: help, dry run, user errors, a local torchrun launch."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,7 @@ def test_help_lists_recipes_and_main_keys():
 
 
 def test_dry_run_prints_resolved_config_and_command_and_runs_nothing(tmp_path):
-    out = run_launch("recipe=qwen7b_klppo", "--dry-run", f"trainer.default_local_dir={tmp_path}/run",
-                     "cluster=local")
+    out = run_launch("recipe=qwen7b_klppo", "--dry-run", f"trainer.default_local_dir={tmp_path}/run", "cluster=local")
     assert out.returncode == 0, out.stderr
     config_text, _, command = out.stdout.partition("# command (cluster=local)\n")
     cfg = yaml.safe_load(config_text)
@@ -41,8 +41,10 @@ def test_user_error_exits_non_zero_without_traceback():
     out = run_launch("recipe=tiny_klppo", "actor_rollout_ref.actor.lr=1e-6", "--dry-run")
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
-    assert ("error: invalid configuration: unknown key 'actor_rollout_ref.actor.lr' in section "
-            "'actor_rollout_ref.actor'; did you mean 'actor_rollout_ref.actor.optim.lr'?") in out.stderr
+    assert (
+        "error: invalid configuration: unknown key 'actor_rollout_ref.actor.lr' in section "
+        "'actor_rollout_ref.actor'; did you mean 'actor_rollout_ref.actor.optim.lr'?"
+    ) in out.stderr
 
 
 def test_no_recipe_means_the_defaults_and_bad_arguments():
@@ -59,16 +61,18 @@ def test_no_recipe_means_the_defaults_and_bad_arguments():
 
 
 def test_real_launch_checks_files_first(tmp_path):
-    out = run_launch("recipe=tiny_klppo", f"data.train_files={tmp_path}/missing.parquet",
-                     f"trainer.default_local_dir={tmp_path}/run")
+    out = run_launch(
+        "recipe=tiny_klppo", f"data.train_files={tmp_path}/missing.parquet", f"trainer.default_local_dir={tmp_path}/run"
+    )
     assert out.returncode == 2
     assert f"data.train_files: '{tmp_path}/missing.parquet' does not exist" in out.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_slurm_without_sbatch_is_a_clear_error(tmp_path):
-    out = run_launch("recipe=tiny_klppo", "cluster=slurm", f"trainer.default_local_dir={tmp_path}/run",
-                     env={"PATH": str(tmp_path)})
+    out = run_launch(
+        "recipe=tiny_klppo", "cluster=slurm", f"trainer.default_local_dir={tmp_path}/run", env={"PATH": str(tmp_path)}
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "launcher.cluster=slurm but sbatch is not on PATH" in out.stderr
     assert not (tmp_path / "run").exists()
@@ -90,9 +94,13 @@ def test_auto_cluster_picks_slurm_where_sbatch_exists(tmp_path):
     node = out.stdout.split("# then on each node: ")[1].splitlines()[0].split()
     assert node[:4] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=1"], node  # the job's own Python
     # in a container, the container's Python: the host venv's would run there with the host's packages
-    out = run_launch("recipe=tiny_klppo", "cluster=slurm", "--dry-run",
-                     "launcher.container=apptainer exec --nv --bind /project /images/rlhf-hpc-gpu.sif",
-                     env={"PATH": str(tmp_path)})
+    out = run_launch(
+        "recipe=tiny_klppo",
+        "cluster=slurm",
+        "--dry-run",
+        "launcher.container=apptainer exec --nv --bind /project /images/rlhf-hpc-gpu.sif",
+        env={"PATH": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr
     node = out.stdout.split("# then on each node: ")[1].splitlines()[0].split()
     assert node[:8] == ["apptainer", "exec", "--nv", "--bind", "/project", "/images/rlhf-hpc-gpu.sif", "python", "-m"]
@@ -103,9 +111,16 @@ def test_auto_cluster_picks_slurm_where_sbatch_exists(tmp_path):
 def test_local_launch_brings_up_a_gloo_group_of_the_configured_size(tmp_path):
     """The README's demo command path: torchrun with 2 CPU ranks, resolved config in the run dir."""
     run_dir = tmp_path / "run"
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
-                     "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-                     "actor_rollout_ref.rollout.name=hf", timeout=300)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "actor_rollout_ref.rollout.name=hf",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "process group up: 2 ranks, backend gloo, device cpu" in out.stdout
     assert "step 2/2 | score" in out.stdout
@@ -124,9 +139,23 @@ def test_worker_refuses_a_group_of_the_wrong_size(tmp_path):
     assert out.returncode == 0
     (tmp_path / "config.yaml").write_text(out.stdout.partition("# command")[0].partition("\n")[2])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                           "-m", "rlhf_hpc.worker", str(tmp_path / "config.yaml")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            "-m",
+            "rlhf_hpc.worker",
+            str(tmp_path / "config.yaml"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode != 0
     assert "torchrun started 1 ranks but trainer.nnodes x trainer.n_gpus_per_node = 2" in proc.stderr
 
@@ -135,14 +164,30 @@ def test_user_error_found_by_the_workers_is_one_line_for_the_job(tmp_path):
     # the launching machine checks columns; only the workers (with the tokenizer) see a prompt's length
     import pyarrow as pa
     import pyarrow.parquet as pq
-    rows = [{"data_source": "synthetic/copy", "prompt": [{"role": "user", "content": "copy: " + "a" * n}],
-             "reward_model": {"ground_truth": "a"}} for n in (3, 4, 60, 5)]
+
+    rows = [
+        {
+            "data_source": "synthetic/copy",
+            "prompt": [{"role": "user", "content": "copy: " + "a" * n}],
+            "reward_model": {"ground_truth": "a"},
+        }
+        for n in (3, 4, 60, 5)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    out = run_launch("recipe=tiny_klppo", f"data.train_files={tmp_path}/train.parquet", "data.train_batch_size=2",
-                     "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                     "actor_rollout_ref.rollout.name=hf", f"trainer.default_local_dir={tmp_path}/run", timeout=300)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"data.train_files={tmp_path}/train.parquet",
+        "data.train_batch_size=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.name=hf",
+        f"trainer.default_local_dir={tmp_path}/run",
+        timeout=300,
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
-    assert lines == [f"error: {tmp_path}/train.parquet, row 2, column 'prompt': the prompt is 85 tokens, more than "
-                     f"data.max_prompt_length=32 (set data.truncation=left|right or data.filter_overlong_prompts=true)"]
+    assert lines == [
+        f"error: {tmp_path}/train.parquet, row 2, column 'prompt': the prompt is 85 tokens, more than "
+        f"data.max_prompt_length=32 (set data.truncation=left|right or data.filter_overlong_prompts=true)"
+    ]
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr

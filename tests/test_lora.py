@@ -10,6 +10,7 @@ and the critic.
   with the actor through the merged sync), a stopped-and-resumed run equal to an uninterrupted one,
   GRPO with LoRA, and the HF export (merged model + adapter) loaded back by transformers and PEFT.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,8 @@ import torch
 from rlhf_hpc.config.schema import CriticModelConfig, ModelConfig, OptimConfig
 from rlhf_hpc.models.hf import build_causal_lm, build_critic
 from rlhf_hpc.models.lora import AdapterDisabled, apply_lora, lora_enabled, merged_state_dict
-from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.observability.tracking import read_metrics
+from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.recipe.load import load_config, load_resolved
@@ -78,9 +79,11 @@ def test_only_the_adapter_trains_and_the_value_head_in_full():
     opt = build_optimizer(peft, OptimConfig())
     assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
     # target_modules / exclude_modules as verl passes them
-    only_q = apply_lora(build_causal_lm("tiny://qwen2", torch.float32, seed=0),
-                        dataclasses.replace(LORA, target_modules=["q_proj", "v_proj"], exclude_modules=r".*\.layers\.0\..*"),
-                        seed=3)
+    only_q = apply_lora(
+        build_causal_lm("tiny://qwen2", torch.float32, seed=0),
+        dataclasses.replace(LORA, target_modules=["q_proj", "v_proj"], exclude_modules=r".*\.layers\.0\..*"),
+        seed=3,
+    )
     names = [n for n, p in only_q.named_parameters() if p.requires_grad]
     assert names and all(("q_proj" in n or "v_proj" in n) and ".layers.0." not in n for n in names)
     critic = build_critic("tiny://qwen2", torch.float32, seed=1)
@@ -94,12 +97,25 @@ def test_keys_are_verls_and_rank_zero_is_no_lora():
     cfg, _ = load_config("tiny_klppo", [])
     assert not lora_enabled(cfg.actor_rollout_ref.model) and not lora_enabled(cfg.critic.model)
     m = cfg.actor_rollout_ref.model
-    assert (m.lora_rank, m.lora_alpha, m.target_modules, m.exclude_modules, m.lora_adapter_path) == \
-        (0, 16, "all-linear", None, None)
-    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.lora_rank=16",
-                                        "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
-                                        "critic.model.lora_rank=8"])
-    assert lora_enabled(cfg.actor_rollout_ref.model) and cfg.actor_rollout_ref.model.target_modules == ["q_proj", "v_proj"]
+    assert (m.lora_rank, m.lora_alpha, m.target_modules, m.exclude_modules, m.lora_adapter_path) == (
+        0,
+        16,
+        "all-linear",
+        None,
+        None,
+    )
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "actor_rollout_ref.model.lora_rank=16",
+            "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+            "critic.model.lora_rank=8",
+        ],
+    )
+    assert lora_enabled(cfg.actor_rollout_ref.model) and cfg.actor_rollout_ref.model.target_modules == [
+        "q_proj",
+        "v_proj",
+    ]
     assert lora_enabled(cfg.critic.model)
 
 
@@ -108,9 +124,21 @@ def test_keys_are_verls_and_rank_zero_is_no_lora():
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(REPO / "tests" / "dist_lora_checks.py"), str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(REPO / "tests" / "dist_lora_checks.py"),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "lora.json").read_text())
 
@@ -131,8 +159,12 @@ def test_two_ranks_with_lora_match_one_process(two_ranks, name):
 
 
 # --------------------------------------------------------------------------------- end to end
-LORA_KEYS = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-             "actor_rollout_ref.actor.optim.lr=1e-2", "critic.model.lora_rank=4")
+LORA_KEYS = (
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+    "critic.model.lora_rank=4",
+)
 
 
 @pytest.mark.slow
@@ -143,9 +175,21 @@ def test_the_vllm_engine_reads_the_adapter_once_per_sync(tmp_path):
     one load per sync, and the greedy tokens are the merged model's (the newest adapter serves)."""
     engine_available("vllm")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                           str(REPO / "tests" / "dist_lora_engine_checks.py"), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(REPO / "tests" / "dist_lora_engine_checks.py"),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads((tmp_path / "lora_engine.json").read_text())
     assert res["loads_per_sync"] == [1, 1], res
@@ -153,9 +197,17 @@ def test_the_vllm_engine_reads_the_adapter_once_per_sync(tmp_path):
 
 
 def _run(run, steps, *extra, engine="vllm"):
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", f"trainer.total_training_steps={steps}",
-                     "trainer.save_freq=3", "trainer.test_freq=-1", f"actor_rollout_ref.rollout.name={engine}",
-                     *LORA_KEYS, *extra, timeout=600)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=3",
+        "trainer.test_freq=-1",
+        f"actor_rollout_ref.rollout.name={engine}",
+        *LORA_KEYS,
+        *extra,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
@@ -168,8 +220,13 @@ def runs(tmp_path_factory):
     _run(base / "parts", 3)
     resumed = _run(base / "parts", 5)
     _run(base / "hf", 3, engine="hf")
-    grpo = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=true",
-            "algorithm.use_kl_in_reward=false", "critic.model.lora_rank=0")
+    grpo = (
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.use_kl_in_reward=false",
+        "critic.model.lora_rank=0",
+    )
     _run(base / "grpo", 3, *grpo)
     _run(base / "grpo_hf", 3, *grpo, engine="hf")
     return base, resumed
@@ -216,10 +273,12 @@ def test_a_resumed_lora_run_matches_an_uninterrupted_one(runs):
 def test_export_writes_the_merged_model_and_the_adapter(runs, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     base, _ = runs
     out = tmp_path / "export"
-    proc = run_launch("export", str(base / "whole" / "global_step_3"), "--out", str(out), "--dtype", "float32",
-                      timeout=300)
+    proc = run_launch(
+        "export", str(base / "whole" / "global_step_3"), "--out", str(out), "--dtype", "float32", timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "lora_adapter" / "adapter_config.json").is_file()
     assert (out / "lora_adapter" / "adapter_model.safetensors").is_file()
@@ -230,13 +289,16 @@ def test_export_writes_the_merged_model_and_the_adapter(runs, tmp_path):
     adapted = PeftModel.from_pretrained(plain, out / "lora_adapter")
     batch = rows(vocab=plain.config.vocab_size)
     torch.testing.assert_close(logprobs(merged, batch), logprobs(adapted, batch), rtol=0, atol=2e-5)
-    assert (logprobs(merged, batch) - logprobs(build_causal_lm(cfg.actor_rollout_ref.model.path, torch.float32,
-                                                               seed=cfg.trainer.seed), batch)).abs().max() > 1e-4
+    assert (
+        logprobs(merged, batch)
+        - logprobs(build_causal_lm(cfg.actor_rollout_ref.model.path, torch.float32, seed=cfg.trainer.seed), batch)
+    ).abs().max() > 1e-4
 
 
 # --------------------------------------------------------------------------- plan and checks
 def plan_of(recipe: str, *overrides: str):
     from rlhf_hpc.planning.memory_plan import build_plan
+
     cfg, _ = load_config(recipe, list(overrides), check_files=False)
     plan = build_plan(cfg)
     return {p.name: p for p in plan.phases}, plan
@@ -244,9 +306,14 @@ def plan_of(recipe: str, *overrides: str):
 
 def test_the_memory_plan_counts_the_adapters_state_and_no_reference_copy():
     from rlhf_hpc.planning.sizing import GiB, adapter_params
+
     full, _ = plan_of("qwen7b_klppo")
-    lora, _ = plan_of("qwen7b_klppo", "actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_alpha=32",
-                      "actor_rollout_ref.ref.fsdp_config.param_offload=false")
+    lora, _ = plan_of(
+        "qwen7b_klppo",
+        "actor_rollout_ref.model.lora_rank=64",
+        "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=false",
+    )
     n = adapter_params("Qwen/Qwen2.5-7B-Instruct", ModelConfig(lora_rank=64))
     assert 1.5e8 < n < 1.7e8  # r (in + out) over q, k, v, o, gate, up, down of 28 layers: 161.5M
     upd = lora["update_actor"].parts
@@ -258,27 +325,43 @@ def test_the_memory_plan_counts_the_adapters_state_and_no_reference_copy():
 
 def test_the_lora_recipe_fits_two_40gb_gpus_or_one_80gb_gpu_where_full_training_does_not():
     from rlhf_hpc.planning.memory_plan import check_plan
+
     one_gpu = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3"]
-    for recipe, overrides, fits in (("qwen7b_lora_klppo", [], True),
-                                    ("qwen7b_lora_klppo", one_gpu + ["hardware.hbm_gb=80"], True),
-                                    ("qwen7b_lora_klppo", one_gpu + ["hardware.hbm_gb=40"], False),
-                                    ("qwen7b_klppo", ["trainer.n_gpus_per_node=2", "hardware.hbm_gb=40",
-                                                      "actor_rollout_ref.rollout.tensor_model_parallel_size=1"], False)):
+    for recipe, overrides, fits in (
+        ("qwen7b_lora_klppo", [], True),
+        ("qwen7b_lora_klppo", one_gpu + ["hardware.hbm_gb=80"], True),
+        ("qwen7b_lora_klppo", one_gpu + ["hardware.hbm_gb=40"], False),
+        (
+            "qwen7b_klppo",
+            [
+                "trainer.n_gpus_per_node=2",
+                "hardware.hbm_gb=40",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            ],
+            False,
+        ),
+    ):
         cfg, _ = load_config(recipe, overrides + ["launcher.cluster=slurm", "launcher.mem_gb=480"], check_files=False)
         _, errors, _ = check_plan(cfg)
         assert (not errors) == fits, (recipe, overrides, errors)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["actor_rollout_ref.model.lora_rank=-1"], "the rank must be >= 0"),
-    (["actor_rollout_ref.model.lora_rank=1024"], "the vllm engine serves adapters up to rank 512"),
-    (["actor_rollout_ref.model.lora_adapter_path=/no/such/adapter"], "no adapter_config.json there"),
-    (["critic.model.lora_rank=8", "algorithm.adv_estimator=grpo"], "critic.model.lora_rank=8 has no effect"),
-    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.model_dtype=bfloat16"],
-     "ref.fsdp_config.model_dtype=bfloat16 has no effect with LoRA"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["actor_rollout_ref.model.lora_rank=-1"], "the rank must be >= 0"),
+        (["actor_rollout_ref.model.lora_rank=1024"], "the vllm engine serves adapters up to rank 512"),
+        (["actor_rollout_ref.model.lora_adapter_path=/no/such/adapter"], "no adapter_config.json there"),
+        (["critic.model.lora_rank=8", "algorithm.adv_estimator=grpo"], "critic.model.lora_rank=8 has no effect"),
+        (
+            ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.fsdp_config.model_dtype=bfloat16"],
+            "ref.fsdp_config.model_dtype=bfloat16 has no effect with LoRA",
+        ),
+    ],
+)
 def test_lora_keys_that_cannot_work_are_refused(overrides, message):
     from rlhf_hpc.config.errors import ConfigError
+
     with pytest.raises(ConfigError) as e:
         load_config("tiny_klppo", overrides + ["actor_rollout_ref.rollout.name=vllm"])
     assert any(message in line for line in e.value.errors), e.value.errors
@@ -288,28 +371,38 @@ def test_the_memory_plan_names_the_key_peft_refuses():
     """PEFT's NoMatchingPeftModuleError from the plan's adapter count, for a config the checks did
     not see (the plan runs on any Config): a ConfigError naming the key, not a traceback."""
     import dataclasses as dc
+
     from rlhf_hpc.config.errors import ConfigError
     from rlhf_hpc.planning.memory_plan import check_plan
+
     cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.model.lora_rank=8"], check_files=False)
     arr = cfg.actor_rollout_ref
     bad = dc.replace(cfg, actor_rollout_ref=dc.replace(arr, model=dc.replace(arr.model, target_modules="no_such_.*")))
     with pytest.raises(ConfigError) as e:
         check_plan(bad)
-    assert e.value.errors[0].startswith("actor_rollout_ref.model.target_modules=no_such_.*: Target modules no_such_.* "
-                                        "not found in the base model")
+    assert e.value.errors[0].startswith(
+        "actor_rollout_ref.model.target_modules=no_such_.*: Target modules no_such_.* not found in the base model"
+    )
 
 
 def test_verls_lora_script_lines_run_with_one_warning_at_most():
     """verl's LoRA scripts set ref.fsdp_config.param_offload=True (ignored by verl too: a warning),
     rollout.load_format=safetensors and rollout.layered_summon=True (the weight sync here does what
     they ask for: accepted)."""
-    _, warnings = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.lora_rank=8",
-                                             "actor_rollout_ref.ref.fsdp_config.param_offload=true",
-                                             "actor_rollout_ref.rollout.load_format=safetensors",
-                                             "actor_rollout_ref.rollout.layered_summon=true"])
+    _, warnings = load_config(
+        "tiny_klppo",
+        [
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+            "actor_rollout_ref.rollout.load_format=safetensors",
+            "actor_rollout_ref.rollout.layered_summon=true",
+        ],
+    )
     assert [w for w in warnings if "LoRA" in w] == [
         "actor_rollout_ref.ref.fsdp_config.param_offload=True has no effect with LoRA (as in verl): the reference is "
-        "the actor with its adapter off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config)"]
+        "the actor with its adapter off, on the actor's mesh and precision (actor_rollout_ref.actor.fsdp_config)"
+    ]
 
 
 def test_bf16_compute_on_host_replicas_reaches_the_adapter():
@@ -317,6 +410,7 @@ def test_bf16_compute_on_host_replicas_reaches_the_adapter():
     is called (distributed.fsdp.compute_in_dtype); PEFT casts x to lora_A's fp32 dtype before that
     call, so the module casts its inputs too (as FSDP2 does). Gradients reach the fp32 adapter."""
     from rlhf_hpc.distributed.fsdp import compute_in_dtype
+
     batch = rows()
     model = apply_lora(build_causal_lm("tiny://qwen2", torch.float32, seed=0), LORA, seed=3)
     with torch.no_grad():
@@ -338,6 +432,7 @@ def test_a_checkpoint_from_before_the_lora_keys_still_resumes():
     cannot continue it."""
     from rlhf_hpc.config.tree import dump_yaml, to_dict
     from rlhf_hpc.ppo.checkpoint import incompatible_keys
+
     cfg, _ = load_config("tiny_klppo", [], check_files=False)
     saved = to_dict(cfg)
     for section in (saved["actor_rollout_ref"]["model"], saved["critic"]["model"]):

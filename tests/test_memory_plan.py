@@ -1,6 +1,7 @@
 """The per-GPU memory plan: shapes from the config alone, what each phase holds, refusals that name
 the keys, and the launcher printing it at --dry-run and refusing before anything starts.
 (The estimator against measured peaks: python -m rlhf_hpc.bench.memory_plan_check, BENCHMARKS.md.)"""
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,11 @@ def test_logits_without_fp32_copies_are_what_keeps_the_old_micro_batch_possible(
     # 40 fixed rows x 512 response tokens: the bf16 logits and their gradient plus one fp32 chunk
     n, V = 40 * 512, 152064
     assert logits_bytes(n, V, 2, with_grad=True) == n * V * 2 * 2 + 1024 * V * 4 * 4
-    cfg, plan = plan_of("qwen7b_klppo", "actor_rollout_ref.actor.use_dynamic_bsz=false",
-                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40")
+    cfg, plan = plan_of(
+        "qwen7b_klppo",
+        "actor_rollout_ref.actor.use_dynamic_bsz=false",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+    )
     assert phase(plan, "update_actor").parts["logits"] == logits_bytes(n, V, 2, with_grad=True)
     assert phase(plan, "update_actor").total < 80 * GiB
 
@@ -70,28 +74,48 @@ def test_impossible_generation_phase_is_refused_naming_its_keys():
     cfg, _ = load_config("qwen7b_klppo", ["actor_rollout_ref.rollout.gpu_memory_utilization=0.95"], check_files=False)
     plan, errors, _ = check_plan(cfg)
     assert len(errors) == 1 and errors[0].startswith("memory plan: phase gen needs")
-    assert errors[0].endswith("shrink it with actor_rollout_ref.rollout.gpu_memory_utilization, "
-                              "actor_rollout_ref.actor.fsdp_config.param_offload, "
-                              "critic.model.fsdp_config.param_offload, critic.model.fsdp_config.optimizer_offload")
+    assert errors[0].endswith(
+        "shrink it with actor_rollout_ref.rollout.gpu_memory_utilization, "
+        "actor_rollout_ref.actor.fsdp_config.param_offload, "
+        "critic.model.fsdp_config.param_offload, critic.model.fsdp_config.optimizer_offload"
+    )
 
 
 def test_update_phase_refusal_names_the_token_budget_and_what_is_still_off():
-    cfg, _ = load_config("qwen7b_klppo", ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200000",
-                                          "actor_rollout_ref.model.enable_gradient_checkpointing=false"],
-                         check_files=False)
+    cfg, _ = load_config(
+        "qwen7b_klppo",
+        [
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=200000",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        ],
+        check_files=False,
+    )
     _, errors, _ = check_plan(cfg)
     (err,) = [e for e in errors if "phase update_actor" in e]
-    assert err.endswith("shrink it with actor_rollout_ref.actor.ppo_max_token_len_per_gpu, "
-                        "actor_rollout_ref.model.enable_gradient_checkpointing, "
-                        "actor_rollout_ref.actor.fsdp_config.param_offload")
+    assert err.endswith(
+        "shrink it with actor_rollout_ref.actor.ppo_max_token_len_per_gpu, "
+        "actor_rollout_ref.model.enable_gradient_checkpointing, "
+        "actor_rollout_ref.actor.fsdp_config.param_offload"
+    )
 
 
 def test_kv_cache_too_small_for_one_sequence_is_refused():
-    cfg, _ = load_config("qwen7b_klppo", ["actor_rollout_ref.rollout.gpu_memory_utilization=0.12",
-                                          "actor_rollout_ref.rollout.tensor_model_parallel_size=1"], check_files=False)
+    cfg, _ = load_config(
+        "qwen7b_klppo",
+        [
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.12",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        ],
+        check_files=False,
+    )
     _, errors, _ = check_plan(cfg)
-    assert any(e.startswith("memory plan: phase gen leaves room for a KV cache of 0 tokens per GPU, less than one "
-                            "sequence (max_model_len 1024)") for e in errors), errors
+    assert any(
+        e.startswith(
+            "memory plan: phase gen leaves room for a KV cache of 0 tokens per GPU, less than one "
+            "sequence (max_model_len 1024)"
+        )
+        for e in errors
+    ), errors
 
 
 def test_smaller_gpus_are_planned_with_hardware_hbm_gb():
@@ -109,8 +133,13 @@ def test_dry_run_prints_the_plan_and_refuses_an_impossible_one(tmp_path):
     ok = run_launch("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/a")
     assert ok.returncode == 0, ok.stderr
     assert "# memory plan per GPU: 80 GiB" in ok.stdout and "# OK   update_actor" in ok.stdout
-    bad = run_launch("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/b",
-                     "actor_rollout_ref.rollout.gpu_memory_utilization=0.95")
+    bad = run_launch(
+        "recipe=qwen7b_klppo",
+        "--dry-run",
+        "cluster=local",
+        f"trainer.default_local_dir={tmp_path}/b",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.95",
+    )
     assert bad.returncode == 2
     assert "# FAIL gen" in bad.stdout
     assert "error: invalid configuration: memory plan: phase gen needs" in bad.stderr
@@ -118,8 +147,9 @@ def test_dry_run_prints_the_plan_and_refuses_an_impossible_one(tmp_path):
 
 def test_a_launch_is_refused_before_anything_starts(tmp_path):
     run = tmp_path / "run"
-    out = run_launch("recipe=tiny_klppo", "trainer.device=cuda", "hardware.hbm_gb=0.001",
-                     f"trainer.default_local_dir={run}")
+    out = run_launch(
+        "recipe=tiny_klppo", "trainer.device=cuda", "hardware.hbm_gb=0.001", f"trainer.default_local_dir={run}"
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "memory plan: phase gen needs" in out.stderr
     assert not run.exists()  # no config written, no torchrun started
@@ -128,15 +158,24 @@ def test_a_launch_is_refused_before_anything_starts(tmp_path):
 def test_the_reward_model_has_its_phase_and_stays_resident_unless_offloaded():
     rm = ["reward_model.enable=true", "reward_model.model.path=~/models/Qwen2.5-7B-RM"]
     _, plan = plan_of("qwen7b_klppo", *rm)
-    assert [p.name for p in plan.phases] == ["gen", "old_log_prob", "ref", "values", "reward_model", "update_actor",
-                                             "update_critic"]
+    assert [p.name for p in plan.phases] == [
+        "gen",
+        "old_log_prob",
+        "ref",
+        "values",
+        "reward_model",
+        "update_actor",
+        "update_critic",
+    ]
     rm_params = 7_615_616_512 - 152064 * 3584 + 3584  # the LM head replaced by a one-label score head
     gen = phase(plan, "gen")
     # kept in its compute dtype (bf16: a frozen model, as verl), sharded over 8 GPUs
     assert gen.parts["reward model params"] == pytest.approx(rm_params * 2 / 8)
     assert "reward_model.model.fsdp_config.param_offload" in gen.shrink
-    assert phase(plan, "reward_model").parts["logits"] > 0 and "reward_model.micro_batch_size_per_gpu" in \
-        phase(plan, "reward_model").shrink
+    assert (
+        phase(plan, "reward_model").parts["logits"] > 0
+        and "reward_model.micro_batch_size_per_gpu" in phase(plan, "reward_model").shrink
+    )
     _, offloaded = plan_of("qwen7b_klppo", *rm, "reward_model.model.fsdp_config.param_offload=true")
     assert phase(offloaded, "gen").parts["reward model params"] == 0.0
     assert phase(offloaded, "gen").total == pytest.approx(gen.total - rm_params * 2 / 8)
@@ -147,24 +186,28 @@ def test_the_host_line_counts_offloaded_state_and_the_copy_rank0_reads():
     and the reference's offloaded shard; once per node the fp32 copy rank 0 reads at start-up.
     Refused before anything is queued when launcher.mem_gb is smaller, naming the keys."""
     from rlhf_hpc.planning.sizing import GiB
+
     cfg, _ = load_config("qwen7b_klppo", ["launcher.mem_gb=480"], check_files=False)
     plan, errors, _ = check_plan(cfg)
     params = plan.shape.params
     host = plan.host
     assert errors == [] and host.ranks == 8 and host.capacity == 480 * GiB
-    assert host.per_rank == pytest.approx({"runtime": 3 * GiB, "actor Adam moments": 8 * params / 8,
-                                           "ref offloaded": 2 * params / 8})
+    assert host.per_rank == pytest.approx(
+        {"runtime": 3 * GiB, "actor Adam moments": 8 * params / 8, "ref offloaded": 2 * params / 8}
+    )
     assert host.loading == pytest.approx(4 * params)  # one fp32 copy, not one per rank
     assert "# OK   host/node" in plan.render()
     cfg.launcher.mem_gb = 64
     _, errors, _ = check_plan(cfg)
-    assert errors == [f"memory plan: host memory per node needs {host.total / GiB:.1f} GiB but launcher.mem_gb gives "
-                      f"64 GiB (8 ranks x {sum(host.per_rank.values()) / GiB:.2f} (runtime 3.00, actor Adam moments 7.09, "
-                      f"ref offloaded 1.77) + loading 28.37 (rank 0 reads the checkpoint)); shrink it with "
-                      f"launcher.mem_gb (ask Slurm for more), actor_rollout_ref.actor.fsdp_config.optimizer_offload=false, "
-                      f"actor_rollout_ref.ref.fsdp_config.param_offload=false, "
-                      f"actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads), "
-                      f"trainer.n_gpus_per_node (fewer ranks per node, more nodes)"]
+    assert errors == [
+        f"memory plan: host memory per node needs {host.total / GiB:.1f} GiB but launcher.mem_gb gives "
+        f"64 GiB (8 ranks x {sum(host.per_rank.values()) / GiB:.2f} (runtime 3.00, actor Adam moments 7.09, "
+        f"ref offloaded 1.77) + loading 28.37 (rank 0 reads the checkpoint)); shrink it with "
+        f"launcher.mem_gb (ask Slurm for more), actor_rollout_ref.actor.fsdp_config.optimizer_offload=false, "
+        f"actor_rollout_ref.ref.fsdp_config.param_offload=false, "
+        f"actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads), "
+        f"trainer.n_gpus_per_node (fewer ranks per node, more nodes)"
+    ]
 
 
 def test_a_tiny_random_model_has_nothing_to_read():
@@ -176,10 +219,13 @@ def test_a_lora_actors_sleeping_engine_is_in_the_host_line():
     """vLLM sleeps at level 1 for a LoRA actor (the base must survive): each rank's share of the engine
     weights goes to pinned host memory at every sleep, ~14 GiB at 7B with TP 1 in bf16."""
     from rlhf_hpc.planning.sizing import GiB
+
     per_rank = {}
-    for name, recipe, extra in (("tp1", "qwen7b_lora_klppo", []),
-                                ("tp2", "qwen7b_lora_klppo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
-                                ("full", "qwen7b_klppo", [])):
+    for name, recipe, extra in (
+        ("tp1", "qwen7b_lora_klppo", []),
+        ("tp2", "qwen7b_lora_klppo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
+        ("full", "qwen7b_klppo", []),
+    ):
         cfg, _ = load_config(recipe, extra, check_files=False)
         plan, _, _ = check_plan(cfg)
         per_rank[name] = plan.host.per_rank

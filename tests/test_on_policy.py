@@ -7,6 +7,7 @@ forward computes again, so it is skipped, and the rollout/actor check runs on th
   (same micro-batches): losses, metrics, gradients, weights; pi_old comes back in row order.
 - The plans drop the pass where it does not run.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,22 +29,28 @@ ACTOR = "actor_rollout_ref.actor."
 RC = "algorithm.rollout_correction."
 
 
-@pytest.mark.parametrize("recipe, overrides, source", [
-    ("smollm2_add_grpo", [], "update"),
-    ("smollm2_add_gspo", [], "update"),
-    ("smollm2_add_dapo", [], "update"),
-    ("smollm2_add_grpo", [f"{ACTOR}ppo_epochs=2"], "pass"),
-    ("smollm2_add_grpo", [f"{ACTOR}ppo_mini_batch_size=8"], "pass"),  # two mini-batches: the second is off-policy
-    ("smollm2_add_grpo", ["algorithm.use_kl_in_reward=true", f"{ACTOR}use_kl_loss=false"], "pass"),
-    ("smollm2_add_grpo", [f"{RC}rollout_is=token"], "pass"),  # IS weights pi_old / pi_rollout before advantages
-    ("smollm2_add_grpo", [f"{RC}rollout_rs=token_k3", f"{RC}rollout_rs_threshold=0.01"], "pass"),
-    ("smollm2_add_grpo", ["algorithm.adv_estimator=optimal_token_baseline", f"{ACTOR}calculate_sum_pi_squared=true"],
-     "pass"),
-    ("smollm2_add_grpo", [f"{RC}bypass_mode=true"], "engine"),
-    ("smollm2_add_klppo", [], "pass"),  # the KL in the reward reads pi_old
-    ("smollm2_add_klppo", ["algorithm.use_kl_in_reward=false", "trainer.critic_warmup=1"], "pass"),
-    ("tiny_klppo", [], "pass"),
-])
+@pytest.mark.parametrize(
+    "recipe, overrides, source",
+    [
+        ("smollm2_add_grpo", [], "update"),
+        ("smollm2_add_gspo", [], "update"),
+        ("smollm2_add_dapo", [], "update"),
+        ("smollm2_add_grpo", [f"{ACTOR}ppo_epochs=2"], "pass"),
+        ("smollm2_add_grpo", [f"{ACTOR}ppo_mini_batch_size=8"], "pass"),  # two mini-batches: the second is off-policy
+        ("smollm2_add_grpo", ["algorithm.use_kl_in_reward=true", f"{ACTOR}use_kl_loss=false"], "pass"),
+        ("smollm2_add_grpo", [f"{RC}rollout_is=token"], "pass"),  # IS weights pi_old / pi_rollout before advantages
+        ("smollm2_add_grpo", [f"{RC}rollout_rs=token_k3", f"{RC}rollout_rs_threshold=0.01"], "pass"),
+        (
+            "smollm2_add_grpo",
+            ["algorithm.adv_estimator=optimal_token_baseline", f"{ACTOR}calculate_sum_pi_squared=true"],
+            "pass",
+        ),
+        ("smollm2_add_grpo", [f"{RC}bypass_mode=true"], "engine"),
+        ("smollm2_add_klppo", [], "pass"),  # the KL in the reward reads pi_old
+        ("smollm2_add_klppo", ["algorithm.use_kl_in_reward=false", "trainer.critic_warmup=1"], "pass"),
+        ("tiny_klppo", [], "pass"),
+    ],
+)
 def test_the_source_of_pi_old_follows_what_reads_it(recipe, overrides, source):
     cfg, _ = load_config(recipe, overrides, check_files=False)  # (a fresh machine has no SmolLM2 on disk yet)
     assert old_log_prob_source(cfg) == source
@@ -58,12 +65,24 @@ def test_the_plans_drop_the_pass_that_does_not_run(smollm):
 
 def actor_and_batch(anchor: str) -> tuple[Actor, dict]:
     model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
-    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=3, clip_ratio_low=0.2, clip_ratio_high=0.28, shuffle=False,
-                      loss_agg_mode="token-mean")
-    corr = RolloutCorrection(RolloutCorrectionConfig(), LogprobCheck("float32", "float32"), anchor=anchor,
-                             all_reduce_sum=lambda t: t, all_reduce_max=lambda t: t, log=lambda line: None)
-    actor = Actor(model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim),
-                                        correction=corr))
+    cfg = ActorConfig(
+        ppo_micro_batch_size_per_gpu=3,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        shuffle=False,
+        loss_agg_mode="token-mean",
+    )
+    corr = RolloutCorrection(
+        RolloutCorrectionConfig(),
+        LogprobCheck("float32", "float32"),
+        anchor=anchor,
+        all_reduce_sum=lambda t: t,
+        all_reduce_max=lambda t: t,
+        log=lambda line: None,
+    )
+    actor = Actor(
+        model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim), correction=corr)
+    )
     batch = skewed_batch(n=6)
     g = torch.Generator().manual_seed(3)
     batch["engine_log_probs"] = -torch.rand(batch["response_mask"].shape, generator=g) * batch["response_mask"]
@@ -95,7 +114,8 @@ def test_the_on_policy_update_is_the_two_pass_update_bit_for_bit():
     # the rollout/actor check ran on the same forward, against the engine's log-probs
     mask = batch_one["response_mask"].bool()
     assert metrics_check["rollout/logprob_diff_max"] == pytest.approx(
-        float((lp - batch_one["engine_log_probs"])[mask].abs().max()))
+        float((lp - batch_one["engine_log_probs"])[mask].abs().max())
+    )
 
 
 def test_the_on_policy_update_reports_the_entropy_the_pass_would():

@@ -3,6 +3,7 @@
 (``actor.calculate_sum_pi_squared``), the estimators through ``compute_advantages`` against verl's
 code (tests/test_estimators_verl.py), the trainer's phase 3 and 6 wiring, and the dry run's checks.
 Under Ulysses the sum is compared with sp=1 by tests/dist_sp_checks.py."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -46,6 +47,7 @@ def test_the_actor_gives_sum_pi_squared_beside_its_log_probs_and_nothing_else_ch
     from rlhf_hpc.models.hf import build_causal_lm
     from rlhf_hpc.ops.batching import make_padded_batch
     from rlhf_hpc.ppo.actor import Actor, ActorSpec, per_token_logprobs
+
     model = build_causal_lm("tiny://qwen2?vocab_size=200&num_hidden_layers=2", torch.float32, seed=3)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (6, 3, 5)]
@@ -53,8 +55,9 @@ def test_the_actor_gives_sum_pi_squared_beside_its_log_probs_and_nothing_else_ch
     b = make_padded_batch(prompts, resps, 0, 6, 5)
     mask = b["response_mask"].bool()
     with torch.no_grad():
-        full = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                     position_ids=b["position_ids"]).logits[:, -6:-1]  # the logits predicting each response token
+        full = model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits[:, -6:-1]  # the logits predicting each response token
     expected = torch.where(mask, direct_sum_pi_squared(full, 0.7), 0.0)
     for packed in (True, False):
         with torch.no_grad():
@@ -73,15 +76,18 @@ def algo(name):
     return SimpleNamespace(adv_estimator=name, norm_adv_by_std_in_grpo=True, gamma=1.0, lam=1.0)
 
 
-@pytest.mark.parametrize("name,verl", [("optimal_token_baseline", verl_otb),
-                                       ("tir_optimal_token_baseline", verl_tir_otb)])
+@pytest.mark.parametrize(
+    "name,verl", [("optimal_token_baseline", verl_otb), ("tir_optimal_token_baseline", verl_tir_otb)]
+)
 @pytest.mark.parametrize("with_is", [False, True])
 def test_registered_otb_equals_verls_code(name, verl, with_is):
     for seed in range(6):
         rewards, mask, index, lp, spi2, w = otb_inputs(seed, holes=seed % 2 == 0)
         w = w if with_is else None
-        adv, ret = compute_advantages(algo(name), AdvantageInputs(rewards, mask, index, old_log_probs=lp,
-                                                                  sum_pi_squared=spi2, rollout_is_weights=w))
+        adv, ret = compute_advantages(
+            algo(name),
+            AdvantageInputs(rewards, mask, index, old_log_probs=lp, sum_pi_squared=spi2, rollout_is_weights=w),
+        )
         ref_adv, ref_ret = verl(rewards, mask, index.tolist(), lp, spi2, w)  # verl's defaults (handle_zero_tail)
         torch.testing.assert_close(adv, ref_adv, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ret, ref_ret * mask)
@@ -90,12 +96,29 @@ def test_registered_otb_equals_verls_code(name, verl, with_is):
 @pytest.mark.parametrize("name", OTB)
 def test_registered_otb_over_two_ranks_equals_the_whole_batch(name):
     rewards, mask, index, lp, spi2, w = otb_inputs(2, holes=True)
-    whole = compute_advantages(algo(name), AdvantageInputs(rewards, mask, index, num_groups=5, old_log_probs=lp,
-                                                           sum_pi_squared=spi2, rollout_is_weights=w))
+    whole = compute_advantages(
+        algo(name),
+        AdvantageInputs(
+            rewards, mask, index, num_groups=5, old_log_probs=lp, sum_pi_squared=spi2, rollout_is_weights=w
+        ),
+    )
     halves = [slice(0, 9), slice(9, 16)]
-    out = run_ranks(2, lambda r, ar: compute_advantages(algo(name), AdvantageInputs(
-        rewards[halves[r]], mask[halves[r]], index[halves[r]], num_groups=5, all_reduce=ar,
-        old_log_probs=lp[halves[r]], sum_pi_squared=spi2[halves[r]], rollout_is_weights=w[halves[r]])))
+    out = run_ranks(
+        2,
+        lambda r, ar: compute_advantages(
+            algo(name),
+            AdvantageInputs(
+                rewards[halves[r]],
+                mask[halves[r]],
+                index[halves[r]],
+                num_groups=5,
+                all_reduce=ar,
+                old_log_probs=lp[halves[r]],
+                sum_pi_squared=spi2[halves[r]],
+                rollout_is_weights=w[halves[r]],
+            ),
+        ),
+    )
     for i in range(2):
         torch.testing.assert_close(torch.cat([o[i] for o in out]), whole[i], rtol=1e-6, atol=1e-6)
 
@@ -118,8 +141,9 @@ def test_the_otb_entries_declare_sum_pi_squared():
 class FakeActor:
     def __init__(self, bypass=False):
         self.calls = []
-        self.correction = SimpleNamespace(bypass=bypass, anchor="engine" if bypass else "pass",
-                                          after_old_log_probs=lambda batch, step, metrics: None)
+        self.correction = SimpleNamespace(
+            bypass=bypass, anchor="engine" if bypass else "pass", after_old_log_probs=lambda batch, step, metrics: None
+        )
 
     def compute_log_prob(self, batch, *args, with_entropy=False, with_sum_pi_squared=False):
         self.calls.append(with_sum_pi_squared)
@@ -127,11 +151,14 @@ class FakeActor:
         return (lp, lp * 0, lp * 0 + 0.25) if with_sum_pi_squared else (lp, lp * 0)
 
 
-@pytest.mark.parametrize("overrides,stored", [([], False), (["algorithm.adv_estimator=optimal_token_baseline", ON,
-                                                              "actor_rollout_ref.rollout.n=4"], True)])
+@pytest.mark.parametrize(
+    "overrides,stored",
+    [([], False), (["algorithm.adv_estimator=optimal_token_baseline", ON, "actor_rollout_ref.rollout.n=4"], True)],
+)
 def test_phase_3_stores_sum_pi_squared_only_when_asked(overrides, stored):
     from rlhf_hpc.observability.perf import Timer
     from rlhf_hpc.ppo.trainer import PPOTrainer
+
     config, _ = load_config("tiny_klppo", overrides)
     t = object.__new__(PPOTrainer)  # phase 3 alone: a fake actor, no reference, no critic
     t.cfg, actor = config, FakeActor()
@@ -151,14 +178,26 @@ def test_otb_runs_with_verls_key_and_no_critic(name):
     assert config.actor_rollout_ref.actor.calculate_sum_pi_squared and config.critic.enable is False
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.rollout.n=4"],
-     "set actor_rollout_ref.actor.calculate_sum_pi_squared=true (verl requires it as well)"),
-    (["algorithm.adv_estimator=tir_optimal_token_baseline", "actor_rollout_ref.rollout.n=4", ON,
-      "algorithm.rollout_correction.bypass_mode=true"], "which algorithm.rollout_correction.bypass_mode=true skips"),
-    ([ON], "calculate_sum_pi_squared=true: only optimal_token_baseline, tir_optimal_token_baseline read it"),
-    (["actor_rollout_ref.actor.sum_pi_squared_checkpointing=true"], "there is nothing to checkpoint"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["algorithm.adv_estimator=optimal_token_baseline", "actor_rollout_ref.rollout.n=4"],
+            "set actor_rollout_ref.actor.calculate_sum_pi_squared=true (verl requires it as well)",
+        ),
+        (
+            [
+                "algorithm.adv_estimator=tir_optimal_token_baseline",
+                "actor_rollout_ref.rollout.n=4",
+                ON,
+                "algorithm.rollout_correction.bypass_mode=true",
+            ],
+            "which algorithm.rollout_correction.bypass_mode=true skips",
+        ),
+        ([ON], "calculate_sum_pi_squared=true: only optimal_token_baseline, tir_optimal_token_baseline read it"),
+        (["actor_rollout_ref.actor.sum_pi_squared_checkpointing=true"], "there is nothing to checkpoint"),
+    ],
+)
 def test_the_dry_run_refuses_otb_without_its_input_and_the_keys_without_an_effect(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config("tiny_klppo", overrides)

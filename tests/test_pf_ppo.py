@@ -2,6 +2,7 @@
 ``compute_pf_ppo_reweight_data`` (transcribed below) on the same generator state; two gloo ranks
 holding halves of a step draw the rows one process draws from the whole; verl's PF-PPO example
 line dry-runs, and the keys are refused where they would change nothing; the trainer runs it."""
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,9 @@ def verl_pf_ppo(token_level_scores: torch.Tensor, reweight_method: str = "pow", 
 def step_scores(seed: int, rows: int = 12, T: int = 5) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     scores = torch.zeros(rows, T)
-    scores[torch.arange(rows), torch.randint(0, T, (rows,), generator=g)] = torch.randint(-1, 3, (rows,), generator=g).float()
+    scores[torch.arange(rows), torch.randint(0, T, (rows,), generator=g)] = torch.randint(
+        -1, 3, (rows,), generator=g
+    ).float()
     return scores
 
 
@@ -61,8 +64,11 @@ def _port() -> int:
 
 def _rank_batch(rows: int = 12) -> dict:
     token_scores = step_scores(7, rows)
-    return {"token_scores": token_scores, "advantages": torch.randn(rows, 5, generator=torch.Generator().manual_seed(1)),
-            "uid": torch.arange(rows) // 2}
+    return {
+        "token_scores": token_scores,
+        "advantages": torch.randn(rows, 5, generator=torch.Generator().manual_seed(1)),
+        "uid": torch.arange(rows) // 2,
+    }
 
 
 def _draw(scores):
@@ -74,7 +80,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         whole = _rank_batch()
-        mine = {k: v[rank * 6:(rank + 1) * 6] for k, v in whole.items()}
+        mine = {k: v[rank * 6 : (rank + 1) * 6] for k, v in whole.items()}
         out[rank] = resample_rows(mine, _draw, 2, rank)
     finally:
         dist.destroy_process_group()
@@ -93,8 +99,12 @@ def test_two_ranks_draw_the_rows_one_process_draws():
 
 
 def test_verls_pf_ppo_line_dry_runs_and_the_keys_are_refused_where_they_change_nothing():
-    keys = ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=True", "algorithm.pf_ppo.reweight_method=pow",
-            "algorithm.pf_ppo.weight_pow=2.0"]
+    keys = [
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_pf_ppo=True",
+        "algorithm.pf_ppo.reweight_method=pow",
+        "algorithm.pf_ppo.weight_pow=2.0",
+    ]
     cfg, _ = load_config("tiny_klppo", keys)
     assert cfg.algorithm.use_pf_ppo and cfg.algorithm.pf_ppo.reweight_method == "pow"
     with pytest.raises(ConfigError, match="algorithm.use_pf_ppo=true resamples after GAE's advantages only"):
@@ -109,13 +119,24 @@ def test_verls_pf_ppo_line_dry_runs_and_the_keys_are_refused_where_they_change_n
 def test_pf_ppo_trains_through_the_trainer_and_a_resume_draws_the_same_rows(tmp_path):
     from rlhf_hpc.observability.tracking import read_metrics
     from tests.conftest import run_launch
-    common = ["recipe=tiny_klppo", "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_random",
-              "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
-              "trainer.save_freq=1"]
+
+    common = [
+        "recipe=tiny_klppo",
+        "algorithm.use_pf_ppo=true",
+        "algorithm.pf_ppo.reweight_method=max_random",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=1",
+    ]
     full = run_launch(*common, f"trainer.default_local_dir={tmp_path / 'full'}", timeout=600)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    resumed = run_launch(*common, f"trainer.default_local_dir={tmp_path / 'resumed'}",
-                         f"trainer.resume_mode={tmp_path / 'full' / 'global_step_1'}", timeout=600)
+    resumed = run_launch(
+        *common,
+        f"trainer.default_local_dir={tmp_path / 'resumed'}",
+        f"trainer.resume_mode={tmp_path / 'full' / 'global_step_1'}",
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
     assert [m["training/global_step"] for m in a] == [1, 2] and b[-1]["training/global_step"] == 2

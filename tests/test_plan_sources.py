@@ -1,6 +1,7 @@
 """One source for each figure the plans and the runtime share (issue #36): the step shape, the
 hardware table (also the MFU metric's peak), the FLOP count, the keys that shrink a phase, the
 engine's memory model, and the deprecated keys that point to the ones that stay."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,20 @@ from rlhf_hpc.recipe.load import load_config
 
 # observability.perf's PEAK_FLOPS before the hardware table took its place: dense bf16 FLOP/s by a
 # substring of the device name
-FORMER_PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
-                     "L40S": 362e12, "L40": 181e12, "A40": 150e12, "A6000": 155e12, "V100": 125e12,
-                     "MI300X": 1307e12, "MI250": 362e12}
+FORMER_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "A40": 150e12,
+    "A6000": 155e12,
+    "V100": 125e12,
+    "MI300X": 1307e12,
+    "MI250": 362e12,
+}
 
 
 def test_the_hardware_table_covers_every_gpu_the_mfu_table_had():
@@ -32,13 +44,23 @@ def test_the_hardware_table_covers_every_gpu_the_mfu_table_had():
         assert hw.source and hw.bf16_tflops > hw.fp32_tflops > 0 and hw.hbm_gb > 0, name
         assert name in DEVICE_NAMES.values(), name  # every preset is found by its device name
     # the names torch.cuda.get_device_name reports: the longest match wins, whatever the order
-    for device, preset in (("NVIDIA H100 80GB HBM3", "h100_sxm"), ("NVIDIA H100 PCIe", "h100_pcie"),
-                           ("NVIDIA H100 NVL", "h100_nvl"), ("NVIDIA H200", "h200"),
-                           ("NVIDIA A100-SXM4-80GB", "a100_80gb_sxm"), ("NVIDIA A100 80GB PCIe", "a100_80gb_pcie"),
-                           ("NVIDIA A100-SXM4-40GB", "a100_40gb_sxm"), ("NVIDIA A100-PCIE-40GB", "a100_40gb_pcie"),
-                           ("NVIDIA L40S", "l40s"), ("NVIDIA L40", "l40"), ("NVIDIA A40", "a40"),
-                           ("NVIDIA RTX A6000", "rtx_a6000"), ("Tesla V100-SXM2-32GB", "v100"),
-                           ("AMD Instinct MI300X", "mi300x"), ("AMD Instinct MI250X", "mi250")):
+    for device, preset in (
+        ("NVIDIA H100 80GB HBM3", "h100_sxm"),
+        ("NVIDIA H100 PCIe", "h100_pcie"),
+        ("NVIDIA H100 NVL", "h100_nvl"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100_80gb_sxm"),
+        ("NVIDIA A100 80GB PCIe", "a100_80gb_pcie"),
+        ("NVIDIA A100-SXM4-40GB", "a100_40gb_sxm"),
+        ("NVIDIA A100-PCIE-40GB", "a100_40gb_pcie"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA L40", "l40"),
+        ("NVIDIA A40", "a40"),
+        ("NVIDIA RTX A6000", "rtx_a6000"),
+        ("Tesla V100-SXM2-32GB", "v100"),
+        ("AMD Instinct MI300X", "mi300x"),
+        ("AMD Instinct MI250X", "mi250"),
+    ):
         assert preset_for_device(device) == preset, device
     assert preset_for_device("NVIDIA GeForce GTX 1080") is None
     assert peak_flops_of("NVIDIA GeForce GTX 1080") == PRESETS["h100_sxm"].bf16_tflops * 1e12  # the default
@@ -66,12 +88,18 @@ def register_b200():
 
 
 def test_one_flop_count_for_the_mfu_metric_and_the_time_plan():
-    config = Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     h, q, kv, inter, layers, vocab = 64, 64, 32, 160, 3, 100
     per_layer = 2 * h * q + 2 * h * kv + 3 * h * inter
     # by hand: the layers' matmuls per token, causal attention per sequence, the head on 10 tokens
-    by_hand = 2 * layers * per_layer * 80 + 2 * layers * q * (30 ** 2 + 50 ** 2) + 2 * h * vocab * 10
+    by_hand = 2 * layers * per_layer * 80 + 2 * layers * q * (30**2 + 50**2) + 2 * h * vocab * 10
     assert model_flops(config, [30, 50], 10) == by_hand
     s = matmul_shape(config)
     assert s.layer_params == per_layer
@@ -80,8 +108,9 @@ def test_one_flop_count_for_the_mfu_metric_and_the_time_plan():
 
 
 def test_deprecated_keys_are_copied_with_a_warning_and_refused_when_they_disagree():
-    cfg, warnings = load_config("tiny_klppo", ["trainer.gpu_memory_gb=40", "trainer.peak_tflops=300"],
-                                check_files=False)
+    cfg, warnings = load_config(
+        "tiny_klppo", ["trainer.gpu_memory_gb=40", "trainer.peak_tflops=300"], check_files=False
+    )
     assert cfg.hardware.hbm_gb == 40 and cfg.hardware.bf16_tflops == 300
     assert "trainer.gpu_memory_gb is deprecated: set hardware.hbm_gb instead (its value was copied there)" in warnings
     assert any(w.startswith("trainer.peak_tflops is deprecated: set hardware.bf16_tflops") for w in warnings)
@@ -100,6 +129,7 @@ def test_a_gpu_rank_plans_with_its_own_gpus_memory_where_the_config_names_none()
     """On a 40 GB A100 the ranks' plan (preflight's sleep check, the trainer's measured-vs-plan line)
     is of 40 GiB, not the 80 GiB a plan made away from the GPUs assumes; a size the config gives wins."""
     from rlhf_hpc.planning.memory_plan import check_plan
+
     cfg, _ = load_config("qwen7b_klppo", [], check_files=False)
     away = build_plan(cfg)
     assert away.capacity == 80 * 2**30 and "GPU memory assumed 80 GiB" in away.render()
@@ -109,15 +139,25 @@ def test_a_gpu_rank_plans_with_its_own_gpus_memory_where_the_config_names_none()
     given, _ = load_config("qwen7b_klppo", ["hardware.hbm_gb=141"], check_files=False)
     assert build_plan(given, device_gb=39.4).capacity == 141 * 2**30
     from rlhf_hpc.distributed.process_group import device_memory_gb
+
     assert device_memory_gb(torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("recipe,overrides", [
-    ("tiny_klppo", []),
-    ("qwen7b_klppo", []),
-    ("qwen7b_klppo", ["actor_rollout_ref.actor.ppo_mini_batch_size=96", "actor_rollout_ref.actor.use_dynamic_bsz=false",
-                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]),
-])
+@pytest.mark.parametrize(
+    "recipe,overrides",
+    [
+        ("tiny_klppo", []),
+        ("qwen7b_klppo", []),
+        (
+            "qwen7b_klppo",
+            [
+                "actor_rollout_ref.actor.ppo_mini_batch_size=96",
+                "actor_rollout_ref.actor.use_dynamic_bsz=false",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            ],
+        ),
+    ],
+)
 def test_the_step_shape_is_what_the_runtime_computes(recipe, overrides):
     cfg, _ = load_config(recipe, overrides, check_files=False)
     shape, arr, world = step_shape(cfg), cfg.actor_rollout_ref, cfg.world_size
@@ -130,7 +170,8 @@ def test_the_step_shape_is_what_the_runtime_computes(recipe, overrides):
         assert p.micro_rows == section.ppo_micro_batch_size_per_gpu and p.dynamic == section.use_dynamic_bsz
         if not p.dynamic:  # ... and those into fixed micro-batches (rlhf_hpc.ops.batching)
             assert p.micro_batches(p.mini_rows, p.mini_rows * shape.seq_len) == len(
-                fixed_micro_batches(p.mini_rows, p.micro_rows))
+                fixed_micro_batches(p.mini_rows, p.micro_rows)
+            )
     # the memory plan's micro-batches are the step shape's
     plan = build_plan(cfg)
     for phase in plan.phases[1:]:

@@ -3,6 +3,7 @@ registry (docs/extending.md: one function each in ops/policy_losses.py): equal t
 (transcribed below from verl b178a3c's ``core_algos.py``) on random tensors in value, metrics and
 gradient, split-invariant where verl's loss is, and their keys (verl's names and defaults) refused
 where another loss is selected; the clip-ratio range checks follow what the selected loss clips."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -64,8 +65,11 @@ def verl_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, 
     pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)  # 0.9.1: the mode given
     pg_clipfrac = verl_masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = verl_masked_mean(-negative_approx_kl, response_mask)
-    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
-                     "actor/pg_clipfrac_lower": 0.0}
+    return pg_loss, {
+        "actor/pg_clipfrac": pg_clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
 
 
 def verl_sapo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights=None):
@@ -98,7 +102,8 @@ def verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mo
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
     clip_by_origin = (pg_losses2 > pg_losses1) & (response_mask > 0)
     cov_all = (advantages - verl_masked_mean(advantages, response_mask)) * (
-        log_prob - verl_masked_mean(log_prob.detach(), response_mask))
+        log_prob - verl_masked_mean(log_prob.detach(), response_mask)
+    )
     cov_all[response_mask == 0] = -torch.inf
     cov_all[clip_by_origin] = -torch.inf
     clip_num = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
@@ -139,7 +144,8 @@ def verl_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode
         if len(large_cov_idxs) != 0:
             large_cov_idxs = all_valid_idx[large_cov_idxs]
             pg_losses[large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]] = pg_losses_kl[
-                large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]]
+                large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]
+            ]
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
@@ -160,14 +166,18 @@ def verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mo
     pg_losses = -advantage * ratio
     if rollout_is_weights is not None:
         seq_is_weights = torch.exp(
-            (torch.log(rollout_is_weights + 1e-10) * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8))
+            (torch.log(rollout_is_weights + 1e-10) * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8)
+        )
         pg_losses = pg_losses * seq_is_weights
     pg_loss = torch.mean(pg_losses)
     clipped = torch.ne(negative_approx_kl, negative_approx_kl_clamp)
     pg_clipfrac = verl_masked_mean((clipped * (advantages > 0)).float(), response_mask)
     pg_clipfrac_lower = verl_masked_mean((clipped * (advantages < 0)).float(), response_mask)
-    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
-                     "actor/pg_clipfrac_lower": pg_clipfrac_lower.item()}
+    return pg_loss, {
+        "actor/pg_clipfrac": pg_clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower.item(),
+    }
 
 
 def verl_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights=None):
@@ -180,12 +190,16 @@ def verl_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
-    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
-                     "actor/pg_clipfrac_lower": 0.0}
+    return pg_loss, {
+        "actor/pg_clipfrac": pg_clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
 
 
-def verl_dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights=None,
-              kind="tv"):
+def verl_dppo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights=None, kind="tv"
+):
     """verl 0.9.1's compute_policy_loss_dppo_tv / _dppo_kl (config.get("clip_ratio_c", 20.0) reads the
     actor's clip_ratio_c, 3.0 by default)."""
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
@@ -198,7 +212,8 @@ def verl_dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, 
         valid_negative_mask = (prob - old_prob) >= -config.clip_ratio_low
     else:
         binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
-            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+        )
         valid_positive_mask = (binary_kl <= config.clip_ratio_high) | (prob <= old_prob)
         valid_negative_mask = (binary_kl <= config.clip_ratio_low) | (prob >= old_prob)
     valid_mask = torch.where(advantages > 0, valid_positive_mask, valid_negative_mask).detach().float()
@@ -208,8 +223,11 @@ def verl_dppo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, 
     pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
     pg_clipfrac = verl_masked_mean((1.0 - valid_mask).float(), response_mask)
     pg_clipfrac_lower = verl_masked_mean((ratio > config.clip_ratio_c).float() * valid_mask, response_mask)
-    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.item(), "actor/ppo_kl": ppo_kl.item(),
-                     "actor/pg_clipfrac_lower": pg_clipfrac_lower.item()}
+    return pg_loss, {
+        "actor/pg_clipfrac": pg_clipfrac.item(),
+        "actor/ppo_kl": ppo_kl.item(),
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower.item(),
+    }
 
 
 def verl_dro(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights=None):
@@ -222,9 +240,17 @@ def verl_dro(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, c
     return pg_loss, {"actor/ppo_kl": verl_masked_mean(-log_ratio, response_mask).item()}
 
 
-VERL = {"dppo_tv": lambda *a, **k: verl_dppo(*a, **k, kind="tv"), "dppo_kl": lambda *a, **k: verl_dppo(*a, **k, kind="kl"),
-        "dro": verl_dro, "gspo": verl_gspo, "sapo": verl_sapo, "clip_cov": verl_clip_cov, "kl_cov": verl_kl_cov,
-        "geo_mean": verl_geo_mean, "cispo": verl_cispo}
+VERL = {
+    "dppo_tv": lambda *a, **k: verl_dppo(*a, **k, kind="tv"),
+    "dppo_kl": lambda *a, **k: verl_dppo(*a, **k, kind="kl"),
+    "dro": verl_dro,
+    "gspo": verl_gspo,
+    "sapo": verl_sapo,
+    "clip_cov": verl_clip_cov,
+    "kl_cov": verl_kl_cov,
+    "geo_mean": verl_geo_mean,
+    "cispo": verl_cispo,
+}
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -233,8 +259,15 @@ def actor_cfg(mode="token-mean", low=0.2, high=0.28, **policy_loss):
     kl_cov widened so that several tokens of a small batch are picked)."""
     pl = dict(clip_cov_ratio=0.2, clip_cov_lb=0.02, clip_cov_ub=3.0, kl_cov_ratio=0.2, ppo_kl_coef=0.5, dro_beta=0.3)
     pl.update(policy_loss)
-    return SimpleNamespace(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=3.0, loss_agg_mode=mode,
-                           tau_pos=1.0, tau_neg=1.05, policy_loss=SimpleNamespace(**pl))
+    return SimpleNamespace(
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=3.0,
+        loss_agg_mode=mode,
+        tau_pos=1.0,
+        tau_neg=1.05,
+        policy_loss=SimpleNamespace(**pl),
+    )
 
 
 def random_batch(seed: int, B: int = 6, T: int = 9, dtype=torch.float64, holes: bool = False):
@@ -291,8 +324,12 @@ def test_the_batches_exercise_the_clips_and_the_selections():
     unpenalised = POLICY_LOSSES["kl_cov"](old, lp, adv, mask, actor_cfg(ppo_kl_coef=0.0))[0]
     assert not torch.allclose(POLICY_LOSSES["kl_cov"](old, lp, adv, mask, cfg)[0], unpenalised)
     # with verl's defaults (a 0.0002 share: at least one token) the selections still pick one token each
-    defaults = actor_cfg(**{k: getattr(ActorConfig().policy_loss, k) for k in ("clip_cov_ratio", "clip_cov_lb",
-                                                                         "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")})
+    defaults = actor_cfg(
+        **{
+            k: getattr(ActorConfig().policy_loss, k)
+            for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+        }
+    )
     for name in ("clip_cov", "kl_cov"):
         torch.manual_seed(0)
         ours = POLICY_LOSSES[name](old, lp, adv, mask, defaults)[0]
@@ -311,8 +348,10 @@ def test_split_micro_batches_with_global_counts_sum_to_the_whole(name, mode):
     tokens, seqs = global_batch_counts(mask)
     kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=9.0)
     whole = POLICY_LOSSES[name](old, lp, adv, mask, cfg, is_weights=w, **kw)[0]
-    parts = sum(POLICY_LOSSES[name](old[s], lp[s], adv[s], mask[s], cfg, is_weights=w[s], **kw)[0]
-                for s in (slice(0, 3), slice(3, 7)))
+    parts = sum(
+        POLICY_LOSSES[name](old[s], lp[s], adv[s], mask[s], cfg, is_weights=w[s], **kw)[0]
+        for s in (slice(0, 3), slice(3, 7))
+    )
     torch.testing.assert_close(parts, whole)
     torch.testing.assert_close(torch.autograd.grad(parts, lp)[0], torch.autograd.grad(whole, lp)[0])
 
@@ -321,30 +360,50 @@ def test_the_entries_declare_what_their_clip_ratios_bound_and_the_keys_they_own(
     assert list(POLICY_LOSSES)[:3] == ["vanilla", "reinforce", "gpg"] and set(NEW) <= set(POLICY_LOSSES)
     assert POLICY_LOSSES["cispo"].clip is IS_WEIGHT and POLICY_LOSSES["geo_mean"].clip is LOG_RATIO
     assert all(POLICY_LOSSES[n].clip is PPO_RATIO for n in ("vanilla", "gspo", "clip_cov"))
-    assert POLICY_LOSSES["clip_cov"].keys == ("policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb",
-                                              "policy_loss.clip_cov_ub")
+    assert POLICY_LOSSES["clip_cov"].keys == (
+        "policy_loss.clip_cov_ratio",
+        "policy_loss.clip_cov_lb",
+        "policy_loss.clip_cov_ub",
+    )
     assert POLICY_LOSSES["kl_cov"].keys == ("policy_loss.kl_cov_ratio", "policy_loss.ppo_kl_coef")
     assert POLICY_LOSSES["sapo"].keys == ("tau_pos", "tau_neg")
     assert POLICY_LOSSES["dro"].keys == ("policy_loss.dro_beta",)
     assert POLICY_LOSSES["dppo_tv"].clip is DIVERGENCE and POLICY_LOSSES["dppo_kl"].clip is DIVERGENCE
     # verl 0.9.1's defaults (PolicyLossConfig / ActorConfig; its rollout_correction is
     # algorithm.rollout_correction here)
-    assert vars(ActorConfig().policy_loss) == dict(loss_mode="vanilla", clip_cov_ratio=0.0002, clip_cov_lb=1.0,
-                                                   clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=0.1,
-                                                   dro_beta=None)
+    assert vars(ActorConfig().policy_loss) == dict(
+        loss_mode="vanilla",
+        clip_cov_ratio=0.0002,
+        clip_cov_lb=1.0,
+        clip_cov_ub=5.0,
+        kl_cov_ratio=0.0002,
+        ppo_kl_coef=0.1,
+        dro_beta=None,
+    )
     assert (ActorConfig().tau_pos, ActorConfig().tau_neg) == (1.0, 1.05)
 
 
-@pytest.mark.parametrize("loss, key, value", [
-    ("clip_cov", "policy_loss.clip_cov_ratio", "0.001"), ("clip_cov", "policy_loss.clip_cov_lb", "0.5"),
-    ("clip_cov", "policy_loss.clip_cov_ub", "4.0"), ("kl_cov", "policy_loss.kl_cov_ratio", "0.002"),
-    ("kl_cov", "policy_loss.ppo_kl_coef", "1.0"), ("sapo", "tau_pos", "2.0"), ("sapo", "tau_neg", "1.5")])
+@pytest.mark.parametrize(
+    "loss, key, value",
+    [
+        ("clip_cov", "policy_loss.clip_cov_ratio", "0.001"),
+        ("clip_cov", "policy_loss.clip_cov_lb", "0.5"),
+        ("clip_cov", "policy_loss.clip_cov_ub", "4.0"),
+        ("kl_cov", "policy_loss.kl_cov_ratio", "0.002"),
+        ("kl_cov", "policy_loss.ppo_kl_coef", "1.0"),
+        ("sapo", "tau_pos", "2.0"),
+        ("sapo", "tau_neg", "1.5"),
+    ],
+)
 def test_a_key_of_one_loss_is_refused_when_another_is_selected(loss, key, value):
     cfg, _ = load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode={loss}", f"{KEY}{key}={value}"])
     assert str(cfg.actor_rollout_ref.actor.policy_loss.loss_mode) == loss
     for other in ("vanilla", "gspo"):
-        with pytest.raises(ConfigError, match=rf"{KEY}{key}={value} is read only by policy_loss.loss_mode={loss}, "
-                                              rf"but the selected loss is {other}"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"{KEY}{key}={value} is read only by policy_loss.loss_mode={loss}, "
+            rf"but the selected loss is {other}",
+        ):
             load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode={other}", f"{KEY}{key}={value}"])
     # at its default the key is accepted with any loss (verl's scripts spell defaults out)
     default = ActorConfig()
@@ -354,13 +413,17 @@ def test_a_key_of_one_loss_is_refused_when_another_is_selected(loss, key, value)
 
 
 def test_the_clip_ratio_ranges_follow_what_the_selected_loss_clips():
-    cfg, _ = load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=cispo", f"{KEY}clip_ratio_low=10",
-                                        f"{KEY}clip_ratio_high=0.2"])  # verl's examples/cispo_trainer
+    cfg, _ = load_config(
+        "tiny_klppo", [f"{KEY}policy_loss.loss_mode=cispo", f"{KEY}clip_ratio_low=10", f"{KEY}clip_ratio_high=0.2"]
+    )  # verl's examples/cispo_trainer
     assert cfg.actor_rollout_ref.actor.clip_ratio_low == 10
     load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=geo_mean", f"{KEY}clip_ratio_low=1.5"])
     for loss in ("vanilla", "gspo", "clip_cov"):
-        with pytest.raises(ConfigError, match=rf"clip_ratio_low \(10.0\) must be in \[0, 1\) with "
-                                              rf"policy_loss.loss_mode={loss}: it bounds PPO's ratio"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"clip_ratio_low \(10.0\) must be in \[0, 1\) with "
+            rf"policy_loss.loss_mode={loss}: it bounds PPO's ratio",
+        ):
             load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode={loss}", f"{KEY}clip_ratio_low=10"])
     with pytest.raises(ConfigError, match=r"clip_ratio_low \(-0.1\) must be >= 0 with policy_loss.loss_mode=cispo"):
         load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=cispo", f"{KEY}clip_ratio_low=-0.1"])
@@ -375,14 +438,18 @@ def test_each_loss_trains_through_the_actor_with_its_metrics(name):
     results = []
     for micro in (6, 2):
         model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
-        cfg = ActorConfig(ppo_micro_batch_size_per_gpu=micro, clip_ratio_low=10.0 if name == "cispo" else 0.2,
-                          clip_ratio_high=0.28)
+        cfg = ActorConfig(
+            ppo_micro_batch_size_per_gpu=micro, clip_ratio_low=10.0 if name == "cispo" else 0.2, clip_ratio_high=0.28
+        )
         cfg.policy_loss.loss_mode = name
         cfg.policy_loss.dro_beta = 0.3 if name == "dro" else None
         actor = Actor(model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim)))
         lp, _ = actor.compute_log_prob(b, 6, False, 10_000)
-        batch = dict(b, old_log_probs=lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
-                     * b["response_mask"])
+        batch = dict(
+            b,
+            old_log_probs=lp
+            + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1)) * b["response_mask"],
+        )
         torch.manual_seed(0)
         metrics = actor.update_policy(batch, mini_batch_rows=6)
         results.append(grads_of(model))
@@ -394,16 +461,23 @@ def test_each_loss_trains_through_the_actor_with_its_metrics(name):
 
 
 def test_dro_needs_its_beta_and_bypass_mode_needs_bypass_at_the_dry_run():
-    with pytest.raises(ConfigError, match=r"policy_loss.dro_beta=None: policy_loss.loss_mode=dro needs a positive beta"):
+    with pytest.raises(
+        ConfigError, match=r"policy_loss.dro_beta=None: policy_loss.loss_mode=dro needs a positive beta"
+    ):
         load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=dro"])
     cfg, _ = load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=dro", f"{KEY}policy_loss.dro_beta=0.1"])
     assert cfg.actor_rollout_ref.actor.policy_loss.dro_beta == 0.1
     with pytest.raises(ConfigError, match=r"policy_loss.dro_beta=0.1 is read only by policy_loss.loss_mode=dro"):
         load_config("tiny_klppo", [f"{KEY}policy_loss.dro_beta=0.1"])
-    with pytest.raises(ConfigError, match=r"loss_mode=bypass_mode is the loss of algorithm.rollout_correction."
-                                          r"bypass_mode=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"loss_mode=bypass_mode is the loss of algorithm.rollout_correction."
+        r"bypass_mode=true",
+    ):
         load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=bypass_mode"])
-    load_config("tiny_klppo", [f"{KEY}policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true"])
+    load_config(
+        "tiny_klppo", [f"{KEY}policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.bypass_mode=true"]
+    )
     cfg, _ = load_config("tiny_klppo", [f"{KEY}loss_agg_mode=token-sum"])
     assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-sum"
 

@@ -1,23 +1,31 @@
 """``launch.py preflight``: the allocation check (rlhf_hpc/preflight.py) end to end on this machine's
 2 CPU ranks (gloo, vLLM's CPU build): every check passes on a healthy setup, a broken weight sync
 fails it with its cause and key and exit code 2. Through Slurm: tests/test_slurm.py."""
+
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
 
-from rlhf_hpc.preflight import BUSBW_FLOOR_GBPS, Check, interconnect
 from rlhf_hpc.config.tree import parse_yaml
+from rlhf_hpc.preflight import BUSBW_FLOOR_GBPS, Check, interconnect
 from tests.conftest import require, run_launch
 
-CHECKS = ["process group", "bandwidth replicate", "rollout engine", "weight sync", "generation", "sleep/wake",
-          "actor micro-batch"]
+CHECKS = [
+    "process group",
+    "bandwidth replicate",
+    "rollout engine",
+    "weight sync",
+    "generation",
+    "sleep/wake",
+    "actor micro-batch",
+]
 
 
 def lines_of(stdout: str) -> list[str]:
     prefix = "[rlhf-hpc] preflight: "
-    return [line[len(prefix):] for line in stdout.splitlines() if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +34,13 @@ def vllm():
 
 
 def test_a_healthy_allocation_passes_every_check(vllm, tmp_path):
-    out = run_launch("preflight", "recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path}",
-                     "actor_rollout_ref.rollout.name=vllm", timeout=600)
+    out = run_launch(
+        "preflight",
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={tmp_path}",
+        "actor_rollout_ref.rollout.name=vllm",
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = lines_of(out.stdout)
     assert [line[5:].split("  ")[0].strip() for line in lines] == CHECKS, lines
@@ -49,8 +62,14 @@ def test_a_healthy_allocation_passes_every_check(vllm, tmp_path):
 
 def test_a_broken_weight_sync_fails_with_its_cause_and_key(vllm, tmp_path):
     # the fault seam's wrong_weights@0: the preflight's sync sends every tensor x1.5
-    out = run_launch("preflight", "recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path}",
-                     "actor_rollout_ref.rollout.name=vllm", "trainer.inject_fault=wrong_weights@0", timeout=600)
+    out = run_launch(
+        "preflight",
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={tmp_path}",
+        "actor_rollout_ref.rollout.name=vllm",
+        "trainer.inject_fault=wrong_weights@0",
+        timeout=600,
+    )
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     lines = lines_of(out.stdout)
     assert lines[-1].startswith("FAIL generation") and "actor micro-batch" not in out.stdout  # stops there
@@ -61,8 +80,14 @@ def test_a_broken_weight_sync_fails_with_its_cause_and_key(vllm, tmp_path):
 
 
 def test_the_dry_run_shows_the_preflight_job(tmp_path):
-    out = run_launch("preflight", "recipe=qwen7b_klppo", "cluster=slurm", "launcher.cluster_profile=example-gpu",
-                     "--dry-run", timeout=120)
+    out = run_launch(
+        "preflight",
+        "recipe=qwen7b_klppo",
+        "cluster=slurm",
+        "launcher.cluster_profile=example-gpu",
+        "--dry-run",
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = parse_yaml(out.stdout.split("# sbatch script")[0])
     assert cfg["trainer"]["preflight"] is True and cfg["trainer"]["experiment_name"].endswith("_preflight")
@@ -74,6 +99,7 @@ def test_the_dry_run_shows_the_preflight_job(tmp_path):
 
 def test_interconnects_are_named_by_where_the_ranks_are():
     import torch
+
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert interconnect([0, 1], ["a", "a"], cpu) == "one host (gloo)"
     assert interconnect([0, 2], ["a", "a", "b", "b"], cpu) == "network (gloo)"

@@ -8,6 +8,7 @@ the resume, parameters, tags, the config artifact, metric histories equal to ``m
 and ``launch.py compare`` on the MLflow copy. The rest (metric-name mapping, the hint rule, config
 checks, the ``launcher.nsys`` sbatch golden file) needs no launch.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,13 @@ import pytest
 import torch
 from mlflow import MlflowClient  # in the test extras (setup.cfg)
 
+from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.distributed.comm import GROUPS, collective
 from rlhf_hpc.observability.compare import compare, load_run, series
 from rlhf_hpc.observability.perf import Timer
-from rlhf_hpc.distributed.comm import GROUPS, collective
 from rlhf_hpc.observability.profiling import HINT_STEPS, CommHint, StepProfiler
-from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.observability.tracking import Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri, read_metrics
 from rlhf_hpc.recipe.load import load_config, load_resolved
-from rlhf_hpc.observability.tracking import (Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri,
-                                             read_metrics)
 from tests.conftest import REPO, run_launch
 
 NSYS_GOLDEN = REPO / "tests" / "golden" / "qwen7b_klppo_nsys.sbatch"
@@ -43,14 +43,21 @@ NOT_COLLECTIVES = ("_c10d_functional::wait_tensor", "_c10d_functional::_wrap_ten
 
 
 def launch(run: Path, steps: int):
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "actor_rollout_ref.rollout.name=hf",
-                     f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=-1",
-                     "trainer.val_before_train=false", "trainer.logger=[console,mlflow]",
-                     f"trainer.profile_steps=[{TRACED_STEP}]",
-                     # sharded, so FSDP's all-gathers are there to trace (the tiny model alone would be
-                     # replicated: rlhf_hpc.planning.layout)
-                     *[f"{m}.fsdp_config.fsdp_size=2" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
-                                                               "critic.model")], timeout=900)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run}",
+        "actor_rollout_ref.rollout.name=hf",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console,mlflow]",
+        f"trainer.profile_steps=[{TRACED_STEP}]",
+        # sharded, so FSDP's all-gathers are there to trace (the tiny model alone would be
+        # replicated: rlhf_hpc.planning.layout)
+        *[f"{m}.fsdp_config.fsdp_size=2" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")],
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -87,8 +94,14 @@ def profiler_comm(trace: dict) -> tuple[int, float]:
     on its worker threads (``gloo:*``)."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     ops = [e for e in events if e["name"].startswith(COLLECTIVE_OPS) and e["name"] not in NOT_COLLECTIVES]
-    top = [e for e in ops if not any(o is not e and o["tid"] == e["tid"] and o["ts"] <= e["ts"] and
-                                     e["ts"] + e["dur"] <= o["ts"] + o["dur"] for o in ops)]
+    top = [
+        e
+        for e in ops
+        if not any(
+            o is not e and o["tid"] == e["tid"] and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
+            for o in ops
+        )
+    ]
     gloo = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("gloo:")]
     return len(top), _union_s(gloo + [(e["ts"], e["ts"] + e["dur"]) for e in ops])
 
@@ -100,8 +113,13 @@ def test_chosen_step_is_traced_on_every_rank_with_the_loop_phases(run):
     for rank in (0, 1):
         trace = json.loads((traces / f"step{TRACED_STEP}" / f"rank{rank}.pt.trace.json").read_text())
         names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
-        assert {"phase/update_weights", "phase/gen", "phase/old_log_prob", "phase/update_critic",
-                "phase/update_actor"} <= names
+        assert {
+            "phase/update_weights",
+            "phase/gen",
+            "phase/old_log_prob",
+            "phase/update_critic",
+            "phase/update_actor",
+        } <= names
         assert any(n.startswith("FSDP::all_gather") for n in names) and "gloo:all_gather" in names
 
 
@@ -111,8 +129,10 @@ def test_comm_meter_agrees_with_the_profiler_on_the_traced_step(run):
         d = run_dir / "profile" / f"step{TRACED_STEP}"
         meter = json.loads((d / f"rank{rank}.comm.json").read_text())
         calls, seconds = profiler_comm(json.loads((d / f"rank{rank}.pt.trace.json").read_text()))
-        print(f"rank {rank}: meter {meter['calls']} collectives {meter['comm_s']:.3f} s, profiler {calls} "
-              f"collectives {seconds:.3f} s, step {meter['step_s']:.3f} s")
+        print(
+            f"rank {rank}: meter {meter['calls']} collectives {meter['comm_s']:.3f} s, profiler {calls} "
+            f"collectives {seconds:.3f} s, step {meter['step_s']:.3f} s"
+        )
         assert meter["calls"] == calls  # every collective of the step went through the meter
         assert (1 - COMM_REL_TOLERANCE) * seconds <= meter["comm_s"]
         assert meter["comm_s"] <= (1 + COMM_REL_TOLERANCE) * seconds + HANDOFF_S * calls
@@ -149,9 +169,21 @@ def test_meter_counts_hsdp_replicate_all_reduces(tmp_path):
     4 ranks on 2 cores spend long stretches descheduled inside collectives, which the meter counts
     and the profiler's gloo events do not."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(REPO / "tests" / "dist_profiling_checks.py"), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=4",
+            str(REPO / "tests" / "dist_profiling_checks.py"),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in range(4):
         trace = json.loads((tmp_path / "step2" / f"rank{rank}.pt.trace.json").read_text())
@@ -203,12 +235,21 @@ def test_compare_reads_mlflow_only_runs(run, tmp_path):
     assert series(load_run(f"mlflow:{run_id}", uri), "critic/score/mean") == want
     _, table, keys = compare([run_dir, f"mlflow:{run_id}"], mlflow_uri=uri)
     assert keys == [] and table[0]["critic/score/mean last"] == table[1]["critic/score/mean last"]
-    out = run_launch("compare", str(run_dir), f"mlflow:{run_id}", "--metrics", "critic/score/mean,perf/comm_fraction",
-                     "--out", str(tmp_path / "cmp"), env={"MLFLOW_TRACKING_URI": uri})
+    out = run_launch(
+        "compare",
+        str(run_dir),
+        f"mlflow:{run_id}",
+        "--metrics",
+        "critic/score/mean,perf/comm_fraction",
+        "--out",
+        str(tmp_path / "cmp"),
+        env={"MLFLOW_TRACKING_URI": uri},
+    )
     assert out.returncode == 0, out.stderr
     assert f"mlflow:{run_id}" in out.stdout and "config keys that differ: none" in out.stdout
-    out = run_launch("compare", "mlflow:0123456789abcdef", "--out", str(tmp_path / "cmp"),
-                     env={"MLFLOW_TRACKING_URI": uri})
+    out = run_launch(
+        "compare", "mlflow:0123456789abcdef", "--out", str(tmp_path / "cmp"), env={"MLFLOW_TRACKING_URI": uri}
+    )
     assert out.returncode == 2 and "mlflow:0123456789abcdef: no such run at" in out.stderr
 
 
@@ -230,26 +271,35 @@ def test_mlflow_tracking_uri_from_the_environment(tmp_path, monkeypatch):
 def test_mlflow_metric_names_map_rejected_characters_one_way():
     assert mlflow_metric_name("critic/score/mean") == "critic/score/mean"  # the loop's own names stay
     assert mlflow_metric_name("val-core/openai/gsm8k/reward/mean@4") == "val-core/openai/gsm8k/reward/mean_4"
-    assert mlflow_metric_name("val-core/synthetic://copy?size=64/reward/mean@1") == \
-        "val-core/synthetic:/copy_size_64/reward/mean_1"
+    assert (
+        mlflow_metric_name("val-core/synthetic://copy?size=64/reward/mean@1")
+        == "val-core/synthetic:/copy_size_64/reward/mean_1"
+    )
     assert mlflow_metric_name("a/../b/./c") == "a/_/b/_/c"
     from mlflow.utils.validation import _validate_metric_name
+
     for name in ("val-core/synthetic://copy?size=64/reward/mean@1", "a/../b/./c", "/lead/", "x" * 300):
         _validate_metric_name(mlflow_metric_name(name))  # MLflow's own check accepts the mapped name
 
 
 # ------------------------------------------------------------------------------ no launch
 def _fractions(total: float, train: float) -> dict[str, float]:
-    return {"perf/comm_fraction": total, "perf/comm_fraction_train": train,
-            "perf/comm_fraction_weight_sync": total - train, "perf/comm_fraction_rollout": 0.0,
-            "perf/comm_fraction_other": 0.0}
+    return {
+        "perf/comm_fraction": total,
+        "perf/comm_fraction_train": train,
+        "perf/comm_fraction_weight_sync": total - train,
+        "perf/comm_fraction_rollout": 0.0,
+        "perf/comm_fraction_other": 0.0,
+    }
 
 
 def test_hint_after_three_steps_over_a_fifth_once_per_run():
     # sharded (fsdp_size=2): FSDP's keys the recipe leaves open are there to name
     hint = CommHint(load_config("tiny_klppo", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=2"])[0])
-    said = [hint.update(_fractions(f, f * 0.9)) for f in (0.3, 0.3, 0.1, 0.3, 0.25, 0.4, 0.5, 0.6, 0.2,
-                                                          0.1, 0.3, 0.3, 0.3, 0.3)]
+    said = [
+        hint.update(_fractions(f, f * 0.9))
+        for f in (0.3, 0.3, 0.1, 0.3, 0.25, 0.4, 0.5, 0.6, 0.2, 0.1, 0.3, 0.3, 0.3, 0.3)
+    ]
     assert [i for i, s in enumerate(said) if s] == [3 + HINT_STEPS - 1]  # the second stretch says nothing
     assert "most in train" in said[5] and "fsdp_config.forward_prefetch=true" in said[5]
     assert "ppo_micro_batch_size_per_gpu" not in said[5]  # tiny_klppo sets it (4)
@@ -258,8 +308,10 @@ def test_hint_after_three_steps_over_a_fifth_once_per_run():
 
 def test_hint_leaves_what_the_recipe_chose_alone():
     cfg = load_config("tiny_klppo")[0]
-    assert {"actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.tensor_model_parallel_size"
-            } <= cfg.recipe_keys and "actor_rollout_ref.rollout.update_weights_bucket_mb" not in cfg.recipe_keys
+    assert {
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    } <= cfg.recipe_keys and "actor_rollout_ref.rollout.update_weights_bucket_mb" not in cfg.recipe_keys
     # the demo's model is replicated (rlhf_hpc.planning.layout): its one collective is the gradient all-reduce,
     # whose one key the recipe set (and a bf16 reduce would leave the CPU's shared-memory path)
     hint = CommHint(cfg)
@@ -272,13 +324,15 @@ def test_hint_leaves_what_the_recipe_chose_alone():
     assert "reduce_dtype" not in CommHint(cfg).keys_for("train")
     multi = load_config("qwen7b_klppo_4node", check_files=False)[0]
     assert "fsdp_size" not in CommHint(multi).keys_for("train")  # that recipe is HSDP already (8 per node)
-    multi = load_config("qwen7b_klppo_4node", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"],
-                        check_files=False)[0]
+    multi = load_config("qwen7b_klppo_4node", ["actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"], check_files=False)[
+        0
+    ]
     assert "fsdp_config.fsdp_size=8 (now -1" in CommHint(multi).keys_for("train")  # the override is advised
 
 
 def test_a_run_keeps_what_its_recipe_chose(tmp_path):
     from rlhf_hpc.recipe.load import load_resolved, write_resolved
+
     cfg = load_config("tiny_klppo", ["actor_rollout_ref.actor.optim.lr=2e-3"])[0]
     write_resolved(cfg, tmp_path)
     again = load_resolved(tmp_path / "config.yaml")
@@ -289,8 +343,14 @@ def test_a_run_keeps_what_its_recipe_chose(tmp_path):
 
 
 def test_profiler_ranks_and_save_path_choose_what_is_traced_where(tmp_path):
-    cfg = load_config("tiny_klppo", ["global_profiler.steps=[2]", "global_profiler.ranks=[1]",
-                                     f"global_profiler.save_path={tmp_path / 'elsewhere'}"])[0]
+    cfg = load_config(
+        "tiny_klppo",
+        [
+            "global_profiler.steps=[2]",
+            "global_profiler.ranks=[1]",
+            f"global_profiler.save_path={tmp_path / 'elsewhere'}",
+        ],
+    )[0]
     for rank in (0, 1):
         profiler = StepProfiler(cfg, rank, torch.device("cpu"), tmp_path / "run")
         for step in (1, 2):
@@ -302,7 +362,9 @@ def test_profiler_ranks_and_save_path_choose_what_is_traced_where(tmp_path):
                     pass
             m = profiler.metrics(timer.times)
             assert m["perf/comm_fraction_train"] > 0 and m["perf/comm_fraction_weight_sync"] == 0
-            assert m["perf/comm_fraction"] == pytest.approx(m["perf/comm_fraction_train"] + m["perf/comm_fraction_other"])
+            assert m["perf/comm_fraction"] == pytest.approx(
+                m["perf/comm_fraction_train"] + m["perf/comm_fraction_other"]
+            )
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert files == ["elsewhere/step2/rank1.comm.json", "elsewhere/step2/rank1.pt.trace.json"]
     summary = json.loads((tmp_path / "elsewhere" / "step2" / "rank1.comm.json").read_text())
@@ -325,8 +387,14 @@ def test_profiler_keys_are_checked():
 
 
 def test_nsys_sbatch_matches_the_golden_file(tmp_path):
-    out = run_launch("recipe=qwen7b_klppo", "cluster=slurm", "launcher.cluster_profile=example-gpu", "--dry-run",
-                     f"trainer.default_local_dir={tmp_path}/run", "launcher.nsys=true")
+    out = run_launch(
+        "recipe=qwen7b_klppo",
+        "cluster=slurm",
+        "launcher.cluster_profile=example-gpu",
+        "--dry-run",
+        f"trainer.default_local_dir={tmp_path}/run",
+        "launcher.nsys=true",
+    )
     assert out.returncode == 0, out.stderr
     script = out.stdout.split("# sbatch script (cluster=slurm)\n", 1)[1]
     script = script.replace(str(tmp_path), "<TMP>").replace(sys.executable, "<PYTHON>")
@@ -341,6 +409,7 @@ def test_timer_keeps_each_phase_peak_and_the_runs_peak():
     """Phase peaks (``memory_gb/<phase>``) restart at each phase; the outer phase and the run's peak
     (``perf/max_memory_allocated_gb``) still see the largest inner one."""
     from rlhf_hpc.observability.perf import memory_metrics
+
     cpu = torch.device("cpu")
     timer = Timer(cpu)
     with timer("step"):

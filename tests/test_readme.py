@@ -1,4 +1,5 @@
 """The README's commands are real: its test command is .ci/run's, its dry runs run here."""
+
 from __future__ import annotations
 
 import re
@@ -30,5 +31,5 @@ def test_readme_dry_runs_succeed():
     assert len(dry) >= 2
     for cmd in dry:
         args = shlex.split(cmd)
-        out = run_launch(*args[args.index("launch.py") + 1:], "cluster=local")
+        out = run_launch(*args[args.index("launch.py") + 1 :], "cluster=local")
         assert out.returncode == 0, f"{cmd}\n{out.stderr}"

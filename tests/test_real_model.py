@@ -18,6 +18,7 @@ peak resident memory measured 1.09x (hf) and 1.17x (vLLM) the plan's largest pha
 allows 0.85x-1.3x. RSS counts what the plan cannot (the allocators' slack, vLLM's CPU internals).
 Each phase of step 1 against its plan figure: 1.07x-1.43x, allowed 0.85x-1.55x (see the test).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,8 +36,10 @@ GSM8K_STEPS = 1  # each step of these runs takes ~80 s on 2 cores; what is check
 @pytest.fixture(scope="module")
 def gsm8k(tmp_path_factory) -> str:
     from tests.conftest import SHARED
+
     require("../shared", SHARED.is_dir(), f"{SHARED} is missing")
     from rlhf_hpc.data.prepare import main as prepare
+
     out = tmp_path_factory.mktemp("gsm8k")
     assert prepare(["gsm8k", "--src", str(SHARED / "data" / "gsm8k"), "--out", str(out)]) == 0
     return str(out)
@@ -44,28 +47,39 @@ def gsm8k(tmp_path_factory) -> str:
 
 def test_the_prepared_checkpoint_is_a_tied_chatml_llama(smollm):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     from rlhf_hpc.models.architectures import architecture_problems
+
     model = AutoModelForCausalLM.from_pretrained(smollm, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(smollm)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49152
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     assert architecture_problems(model.config, "actor_rollout_ref.model") == ([], [])
     assert GenerationConfig.from_pretrained(smollm).eos_token_id == tok.eos_token_id == 2  # <|im_end|>
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.endswith("<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n")
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "12 + 7" in tok.decode(out[0, ids.shape[1]:])  # a language model, not random weights
+    assert "12 + 7" in tok.decode(out[0, ids.shape[1] :])  # a language model, not random weights
 
 
 def test_gsm8k_prompts_are_the_chat_template(smollm, gsm8k):
     from transformers import AutoTokenizer
+
     from rlhf_hpc.data.dataset import load_examples, read_rows
     from rlhf_hpc.models.tokenizer import load_tokenizer, stop_token_ids
-    cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={smollm}", f"data.train_files={gsm8k}/test.parquet",
-                                        "data.max_prompt_length=512"])
+
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            f"actor_rollout_ref.model.path={smollm}",
+            f"data.train_files={gsm8k}/test.parquet",
+            "data.max_prompt_length=512",
+        ],
+    )
     tok = load_tokenizer(smollm)
     examples = load_examples(cfg.data.train_files, tok, cfg.data)
     rows = read_rows(cfg.data.train_files)
@@ -83,29 +97,53 @@ def test_vllm_stops_at_the_eos_and_the_eos_is_scored(smollm):
     valid response token (in the mask, under the score), as verl's response mask does, and the
     engine's log-prob of it matches the actor's."""
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
-    from rlhf_hpc.ppo.actor import Actor, ActorSpec
     from rlhf_hpc.distributed.rows import RolloutRow
     from rlhf_hpc.models.hf import build_causal_lm
-    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
+    from rlhf_hpc.models.tokenizer import load_tokenizer
+    from rlhf_hpc.ppo.actor import Actor, ActorSpec
+    from rlhf_hpc.ppo.step_batch import make_step_batch, sampling_for, scores_on_last_token
     from rlhf_hpc.rollout.base import logprob_mismatch
     from rlhf_hpc.rollout.factory import make_engine
-    from rlhf_hpc.models.tokenizer import load_tokenizer
-    from rlhf_hpc.ppo.step_batch import make_step_batch, sampling_for, scores_on_last_token
-    cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={smollm}", "actor_rollout_ref.rollout.name=vllm",
-                                        "data.max_prompt_length=96", "data.max_response_length=48",
-                                        "actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.n=4"])
+    from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
+
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            f"actor_rollout_ref.model.path={smollm}",
+            "actor_rollout_ref.rollout.name=vllm",
+            "data.max_prompt_length=96",
+            "data.max_response_length=48",
+            "actor_rollout_ref.rollout.temperature=0.7",
+            "actor_rollout_ref.rollout.n=4",
+        ],
+    )
     tok = load_tokenizer(smollm)
-    actor = Actor(build_causal_lm(smollm, torch.float32, attn="varlen"), cfg.actor_rollout_ref.actor,
-                  ActorSpec(temperature=0.7))
+    actor = Actor(
+        build_causal_lm(smollm, torch.float32, attn="varlen"), cfg.actor_rollout_ref.actor, ActorSpec(temperature=0.7)
+    )
     engine = make_engine(cfg, smollm, torch.device("cpu"))
     assert engine.tied_aliases == {"model.embed_tokens.weight": ["lm_head.weight"]}
     sync_weights_to_rollout(actor.model, engine, torch.float32, 64)
     questions = ["Say hello.", "What color is the sky? Answer in one word.", "Name a fruit.", "What is 2 + 2?"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"] for q in questions]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for q in questions
+    ]
     groups = engine.generate(prompts, sampling_for(cfg, tok, seed=3))
-    rows = [RolloutRow(prompt_pos=i, example=i, prompt_ids=p, token_ids=list(r.token_ids), logprobs=list(r.logprobs),
-                       finish_reason=r.finish_reason) for i, (p, group) in enumerate(zip(prompts, groups)) for r in group]
+    rows = [
+        RolloutRow(
+            prompt_pos=i,
+            example=i,
+            prompt_ids=p,
+            token_ids=list(r.token_ids),
+            logprobs=list(r.logprobs),
+            finish_reason=r.finish_reason,
+        )
+        for i, (p, group) in enumerate(zip(prompts, groups))
+        for r in group
+    ]
     stopped = [i for i, r in enumerate(rows) if r.finish_reason == "stop"]
     assert len(stopped) >= 4, [tok.decode(r.token_ids) for r in rows]
     assert all(rows[i].token_ids[-1] == 2 and 2 not in rows[i].token_ids[:-1] for i in stopped)
@@ -118,19 +156,33 @@ def test_vllm_stops_at_the_eos_and_the_eos_is_scored(smollm):
     lp, _ = actor.compute_log_prob(batch, micro_batch_size=16)
     mismatch = logprob_mismatch(batch["engine_log_probs"], lp, batch["response_mask"])
     assert mismatch["rollout/logprob_diff_max"] < 1e-3 and abs(mismatch["rollout/engine_actor_kl"]) < 1e-4, mismatch
-    eos_diff = max(abs(batch["engine_log_probs"][i, len(rows[i].token_ids) - 1] - lp[i, len(rows[i].token_ids) - 1])
-                   for i in stopped)
+    eos_diff = max(
+        abs(batch["engine_log_probs"][i, len(rows[i].token_ids) - 1] - lp[i, len(rows[i].token_ids) - 1])
+        for i in stopped
+    )
     assert eos_diff < 1e-3
     engine.close()
 
 
 def gsm8k_run(smollm: str, gsm8k: str, engine: str) -> list[str]:
-    return ["recipe=tiny_klppo", f"actor_rollout_ref.model.path={smollm}", f"data.train_files={gsm8k}/train.parquet",
-            "data.val_files=null", "data.max_prompt_length=256", "data.filter_overlong_prompts=true",
-            "data.max_response_length=48", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-6",
-            "critic.optim.lr=1e-5", f"trainer.total_training_steps={GSM8K_STEPS}", f"trainer.save_freq={GSM8K_STEPS}",
-            "trainer.test_freq=-1", f"actor_rollout_ref.rollout.name={engine}"]
+    return [
+        "recipe=tiny_klppo",
+        f"actor_rollout_ref.model.path={smollm}",
+        f"data.train_files={gsm8k}/train.parquet",
+        "data.val_files=null",
+        "data.max_prompt_length=256",
+        "data.filter_overlong_prompts=true",
+        "data.max_response_length=48",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "critic.optim.lr=1e-5",
+        f"trainer.total_training_steps={GSM8K_STEPS}",
+        f"trainer.save_freq={GSM8K_STEPS}",
+        "trainer.test_freq=-1",
+        f"actor_rollout_ref.rollout.name={engine}",
+    ]
 
 
 @pytest.fixture(scope="module", params=["vllm", "hf"])
@@ -162,13 +214,15 @@ def test_kl_ppo_steps_on_gsm8k_agree_with_the_engine(gsm8k_run_dir):
 def test_the_layout_and_memory_plan_match_the_run(gsm8k_run_dir):
     from rlhf_hpc.planning.memory_plan import check_plan
     from rlhf_hpc.planning.sizing import GiB
+
     engine, run, stdout, dry, args = gsm8k_run_dir
     # the plans' choice (rlhf_hpc.planning.layout_search): the vLLM engine's CPU runtime leaves too
     # little room to replicate (planned peak 10.2 GiB of 11.8 per rank, over the 85% margin); hf replicates
     layout = next(line for line in dry.splitlines() if line.startswith("# FSDP layout of actor, ref, critic:"))
     size = {"vllm": 2, "hf": 1}[engine]
-    assert layout.startswith(f"# FSDP layout of actor, ref, critic: fsdp_size={size}, reshard_after_forward="
-                             f"{str(size > 1).lower()}"), layout
+    assert layout.startswith(
+        f"# FSDP layout of actor, ref, critic: fsdp_size={size}, reshard_after_forward={str(size > 1).lower()}"
+    ), layout
     assert "the fastest layout the time plan finds that fits the memory plan" in layout
     assert ("fsdp_size=1 does not fit (peak" if size == 2 else "fsdp_size=2: ") in layout
     assert stdout.count(layout) == 1  # the dry run said what the run says, once
@@ -197,17 +251,23 @@ def test_the_layout_and_memory_plan_match_the_run(gsm8k_run_dir):
 @pytest.mark.slow
 def test_the_exported_checkpoint_loads_back_tied_and_generates(gsm8k_run_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     _, run, _, _, _ = gsm8k_run_dir
-    out = run_launch("export", str(run / f"global_step_{GSM8K_STEPS}"), "--out", str(tmp_path / "hf"),
-                     "--dtype", "float32")
+    out = run_launch(
+        "export", str(run / f"global_step_{GSM8K_STEPS}"), "--out", str(tmp_path / "hf"), "--dtype", "float32"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.config.tie_word_embeddings
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 7?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     with torch.no_grad():
-        text = tok.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:])
+        text = tok.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
     assert "12 + 7" in text, text  # the trained model still talks (a step at lr 1e-6)
 
 
@@ -221,11 +281,20 @@ def test_lora_grpo_on_the_real_tied_model_syncs_the_adapter_alone(smollm, tmp_pa
     warning names."""
     from rlhf_hpc.planning.hardware import cpu_bf16_keys, cpu_has_native_bf16
     from rlhf_hpc.recipe.load import load_config
+
     run = tmp_path / "lora"
-    args = ["recipe=smollm2_add_grpo", f"actor_rollout_ref.model.path={smollm}", f"trainer.default_local_dir={run}",
-            "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-            "trainer.save_freq=-1", "actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32",
-            "actor_rollout_ref.actor.optim.lr=2e-4"]
+    args = [
+        "recipe=smollm2_add_grpo",
+        f"actor_rollout_ref.model.path={smollm}",
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "actor_rollout_ref.model.lora_rank=16",
+        "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.actor.optim.lr=2e-4",
+    ]
     if cpu_has_native_bf16() is False:
         cfg, _ = load_config("smollm2_add_grpo", args[1:], check_files=False)
         args += [f"{key}=float32" for key in cpu_bf16_keys(cfg)]
@@ -251,12 +320,19 @@ def test_a_fresh_machine_calibrates_at_its_first_run_and_plans_the_real_grpo_ste
     oneDNN's kernels chosen): measured/planned 1.35-1.36 here and 1.56-1.80 on another VM, so it is
     held to a looser bound. A second launch reads the file."""
     from rlhf_hpc.planning.hardware import cpu_bf16_keys, cpu_has_native_bf16
+
     cache = tmp_path / "cache"
     env = {"RLHF_HPC_CACHE": str(cache)}
     run = tmp_path / "run"
-    args = ["recipe=smollm2_add_grpo", f"actor_rollout_ref.model.path={smollm}", f"trainer.default_local_dir={run}",
-            "trainer.total_training_steps=4", "trainer.val_before_train=false", "trainer.test_freq=-1",
-            "trainer.save_freq=-1"]
+    args = [
+        "recipe=smollm2_add_grpo",
+        f"actor_rollout_ref.model.path={smollm}",
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=4",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+    ]
     if cpu_has_native_bf16() is False:  # (emulated bf16 is 5-25x slower: float32, as the dry run advises)
         cfg, _ = load_config("smollm2_add_grpo", args[1:], check_files=False)
         args += [f"{key}=float32" for key in cpu_bf16_keys(cfg)]

@@ -1,4 +1,5 @@
 """Reliability: the stability guard, damaged checkpoints, resume safety, faults in real processes."""
+
 from __future__ import annotations
 
 import copy
@@ -6,21 +7,21 @@ import hashlib
 import json
 import math
 import os
-import re
 import pickle
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.config.schema import GuardConfig
-from rlhf_hpc.ppo.guard import StabilityGuard
-from rlhf_hpc.ppo.checkpoint import RESUME_KEYS, check_resume_compatible
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.recipe.load import load_config
+from rlhf_hpc.config.schema import GuardConfig
 from rlhf_hpc.config.tree import dump_yaml, get_key, to_dict
 from rlhf_hpc.observability.tracking import read_metrics
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.ppo.checkpoint import RESUME_KEYS, check_resume_compatible
+from rlhf_hpc.ppo.guard import StabilityGuard
+from rlhf_hpc.recipe.load import load_config
 from tests.conftest import run_launch, wandb_history
 
 # what may differ between two runs of the same steps (a restarted run repeats steps: log_step)
@@ -40,7 +41,9 @@ def test_guard_checks():
     g3 = StabilityGuard(GuardConfig(vf_jump_factor=10, window=3))
     for v in (1.0, 2.0, 1.5):
         assert g3.check({"critic/vf_loss": v}) is None
-    assert g3.check({"critic/vf_loss": 16.0}).startswith("critic/vf_loss 16 > 10 x the median of the last 3 steps (1.5)")
+    assert g3.check({"critic/vf_loss": 16.0}).startswith(
+        "critic/vf_loss 16 > 10 x the median of the last 3 steps (1.5)"
+    )
 
 
 def test_guard_ignores_a_small_noisy_value_loss_and_catches_a_blow_up():
@@ -52,7 +55,10 @@ def test_guard_ignores_a_small_noisy_value_loss_and_catches_a_blow_up():
     assert g.check({**demo, "critic/vf_loss": 0.014}) is None
     # a critic gone wrong: worse than predicting 0 on every token, and 10x its recent median
     reason = g.check({**demo, "critic/vf_loss": 3.0})
-    assert reason.startswith("critic/vf_loss 3 > 10.0 x the median of the last 5 steps (0.0012)") and "> 0.5, the loss" in reason
+    assert (
+        reason.startswith("critic/vf_loss 3 > 10.0 x the median of the last 5 steps (0.0012)")
+        and "> 0.5, the loss" in reason
+    )
     # returns of a larger scale raise the floor with them
     big = {"critic/returns/max": 20.0, "critic/returns/min": -4.0}
     g = StabilityGuard(GuardConfig())
@@ -64,12 +70,90 @@ def test_guard_ignores_a_small_noisy_value_loss_and_catches_a_blow_up():
 
 # a healthy real run (BENCHMARKS.md "A real model learns": SmolLM2-135M, GRPO, 40 steps): the policy
 # sharpens (entropy 2.27 -> 0.28) and moves away from the reference (KL 0 -> 0.31) over many steps
-HEALTHY_ENTROPY = [2.266, 2.168, 2.226, 2.156, 2.036, 2.105, 2.112, 2.04, 2.096, 1.985, 2.28, 2.042, 1.967, 2.134,
-                   1.83, 1.922, 1.875, 1.738, 1.717, 1.649, 1.674, 1.615, 1.23, 1.415, 1.245, 1.011, 1.17, 1.05,
-                   0.966, 0.857, 0.837, 0.59, 0.717, 0.535, 0.547, 0.416, 0.413, 0.344, 0.58, 0.277]
-HEALTHY_KL = [0.0, 0.002, 0.001, -0.0, 0.003, -0.0, 0.003, 0.001, 0.001, 0.006, 0.002, 0.011, 0.013, 0.004, 0.017,
-              0.022, 0.019, 0.029, 0.029, 0.067, 0.059, 0.071, 0.12, 0.073, 0.101, 0.143, 0.147, 0.16, 0.159, 0.203,
-              0.21, 0.261, 0.216, 0.282, 0.266, 0.345, 0.278, 0.336, 0.282, 0.309]
+HEALTHY_ENTROPY = [
+    2.266,
+    2.168,
+    2.226,
+    2.156,
+    2.036,
+    2.105,
+    2.112,
+    2.04,
+    2.096,
+    1.985,
+    2.28,
+    2.042,
+    1.967,
+    2.134,
+    1.83,
+    1.922,
+    1.875,
+    1.738,
+    1.717,
+    1.649,
+    1.674,
+    1.615,
+    1.23,
+    1.415,
+    1.245,
+    1.011,
+    1.17,
+    1.05,
+    0.966,
+    0.857,
+    0.837,
+    0.59,
+    0.717,
+    0.535,
+    0.547,
+    0.416,
+    0.413,
+    0.344,
+    0.58,
+    0.277,
+]
+HEALTHY_KL = [
+    0.0,
+    0.002,
+    0.001,
+    -0.0,
+    0.003,
+    -0.0,
+    0.003,
+    0.001,
+    0.001,
+    0.006,
+    0.002,
+    0.011,
+    0.013,
+    0.004,
+    0.017,
+    0.022,
+    0.019,
+    0.029,
+    0.029,
+    0.067,
+    0.059,
+    0.071,
+    0.12,
+    0.073,
+    0.101,
+    0.143,
+    0.147,
+    0.16,
+    0.159,
+    0.203,
+    0.21,
+    0.261,
+    0.216,
+    0.282,
+    0.266,
+    0.345,
+    0.278,
+    0.336,
+    0.282,
+    0.309,
+]
 
 
 def test_guard_catches_a_collapse_against_the_runs_own_level():
@@ -79,12 +163,19 @@ def test_guard_catches_a_collapse_against_the_runs_own_level():
     g = StabilityGuard(GuardConfig())
     assert g.check({"actor/entropy": 4.14, "actor/ref_kl_mean": 0.0}) is None and g.lag == 0
     reason = g.check({"actor/entropy": 0.0, "actor/ref_kl_mean": 4.2})
-    assert reason == ("actor/entropy 0 < trainer.guard.entropy_drop=0.2 x its median over the last 1 steps (4.14): "
-                      "the policy collapsed") and g.lag == 1
+    assert (
+        reason
+        == (
+            "actor/entropy 0 < trainer.guard.entropy_drop=0.2 x its median over the last 1 steps (4.14): "
+            "the policy collapsed"
+        )
+        and g.lag == 1
+    )
     g = StabilityGuard(GuardConfig(entropy_drop=None))
     g.check({"actor/entropy": 4.14, "actor/ref_kl_mean": 0.0})
     assert g.check({"actor/entropy": 0.0, "actor/ref_kl_mean": 4.2}).startswith(
-        "KL(actor || reference) 4.2 jumped past trainer.guard.kl_jump_factor=3.0 x its median over the last 1 steps (0)")
+        "KL(actor || reference) 4.2 jumped past trainer.guard.kl_jump_factor=3.0 x its median over the last 1 steps (0)"
+    )
     healthy = StabilityGuard(GuardConfig())
     for entropy, kl in zip(HEALTHY_ENTROPY, HEALTHY_KL):
         assert healthy.check({"actor/entropy": entropy, "actor/ref_kl_mean": kl}) is None, (entropy, kl)
@@ -106,8 +197,9 @@ def test_guard_trips_scale_and_stop():
 
 # ------------------------------------------------------------------------------- checkpoints
 def _save(root: Path, step: int, model: torch.nn.Module) -> Path:
-    return ckpt.save_checkpoint(root, step, {"actor": (model, torch.optim.AdamW(model.parameters()))},
-                                extra={"global_step": step})
+    return ckpt.save_checkpoint(
+        root, step, {"actor": (model, torch.optim.AdamW(model.parameters()))}, extra={"global_step": step}
+    )
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path):
@@ -139,20 +231,25 @@ def test_same_size_damage_is_found_by_its_checksum_and_the_previous_checkpoint_i
         model.weight.add_(1.0)
     newest = _save(tmp_path, 2, model)
     manifest = json.loads((newest / ckpt.COMPLETE).read_text())
-    assert manifest["sha256"]["actor/.metadata"] == hashlib.sha256((newest / "actor/.metadata").read_bytes()).hexdigest()
+    assert (
+        manifest["sha256"]["actor/.metadata"] == hashlib.sha256((newest / "actor/.metadata").read_bytes()).hexdigest()
+    )
     assert sorted(manifest["sha256"]) == sorted(manifest["files"])  # every file, as sha256sum computes it
     meta = newest / "actor" / ".metadata"
     meta.write_bytes(os.urandom(meta.stat().st_size))
     said = []
     assert ckpt.choose_resume(tmp_path, said.append) == first
-    assert said == [f"[rlhf-hpc] checkpoint {newest} is damaged (actor/.metadata does not match its sha256 checksum "
-                    f"(same size, other content)); falling back to the previous one"]
+    assert said == [
+        f"[rlhf-hpc] checkpoint {newest} is damaged (actor/.metadata does not match its sha256 checksum "
+        f"(same size, other content)); falling back to the previous one"
+    ]
     assert ckpt.choose_resume(tmp_path, content=False) == newest  # the launcher's quick look: sizes only
     cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={tmp_path}"], check_files=False)
     fresh, fresh_optimizer = _model_and_optimizer(1)
     applied = []
-    path, extra = ckpt.resume(cfg, tmp_path, {"actor": (fresh, fresh_optimizer)}, log=lambda *_: None,
-                              apply=applied.append)
+    path, extra = ckpt.resume(
+        cfg, tmp_path, {"actor": (fresh, fresh_optimizer)}, log=lambda *_: None, apply=applied.append
+    )
     assert path == first and extra == {"global_step": 1} and applied == [extra]
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
 
@@ -197,27 +294,33 @@ def test_save_contents_choose_what_a_checkpoint_holds_and_a_resume_says_what_it_
     from transformers import AutoModelForCausalLM
 
     from rlhf_hpc.models.hf import build_causal_lm
+
     model, optimizer = _model_and_optimizer(0)
     optimizer.zero_grad()
     model(torch.ones(1, 64)).sum().backward()
     optimizer.step()  # (an optimizer with state to leave out)
     full = ckpt.save_checkpoint(tmp_path, 1, {"actor": (model, optimizer)}, {"global_step": 1})
-    only_model = ckpt.save_checkpoint(tmp_path, 2, {"actor": (model, optimizer)}, {"global_step": 2},
-                                      contents={"actor": {"model"}})
+    only_model = ckpt.save_checkpoint(
+        tmp_path, 2, {"actor": (model, optimizer)}, {"global_step": 2}, contents={"actor": {"model"}}
+    )
     assert ckpt.saved_contents(full) == {"actor": {"model", "optimizer", "extra"}}
     assert ckpt.saved_contents(only_model) == {"actor": {"model"}} and not (only_model / "rng").exists()
-    assert sum(f.stat().st_size for f in (only_model / "actor").iterdir()) < \
-        sum(f.stat().st_size for f in (full / "actor").iterdir()) / 2  # no Adam moments
+    assert (
+        sum(f.stat().st_size for f in (only_model / "actor").iterdir())
+        < sum(f.stat().st_size for f in (full / "actor").iterdir()) / 2
+    )  # no Adam moments
     cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={tmp_path}"], check_files=False)
     fresh, fresh_optimizer = _model_and_optimizer(1)
     said = []
     path, extra = ckpt.resume(cfg, tmp_path, {"actor": (fresh, fresh_optimizer)}, said.append)
     assert path == only_model and extra == {"global_step": 2}
     assert torch.equal(fresh.weight, model.weight) and not fresh_optimizer.state  # the model; a fresh optimizer
-    assert said == [f"[rlhf-hpc] {only_model}: the actor's checkpoint holds no optimizer state (the optimizer starts "
-                    f"fresh): it was saved with actor.checkpoint.save_contents=['model']",
-                    f"[rlhf-hpc] {only_model}: the actor's checkpoint holds no LR schedule or RNG states (the schedule "
-                    f"starts over; the RNG is seeded anew): it was saved with actor.checkpoint.save_contents=['model']"]
+    assert said == [
+        f"[rlhf-hpc] {only_model}: the actor's checkpoint holds no optimizer state (the optimizer starts "
+        f"fresh): it was saved with actor.checkpoint.save_contents=['model']",
+        f"[rlhf-hpc] {only_model}: the actor's checkpoint holds no LR schedule or RNG states (the schedule "
+        f"starts over; the RNG is seeded anew): it was saved with actor.checkpoint.save_contents=['model']",
+    ]
     # load_contents without the optimizer: none loaded, nothing said
     fresh, fresh_optimizer = _model_and_optimizer(1)
     said = []
@@ -226,16 +329,23 @@ def test_save_contents_choose_what_a_checkpoint_holds_and_a_resume_says_what_it_
     # hf_model alone: a Hugging Face model, no shards; passed over by a resume, refused by name
     lm = build_causal_lm("tiny://qwen2", torch.float32, "cpu", seed=0)
     mcfg = SimpleNamespace(path="tiny://qwen2", override_config={}, trust_remote_code=False, tokenizer_path=None)
-    hf_only = ckpt.save_checkpoint(tmp_path / "lm", 3, {"actor": (lm, torch.optim.AdamW(lm.parameters()))},
-                                   {"global_step": 3}, contents={"actor": {"hf_model"}},
-                                   hf_writer=lambda name, m, out: ckpt.save_hf_model(m, mcfg, out, "float32"))
+    hf_only = ckpt.save_checkpoint(
+        tmp_path / "lm",
+        3,
+        {"actor": (lm, torch.optim.AdamW(lm.parameters()))},
+        {"global_step": 3},
+        contents={"actor": {"hf_model"}},
+        hf_writer=lambda name, m, out: ckpt.save_hf_model(m, mcfg, out, "float32"),
+    )
     assert sorted(p.name for p in (hf_only / "actor").iterdir()) == [ckpt.HF_DIR]
     back = AutoModelForCausalLM.from_pretrained(hf_only / "actor" / ckpt.HF_DIR)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in lm.state_dict().items())
     assert ckpt.verify_checkpoint(hf_only) is None
     why = ckpt.model_missing(hf_only, None)
-    assert why == (f"its actor holds no model shards (saved with save_contents=['hf_model']), so no run can continue "
-                   f"from it; its Hugging Face model {hf_only / 'actor' / ckpt.HF_DIR} can start a new run (model.path)")
+    assert why == (
+        f"its actor holds no model shards (saved with save_contents=['hf_model']), so no run can continue "
+        f"from it; its Hugging Face model {hf_only / 'actor' / ckpt.HF_DIR} can start a new run (model.path)"
+    )
     cfg, _ = load_config("tiny_klppo", [f"trainer.resume_mode={hf_only}"], check_files=False)
     with pytest.raises(RuntimeError, match="holds no model shards"):
         ckpt.resume(cfg, tmp_path / "lm", {"actor": (lm, None)})
@@ -245,15 +355,17 @@ def test_save_contents_choose_what_a_checkpoint_holds_and_a_resume_says_what_it_
 
 def test_checkpoint_contents_are_verls_and_checked_at_the_dry_run():
     key = "actor_rollout_ref.actor.checkpoint"
-    cfg, warnings = load_config("tiny_klppo", [f"{key}.save_contents=['hf_model']", "trainer.save_freq=10"],
-                                check_files=False)
+    cfg, warnings = load_config(
+        "tiny_klppo", [f"{key}.save_contents=['hf_model']", "trainer.save_freq=10"], check_files=False
+    )
     assert cfg.actor_rollout_ref.actor.checkpoint.save_contents == ["hf_model"]
     assert any("writes no model and no optimizer state: the stability guard cannot roll back" in w for w in warnings)
-    for extra, message in (([f"{key}.save_contents=[model,weights]"], "each entry one of model, optimizer, extra, hf_model"),
-                           ([f"{key}.load_contents=[optimizer]"], "a resume that loads no model is a new run"),
-                           (["critic.checkpoint.save_contents=[model,hf_model]"], "hf_model is written for the actor only"),
-                           ([f"{key}.save_contents=[model,hf_model]", "actor_rollout_ref.model.lora_rank=8"],
-                            "hf_model with LoRA")):
+    for extra, message in (
+        ([f"{key}.save_contents=[model,weights]"], "each entry one of model, optimizer, extra, hf_model"),
+        ([f"{key}.load_contents=[optimizer]"], "a resume that loads no model is a new run"),
+        (["critic.checkpoint.save_contents=[model,hf_model]"], "hf_model is written for the actor only"),
+        ([f"{key}.save_contents=[model,hf_model]", "actor_rollout_ref.model.lora_rank=8"], "hf_model with LoRA"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_config("tiny_klppo", extra, check_files=False)
 
@@ -265,8 +377,11 @@ def test_the_trainer_writes_what_save_contents_names_and_resumes_saying_what_is_
     models and, where the resumed run's critic asks for them (its default load_contents), says that
     the critic's optimizer and schedule start fresh."""
     from transformers import AutoModelForCausalLM
-    common = ["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-              "critic.checkpoint.save_contents=[model]"]
+
+    common = [
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "critic.checkpoint.save_contents=[model]",
+    ]
     train(tmp_path / "run", *common, "trainer.total_training_steps=2", "trainer.save_freq=1")
     step1 = tmp_path / "run" / "global_step_1"
     assert ckpt.saved_contents(step1) == {"actor": {"model", "optimizer", "extra", "hf_model"}, "critic": {"model"}}
@@ -275,8 +390,9 @@ def test_the_trainer_writes_what_save_contents_names_and_resumes_saying_what_is_
     assert all(torch.equal(v, exported.state_dict()[k]) for k, v in ours.state_dict().items())
     out = train(tmp_path / "resumed", common[0], "trainer.total_training_steps=2", f"trainer.resume_mode={step1}")
     said = [line for line in (out.stdout + out.stderr).splitlines() if "holds no" in line]
-    assert len(said) == 2 and all("the critic's checkpoint holds no" in line for line in said), \
+    assert len(said) == 2 and all("the critic's checkpoint holds no" in line for line in said), (
         out.stdout[-3000:] + out.stderr[-3000:]
+    )
 
 
 def test_checkpoint_state_is_loaded_without_arbitrary_code(tmp_path):
@@ -286,6 +402,7 @@ def test_checkpoint_state_is_loaded_without_arbitrary_code(tmp_path):
     class Payload:
         def __reduce__(self):
             return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
     with open(path / "extra.pt", "wb") as f:
         pickle.dump({"global_step": Payload()}, f)
     with pytest.raises(ckpt.CheckpointLoadError, match="^extra.pt / rng: UnpicklingError") as e:
@@ -298,15 +415,23 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     run = tmp_path / "run"
     cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={run}"])
     from rlhf_hpc.config.tree import dump_yaml, to_dict
+
     model = torch.nn.Linear(4, 4)
     ckpt.save_checkpoint(run, 2, {"actor": (model, None)}, {"global_step": 2}, config_text=dump_yaml(to_dict(cfg)))
-    other, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={run}", "data.max_response_length=12",
-                                          "actor_rollout_ref.model.path=tiny://qwen2?vocab_size=64&hidden_size=256",
-                                          "actor_rollout_ref.actor.optim.lr=1e-4"])  # lr may change
+    other, _ = load_config(
+        "tiny_klppo",
+        [
+            f"trainer.default_local_dir={run}",
+            "data.max_response_length=12",
+            "actor_rollout_ref.model.path=tiny://qwen2?vocab_size=64&hidden_size=256",
+            "actor_rollout_ref.actor.optim.lr=1e-4",
+        ],
+    )  # lr may change
     assert ckpt.incompatible_keys(dump_yaml(to_dict(cfg)), other) == [
         "actor_rollout_ref.model.path: tiny://qwen2?vocab_size=64 -> tiny://qwen2?vocab_size=64&hidden_size=256",
         "data.max_response_length: 8 -> 12",
-        "critic.model.path: tiny://qwen2?vocab_size=64 -> tiny://qwen2?vocab_size=64&hidden_size=256"]
+        "critic.model.path: tiny://qwen2?vocab_size=64 -> tiny://qwen2?vocab_size=64&hidden_size=256",
+    ]
     out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "data.max_response_length=12")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"cannot resume from {run}/global_step_2: the run's config changed in keys that define it" in out.stderr
@@ -323,8 +448,13 @@ def test_unwritable_or_full_run_directory_is_refused_before_training(tmp_path):
 
 
 # ------------------------------------------------------------------------ faults, real processes
-FAST = ["recipe=tiny_klppo", "actor_rollout_ref.rollout.name=hf", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.save_freq=2"]
+FAST = [
+    "recipe=tiny_klppo",
+    "actor_rollout_ref.rollout.name=hf",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.save_freq=2",
+]
 
 
 def train(run: Path, *extra: str, ok: bool = True, env: dict | None = None):
@@ -379,31 +509,49 @@ def test_damaged_checkpoints_are_skipped_on_resume_by_every_rank(tmp_path, unint
     step 4 together. From there the run repeats the uninterrupted run's steps exactly."""
     run = tmp_path / "run"
     import shutil
+
     shutil.copytree(uninterrupted, run)
     for damaged in (run / "global_step_8" / "actor" / ".metadata", run / "global_step_6" / "rng" / "rank_1.pt"):
         damaged.write_bytes(os.urandom(damaged.stat().st_size))
     _without_checksums(run / "global_step_6")
     out = train(run, "trainer.total_training_steps=6")
-    assert (f"checkpoint {run}/global_step_8 is damaged (actor/.metadata does not match its sha256 checksum (same "
-            f"size, other content)); falling back to the previous one") in out.stdout
+    assert (
+        f"checkpoint {run}/global_step_8 is damaged (actor/.metadata does not match its sha256 checksum (same "
+        f"size, other content)); falling back to the previous one"
+    ) in out.stdout
     # (random bytes fail torch.load with UnpicklingError ~93% of the time, else IndexError, UnicodeDecodeError
     # or KeyError: whichever, rank 1 alone names it)
-    assert re.search(rf"checkpoint {re.escape(str(run))}/global_step_6 is damaged \(loading failed: extra.pt / rng: "
-                     rf"rank 1: [A-Za-z_.]*(Error|Exception): ", out.stdout), out.stdout[-3000:]
+    assert re.search(
+        rf"checkpoint {re.escape(str(run))}/global_step_6 is damaged \(loading failed: extra.pt / rng: "
+        rf"rank 1: [A-Za-z_.]*(Error|Exception): ",
+        out.stdout,
+    ), out.stdout[-3000:]
     assert f"resumed from {run}/global_step_4 (step 4)" in out.stdout and "Traceback" not in out.stdout + out.stderr
     same_steps(uninterrupted, run, (5, 6))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,trip_step,expect", [
-    ("nan_grad@3", 3, "actor/pg_loss is nan"),
-    # the LR x1000 update of step 3 shows as KL on step 4's rollouts
-    ("lr_x1000@3", 4, "KL(actor || reference)")])
+@pytest.mark.parametrize(
+    "fault,trip_step,expect",
+    [
+        ("nan_grad@3", 3, "actor/pg_loss is nan"),
+        # the LR x1000 update of step 3 shows as KL on step 4's rollouts
+        ("lr_x1000@3", 4, "KL(actor || reference)"),
+    ],
+)
 def test_guard_rolls_back_a_divergent_step_and_the_run_finishes(tmp_path, fault, trip_step, expect):
     run = tmp_path / "run"
-    out = train(run, "trainer.total_training_steps=6", f"trainer.inject_fault={fault}", "trainer.guard.max_kl=0.5",
-                "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true",
-                "trainer.guard.kl_coef_mult=2.0", "trainer.logger=[console,wandb]", env={"WANDB_MODE": "offline"})
+    out = train(
+        run,
+        "trainer.total_training_steps=6",
+        f"trainer.inject_fault={fault}",
+        "trainer.guard.max_kl=0.5",
+        "algorithm.use_kl_in_reward=true",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.guard.kl_coef_mult=2.0",
+        "trainer.logger=[console,wandb]",
+        env={"WANDB_MODE": "offline"},
+    )
     assert f"[rlhf-hpc] step {trip_step}: stability guard tripped: {expect}" in out.stdout, out.stdout[-3000:]
     assert f"rolled back to {run}/global_step_2 (step 2)" in out.stdout
     final = read_metrics(run)
@@ -449,11 +597,18 @@ def test_a_collapse_at_lr_10_rolls_back_to_the_start_then_stops(tmp_path):
 @pytest.mark.slow
 def test_guard_gives_up_after_max_rollbacks(tmp_path):
     run = tmp_path / "run"
-    out = train(run, "trainer.total_training_steps=4", "trainer.inject_fault=nan_grad@3", "trainer.guard.max_rollbacks=0",
-                ok=False)
+    out = train(
+        run,
+        "trainer.total_training_steps=4",
+        "trainer.inject_fault=nan_grad@3",
+        "trainer.guard.max_rollbacks=0",
+        ok=False,
+    )
     assert out.returncode != 0
-    assert ("stability guard: actor/pg_loss is nan; stopping after 0 rollbacks (trainer.guard.max_rollbacks)"
-            in out.stdout + out.stderr)
+    assert (
+        "stability guard: actor/pg_loss is nan; stopping after 0 rollbacks (trainer.guard.max_rollbacks)"
+        in out.stdout + out.stderr
+    )
     assert [r["training/global_step"] for r in read_metrics(run)] == [1, 2, 3]  # the divergent step is logged
     assert (run / "global_step_2").is_dir()  # what was saved before is kept
 
@@ -500,6 +655,7 @@ def test_run_files_are_not_world_writable(uninterrupted):
 def test_out_of_memory_names_the_phase_and_the_keys():
     from rlhf_hpc.observability.perf import Timer
     from rlhf_hpc.ppo.trainer import out_of_memory_report
+
     timer = Timer()
     with pytest.raises(RuntimeError) as e:
         with timer("step"), out_of_memory_report(timer, torch.device("cpu")):

@@ -4,6 +4,7 @@ expects them: its dataset class, reward and code tool map to their equivalents h
 (rlhf_hpc/config/verl_recipes.py, TOOL_CLASSES), its data sets are directories in the hub's
 layout, and the model's programs run in the sandbox on the node. The pieces: ReTool's reward, its
 code tool's program, its rows."""
+
 from __future__ import annotations
 
 import json
@@ -61,18 +62,40 @@ RETOOL = """
 """
 # verl-recipe's retool/sandbox_fusion_tool_config.yaml, the service's URL left out: the sandbox on the
 # node runs the code (with the URL, the user's SandboxFusion service would)
-RETOOL_TOOL_CONFIG = {"tools": [{"class_name": "recipe.retool.retool.CustomSandboxFusionTool", "config": {
-    "num_workers": 128, "enable_global_rate_limit": True, "rate_limit": 128, "default_timeout": 30,
-    "default_language": "python", "memory_limit_mb": 1024, "type": "native"},
-    "tool_schema": {"type": "function", "function": {
-        "name": "code_interpreter", "description": "A tool for executing code.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string",
-                                                                 "description": "The code to execute."}},
-                       "required": ["code"]}}}}]}
+RETOOL_TOOL_CONFIG = {
+    "tools": [
+        {
+            "class_name": "recipe.retool.retool.CustomSandboxFusionTool",
+            "config": {
+                "num_workers": 128,
+                "enable_global_rate_limit": True,
+                "rate_limit": 128,
+                "default_timeout": 30,
+                "default_language": "python",
+                "memory_limit_mb": 1024,
+                "type": "native",
+            },
+            "tool_schema": {
+                "type": "function",
+                "function": {
+                    "name": "code_interpreter",
+                    "description": "A tool for executing code.",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"code": {"type": "string", "description": "The code to execute."}},
+                        "required": ["code"],
+                    },
+                },
+            },
+        }
+    ]
+}
 # DAPO-Math-17k's prompt (its instruction around each problem)
-DAPO_PROMPT = ("Solve the following math problem step by step. The last line of your response should be of the form "
-               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\nRemember to put "
-               "your answer on its own line after \"Answer:\".")
+DAPO_PROMPT = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\nRemember to put "
+    'your answer on its own line after "Answer:".'
+)
 PRODUCTS = [(a, b) for a in range(11, 19) for b in (23, 37)]
 
 
@@ -85,20 +108,37 @@ def write_sets(root: Path) -> None:
     def write(rel: str, rows: list[dict]) -> None:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.Table.from_pylist(rows), root / rel)
-    write("dataset/BytedTsinghua-SIA/DAPO-Math-17k/data/dapo-math-17k.parquet", [
-        {"data_source": "math_dapo", "prompt": [{"content": DAPO_PROMPT.format(f"What is {a} * {b}?"), "role": "user"}],
-         "ability": "MATH", "reward_model": {"ground_truth": str(a * b), "style": "rule-lighteval/MATH_v2"},
-         "extra_info": {"index": f"{a}x{b}"}} for a, b in PRODUCTS])
-    write("dataset/Maxwell-Jia/AIME_2024/aime_2024_problems.parquet",
-          [{"ID": f"2024-I-{i}", "Problem": f"Find {i} * 17.", "Solution": "-", "Answer": i * 17} for i in (1, 2)])
-    write("dataset/yentinglin/aime_2025/data/train-00000-of-00001.parquet",
-          [{"problem": f"Find {i} * 19.", "answer": str(i * 19), "url": "-"} for i in (1, 2)])
+
+    write(
+        "dataset/BytedTsinghua-SIA/DAPO-Math-17k/data/dapo-math-17k.parquet",
+        [
+            {
+                "data_source": "math_dapo",
+                "prompt": [{"content": DAPO_PROMPT.format(f"What is {a} * {b}?"), "role": "user"}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": str(a * b), "style": "rule-lighteval/MATH_v2"},
+                "extra_info": {"index": f"{a}x{b}"},
+            }
+            for a, b in PRODUCTS
+        ],
+    )
+    write(
+        "dataset/Maxwell-Jia/AIME_2024/aime_2024_problems.parquet",
+        [{"ID": f"2024-I-{i}", "Problem": f"Find {i} * 17.", "Solution": "-", "Answer": i * 17} for i in (1, 2)],
+    )
+    write(
+        "dataset/yentinglin/aime_2025/data/train-00000-of-00001.parquet",
+        [{"problem": f"Find {i} * 19.", "answer": str(i * 19), "url": "-"} for i in (1, 2)],
+    )
 
 
 def test_retools_reward_code_tool_and_rows(tmp_path):
     # the reward: strict \boxed{} of the last 100 characters, 1 / -1; a wrong answer lifted by its turns
-    assert compute_score("math_dapo", "so \\boxed{391}", "391", {"num_turns": 2}) == {"score": 1.0, "acc": True,
-                                                                                    "pred": "391"}
+    assert compute_score("math_dapo", "so \\boxed{391}", "391", {"num_turns": 2}) == {
+        "score": 1.0,
+        "acc": True,
+        "pred": "391",
+    }
     assert compute_score("math_dapo", "\\boxed{390}", "391", {"num_turns": 2})["score"] == -1.0
     assert compute_score("math_dapo", "\\boxed{390}", "391", {"num_turns": 6})["score"] == pytest.approx(-0.8)
     assert compute_score("math_dapo", "\\boxed{390}", "391", {"num_turns": 12})["score"] == -0.6
@@ -116,8 +156,13 @@ def test_retools_reward_code_tool_and_rows(tmp_path):
     assert dapo["prompt"][0]["content"] == DAPO_PROMPT.format("What is 11 * 23?") + ANSWER_FORMAT
     assert dapo["reward_model"]["ground_truth"] == "253" and dapo["data_source"] == "math_dapo"
     aime = retool_rows(str(tmp_path / "dataset/Maxwell-Jia/AIME_2024"))
-    assert aime[1] == {"data_source": "aime_2024", "prompt": [{"role": "user", "content": "Find 2 * 17." + ANSWER_FORMAT}],
-                       "ability": "MATH", "reward_model": {"ground_truth": "34"}, "agent_name": "tool_agent"}
+    assert aime[1] == {
+        "data_source": "aime_2024",
+        "prompt": [{"role": "user", "content": "Find 2 * 17." + ANSWER_FORMAT}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "34"},
+        "agent_name": "tool_agent",
+    }
     assert retool_rows(str(tmp_path / "dataset/yentinglin/aime_2025/"))[0]["data_source"] == "aime_2025"
 
 
@@ -128,14 +173,24 @@ def retool_args(root: Path) -> list[str]:
 
 def test_retools_command_line_dry_runs_and_what_is_not_here_is_refused(shared_dir, tmp_path, capsys):
     from rlhf_hpc.cli import main as cli_main
+
     write_sets(tmp_path)
     (tmp_path / "recipe" / "retool").mkdir(parents=True)
-    (tmp_path / "recipe/retool/sandbox_fusion_tool_config.yaml").write_text(yaml.safe_dump(RETOOL_TOOL_CONFIG, sort_keys=False))
+    (tmp_path / "recipe/retool/sandbox_fusion_tool_config.yaml").write_text(
+        yaml.safe_dump(RETOOL_TOOL_CONFIG, sort_keys=False)
+    )
     # the tiny Qwen2 on the real Qwen2 tokenizer, untaught, as the SFT checkpoint the script names
-    tool_model.teach_tool_caller(tmp_path / "checkpoint/multiturn-sft-qwen-2.5-7b-instruct/global_step_372",
-                                 shared_dir / "assets" / "qwen2-tokenizer", [], [], product_turns, steps=0,
-                                 positions=32768)  # (Qwen2.5-7B's)
+    tool_model.teach_tool_caller(
+        tmp_path / "checkpoint/multiturn-sft-qwen-2.5-7b-instruct/global_step_372",
+        shared_dir / "assets" / "qwen2-tokenizer",
+        [],
+        [],
+        product_turns,
+        steps=0,
+        positions=32768,
+    )  # (Qwen2.5-7B's)
     import os
+
     cwd = os.getcwd()
     os.chdir(tmp_path)  # (ReTool's script runs from verl's checkout: its paths are relative to it)
     try:
@@ -143,10 +198,15 @@ def test_retools_command_line_dry_runs_and_what_is_not_here_is_refused(shared_di
         rc = cli_main([*retool_args(tmp_path), "trainer.device=cuda", "--dry-run"])
         out = capsys.readouterr()
         assert rc == 0, out.err
-        assert "data.custom_cls.path=recipe/retool/retool.py (data.custom_cls.name=CustomRLHFDataset) is ReTool's " \
-               "dataset" in out.err and "its equivalent here runs (rlhf_hpc.data.retool:retool_rows)" in out.err
-        assert "custom_reward_function.path=recipe/retool/retool.py (custom_reward_function.name=compute_score) is " \
-               "ReTool's reward" in out.err
+        assert (
+            "data.custom_cls.path=recipe/retool/retool.py (data.custom_cls.name=CustomRLHFDataset) is ReTool's dataset"
+            in out.err
+            and "its equivalent here runs (rlhf_hpc.data.retool:retool_rows)" in out.err
+        )
+        assert (
+            "custom_reward_function.path=recipe/retool/retool.py (custom_reward_function.name=compute_score) is "
+            "ReTool's reward" in out.err
+        )
         # validation samples at val_kwargs.temperature 1.0 though do_sample is left false: verl's agent loop reads
         # no do_sample (a single-turn run would decode greedily, and warn about n=30 of one response)
         assert "one greedy response repeated" not in out.err
@@ -154,15 +214,22 @@ def test_retools_command_line_dry_runs_and_what_is_not_here_is_refused(shared_di
 
         from rlhf_hpc.ppo.step_batch import sampling_for
         from rlhf_hpc.recipe.load import load_config
+
         cfg, _ = load_config(None, [*retool_args(tmp_path), "trainer.device=cuda"])
         tok = AutoTokenizer.from_pretrained(shared_dir / "assets" / "qwen2-tokenizer")
         val = sampling_for(cfg, tok, validation=True)
         assert (val.do_sample, val.temperature, val.top_p, val.n) == (True, 1.0, 0.6, 30) and not val.greedy
         rc = cli_main([*retool_args(tmp_path), "trainer.device=cuda", "data.custom_cls.name=MyDataset", "--dry-run"])
         err = capsys.readouterr().err
-        assert rc == 2 and ("data.custom_cls.name='MyDataset': this class is not available in rlhf-hpc; custom "
-                            "dataset classes here are those of verl's recipes with an equivalent "
-                            "(retool/retool.py:CustomRLHFDataset)") in err, err
+        assert (
+            rc == 2
+            and (
+                "data.custom_cls.name='MyDataset': this class is not available in rlhf-hpc; custom "
+                "dataset classes here are those of verl's recipes with an equivalent "
+                "(retool/retool.py:CustomRLHFDataset)"
+            )
+            in err
+        ), err
     finally:
         os.chdir(cwd)
 
@@ -172,8 +239,11 @@ def product_turns(row: dict, rng) -> list[dict]:
     a, b = re.search(r"What is (\d+) \* (\d+)\?", row["prompt"][0]["content"]).groups()
     code = f"```python\n{a} * {b}\n```"
     call = "<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": code}}) + "\n</tool_call>"
-    return [{"role": "assistant", "content": call}, {"role": "tool", "content": str(int(a) * int(b))},
-            {"role": "assistant", "content": f"\\boxed{{{int(a) * int(b)}}}"}]
+    return [
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": str(int(a) * int(b))},
+        {"role": "assistant", "content": f"\\boxed{{{int(a) * int(b)}}}"},
+    ]
 
 
 def test_retools_command_line_runs_on_cpu_with_a_small_model(shared_dir, tmp_path):
@@ -188,22 +258,42 @@ def test_retools_command_line_runs_on_cpu_with_a_small_model(shared_dir, tmp_pat
         require("a sandbox (bwrap with namespaces)", False, str(e))
     write_sets(tmp_path)
     (tmp_path / "recipe" / "retool").mkdir(parents=True)
-    (tmp_path / "recipe/retool/sandbox_fusion_tool_config.yaml").write_text(yaml.safe_dump(RETOOL_TOOL_CONFIG, sort_keys=False))
+    (tmp_path / "recipe/retool/sandbox_fusion_tool_config.yaml").write_text(
+        yaml.safe_dump(RETOOL_TOOL_CONFIG, sort_keys=False)
+    )
     rows = retool_rows(str(tmp_path / "dataset/BytedTsinghua-SIA/DAPO-Math-17k"))
     # taught on the prompts the run builds: the tools as the run reads them from its config file (a
     # schema whose keys came in another order shows the model another prompt, issue #58)
     schemas = tool_schemas(read_tool_config(str(tmp_path / "recipe/retool/sandbox_fusion_tool_config.yaml")))
-    tool_model.teach_tool_caller(tmp_path / "checkpoint/multiturn-sft-qwen-2.5-7b-instruct/global_step_372",
-                                 shared_dir / "assets" / "qwen2-tokenizer", rows, schemas, product_turns, steps=120)
-    small = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "data.train_batch_size=4",
-             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-             "data.max_prompt_length=512", "data.max_response_length=160",
-             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=672", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1344",
-             "trainer.val_before_train=False", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-             "trainer.save_freq=-1", "trainer.logger=[console]", "cluster=local",
-             "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32",
-             "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32"]
+    tool_model.teach_tool_caller(
+        tmp_path / "checkpoint/multiturn-sft-qwen-2.5-7b-instruct/global_step_372",
+        shared_dir / "assets" / "qwen2-tokenizer",
+        rows,
+        schemas,
+        product_turns,
+        steps=120,
+    )
+    small = [
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "data.max_prompt_length=512",
+        "data.max_response_length=160",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=672",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1344",
+        "trainer.val_before_train=False",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console]",
+        "cluster=local",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32",
+    ]
     run = run_launch(*retool_args(tmp_path), *small, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     metrics = read_metrics(tmp_path / "checkpoint/qwen2.5-7b_dapo")

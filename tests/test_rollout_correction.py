@@ -10,6 +10,7 @@ rejection sampling of the engine's samples.
 - End to end, with an engine made different on purpose (bf16 against an fp32 actor): weights != 1,
   rejections, the metrics logged, with GAE (decoupled) and GRPO (bypass mode, REINFORCE).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,12 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import RolloutCorrectionConfig
+from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.ops import algos, estimators, policy_losses
 from rlhf_hpc.ops.rollout_correction import RS_OPTIONS, parse_rejection, rollout_correction
-from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.recipe.load import load_config
-from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import run_launch
 
 SAFETY_BOUND = 20.0
@@ -144,7 +145,7 @@ def v_rs_metrics(name, stat, mask, seq_valid, level, per_seq, thr, thr_lo, with_
 
 def v_rejection(lr, mask, options, thresholds):
     r = torch.clamp(lr, -SAFETY_BOUND, SAFETY_BOUND)
-    k = {"k1": -r, "k2": 0.5 * r ** 2, "k3": torch.exp(r) - 1.0 - r}
+    k = {"k1": -r, "k2": 0.5 * r**2, "k3": torch.exp(r) - 1.0 - r}
     b, seq_valid = mask.bool(), mask.sum(-1) > 0
     combined, m = torch.ones_like(mask, dtype=lr.dtype), {}
     for name, (lo, up) in zip(options, thresholds):
@@ -172,8 +173,9 @@ def v_rejection(lr, mask, options, thresholds):
         combined = combined * kf
         seq_keep = (~((~keep) & b)).all(-1).to(lr.dtype)
         m[f"rollout_rs_{name}_masked_fraction"] = v_masked_mean(1 - kf, mask).item()
-        m[f"rollout_rs_{name}_seq_masked_fraction"] = (((1 - seq_keep) * seq_valid.float()).sum()
-                                                        / seq_valid.float().sum()).item()
+        m[f"rollout_rs_{name}_seq_masked_fraction"] = (
+            ((1 - seq_keep) * seq_valid.float()).sum() / seq_valid.float().sum()
+        ).item()
     m["rollout_rs_masked_fraction"] = v_masked_mean(1 - combined, mask).item()
     m["rollout_rs_seq_masked_fraction"] = (~((combined > 0.5) & b) & b).any(-1).float().mean().item()
     return (mask * combined).to(mask.dtype), m
@@ -181,15 +183,23 @@ def v_rejection(lr, mask, options, thresholds):
 
 def v_offpolicy(old, rollout, mask):
     mt = v_masked_mean(old, mask, axis=-1)
-    m = {"training_ppl": torch.exp(-mt).mean().item(), "training_log_ppl": (-mt).mean().item(),
-         "kl": v_masked_mean(rollout - old, mask).item()}
+    m = {
+        "training_ppl": torch.exp(-mt).mean().item(),
+        "training_log_ppl": (-mt).mean().item(),
+        "kl": v_masked_mean(rollout - old, mask).item(),
+    }
     lr = old - rollout
     m["k3_kl"] = v_masked_mean(torch.exp(lr) - lr - 1, mask).item()
     mr = v_masked_mean(rollout, mask, axis=-1)
     m["rollout_ppl"], m["rollout_log_ppl"] = torch.exp(-mr).mean().item(), (-mr).mean().item()
     d = mr - mt
-    m.update(log_ppl_diff=d.mean().item(), log_ppl_abs_diff=d.abs().mean().item(), log_ppl_diff_max=d.max().item(),
-             log_ppl_diff_min=d.min().item(), ppl_ratio=torch.exp(d).mean().item())
+    m.update(
+        log_ppl_diff=d.mean().item(),
+        log_ppl_abs_diff=d.abs().mean().item(),
+        log_ppl_diff_max=d.max().item(),
+        log_ppl_diff_min=d.min().item(),
+        ppl_ratio=torch.exp(d).mean().item(),
+    )
     rho = torch.exp(torch.clamp(lr, -SAFETY_BOUND, SAFETY_BOUND))
     m["chi2_token"] = (v_masked_mean(rho.square(), mask) - 1.0).item()
     s = torch.clamp(v_masked_sum(lr, mask, axis=-1), -SAFETY_BOUND, SAFETY_BOUND)
@@ -229,8 +239,10 @@ CASES = [
     RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=3.0),
     RolloutCorrectionConfig(rollout_is="token", rollout_is_batch_normalize=True, rollout_is_threshold=1.5),
     RolloutCorrectionConfig(rollout_is="sequence", rollout_is_batch_normalize=True),
-    RolloutCorrectionConfig(rollout_rs=",".join(RS_OPTIONS),
-                            rollout_rs_threshold="0.7_1.3,0.05,0.05,0.4_2.5,0.5,0.5,0.8_1.25,0.05,0.05,0.2,0.2"),
+    RolloutCorrectionConfig(
+        rollout_rs=",".join(RS_OPTIONS),
+        rollout_rs_threshold="0.7_1.3,0.05,0.05,0.4_2.5,0.5,0.5,0.8_1.25,0.05,0.05,0.2,0.2",
+    ),
     RolloutCorrectionConfig(rollout_is="sequence", rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
     RolloutCorrectionConfig(rollout_is="token", rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold=1.2),
     RolloutCorrectionConfig(rollout_rs="seq_max_k2", rollout_rs_threshold=0.1),
@@ -240,7 +252,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=[f"{c.rollout_is}-{c.rollout_rs}-{c.rollout_is_batch_normalize}" for c in CASES])
+@pytest.mark.parametrize(
+    "cfg", CASES, ids=[f"{c.rollout_is}-{c.rollout_rs}-{c.rollout_is_batch_normalize}" for c in CASES]
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_weights_masks_and_metrics_match_verls_code(cfg, seed):
     old, rollout, mask = batch(seed)
@@ -279,14 +293,22 @@ def test_icepop_zeroes_the_weights_outside_its_window():
     leaves the loss), one inside stays as it is (no cap); the out-of-window share is reported."""
     ratio = torch.tensor([[0.4, 0.8, 1.0, 1.9, 2.5, 7.0]])
     mask = torch.tensor([[1.0, 1, 1, 1, 1, 0]])
-    w, _, m = rollout_correction(torch.log(ratio), torch.zeros_like(ratio), mask,
-                                 RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.5_2.0"))
+    w, _, m = rollout_correction(
+        torch.log(ratio),
+        torch.zeros_like(ratio),
+        mask,
+        RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.5_2.0"),
+    )
     torch.testing.assert_close(w, torch.tensor([[0.0, 0.8, 1.0, 1.9, 0.0, 0.0]]))
     assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(2 / 5)
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)  # 2.5, raw
     assert m["rollout_corr/rollout_is_max"] == pytest.approx(1.9)  # of the applied weights
-    w, _, _ = rollout_correction(torch.log(ratio), torch.zeros_like(ratio), mask,
-                                 RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
+    w, _, _ = rollout_correction(
+        torch.log(ratio),
+        torch.zeros_like(ratio),
+        mask,
+        RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0),
+    )
     torch.testing.assert_close(w, torch.tensor([[0.4, 0.8, 1.0, 1.9, 2.0, 0.0]]))  # truncated instead
 
 
@@ -295,8 +317,9 @@ def test_what_the_padding_holds_changes_no_weight_mask_or_figure(fill):
     """An engine may leave NaN or -inf in the padding of its log-probs: weights (0 there), the mask
     and every metric equal those of a batch padded with zeros."""
     old, rollout, mask = batch(2)
-    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_rs="seq_mean_k3,token_k1,seq_max_k2",
-                                  rollout_rs_threshold="0.05,0.5_2.0,0.2")
+    cfg = RolloutCorrectionConfig(
+        rollout_is="sequence", rollout_rs="seq_mean_k3,token_k1,seq_max_k2", rollout_rs_threshold="0.05,0.5_2.0,0.2"
+    )
     clean = rollout_correction(old, rollout, mask, cfg)
     pad = mask == 0
     dirty = rollout_correction(old.masked_fill(pad, fill), rollout.masked_fill(pad, -math.inf), mask, cfg)
@@ -331,6 +354,7 @@ def _two_rank_worker(rank: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
+
     try:
         old, rollout, mask = batch(3, rows=13)
         mine = slice(0, 6) if rank == 0 else slice(6, 13)  # unequal shares, as ranks may hold
@@ -359,28 +383,40 @@ def test_two_ranks_holding_halves_give_the_whole_batchs_numbers():
 
 
 # ------------------------------------------------------------------------- all in, all out
-ALL_IN = [RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0),
-          RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e6),
-          RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.001_1000"),
-          RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.001_1000",
-                                  rollout_is_batch_normalize=True),
-          RolloutCorrectionConfig(rollout_rs=",".join(RS_OPTIONS), rollout_rs_threshold=",".join(
-              "0.001_1000" if o.endswith("k1") else "1e9" for o in RS_OPTIONS))]
-ALL_OUT = [RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="1000_2000"),
-           RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000"),
-           RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000",
-                                   rollout_is_batch_normalize=True),
-           RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="1000_2000",
-                                   rollout_is_batch_normalize=True),
-           *[RolloutCorrectionConfig(rollout_rs=o, rollout_rs_threshold="1000_2000" if o.endswith("k1") else "1e-12")
-             for o in RS_OPTIONS],
-           RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000",
-                                   rollout_rs="seq_mean_k1", rollout_rs_threshold="1000_2000")]
+ALL_IN = [
+    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0),
+    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e6),
+    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.001_1000"),
+    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.001_1000", rollout_is_batch_normalize=True),
+    RolloutCorrectionConfig(
+        rollout_rs=",".join(RS_OPTIONS),
+        rollout_rs_threshold=",".join("0.001_1000" if o.endswith("k1") else "1e9" for o in RS_OPTIONS),
+    ),
+]
+ALL_OUT = [
+    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="1000_2000"),
+    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000"),
+    RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="1000_2000", rollout_is_batch_normalize=True),
+    RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="1000_2000", rollout_is_batch_normalize=True),
+    *[
+        RolloutCorrectionConfig(rollout_rs=o, rollout_rs_threshold="1000_2000" if o.endswith("k1") else "1e-12")
+        for o in RS_OPTIONS
+    ],
+    RolloutCorrectionConfig(
+        rollout_is="sequence",
+        rollout_is_threshold="1000_2000",
+        rollout_rs="seq_mean_k1",
+        rollout_rs_threshold="1000_2000",
+    ),
+]
 
 
-@pytest.mark.parametrize("cfg, everything_out", [(c, False) for c in ALL_IN] + [(c, True) for c in ALL_OUT],
-                         ids=[f"in-{c.rollout_is}-{c.rollout_is_threshold}-{c.rollout_rs}" for c in ALL_IN]
-                         + [f"out-{c.rollout_is}-{c.rollout_is_threshold}-{c.rollout_rs}" for c in ALL_OUT])
+@pytest.mark.parametrize(
+    "cfg, everything_out",
+    [(c, False) for c in ALL_IN] + [(c, True) for c in ALL_OUT],
+    ids=[f"in-{c.rollout_is}-{c.rollout_is_threshold}-{c.rollout_rs}" for c in ALL_IN]
+    + [f"out-{c.rollout_is}-{c.rollout_is_threshold}-{c.rollout_rs}" for c in ALL_OUT],
+)
 def test_no_threshold_divides_by_an_empty_set_and_an_all_rejected_batch_trains_nothing(cfg, everything_out):
     """Every IS threshold form at token and sequence level, every RS option: with every row kept and
     with every row rejected (a window no weight falls in; verl 0.9.1 divides by zero in
@@ -401,8 +437,9 @@ def test_no_threshold_divides_by_an_empty_set_and_an_all_rejected_batch_trains_n
     adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(0)) * mask
     for mode in algos.LOSS_AGG_MODES:
         tokens, seqs = algos.global_batch_counts(new)
-        loss, pm = policy_losses.ppo_clip_loss(old, lp, adv, new, loss_agg_mode=mode, is_weights=w,
-                                               global_tokens=tokens, global_seqs=seqs)
+        loss, pm = policy_losses.ppo_clip_loss(
+            old, lp, adv, new, loss_agg_mode=mode, is_weights=w, global_tokens=tokens, global_seqs=seqs
+        )
         (grad,) = torch.autograd.grad(loss, lp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all() and all(torch.isfinite(v) for v in pm.values())
         if everything_out:
@@ -422,8 +459,9 @@ def test_is_weights_multiply_the_clipped_loss_per_token():
     clipped = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
     pg = torch.where(adv < 0, torch.minimum(clipped, -adv * 3.0), clipped) * w
     assert loss.item() == pytest.approx(((pg * mask).sum() / mask.sum()).item(), rel=1e-6)
-    assert policy_losses.ppo_clip_loss(old, lp, adv, mask, is_weights=torch.ones_like(w))[0].item() == \
-        pytest.approx(policy_losses.ppo_clip_loss(old, lp, adv, mask)[0].item(), rel=1e-7)
+    assert policy_losses.ppo_clip_loss(old, lp, adv, mask, is_weights=torch.ones_like(w))[0].item() == pytest.approx(
+        policy_losses.ppo_clip_loss(old, lp, adv, mask)[0].item(), rel=1e-7
+    )
 
 
 def test_reinforce_loss_is_verls():
@@ -460,21 +498,37 @@ def test_group_scores_keep_rejected_rows_as_verl():
 
 # ------------------------------------------------------------------------------------- the keys
 def test_verls_keys_are_accepted_and_bad_values_refused_before_launch():
-    cfg, _ = load_config("tiny_klppo", ["algorithm.rollout_correction.rollout_is=sequence",
-                                        "algorithm.rollout_correction.rollout_is_threshold=3.0",
-                                        "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
-                                        "algorithm.rollout_correction.rollout_rs_threshold=0.01"])
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "algorithm.rollout_correction.rollout_is=sequence",
+            "algorithm.rollout_correction.rollout_is_threshold=3.0",
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+        ],
+    )
     rc = cfg.algorithm.rollout_correction
-    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold) == \
-        ("sequence", 3.0, "seq_mean_k3", 0.01)
-    cfg, _ = load_config("tiny_klppo", ["algorithm.rollout_correction.rollout_rs=seq_sum_k1",
-                                        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"])
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold) == (
+        "sequence",
+        3.0,
+        "seq_mean_k3",
+        0.01,
+    )
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "algorithm.rollout_correction.rollout_rs=seq_sum_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+        ],
+    )
     assert cfg.algorithm.rollout_correction.rollout_rs_threshold == "0.5_2.0"
     key = "algorithm.rollout_correction"
     refused = [
         ([f"{key}.rollout_is=geometric"], r"rollout_is: expected one of 'token', 'sequence' or null"),
-        ([f"{key}.rollout_rs=sequence", f"{key}.rollout_rs_threshold=2.0"],
-         r"rollout_rs: unknown option sequence.*seq_sum_k1"),
+        (
+            [f"{key}.rollout_rs=sequence", f"{key}.rollout_rs_threshold=2.0"],
+            r"rollout_rs: unknown option sequence.*seq_sum_k1",
+        ),
         ([f"{key}.rollout_rs=seq_mean_k3"], r"rollout_rs is set but rollout_rs_threshold is not"),
         ([f"{key}.rollout_rs=seq_mean_k3", f"{key}.rollout_rs_threshold=0.1_2"], r"k2/k3 take one upper bound"),
         ([f"{key}.rollout_rs=seq_sum_k1", f"{key}.rollout_rs_threshold=0.5_abc"], r"is not a number or .lower_upper."),
@@ -482,11 +536,18 @@ def test_verls_keys_are_accepted_and_bad_values_refused_before_launch():
         ([f"{key}.rollout_rs=token_k1,token_k2", f"{key}.rollout_rs_threshold='1,2,3'"], r"3 entries for 2 options"),
         ([f"{key}.rollout_rs_threshold=0.01"], r"rollout_rs_threshold=0.01 has no effect without"),
         ([f"{key}.rollout_is_threshold=5.0"], r"rollout_is_threshold=5.0 has no effect without"),
-        ([f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0"], r"rollout_is_threshold='0.0': bounds must be > 0"),
-        ([f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0_0.5"],
-         r"rollout_is_threshold='2.0_0.5': lower 2.0 is above upper 0.5.*0.5_2.0"),
-        ([f"{key}.rollout_rs=seq_sum_k1", f"{key}.rollout_rs_threshold=2.0_0.5"],
-         r"'2.0_0.5' for seq_sum_k1: lower 2 is above upper 0.5, a window that keeps no token"),
+        (
+            [f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0"],
+            r"rollout_is_threshold='0.0': bounds must be > 0",
+        ),
+        (
+            [f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=2.0_0.5"],
+            r"rollout_is_threshold='2.0_0.5': lower 2.0 is above upper 0.5.*0.5_2.0",
+        ),
+        (
+            [f"{key}.rollout_rs=seq_sum_k1", f"{key}.rollout_rs_threshold=2.0_0.5"],
+            r"'2.0_0.5' for seq_sum_k1: lower 2 is above upper 0.5, a window that keeps no token",
+        ),
         ([f"{key}.rollout_rs=token_k1", f"{key}.rollout_rs_threshold=0.5"], r"give u >= 1"),
         ([f"{key}.rollout_is_batch_normalize=true"], r"rollout_is_batch_normalize=True has no effect"),
         ([f"{key}.loss_type=reinforce"], r"loss_type=reinforce applies in bypass mode only"),
@@ -510,19 +571,36 @@ def runs(tmp_path_factory):
         # the bf16 engine's per-token k3 against the fp32 actor is ~1e-6 on average, its spread set by
         # the CPU's bf16 kernels: 1e-6 rejects 20-30% of the tokens on a machine with AMX bf16 where 1e-5
         # rejected none after step 1, and some but not all wherever the engine differs at all
-        "gae_decoupled": (f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=1.001",
-                          f"{key}.rollout_rs=token_k3", f"{key}.rollout_rs_threshold=1e-6"),
-        "grpo_bypass_reinforce": ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
-                                  f"{key}.bypass_mode=true", f"{key}.loss_type=reinforce",
-                                  f"{key}.rollout_is=sequence", f"{key}.rollout_rs=seq_max_k3",
-                                  f"{key}.rollout_rs_threshold=1e-4"),
+        "gae_decoupled": (
+            f"{key}.rollout_is=token",
+            f"{key}.rollout_is_threshold=1.001",
+            f"{key}.rollout_rs=token_k3",
+            f"{key}.rollout_rs_threshold=1e-6",
+        ),
+        "grpo_bypass_reinforce": (
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.rollout.n=4",
+            f"{key}.bypass_mode=true",
+            f"{key}.loss_type=reinforce",
+            f"{key}.rollout_is=sequence",
+            f"{key}.rollout_rs=seq_max_k3",
+            f"{key}.rollout_rs_threshold=1e-4",
+        ),
     }
     out = {}
     for name, extra in variants.items():
         run = tmp_path_factory.mktemp(name) / "run"
-        proc = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "actor_rollout_ref.rollout.name=hf",
-                          f"trainer.total_training_steps={STEPS}", "trainer.save_freq=0", "trainer.test_freq=0",
-                          *BF16_ENGINE, *extra, timeout=900)
+        proc = run_launch(
+            "recipe=tiny_klppo",
+            f"trainer.default_local_dir={run}",
+            "actor_rollout_ref.rollout.name=hf",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.save_freq=0",
+            "trainer.test_freq=0",
+            *BF16_ENGINE,
+            *extra,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         out[name] = read_metrics(run)
     return out

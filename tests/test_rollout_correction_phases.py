@@ -1,6 +1,7 @@
 """The rollout correction as the actor's object (``rlhf_hpc.ppo.rollout_correction.RolloutCorrection``):
 one call per phase of the trainer, each giving what ``rlhf_hpc.ops.rollout_correction`` gives on
 the same tensors; and the guard's scales applied through ``Actor.scale``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,11 @@ def step_batch(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     mask = (torch.rand(B, R, generator=g) > 0.2).float()
     engine = -torch.rand(B, R, generator=g) * mask
-    return {"engine_log_probs": engine, "old_log_probs": (engine + 0.05 * torch.randn(B, R, generator=g)) * mask,
-            "response_mask": mask}
+    return {
+        "engine_log_probs": engine,
+        "old_log_probs": (engine + 0.05 * torch.randn(B, R, generator=g)) * mask,
+        "response_mask": mask,
+    }
 
 
 def correction(lines: list, **cfg) -> RolloutCorrection:
@@ -35,8 +39,9 @@ def test_decoupled_phases_are_the_ops_on_the_whole_step():
     cfg = dict(rollout_is="token", rollout_is_threshold=1.02, rollout_rs="token_k3", rollout_rs_threshold=1e-3)
     batch, lines, metrics = step_batch(), [], {}
     corr = correction(lines, **cfg)
-    weights, mask, expected = rollout_correction(batch["old_log_probs"], batch["engine_log_probs"],
-                                                 batch["response_mask"], RolloutCorrectionConfig(**cfg))
+    weights, mask, expected = rollout_correction(
+        batch["old_log_probs"], batch["engine_log_probs"], batch["response_mask"], RolloutCorrectionConfig(**cfg)
+    )
     sampled = batch["response_mask"]
     corr.after_old_log_probs(batch, 1, metrics)
     assert metrics["rollout/logprob_diff_max"] > 0 and not lines  # the check ran, within the bf16 limit
@@ -65,14 +70,16 @@ def test_bypass_phases_anchor_on_the_engine_and_check_the_first_mini_batch():
     assert corr.keeps_pre_update(1) and not corr.keeps_pre_update(2)
     current = batch["engine_log_probs"] - 0.5 * batch["response_mask"]  # far from the engine: the check warns
     for i in (0, B // 2):  # two micro-batches of the first mini-batch
-        micro, lp = {k: v[i:i + B // 2] for k, v in batch.items()}, current[i:i + B // 2]
+        micro, lp = {k: v[i : i + B // 2] for k, v in batch.items()}, current[i : i + B // 2]
         corr.keep_pre_update(micro, lp)
         w, m = corr.micro_batch(micro, lp, micro["response_mask"], 1.0)
-        ref_w, ref_m, _ = rollout_correction(lp, micro["old_log_probs"], micro["response_mask"],
-                                             RolloutCorrectionConfig(**cfg), with_metrics=False)
+        ref_w, ref_m, _ = rollout_correction(
+            lp, micro["old_log_probs"], micro["response_mask"], RolloutCorrectionConfig(**cfg), with_metrics=False
+        )
         assert torch.equal(w, ref_w) and torch.equal(m, ref_m)
-    expected = rollout_correction(current, batch["engine_log_probs"], batch["response_mask"],
-                                  RolloutCorrectionConfig(**cfg))[2]
+    expected = rollout_correction(
+        current, batch["engine_log_probs"], batch["response_mask"], RolloutCorrectionConfig(**cfg)
+    )[2]
     assert corr.update_metrics() == expected
     corr.after_update(batch, 3, metrics)
     assert metrics["rollout/logprob_diff_max"] == pytest.approx(0.5)

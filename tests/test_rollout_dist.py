@@ -2,6 +2,7 @@
 sync is proven by decoding. After syncing, each engine's greedy outputs equal plain transformers
 greedy decoding of the same weights, and its sampled tokens' log-probs equal the actor's to 1e-4
 (measured ~1e-6 in fp32), before and after a PPO update changed the weights."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,8 +21,22 @@ SCRIPT = REPO / "tests" / "dist_rollout_checks.py"
 
 def run_engine(name: str, tmp_path) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(SCRIPT), name, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            name,
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((tmp_path / f"{name}.json").read_text())
 
@@ -60,10 +75,12 @@ def test_bad_mapping_fails_loudly_naming_the_parameter(ranks):
     for r in ranks:
         assert r["errors"]["bad_name"] == (
             "ValueError: weight sync: the engine has no parameter 'bogus.model.embed_tokens.weight' "
-            "(closest engine parameter: 'model.embed_tokens.weight'); check the name mapping")
+            "(closest engine parameter: 'model.embed_tokens.weight'); check the name mapping"
+        )
         assert r["errors"]["bad_shape"] == (
             "ValueError: weight sync: parameter 'model.layers.0.self_attn.k_proj.weight' has shape (128, 128) "
-            "but the engine expects (64, 128)")
+            "but the engine expects (64, 128)"
+        )
 
 
 def test_vllm_under_the_external_launcher_uses_nccls_all_reduce(ranks):

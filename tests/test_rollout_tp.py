@@ -11,6 +11,7 @@ group (vLLM's external launcher, gloo), the FSDP actor is sharded over both, one
   (before: the next TP=2 engine died with "create shm in SHMManager failed. errno: 17"); an AVX2-only
   CPU makes none (vLLM's _C_AVX2 kernels have no shared-memory manager).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,17 +29,31 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "dist_rollout_tp_checks.py"
 
 
-@pytest.fixture(scope="module", params=["tiny://qwen2", "tiny://qwen2?tie_word_embeddings=true"],
-                ids=["untied", "tied"])
+@pytest.fixture(
+    scope="module", params=["tiny://qwen2", "tiny://qwen2?tie_word_embeddings=true"], ids=["untied", "tied"]
+)
 def ranks(request, tmp_path_factory):
     """The Qwen2.5-7B layout (untied head) and the 0.5B-3B one (head tied to the embedding: each
     tensor-parallel half of vLLM's head gets its rows of the embedding)."""
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
     out = tmp_path_factory.mktemp("tp2")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(SCRIPT), str(out), request.param], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPT),
+            str(out),
+            request.param,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -72,6 +87,7 @@ def test_ranks_sampling_apart_trip_the_standing_check(ranks):
     """The bug reproduced under the engine's guard: the KL estimate the stop rule reads is far above
     the fp32 limit, while the healthy runs above sit near 1e-7."""
     from rlhf_hpc.rollout.base import ENGINE_ACTOR_KL_LIMIT, LogprobCheck
+
     for r in ranks:
         assert r["apart"]["rollout/engine_actor_kl"] > 10 * ENGINE_ACTOR_KL_LIMIT["float32"], r["apart"]
         for mode in ("seeded", "unseeded"):
@@ -85,7 +101,8 @@ def test_ranks_sampling_apart_trip_the_standing_check(ranks):
 def test_ranks_seeding_apart_are_refused(ranks):
     for r in ranks:
         assert r["per_rank_seed_error"].startswith(
-            "rollout: the ranks of a tensor-parallel group asked for different sampling"), r["per_rank_seed_error"]
+            "rollout: the ranks of a tensor-parallel group asked for different sampling"
+        ), r["per_rank_seed_error"]
         assert "dp_rank" in r["per_rank_seed_error"]
 
 
@@ -110,11 +127,19 @@ def test_tp2_training_run_keeps_engine_and_actor_in_agreement(tmp_path):
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
     from rlhf_hpc.observability.tracking import read_metrics
     from tests.conftest import run_launch
+
     run = tmp_path / "run"
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "trainer.total_training_steps=3",
-                     "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true",
-                     "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                     timeout=600)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=true",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     records = read_metrics(run)
     steps = [r for r in records if "rollout/logprob_diff_max" in r]

@@ -1,6 +1,7 @@
 """How a run starts and ends (issue #40): the run directory's lock, the launcher's stop signals,
 and one line with a documented exit code for each way a run fails. Real launches (torchrun, gloo,
 2 ranks), real signals; faults through ``trainer.inject_fault`` (rlhf_hpc/ppo/faults.py)."""
+
 from __future__ import annotations
 
 import errno
@@ -18,8 +19,16 @@ import pytest
 
 from rlhf_hpc.distributed.heartbeat import ENV_LAUNCH_ID, process_start, signal_note
 from rlhf_hpc.distributed.host_allreduce import MIN_CAPACITY, SharedMemoryAllReduce, launch_segments
-from rlhf_hpc.launch.failure import (BAD_INPUT, EXIT_CODES, FAILED, GUARD_STOP, HUNG_RANK, LATEST_FILE, LOST_RANK,
-                                     unwritable_path)
+from rlhf_hpc.launch.failure import (
+    BAD_INPUT,
+    EXIT_CODES,
+    FAILED,
+    GUARD_STOP,
+    HUNG_RANK,
+    LATEST_FILE,
+    LOST_RANK,
+    unwritable_path,
+)
 from rlhf_hpc.launch.run_lock import LOCK_FILE, RunDirLocked, RunLock, check_free
 from rlhf_hpc.launch.watchdog import Watchdog
 from rlhf_hpc.observability.tracking import read_metrics
@@ -27,8 +36,12 @@ from rlhf_hpc.ppo import checkpoint as ckpt
 from tests.conftest import REPO, run_launch
 
 HOST = socket.gethostname()
-FAST = ["recipe=tiny_klppo", "actor_rollout_ref.rollout.name=hf", "trainer.test_freq=-1",
-        "trainer.val_before_train=false"]
+FAST = [
+    "recipe=tiny_klppo",
+    "actor_rollout_ref.rollout.name=hf",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+]
 
 
 # ------------------------------------------------------------------------------- the codes
@@ -42,6 +55,7 @@ def test_exit_codes_are_one_table_in_the_code_and_the_readme():
 
 def test_a_write_the_filesystem_refuses_is_found_through_causes():
     from torch.distributed.checkpoint.api import CheckpointException
+
     refused = OSError(errno.EROFS, "Read-only file system", "/runs/x/global_step_4/extra.pt")
     assert unwritable_path(refused) == "/runs/x/global_step_4/extra.pt: Read-only file system"
     try:
@@ -66,14 +80,21 @@ def test_shared_memory_the_project_names_carries_the_launch(tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------------------- the lock
-HOLD = ("import sys, time; from rlhf_hpc.launch.run_lock import RunLock; "
-        "lock = RunLock.acquire(sys.argv[1], stale_after_s=600, job_id=sys.argv[2] or None); "
-        "print('locked', flush=True); time.sleep(600)")
+HOLD = (
+    "import sys, time; from rlhf_hpc.launch.run_lock import RunLock; "
+    "lock = RunLock.acquire(sys.argv[1], stale_after_s=600, job_id=sys.argv[2] or None); "
+    "print('locked', flush=True); time.sleep(600)"
+)
 
 
 def hold_lock(run: Path, job_id: str = "", env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run), job_id], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True, env=dict(os.environ, **(env or {})))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run), job_id],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, **(env or {})),
+    )
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -109,8 +130,18 @@ def test_the_lock_refuses_a_live_holder_and_takes_over_what_is_stale(tmp_path):
         holder.wait()
 
     # a holder on another host (a shared filesystem): stale once not refreshed for its stale_after_s
-    (run / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1, "pid_start": "", "started": time.time(),
-                                             "job_id": None, "stale_after_s": 60}))
+    (run / LOCK_FILE).write_text(
+        json.dumps(
+            {
+                "host": "elsewhere",
+                "pid": 1,
+                "pid_start": "",
+                "started": time.time(),
+                "job_id": None,
+                "stale_after_s": 60,
+            }
+        )
+    )
     with pytest.raises(RunDirLocked, match="host elsewhere, pid 1"):
         RunLock.acquire(run, stale_after_s=600)
     os.utime(run / LOCK_FILE, (time.time() - 61, time.time() - 61))
@@ -120,16 +151,26 @@ def test_the_lock_refuses_a_live_holder_and_takes_over_what_is_stale(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the watchdog
-BEAT = ("import sys, time; from rlhf_hpc.distributed.heartbeat import Heartbeat; "
-        "Heartbeat(sys.argv[1], int(sys.argv[2]), 'launch-1', 0.2).start(); print('beating', flush=True); "
-        "time.sleep(600)")
+BEAT = (
+    "import sys, time; from rlhf_hpc.distributed.heartbeat import Heartbeat; "
+    "Heartbeat(sys.argv[1], int(sys.argv[2]), 'launch-1', 0.2).start(); print('beating', flush=True); "
+    "time.sleep(600)"
+)
 
 
 def test_the_watchdog_tells_a_lost_a_crashed_a_terminated_and_a_hung_rank_apart(tmp_path):
     """Four beating processes: SIGKILL (lost), SIGSEGV (crashed), SIGTERM (ended by torchrun or a
     user: not the cause) and SIGSTOP (hung: its count stops moving)."""
-    procs = [subprocess.Popen([sys.executable, "-c", BEAT, str(tmp_path), str(rank)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for rank in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BEAT, str(tmp_path), str(rank)],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        for rank in range(4)
+    ]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "beating"
@@ -183,8 +224,9 @@ def processes_of(run: Path) -> list[str]:
     return out
 
 
-def assert_one_line_end(out: subprocess.CompletedProcess, run: Path, code: int, where: str, what: str,
-                        checkpoint: int, tracebacks: int = 0) -> str:
+def assert_one_line_end(
+    out: subprocess.CompletedProcess, run: Path, code: int, where: str, what: str, checkpoint: int, tracebacks: int = 0
+) -> str:
     """The run's end is the project's one line, last on the console and in the run's log: what,
     where, the last checkpoint, the command that resumes, the documented code."""
     assert out.returncode == code, out.stdout[-3000:] + out.stderr[-3000:]
@@ -212,8 +254,9 @@ def test_a_killed_rank_ends_the_run_at_once_with_one_line_and_code_4(tmp_path):
     run = tmp_path / "run"
     start = time.monotonic()
     out = launch(run, "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.inject_fault=kill@2:1")
-    assert_one_line_end(out, run, LOST_RANK, f"rank 1 on {HOST}, pid ", "the process died without an error of its own",
-                        checkpoint=1)
+    assert_one_line_end(
+        out, run, LOST_RANK, f"rank 1 on {HOST}, pid ", "the process died without an error of its own", checkpoint=1
+    )
     assert time.monotonic() - start < 300
 
 
@@ -222,10 +265,14 @@ def test_a_hung_rank_is_found_by_the_heartbeat_in_seconds_with_code_5(tmp_path):
     """Rank 1 stops itself (SIGSTOP) in step 2: rank 0 waits in its next collective, which gloo would
     hold for trainer.dist_timeout_s (30 min); the heartbeat watchdog ends the run after 10 s."""
     run = tmp_path / "run"
-    out = launch(run, "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.inject_fault=hang@2:1",
-                 "launcher.heartbeat_timeout_s=10")
-    line = assert_one_line_end(out, run, HUNG_RANK, f"rank 1 on {HOST}, pid ",
-                               "no heartbeat for 1", checkpoint=1)
+    out = launch(
+        run,
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.inject_fault=hang@2:1",
+        "launcher.heartbeat_timeout_s=10",
+    )
+    line = assert_one_line_end(out, run, HUNG_RANK, f"rank 1 on {HOST}, pid ", "no heartbeat for 1", checkpoint=1)
     assert "(launcher.heartbeat_timeout_s=10): the process is stopped or stuck" in line
     assert json.loads((run / "FAILURE").read_text())["code"] == HUNG_RANK
 
@@ -236,17 +283,35 @@ def test_a_bug_in_one_rank_is_its_traceback_once_and_one_line_with_code_1(tmp_pa
     the launcher ends the group at once, naming rank 1, not rank 0."""
     run = tmp_path / "run"
     out = launch(run, "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.inject_fault=raise@2:1")
-    assert_one_line_end(out, run, FAILED, f"rank 1 on {HOST}, pid ", "RuntimeError: fault injected: "
-                        "trainer.inject_fault=raise@2 (rank 1) (traceback above)", checkpoint=1, tracebacks=1)
+    assert_one_line_end(
+        out,
+        run,
+        FAILED,
+        f"rank 1 on {HOST}, pid ",
+        "RuntimeError: fault injected: trainer.inject_fault=raise@2 (rank 1) (traceback above)",
+        checkpoint=1,
+        tracebacks=1,
+    )
 
 
 @pytest.mark.slow
 def test_the_guards_final_stop_is_one_line_with_code_3(tmp_path):
     run = tmp_path / "run"
-    out = launch(run, "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.inject_fault=nan_grad@2",
-                 "trainer.guard.max_rollbacks=0")
-    line = assert_one_line_end(out, run, GUARD_STOP, "stability guard: actor/pg_loss is nan; stopping after 0 "
-                               "rollbacks", "Lower the learning rate", checkpoint=1)
+    out = launch(
+        run,
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=1",
+        "trainer.inject_fault=nan_grad@2",
+        "trainer.guard.max_rollbacks=0",
+    )
+    line = assert_one_line_end(
+        out,
+        run,
+        GUARD_STOP,
+        "stability guard: actor/pg_loss is nan; stopping after 0 rollbacks",
+        "Lower the learning rate",
+        checkpoint=1,
+    )
     assert "last step logged 2" in line
 
 
@@ -259,10 +324,20 @@ def test_sigterm_stops_with_a_checkpoint_a_second_launch_is_refused_and_the_resu
     run = tmp_path / "run"
     steps = 6
     # slow@1: every step 1 s longer, so the run is still going when the second launch looks
-    args = [*FAST, f"trainer.default_local_dir={run}", f"trainer.total_training_steps={steps}", "trainer.save_freq=100",
-            "trainer.inject_fault=slow@1"]
-    first = subprocess.Popen([sys.executable, str(REPO / "launch.py"), *args], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    args = [
+        *FAST,
+        f"trainer.default_local_dir={run}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=100",
+        "trainer.inject_fault=slow@1",
+    ]
+    first = subprocess.Popen(
+        [sys.executable, str(REPO / "launch.py"), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not ((run / LOCK_FILE).exists() and (run / "config.yaml").exists()) and time.monotonic() < deadline:
@@ -270,8 +345,10 @@ def test_sigterm_stops_with_a_checkpoint_a_second_launch_is_refused_and_the_resu
         config = (run / "config.yaml").read_text()
         second = launch(run, f"trainer.total_training_steps={steps + 1}")
         assert second.returncode == BAD_INPUT and "Traceback" not in second.stderr
-        assert (f"error: trainer.default_local_dir: {run} is in use by another run (host {HOST}, pid {first.pid}, "
-                in second.stderr)
+        assert (
+            f"error: trainer.default_local_dir: {run} is in use by another run (host {HOST}, pid {first.pid}, "
+            in second.stderr
+        )
         assert (run / "config.yaml").read_text() == config and not list(run.glob("config.prev-*"))
         while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -286,9 +363,11 @@ def test_sigterm_stops_with_a_checkpoint_a_second_launch_is_refused_and_the_resu
     stopped_at = int((run / LATEST_FILE).read_text())
     assert 1 <= stopped_at < steps
     line = stderr.strip().splitlines()[-1]
-    assert line.startswith("[rlhf-hpc] stopped by SIGTERM: the ranks finished their step and saved a checkpoint; "
-                           f"last checkpoint {run}/global_step_{stopped_at} (step {stopped_at}); "
-                           "resume with: python "), line
+    assert line.startswith(
+        "[rlhf-hpc] stopped by SIGTERM: the ranks finished their step and saved a checkpoint; "
+        f"last checkpoint {run}/global_step_{stopped_at} (step {stopped_at}); "
+        "resume with: python "
+    ), line
     assert line.endswith("; exit code 143")
     assert f"[rlhf-hpc] stopping after step {stopped_at}: stop requested (signal SIGTERM); checkpoint saved" in stdout
     assert processes_of(run) == [] and not (run / LOCK_FILE).exists()
@@ -303,4 +382,3 @@ def test_sigterm_stops_with_a_checkpoint_a_second_launch_is_refused_and_the_resu
     assert logged == list(range(1, steps + 1))  # every step once, none repeated, none skipped
     assert [r["training/global_step"] for r in read_metrics(run)] == list(range(1, steps + 1))
     assert processes_of(run) == [] and not (run / "heartbeat").exists() and not (run / LOCK_FILE).exists()
-

@@ -3,6 +3,7 @@
 Every hostile program really runs, in the sandbox this machine has (bwrap here): each is contained,
 comes back as a status and an error string, is counted, and leaves no process behind. Limits are
 small (1.5 s, 256 MB, 16 processes) so the file takes seconds."""
+
 from __future__ import annotations
 
 import ast
@@ -33,8 +34,15 @@ from rlhf_hpc.tools.sandbox_fusion import run_in_sandbox_fusion
 from tests.conftest import require
 
 # where no cgroup bounds a program (an ordinary user): rlimits, (256 - 3 x 8) // 112 = 2 processes
-LIMITS = SandboxConfig(timeout_s=1.5, memory_mb=256, process_memory_mb=112, max_processes=16, max_file_mb=8,
-                       max_output_kb=64, max_parallel=2)
+LIMITS = SandboxConfig(
+    timeout_s=1.5,
+    memory_mb=256,
+    process_memory_mb=112,
+    max_processes=16,
+    max_file_mb=8,
+    max_output_kb=64,
+    max_parallel=2,
+)
 SLACK_S = GRACE_S + 1.0  # past the time limit: the kill, the pipes closing, a loaded machine
 
 
@@ -74,8 +82,10 @@ def test_the_probe_finds_bwrap_here(mode):
 
 
 def test_a_correct_program_reads_stdin_and_sees_nothing_of_the_host(mode):
-    program = ("import os, sys\nprint(sum(int(x) for x in sys.stdin.read().split()))\n"
-               "print(sorted(os.listdir('/')))\nprint(sorted(os.environ))\nprint(os.getcwd(), os.environ['HOME'])")
+    program = (
+        "import os, sys\nprint(sum(int(x) for x in sys.stdin.read().split()))\n"
+        "print(sorted(os.listdir('/')))\nprint(sorted(os.environ))\nprint(os.getcwd(), os.environ['HOME'])"
+    )
     r = run_in_sandbox(program, "1 2 3\n", LIMITS)
     assert r.ok and r.error == "" and r.exit_code == 0, r
     total, top, env, where = r.stdout.splitlines()
@@ -84,20 +94,33 @@ def test_a_correct_program_reads_stdin_and_sees_nothing_of_the_host(mode):
     # (e.g. /root, holding that prefix only): no /home, no /work, no run directory
     system = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sandbox", "sbin", "tmp", "usr"}
     assert set(ast.literal_eval(top)) <= system | {Path(p).parts[1] for p in interpreter_prefixes(interpreter(LIMITS))}
-    assert set(ast.literal_eval(env)) <= {"PATH", "HOME", "TMPDIR", "LANG", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                              "MKL_NUM_THREADS", "LD_LIBRARY_PATH", "PWD"}
+    assert set(ast.literal_eval(env)) <= {
+        "PATH",
+        "HOME",
+        "TMPDIR",
+        "LANG",
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "LD_LIBRARY_PATH",
+        "PWD",
+    }
 
 
 HOSTILE = {
     # name: (program, expected status)
     "fork bomb": ("import os\nwhile True:\n    os.fork()", "process_limit"),
-    "fork bomb that ignores failed forks": ("import os\nwhile True:\n    try:\n        os.fork()\n"
-                                            "    except OSError:\n        pass", "timeout"),
+    "fork bomb that ignores failed forks": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        "timeout",
+    ),
     "endless loop": ("while True:\n    pass", "timeout"),
     "50 GB allocation": ("x = bytearray(50 * 2**30)\nprint(len(x))", "memory"),
     "1 GB of output": ("import sys\nfor _ in range(2**14):\n    sys.stdout.write('x' * 2**16)", "output_limit"),
-    "ignores SIGTERM": ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)",
-                        "timeout"),
+    "ignores SIGTERM": (
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)",
+        "timeout",
+    ),
     "a 20 MB file": ("open('big', 'wb').write(b'x' * 20 * 2**20)", "file_limit"),
 }
 
@@ -115,16 +138,25 @@ def test_a_hostile_program_is_contained_reported_and_counted(name, mode):
     assert took < LIMITS.timeout_s + SLACK_S, took
     assert r.error and not r.ok and len(r.stdout) <= LIMITS.max_output_kb * 1024
     metrics = SANDBOX_METRICS.take_metrics()
-    assert metrics["sandbox/runs"] == 1 and sum(v for k, v in metrics.items() if k.startswith("sandbox/")
-                                                 and not k.startswith(("sandbox/runs", "sandbox/seconds"))) == 1
+    assert (
+        metrics["sandbox/runs"] == 1
+        and sum(
+            v
+            for k, v in metrics.items()
+            if k.startswith("sandbox/") and not k.startswith(("sandbox/runs", "sandbox/seconds"))
+        )
+        == 1
+    )
     assert leftover_sandbox_processes() == []
 
 
 def test_the_process_limit_holds(mode):
     if mode == "userns" and os.geteuid() == 0:
         pytest.skip("root in a user namespace: the process limit does not hold for root")
-    program = ("import os, time\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
-               "            time.sleep(30)\n            os._exit(0)\n        n += 1\nfinally:\n    print(n, flush=True)")
+    program = (
+        "import os, time\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n            os._exit(0)\n        n += 1\nfinally:\n    print(n, flush=True)"
+    )
     r = run_in_sandbox(program, "", LIMITS)
     tasks = memory_bound(LIMITS, 3).tasks  # max_processes under a cgroup, fewer under rlimits
     assert r.status == "process_limit" and int(r.stdout) == tasks - 1, r
@@ -136,14 +168,18 @@ def test_writes_to_home_and_the_run_directory_reach_nothing(tmp_path, mode):
     run_dir, home = tmp_path / "run", Path.home()
     run_dir.mkdir()
     marker = f"sandbox-test-{os.getpid()}"
-    program = "\n".join(f"try:\n    open({str(p)!r}, 'w').write('x')\n    print('wrote', {str(p)!r})\n"
-                        f"except OSError as e:\n    print(type(e).__name__)"
-                        for p in (home / marker, run_dir / marker, Path("/work") / marker))
+    program = "\n".join(
+        f"try:\n    open({str(p)!r}, 'w').write('x')\n    print('wrote', {str(p)!r})\n"
+        f"except OSError as e:\n    print(type(e).__name__)"
+        for p in (home / marker, run_dir / marker, Path("/work") / marker)
+    )
     r = run_in_sandbox(program, "", LIMITS)
     assert r.ok and "wrote" not in r.stdout, r
     assert not (home / marker).exists() and list(run_dir.iterdir()) == [] and not (Path("/work") / marker).exists()
     # the program's own ~ is its private working directory
-    r = run_in_sandbox("import os\nopen(os.path.expanduser('~/x'), 'w').write('x')\nprint(os.path.abspath('x'))", "", LIMITS)
+    r = run_in_sandbox(
+        "import os\nopen(os.path.expanduser('~/x'), 'w').write('x')\nprint(os.path.abspath('x'))", "", LIMITS
+    )
     assert r.ok and r.stdout.strip() == "/sandbox/x"
 
 
@@ -154,9 +190,11 @@ def test_a_socket_reaches_nothing(mode):
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        program = "\n".join(f"import socket\ntry:\n    socket.create_connection({addr!r}, timeout=1)\n    print('connected')\n"
-                            f"except OSError as e:\n    print(type(e).__name__, e)"
-                            for addr in (("127.0.0.1", port), ("1.1.1.1", 53)))
+        program = "\n".join(
+            f"import socket\ntry:\n    socket.create_connection({addr!r}, timeout=1)\n    print('connected')\n"
+            f"except OSError as e:\n    print(type(e).__name__, e)"
+            for addr in (("127.0.0.1", port), ("1.1.1.1", 53))
+        )
         r = run_in_sandbox(program, "", LIMITS)
     assert r.ok and "connected" not in r.stdout and r.stdout.count("Error") == 2, r
 
@@ -165,8 +203,10 @@ def test_another_users_files_are_out_of_reach(tmp_path, mode):
     secret = tmp_path / "secret"
     secret.write_text("password")
     secret.chmod(0o600)
-    program = ("for p in {paths!r}:\n    try:\n        print(open(p).read())\n"
-               "    except OSError as e:\n        print(type(e).__name__)")
+    program = (
+        "for p in {paths!r}:\n    try:\n        print(open(p).read())\n"
+        "    except OSError as e:\n        print(type(e).__name__)"
+    )
     r = run_in_sandbox(program.format(paths=[str(secret), "/etc/shadow"]), "", LIMITS)
     assert r.ok and r.stdout.split() == ["FileNotFoundError", "FileNotFoundError"], r
     if mode == "privileged":
@@ -189,19 +229,29 @@ def test_the_unprivileged_path_as_an_ordinary_user(tmp_path, mode):
     if os.geteuid() != 0 or not Path("/usr/bin/python3").exists():
         pytest.skip("needs root to become another user, and /usr/bin/python3")
     site = next(p for p in sys.path if p.endswith("site-packages"))
-    script = ("import json\nfrom rlhf_hpc.config.sandbox_schema import SandboxConfig\n"
-              "from rlhf_hpc.tools.sandbox import run_in_sandbox, sandbox_backend\n"
-              # no cgroup for nobody: rlimits, (2048 - 3 x 8) // 120 = 16 processes
-              "cfg = SandboxConfig(timeout_s=1.5, memory_mb=2048, process_memory_mb=120, max_file_mb=8, "
-              "max_processes=16)\n"
-              "prog = 'import os, time\\nn = 0\\ntry:\\n    for _ in range(100):\\n        if os.fork() == 0:\\n"
-              "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nfinally:\\n    print(n)'\n"
-              "r = run_in_sandbox(prog, '', cfg)\n"
-              "from rlhf_hpc.tools.memory_bound import memory_bound\n"
-              "print(json.dumps([sandbox_backend(cfg)[1], memory_bound(cfg, 3).kind, r.status, r.stdout]))\n")
-    out = subprocess.run(["/usr/bin/python3", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": f"{Path(__file__).parent.parent}:{site}", "PATH": "/usr/bin:/bin"},
-                         user=65534, group=65534, extra_groups=[])
+    script = (
+        "import json\nfrom rlhf_hpc.config.sandbox_schema import SandboxConfig\n"
+        "from rlhf_hpc.tools.sandbox import run_in_sandbox, sandbox_backend\n"
+        # no cgroup for nobody: rlimits, (2048 - 3 x 8) // 120 = 16 processes
+        "cfg = SandboxConfig(timeout_s=1.5, memory_mb=2048, process_memory_mb=120, max_file_mb=8, "
+        "max_processes=16)\n"
+        "prog = 'import os, time\\nn = 0\\ntry:\\n    for _ in range(100):\\n        if os.fork() == 0:\\n"
+        "            time.sleep(30)\\n            os._exit(0)\\n        n += 1\\nfinally:\\n    print(n)'\n"
+        "r = run_in_sandbox(prog, '', cfg)\n"
+        "from rlhf_hpc.tools.memory_bound import memory_bound\n"
+        "print(json.dumps([sandbox_backend(cfg)[1], memory_bound(cfg, 3).kind, r.status, r.stdout]))\n"
+    )
+    out = subprocess.run(
+        ["/usr/bin/python3", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{Path(__file__).parent.parent}:{site}", "PATH": "/usr/bin:/bin"},
+        user=65534,
+        group=65534,
+        extra_groups=[],
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.splitlines()[-1]) == ["userns", "rlimits", "process_limit", "15\n"]
 
@@ -246,10 +296,14 @@ def test_the_dry_run_check(mode):
     cfg = Config()
     cfg.sandbox = LIMITS
     errors, warnings, notes = sandbox_problems(cfg)
-    assert errors == warnings == [] and len(notes) == 1 and notes[0].startswith(f"sandbox: bwrap ({mode}); memory bound:")
+    assert (
+        errors == warnings == [] and len(notes) == 1 and notes[0].startswith(f"sandbox: bwrap ({mode}); memory bound:")
+    )
     cfg.sandbox = replace(LIMITS, backend="docker")
     errors, _, _ = sandbox_problems(cfg)
-    assert len(errors) == 1 and "sandbox.backend: unknown sandbox backend 'docker'" in errors[0] and "rlimit" in errors[0]
+    assert (
+        len(errors) == 1 and "sandbox.backend: unknown sandbox backend 'docker'" in errors[0] and "rlimit" in errors[0]
+    )
     cfg.sandbox = replace(LIMITS, memory_mb=8, timeout_s=0)
     assert len(sandbox_problems(cfg)[0]) == 2
     cfg.sandbox, cfg.reward_model.sandbox_fusion.url = LIMITS, "localhost:8080"
@@ -270,7 +324,7 @@ def test_the_apptainer_command(tmp_path):
     assert launch.argv[:6] == ["apptainer", "exec", "--containall", "--net", "--network", "none"]
     assert "--no-mount hostfs,bind-paths,cwd" in text and f"--bind {tmp_path}:/run/stage:ro" in text
     at = launch.argv.index(str(image))
-    assert launch.argv[at + 1:at + 4] == ["python3", "-I", "-S"] and "HOME=" not in text
+    assert launch.argv[at + 1 : at + 4] == ["python3", "-I", "-S"] and "HOME=" not in text
     spec = json.loads(launch.argv[-1])
     assert spec["limits"]["cpu"] == 2 and spec["uid"] is None and spec["seccomp"]
     assert spec["limits"]["as"] == (256 if memory_bound(cfg, 0).kind == "cgroup" else cfg.process_memory_mb) * 2**20
@@ -305,9 +359,11 @@ def test_the_code_reward_runs_the_last_python_block_against_the_cases(small_limi
     assert metrics["sandbox/timeouts"] == 2 and metrics["sandbox/errors"] == 2
     # a row's ground truth as a dict (str() of it) and verl's call-based format (fn_name)
     calls = {"fn_name": "twoSum", "inputs": ["[2, 7, 11, 15]\n9", "[3, 2, 4]\n6"], "outputs": ["[0, 1]", "[[1, 2]]"]}
-    solution = ("```python\nclass Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
-                "        seen = {}\n        for i, x in enumerate(nums):\n            if target - x in seen:\n"
-                "                return [seen[target - x], i]\n            seen[x] = i\n```")
+    solution = (
+        "```python\nclass Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+        "        seen = {}\n        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+        "                return [seen[target - x], i]\n            seen[x] = i\n```"
+    )
     assert rule_score("apps", solution, str(calls), {}) == 1.0
     assert rule_score("taco", solution.replace("return [seen[target - x], i]", "return [i]"), str(calls), {}) == 0.0
 
@@ -316,9 +372,15 @@ def test_the_built_in_programming_set_is_scored_by_running_the_programs(small_li
     """synthetic://code: every kind of problem, a right program passes all 3 cases in the sandbox and
     one off by one passes none."""
     from rlhf_hpc.data.synthetic import CODE_TASKS, synthetic_rows
-    expressions = {"prints n + {k}": "n + {k}", "prints n * {k}": "n * {k}", "prints n - {k}": "n - {k}",
-                   "remainder of n divided by {k}": "n % {k}", "prints n squared plus {k}": "n * n + {k}",
-                   "larger of n and {k}": "max(n, {k})"}
+
+    expressions = {
+        "prints n + {k}": "n + {k}",
+        "prints n * {k}": "n * {k}",
+        "prints n - {k}": "n - {k}",
+        "remainder of n divided by {k}": "n % {k}",
+        "prints n squared plus {k}": "n * n + {k}",
+        "larger of n and {k}": "max(n, {k})",
+    }
     assert len(expressions) == len(CODE_TASKS)
     rows = synthetic_rows("synthetic://code?size=24", 1)
     assert synthetic_rows("synthetic://code?size=24", 1) == rows != synthetic_rows("synthetic://code?size=24", 2)
@@ -326,8 +388,9 @@ def test_the_built_in_programming_set_is_scored_by_running_the_programs(small_li
     SANDBOX_METRICS.take_metrics()
     for row in rows:
         prompt, truth = row["prompt"][0]["content"], row["reward_model"]["ground_truth"]
-        [(kind, expr)] = [(w, e.format(k=k)) for w, e in expressions.items() for k in range(2, 10)
-                          if w.format(k=k) + "." in prompt]
+        [(kind, expr)] = [
+            (w, e.format(k=k)) for w, e in expressions.items() for k in range(2, 10) if w.format(k=k) + "." in prompt
+        ]
         seen.add(kind)
         right = f"Here it is:\n```python\nn = int(input())\nprint({expr})\n```"
         assert rule_score(row["data_source"], right, truth, {}) == 1.0, (prompt, truth)
@@ -340,6 +403,7 @@ def test_the_built_in_programming_set_is_scored_by_running_the_programs(small_li
 class FusionHandler(BaseHTTPRequestHandler):
     """SandboxFusion's /run_code, as verl calls it and reads its reply: the code runs in a plain
     subprocess (the test's own programs), the reply has its status / run_result shape."""
+
     requests: list[dict] = []
 
     def do_POST(self):
@@ -349,16 +413,39 @@ class FusionHandler(BaseHTTPRequestHandler):
             self.send_error(404)
             return
         try:
-            out = subprocess.run([sys.executable, "-c", body["code"]], input=body["stdin"], capture_output=True,
-                                 text=True, timeout=body["run_timeout"])
-            run = {"status": "Finished", "return_code": out.returncode, "stdout": out.stdout, "stderr": out.stderr,
-                   "execution_time": 0.1}
+            out = subprocess.run(
+                [sys.executable, "-c", body["code"]],
+                input=body["stdin"],
+                capture_output=True,
+                text=True,
+                timeout=body["run_timeout"],
+            )
+            run = {
+                "status": "Finished",
+                "return_code": out.returncode,
+                "stdout": out.stdout,
+                "stderr": out.stderr,
+                "execution_time": 0.1,
+            }
         except subprocess.TimeoutExpired:
-            run = {"status": "TimeLimitExceeded", "return_code": None, "stdout": "", "stderr": "",
-                   "execution_time": body["run_timeout"]}
+            run = {
+                "status": "TimeLimitExceeded",
+                "return_code": None,
+                "stdout": "",
+                "stderr": "",
+                "execution_time": body["run_timeout"],
+            }
         ok = run["status"] == "Finished" and run["return_code"] == 0
-        reply = json.dumps({"status": "Success" if ok else "Failed", "message": "", "compile_result": None,
-                            "run_result": run, "executor_pod_name": None, "files": {}}).encode()
+        reply = json.dumps(
+            {
+                "status": "Success" if ok else "Failed",
+                "message": "",
+                "compile_result": None,
+                "run_result": run,
+                "executor_pod_name": None,
+                "files": {},
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(reply)))
@@ -392,8 +479,13 @@ def test_with_a_sandbox_fusion_url_code_runs_on_that_service(fusion_url):
     finally:
         configure_code_reward(SandboxConfig(), SandboxFusionConfig())
     first = FusionHandler.requests[0]
-    assert {k: first[k] for k in ("language", "memory_limit_MB", "run_timeout", "files", "fetch_files")} == \
-        {"language": "python", "memory_limit_MB": 512, "run_timeout": 1, "files": {}, "fetch_files": []}
+    assert {k: first[k] for k in ("language", "memory_limit_MB", "run_timeout", "files", "fetch_files")} == {
+        "language": "python",
+        "memory_limit_MB": 512,
+        "run_timeout": 1,
+        "files": {},
+        "fetch_files": [],
+    }
     assert first["stdin"] in ("1 2\n", "5 7\n") and "print(a + b)" in first["code"]
     r = run_in_sandbox_fusion("raise MemoryError", "", LIMITS, fusion)
     assert r.status == "memory" and r.backend == "sandbox_fusion" and "MemoryError" in r.error
@@ -410,6 +502,7 @@ def test_the_step_sums_the_sandbox_outcomes_and_scores_rows_in_parallel(small_li
     from rlhf_hpc.config.schema import CustomRewardFunctionConfig
     from rlhf_hpc.ppo.step_metrics import sandbox_metrics
     from rlhf_hpc.rewards import RewardFunction
+
     SANDBOX_METRICS.take_metrics()
     assert sandbox_metrics() == {}
     fn = RewardFunction(CustomRewardFunctionConfig(), (LIMITS, SandboxFusionConfig()))
@@ -430,10 +523,17 @@ def test_a_code_dataset_is_refused_at_the_dry_run_where_no_sandbox_runs(tmp_path
     import pyarrow.parquet as pq
 
     from rlhf_hpc.cli import main as launch
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path = tmp_path / "code.parquet"
-    rows = [{"data_source": "codecontests", "prompt": [{"role": "user", "content": f"sum {i}"}],
-             "reward_model": {"style": "rule", "ground_truth": SUM_CASES}} for i in range(32)]
+    rows = [
+        {
+            "data_source": "codecontests",
+            "prompt": [{"role": "user", "content": f"sum {i}"}],
+            "reward_model": {"style": "rule", "ground_truth": SUM_CASES},
+        }
+        for i in range(32)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     base = ["recipe=tiny_klppo", f"data.train_files={path}", "data.val_files=null", "--dry-run"]
     rc = launch(base + ["sandbox.backend=apptainer"])

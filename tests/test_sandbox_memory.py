@@ -9,6 +9,7 @@ the cgroup). What it held is measured from outside: the harness that starts the 
 (tests/sandbox_harness.py) runs in a cgroup v1 of the test's own, with no limit, whose peak is read
 after the run; a trivial program's peak in the same setting is the baseline. Needs root and a
 cgroup v1 memory hierarchy (this machine and CI: a VM with one); elsewhere it skips."""
+
 from __future__ import annotations
 
 import itertools
@@ -75,9 +76,10 @@ for pid in pids:
 """,
     # many small pieces, each under max_file_mb (a file size limit stops one big one), dropped from
     # the address space once written
-    "memfd": FILL + ("import os\nfds = []\n"
-                     f"fill(lambda b: fds.append(os.memfd_create('x')) or os.write(fds[-1], b), {TRY}, 4)\n"),
-    "SysV shared memory": FILL + f"""
+    "memfd": FILL
+    + (f"import os\nfds = []\nfill(lambda b: fds.append(os.memfd_create('x')) or os.write(fds[-1], b), {TRY}, 4)\n"),
+    "SysV shared memory": FILL
+    + f"""
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
@@ -90,7 +92,8 @@ def segment(b):
     libc.shmdt(ctypes.c_void_p(addr))  # unmapped, not removed: it stays
 fill(segment, {TRY}, 4)
 """,
-    "POSIX shared memory": FILL + f"""
+    "POSIX shared memory": FILL
+    + f"""
 from multiprocessing import shared_memory
 def segment(b):
     shm = shared_memory.SharedMemory(create=True, size=len(b))
@@ -98,17 +101,20 @@ def segment(b):
     shm.close()  # unmapped, not unlinked: it stays
 fill(segment, {TRY}, 4)
 """,
-    "files in /dev/shm": FILL + f"""
+    "files in /dev/shm": FILL
+    + f"""
 import itertools
 n = itertools.count()
 fill(lambda b: open(f'/dev/shm/f{{next(n)}}', 'wb').write(b), {TRY}, chunk=4)
 """,
-    "files in /tmp and the working directory": FILL + f"""
+    "files in /tmp and the working directory": FILL
+    + f"""
 import itertools
 names = (('/tmp/' if i % 2 else '') + f'f{{i}}' for i in itertools.count())
 fill(lambda b: open(next(names), 'wb').write(b), {TRY}, chunk=4)
 """,
-    "a tmpfs in a user namespace of its own": FILL + f"""
+    "a tmpfs in a user namespace of its own": FILL
+    + f"""
 import ctypes, itertools, os
 libc = ctypes.CDLL(None, use_errno=True)
 uid, gid = os.getuid(), os.getgid()
@@ -137,8 +143,11 @@ _n = itertools.count()
 def measuring_parent() -> Path:
     """The cgroup v1 memory directory the measuring cgroups are made in: this process's own."""
     mounts, own = cgroup_mounts(), own_cgroups()
-    require("root and a cgroup v1 memory hierarchy (to measure a program's memory from outside)",
-            os.geteuid() == 0 and 1 in mounts and 1 in own, "not here")
+    require(
+        "root and a cgroup v1 memory hierarchy (to measure a program's memory from outside)",
+        os.geteuid() == 0 and 1 in mounts and 1 in own,
+        "not here",
+    )
     point, root = mounts[1]
     path = point / os.path.relpath(own[1], root)
     require("a writable cgroup v1 memory directory", os.access(path, os.W_OK), str(path))
@@ -162,8 +171,16 @@ def measured_run(parent: Path, cfg: SandboxConfig, mode: str, uid: int, program:
     site = next(p for p in sys.path if p.endswith("site-packages"))
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO}:{site}"}
     try:
-        proc = subprocess.Popen([python, str(HARNESS), spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env, cwd="/", **extra)
+        proc = subprocess.Popen(
+            [python, str(HARNESS), spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd="/",
+            **extra,
+        )
         (measure / "cgroup.procs").write_text(str(proc.pid))
         out, err = proc.communicate("go\n", timeout=120)
         assert proc.returncode == 0, err
@@ -204,8 +221,10 @@ def test_a_program_holds_at_most_memory_mb_however_it_allocates(how, setting, me
     kind = "a cgroup v1 per program" if cfg.memory_bound == "cgroup" else "rlimits"
     assert f"memory bound: {kind}" in result["line"] and "refused (seccomp)" in result["line"], result["line"]
     grew = peak - baselines[setting]
-    assert grew <= M + SLACK_MB, (f"{how} under {setting}: the harness's peak grew by {grew:.0f} MB "
-                                  f"(memory_mb={M}, tried {TRY})", result)
+    assert grew <= M + SLACK_MB, (
+        f"{how} under {setting}: the harness's peak grew by {grew:.0f} MB (memory_mb={M}, tried {TRY})",
+        result,
+    )
     assert held_mb(result["stdout"]) <= M, result  # what the program itself saw
     if how != "processes":  # (the parent of the refused or killed children may end well)
         assert result["status"] != "ok", result
@@ -213,13 +232,20 @@ def test_a_program_holds_at_most_memory_mb_however_it_allocates(how, setting, me
 
 
 # ------------------------------------------------------------------ the bound's arithmetic, refusals and lines
-@pytest.mark.parametrize("memory_mb,process_mb,file_mb,max_processes", [
-    (1024, 256, 64, 32), (512, 128, 8, 16), (4096, 192, 64, 32), (4096, 64, 1, 8)])
+@pytest.mark.parametrize(
+    "memory_mb,process_mb,file_mb,max_processes",
+    [(1024, 256, 64, 32), (512, 128, 8, 16), (4096, 192, 64, 32), (4096, 64, 1, 8)],
+)
 def test_the_rlimits_multiply_to_memory_mb(memory_mb, process_mb, file_mb, max_processes):
     """processes x address space + the tmpfs mounts never pass memory_mb, and use most of it
     (up to the process count's cap)."""
-    cfg = SandboxConfig(memory_mb=memory_mb, process_memory_mb=process_mb, max_file_mb=file_mb,
-                        max_processes=max_processes, memory_bound="rlimits")
+    cfg = SandboxConfig(
+        memory_mb=memory_mb,
+        process_memory_mb=process_mb,
+        max_file_mb=file_mb,
+        max_processes=max_processes,
+        memory_bound="rlimits",
+    )
     bwrap = SANDBOX_BACKENDS["bwrap"]
     bound = memory_bound(cfg, bwrap.tmpfs)
     limits = limits_of(cfg, bound, 0)
@@ -236,8 +262,11 @@ def test_a_bound_that_cannot_hold_is_refused_in_one_line(tmp_path):
     with pytest.raises(SandboxUnavailable, match=r"sandbox.memory_mb=256: .* raise memory_mb to at least 280"):
         memory_bound(small, 3)
     nowhere = SandboxConfig(memory_bound="cgroup", cgroup_parent=str(tmp_path))
-    with pytest.raises(SandboxUnavailable, match="sandbox.memory_bound=cgroup: no cgroup for programs can be made "
-                                                 r"here \(.*\). Fixes: sandbox.cgroup_parent="):
+    with pytest.raises(
+        SandboxUnavailable,
+        match="sandbox.memory_bound=cgroup: no cgroup for programs can be made "
+        r"here \(.*\). Fixes: sandbox.cgroup_parent=",
+    ):
         memory_bound(nowhere, 3)
     cfg = Config()
     cfg.sandbox = small
@@ -266,5 +295,7 @@ def test_the_dry_run_and_the_first_program_say_which_bound_holds(capsys):
     assert run_in_sandbox("print(2)", "", cfg.sandbox).ok
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[rlhf-hpc] sandbox: ")]
     assert said == [f"[rlhf-hpc] {describe(cfg.sandbox, backend, mode)}"]  # once
-    assert ("3 processes or threads x 128 MB (sandbox.process_memory_mb) + 3 tmpfs x 8 MB <= sandbox.memory_mb=520 MB"
-            in said[0])
+    assert (
+        "3 processes or threads x 128 MB (sandbox.process_memory_mb) + 3 tmpfs x 8 MB <= sandbox.memory_mb=520 MB"
+        in said[0]
+    )

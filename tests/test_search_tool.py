@@ -2,6 +2,7 @@
 the same answers from a local index and from the retrieval service (python -m
 rlhf_hpc.tools.retrieval_server, Search-R1's API, run here as a process), what fails answering the
 model with an error; verl's search tool config mapped and checked at the dry run; Search-R1's reward."""
+
 from __future__ import annotations
 
 import json
@@ -19,20 +20,48 @@ from rlhf_hpc.tools.search_tool import SearchTool
 from rlhf_hpc.tools.tool_config import read_tool_config
 from tests.conftest import REPO
 
-CORPUS = [{"id": "0", "contents": "\"Paris\"\nParis is the capital and largest city of France."},
-          {"id": "1", "contents": "\"Berlin\"\nBerlin is the capital of Germany and its largest city."},
-          {"id": "2", "contents": "\"Mount Everest\"\nMount Everest is the highest mountain above sea level."},
-          {"id": "3", "contents": "\"France\"\nFrance is a country in Western Europe; its capital is Paris."}]
+CORPUS = [
+    {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
+    {"id": "1", "contents": '"Berlin"\nBerlin is the capital of Germany and its largest city.'},
+    {"id": "2", "contents": '"Mount Everest"\nMount Everest is the highest mountain above sea level.'},
+    {"id": "3", "contents": '"France"\nFrance is a country in Western Europe; its capital is Paris.'},
+]
 # verl b178a3c's examples/sglang_multiturn/config/tool_config/search_tool_config.yaml
-SCHEMA = {"type": "function", "function": {
-    "name": "search", "description": "Searches the web for relevant information based on the given query.",
-    "parameters": {"type": "object", "properties": {"query_list": {
-        "type": "array", "item": {"type": "string"},
-        "description": "A list of fully-formed semantic queries. The tool will return search results for each query."}},
-        "required": ["query_list"]}}}
-VERL_CONFIG = {"tools": [{"class_name": "verl.tools.search_tool.SearchTool", "config": {
-    "retrieval_service_url": "http://127.0.0.1:8000/retrieve", "num_workers": 120, "rate_limit": 120, "timeout": 30,
-    "type": "native"}, "tool_schema": SCHEMA}]}
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Searches the web for relevant information based on the given query.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query_list": {
+                    "type": "array",
+                    "item": {"type": "string"},
+                    "description": (
+                        "A list of fully-formed semantic queries. The tool will return search results for each query."
+                    ),
+                }
+            },
+            "required": ["query_list"],
+        },
+    },
+}
+VERL_CONFIG = {
+    "tools": [
+        {
+            "class_name": "verl.tools.search_tool.SearchTool",
+            "config": {
+                "retrieval_service_url": "http://127.0.0.1:8000/retrieve",
+                "num_workers": 120,
+                "rate_limit": 120,
+                "timeout": 30,
+                "type": "native",
+            },
+            "tool_schema": SCHEMA,
+        }
+    ]
+}
 
 
 @pytest.fixture
@@ -62,15 +91,22 @@ def test_a_local_index_and_the_retrieval_service_answer_alike_in_verls_text(corp
     out = local.execute({"query_list": ["highest mountain", "capital of Germany"]}, {})
     text = json.loads(out.text)["result"]
     assert out.status == "ok" and text.startswith(
-        "Doc 1 (Title: \"Mount Everest\")\nMount Everest is the highest mountain above sea level.\n---\n"
-        "Doc 1 (Title: \"Berlin\")\nBerlin is the capital of Germany and its largest city.\n\nDoc 2 (Title: ")
+        'Doc 1 (Title: "Mount Everest")\nMount Everest is the highest mountain above sea level.\n---\n'
+        'Doc 1 (Title: "Berlin")\nBerlin is the capital of Germany and its largest city.\n\nDoc 2 (Title: '
+    )
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "rlhf_hpc.tools.retrieval_server", "--corpus", str(corpus),
-                               "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_hpc.tools.retrieval_server", "--corpus", str(corpus), "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # the tool retries a service that is still starting, within its timeout
-        remote = SearchTool({"retrieval_service_url": f"http://127.0.0.1:{port}/retrieve", "topk": 2, "timeout": 30},
-                            SCHEMA)
+        remote = SearchTool(
+            {"retrieval_service_url": f"http://127.0.0.1:{port}/retrieve", "topk": 2, "timeout": 30}, SCHEMA
+        )
         assert remote.execute({"query_list": ["highest mountain", "capital of Germany"]}, {}) == out
         assert "serving 4 passages" in server.stdout.readline()
     finally:
@@ -94,8 +130,10 @@ def test_verls_search_tool_config_maps_here_and_is_checked(corpus, tmp_path):
     path.write_text(json.dumps(VERL_CONFIG))
     [entry] = read_tool_config(str(path))
     assert (entry.name, entry.cls, entry.sandbox) == ("search", SearchTool, False)
-    for config, message in (({"type": "native"}, "needs one of config.retrieval_service_url"),
-                            ({"local_index": str(tmp_path / "none.jsonl")}, "none.jsonl: no such file")):
+    for config, message in (
+        ({"type": "native"}, "needs one of config.retrieval_service_url"),
+        ({"local_index": str(tmp_path / "none.jsonl")}, "none.jsonl: no such file"),
+    ):
         path.write_text(json.dumps({"tools": [{**VERL_CONFIG["tools"][0], "config": config}]}))
         with pytest.raises(ConfigError, match=r"search_tool_config.yaml, tools\[0\]: .*" + message):
             read_tool_config(str(path))
@@ -147,19 +185,45 @@ def test_verls_search_command_line_dry_runs_on_prepared_search_r1_rows(tmp_path,
     import pyarrow.parquet as pq
 
     from rlhf_hpc.cli import main as cli_main
+
     src = tmp_path / "nq_hotpotqa_train"  # Search-R1's records, as the hub holds them (a batch of 512)
     src.mkdir()
     for split in ("train", "test"):
-        pq.write_table(pa.Table.from_pylist([
-            {"id": f"{split}_{i}", "question": q, "golden_answers": [a], "data_source": source,
-             "ability": "fact-reasoning", "reward_model": {"style": "rule", "ground_truth": {"target": [a]}},
-             "metadata": None}
-            for i, (q, a, source) in enumerate([("capital of france?", "Paris", "nq"),
-                                                ("highest mountain?", "Mount Everest", "hotpotqa")] * 256)]),
-            src / f"{split}.parquet")
-    out = subprocess.run([sys.executable, "-m", "rlhf_hpc.data.prepare", "search_r1", "--src", str(src), "--out",
-                          str(tmp_path / "data" / "searchR1_processed_direct")], capture_output=True, text=True,
-                         cwd=REPO)
+        pq.write_table(
+            pa.Table.from_pylist(
+                [
+                    {
+                        "id": f"{split}_{i}",
+                        "question": q,
+                        "golden_answers": [a],
+                        "data_source": source,
+                        "ability": "fact-reasoning",
+                        "reward_model": {"style": "rule", "ground_truth": {"target": [a]}},
+                        "metadata": None,
+                    }
+                    for i, (q, a, source) in enumerate(
+                        [("capital of france?", "Paris", "nq"), ("highest mountain?", "Mount Everest", "hotpotqa")]
+                        * 256
+                    )
+                ]
+            ),
+            src / f"{split}.parquet",
+        )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf_hpc.data.prepare",
+            "search_r1",
+            "--src",
+            str(src),
+            "--out",
+            str(tmp_path / "data" / "searchR1_processed_direct"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     [row, *_] = pq.read_table(tmp_path / "data/searchR1_processed_direct/train.parquet").to_pylist()
     assert row["data_source"] == "searchR1_nq" and row["reward_model"]["ground_truth"] == {"target": ["Paris"]}
@@ -172,6 +236,8 @@ def test_verls_search_command_line_dry_runs_on_prepared_search_r1_rows(tmp_path,
     # "qwen" parser either: hermes is Qwen2.5's)
     assert cli_main(args) == 2
     err = capsys.readouterr().err
-    assert "unknown rollout engine 'sglang'" in err and "unknown tool-call format 'qwen'; registered: hermes" in err, err
+    assert "unknown rollout engine 'sglang'" in err and "unknown tool-call format 'qwen'; registered: hermes" in err, (
+        err
+    )
     args = [a.replace("name=sglang", "name=vllm").replace("format=qwen", "format=hermes") for a in args]
     assert cli_main(args) == 0, capsys.readouterr().err

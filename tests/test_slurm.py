@@ -5,6 +5,7 @@ preemption -> checkpoint -> requeue -> bit-identical resume, a time limit shorte
 and bad requests refused before anything is queued. The dry-run sbatch texts are pinned by golden
 files. Sweeps and multi-node jobs (real separate hosts): test_slurm_multinode.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ import pytest
 from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import REPO, require, run_launch
 
-TINY = ["recipe=tiny_klppo", "cluster=slurm", "launcher.cluster_profile=local", "trainer.test_freq=-1",
-        "trainer.val_before_train=false"]
+TINY = [
+    "recipe=tiny_klppo",
+    "cluster=slurm",
+    "launcher.cluster_profile=local",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+]
 # (plan/: the time plan, which depends on the layout: 2 nodes x 1 rank is not 1 node x 2 ranks)
 NONDETERMINISTIC = ("timing_s/", "perf/", "memory_gb/", "plan/")
 
@@ -69,15 +75,27 @@ def deterministic(records: dict, steps) -> dict:
 
 
 # ----------------------------------------------------------------------------- no daemons needed
-@pytest.mark.parametrize("golden,args", [
-    ("qwen7b_klppo.sbatch", ["recipe=qwen7b_klppo"]),
-    # 4 nodes, a site that asks for GPUs with --gres (the example profile) and one with --gpus-per-node
-    ("qwen7b_klppo_4node_gres.sbatch", ["recipe=qwen7b_klppo_4node"]),
-    ("qwen7b_klppo_4node_gpus_per_node.sbatch", ["recipe=qwen7b_klppo_4node", "launcher.gpu_request=gpus-per-node"]),
-])
+@pytest.mark.parametrize(
+    "golden,args",
+    [
+        ("qwen7b_klppo.sbatch", ["recipe=qwen7b_klppo"]),
+        # 4 nodes, a site that asks for GPUs with --gres (the example profile) and one with --gpus-per-node
+        ("qwen7b_klppo_4node_gres.sbatch", ["recipe=qwen7b_klppo_4node"]),
+        (
+            "qwen7b_klppo_4node_gpus_per_node.sbatch",
+            ["recipe=qwen7b_klppo_4node", "launcher.gpu_request=gpus-per-node"],
+        ),
+    ],
+)
 def test_dry_run_sbatch_matches_the_golden_file(tmp_path, golden, args):
-    out = run_launch(*args, "cluster=slurm", "launcher.cluster_profile=example-gpu", "--dry-run",
-                     f"trainer.default_local_dir={tmp_path}/run", env={"WANDB_API_KEY": "secret-key-123"})
+    out = run_launch(
+        *args,
+        "cluster=slurm",
+        "launcher.cluster_profile=example-gpu",
+        "--dry-run",
+        f"trainer.default_local_dir={tmp_path}/run",
+        env={"WANDB_API_KEY": "secret-key-123"},
+    )
     assert out.returncode == 0, out.stderr
     script = out.stdout.split("# sbatch script (cluster=slurm)\n", 1)[1]
     script = script.replace(str(tmp_path), "<TMP>").replace(sys.executable, "<PYTHON>")
@@ -91,15 +109,16 @@ def test_dry_run_sbatch_matches_the_golden_file(tmp_path, golden, args):
 def test_unknown_profile_is_refused():
     out = run_launch(*TINY, "launcher.cluster_profile=locl", "--dry-run")
     assert out.returncode == 2
-    assert "launcher.cluster_profile: no profile 'locl' (did you mean 'local'?); available: example-gpu, local" \
+    assert (
+        "launcher.cluster_profile: no profile 'locl' (did you mean 'local'?); available: example-gpu, local"
         in out.stderr
+    )
 
 
 # ----------------------------------------------------------------------------- real Slurm jobs
 def test_submitted_job_completes(slurm, tmp_path):
     run = tmp_path / "run"
-    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=4",
-                     "trainer.save_freq=2")
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=4", "trainer.save_freq=2")
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     assert f"submitted job {job}: run directory {run}" in out.stdout
@@ -121,9 +140,13 @@ def test_submitted_job_completes(slurm, tmp_path):
 def test_preflight_through_slurm_checks_a_sharded_layout(slurm, tmp_path):
     """``launch.py preflight`` submitted like a run: the job's log has every check, the shard
     dimension's bandwidth among them (fsdp_size=2), and the hf engine's sleep/wake is skipped."""
-    out = run_launch("preflight", *TINY, f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.rollout.name=hf",
-                     *[f"{m}.fsdp_config.fsdp_size=2" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
-                                                               "critic.model")])
+    out = run_launch(
+        "preflight",
+        *TINY,
+        f"trainer.default_local_dir={tmp_path}",
+        "actor_rollout_ref.rollout.name=hf",
+        *[f"{m}.fsdp_config.fsdp_size=2" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")],
+    )
     assert out.returncode == 0, out.stderr
     run = tmp_path / "preflight"
     (job,) = job_ids(run)
@@ -155,8 +178,15 @@ def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_pat
     assert raw_steps(run) == list(range(1, steps + 1))
     # the same steps uninterrupted (here, same code path) give the same metrics
     whole = tmp_path / "whole"
-    local = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={whole}", "trainer.test_freq=-1",
-                       "trainer.val_before_train=false", "cluster=local", *common, timeout=600)
+    local = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={whole}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "cluster=local",
+        *common,
+        timeout=600,
+    )
     assert local.returncode == 0, local.stderr[-3000:]
     a = {r["training/global_step"]: r for r in read_metrics(whole)}
     b = {r["training/global_step"]: r for r in read_metrics(run)}
@@ -173,10 +203,18 @@ def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm
     # in every allocation): with USR2@20 each 1-minute allocation got USR2 10-14 s in, one step each,
     # and 15 requeues ended the run at step 18. USR2@5 comes after the trainer's own stop (15 s margin)
     # or at most ~30 s early, 25 s in.
-    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=40",
-                     "trainer.save_freq=100", "launcher.time_min=1", "launcher.signal_lead_s=5",
-                     "launcher.time_margin_s=20", "launcher.max_requeues=20", "actor_rollout_ref.rollout.name=hf",
-                     "trainer.inject_fault=slow@1")
+    out = run_launch(
+        *TINY,
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=40",
+        "trainer.save_freq=100",
+        "launcher.time_min=1",
+        "launcher.signal_lead_s=5",
+        "launcher.time_margin_s=20",
+        "launcher.max_requeues=20",
+        "actor_rollout_ref.rollout.name=hf",
+        "trainer.inject_fault=slow@1",
+    )
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     assert wait_done(job, timeout=900) == "COMPLETED"
@@ -188,18 +226,26 @@ def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm
 def test_max_requeues_bounds_the_preemption_loop(slurm, tmp_path):
     # two preemptions, one requeue allowed: the second stop saves and ends the job, not requeued
     run = tmp_path / "run"
-    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=40",
-                     "trainer.save_freq=100", "launcher.max_requeues=1", "actor_rollout_ref.rollout.name=hf")
+    out = run_launch(
+        *TINY,
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=40",
+        "trainer.save_freq=100",
+        "launcher.max_requeues=1",
+        "actor_rollout_ref.rollout.name=hf",
+    )
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     for signalled in (1, 2):
         deadline = time.time() + 300
-        while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and
-                                              (run / "metrics.jsonl").read_text().count("\n") >= 2 * signalled + 1):
+        while time.time() < deadline and not (
+            (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2 * signalled + 1
+        ):
             time.sleep(1)
         if signalled == 2:  # the requeued allocation must have resumed before the second signal
             while time.time() < deadline and "resumed from" not in "".join(
-                    p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out")):
+                p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out")
+            ):
                 time.sleep(1)
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
         time.sleep(5)
@@ -213,10 +259,16 @@ def test_max_requeues_bounds_the_preemption_loop(slurm, tmp_path):
     assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == ""
 
 
-@pytest.mark.parametrize("override,message", [
-    ("launcher.partition=gpu-h100", "launcher.partition: 'gpu-h100' is not a partition of this cluster (sinfo lists: debug)"),
-    ("launcher.cpus_per_task=64", "Slurm rejects the resource request"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "launcher.partition=gpu-h100",
+            "launcher.partition: 'gpu-h100' is not a partition of this cluster (sinfo lists: debug)",
+        ),
+        ("launcher.cpus_per_task=64", "Slurm rejects the resource request"),
+    ],
+)
 def test_bad_requests_are_refused_before_submission(slurm, tmp_path, override, message):
     run = tmp_path / "run"
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
@@ -240,19 +292,39 @@ def test_the_steps_restate_the_jobs_cpus(tmp_path):
 
 def test_a_step_with_fewer_cpus_than_asked_is_said():
     from rlhf_hpc.planning.hardware import step_cpu_warning
+
     said = step_cpu_warning(64, 1, None)
-    assert said.startswith("this node's job step can use 1 of the 64 CPUs launcher.cpus_per_task asks for "
-                           "(SLURM_CPUS_PER_TASK=unset)") and "--cpus-per-task" in said
+    assert (
+        said.startswith(
+            "this node's job step can use 1 of the 64 CPUs launcher.cpus_per_task asks for (SLURM_CPUS_PER_TASK=unset)"
+        )
+        and "--cpus-per-task" in said
+    )
     assert step_cpu_warning(64, 64, "64") is None and step_cpu_warning(None, 1, None) is None
 
 
 def test_plain_sbatch_runs_the_same_job(slurm, tmp_path):
     run = tmp_path / "run"
-    out = subprocess.run(["sbatch", "--parsable", "--cpus-per-task=2", f"--output={tmp_path}/job-%j.out",
-                          "--export=ALL,RLHF_HPC_PYTHON=" + sys.executable, "slurm/klppo.sbatch", "recipe=tiny_klppo",
-                          f"trainer.default_local_dir={run}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                          "trainer.val_before_train=false", "actor_rollout_ref.rollout.name=hf"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--cpus-per-task=2",
+            f"--output={tmp_path}/job-%j.out",
+            "--export=ALL,RLHF_HPC_PYTHON=" + sys.executable,
+            "slurm/klppo.sbatch",
+            "recipe=tiny_klppo",
+            f"trainer.default_local_dir={run}",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "actor_rollout_ref.rollout.name=hf",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     job = out.stdout.strip().split(";")[0]
     assert wait_done(job) == "COMPLETED", (tmp_path / f"job-{job}.out").read_text()[-3000:]

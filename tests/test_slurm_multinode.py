@@ -7,6 +7,7 @@ the first node, metrics equal to a 1-node 2-rank run), USR2 preemption across no
 mid-run, a sweep as one array job spread over nodes, two jobs sharing a node, and the 4-node recipe
 with a tiny model for two steps.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ from tests.test_slurm import TINY, deterministic, job_ids, raw_steps, slurm_up, 
 # one mesh for every layout: shard over all ranks. Left at its default (fsdp_size = ranks per node),
 # 1 node x 2 ranks would shard over both and 2 nodes x 1 rank would replicate (HSDP): other
 # collectives, other float32 rounding
-SAME_MESH = [f"{m}.fsdp_config.fsdp_size=-1" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
-                                                        "critic.model")]
+SAME_MESH = [
+    f"{m}.fsdp_config.fsdp_size=-1" for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+]
 TWO_NODES = [*TINY, "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.name=hf", *SAME_MESH]
 # each rank one OpenMP thread whatever the rank count on its node: equal arithmetic in every layout
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -40,8 +42,11 @@ def cluster_nodes() -> list[str]:
 def need_nodes(n: int) -> list[str]:
     require("a running Slurm", slurm_up(), "start it with: bash slurm/dev-cluster.sh up --nodes 4")
     nodes = cluster_nodes()
-    require(f"a Slurm cluster of {n} nodes", len(nodes) >= n,
-            f"it has {len(nodes)}; start it with: bash slurm/dev-cluster.sh up --nodes 4")
+    require(
+        f"a Slurm cluster of {n} nodes",
+        len(nodes) >= n,
+        f"it has {len(nodes)}; start it with: bash slurm/dev-cluster.sh up --nodes 4",
+    )
     return nodes
 
 
@@ -65,22 +70,41 @@ def sacct_fields(job: str, fields: str) -> list[str]:
 
 def start_one_node_run(run: Path) -> subprocess.Popen:
     """The same recipe and steps as 1 node x 2 ranks (cluster=local), in the background."""
-    return subprocess.Popen([sys.executable, str(REPO / "launch.py"), "recipe=tiny_klppo", "cluster=local",
-                             f"trainer.default_local_dir={run}", "trainer.test_freq=-1",
-                             "trainer.val_before_train=false",
-                             "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf",
-                             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=100", *SAME_MESH,
-                             *seed_args()],
-                            cwd=REPO, env=dict(os.environ, **ONE_THREAD), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "recipe=tiny_klppo",
+            "cluster=local",
+            f"trainer.default_local_dir={run}",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.name=hf",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.save_freq=100",
+            *SAME_MESH,
+            *seed_args(),
+        ],
+        cwd=REPO,
+        env=dict(os.environ, **ONE_THREAD),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def two_node_run(tmp_path_factory) -> tuple[Path, str]:
     """An uninterrupted 2-node x 1-rank job (launch.py, submitit): run once, shared by the tests."""
     if not _two_node:
         run = tmp_path_factory.mktemp("two_node") / "run"
-        out = run_launch(*TWO_NODES, f"trainer.default_local_dir={run}", f"trainer.total_training_steps={STEPS}",
-                         "trainer.save_freq=100", env=ONE_THREAD)
+        out = run_launch(
+            *TWO_NODES,
+            f"trainer.default_local_dir={run}",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.save_freq=100",
+            env=ONE_THREAD,
+        )
         assert out.returncode == 0, out.stderr
         (job,) = job_ids(run)
         assert wait_done(job) == "COMPLETED", job_logs(run, job)
@@ -110,8 +134,9 @@ def test_two_node_job_spans_two_hosts_and_equals_a_one_node_run(tmp_path, tmp_pa
     logs = job_logs(run, job)
     assert sorted(logs) == [0, 1]
     # one torchrun per node, each on its own host, both meeting at the first node (not localhost)
-    first, second = subprocess.run(["scontrol", "show", "hostnames", sacct_fields(job, "NodeList")[0]],
-                                   capture_output=True, text=True).stdout.split()
+    first, second = subprocess.run(
+        ["scontrol", "show", "hostnames", sacct_fields(job, "NodeList")[0]], capture_output=True, text=True
+    ).stdout.split()
     port = 29500 + int(job) % 16000
     assert f"node 0/2 on {first}: torchrun with 1 ranks on 2 CPUs, rendezvous {first}:{port} (id {job}" in logs[0]
     assert f"node 1/2 on {second}: torchrun with 1 ranks on 2 CPUs, rendezvous {first}:{port} (id {job}" in logs[1]
@@ -125,19 +150,37 @@ def test_two_node_job_spans_two_hosts_and_equals_a_one_node_run(tmp_path, tmp_pa
     want = {r["training/global_step"]: r for r in read_metrics(tmp_path / "one_node")}
     got = {r["training/global_step"]: r for r in read_metrics(run)}
     steps = range(1, STEPS + 1)
-    assert deterministic(got, steps) == deterministic(want, steps), differences(deterministic(got, steps),
-                                                                                deterministic(want, steps))[:5]
+    assert deterministic(got, steps) == deterministic(want, steps), differences(
+        deterministic(got, steps), deterministic(want, steps)
+    )[:5]
 
 
 def test_plain_sbatch_two_nodes(tmp_path):
     need_nodes(2)
     run = tmp_path / "run"
-    out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--cpus-per-task=2", f"--output={tmp_path}/job-%j.out",
-                          "--export=ALL,OMP_NUM_THREADS=1,RLHF_HPC_PYTHON=" + sys.executable, "slurm/klppo.sbatch",
-                          "recipe=tiny_klppo", "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                          f"trainer.default_local_dir={run}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                          "trainer.val_before_train=false", "actor_rollout_ref.rollout.name=hf"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            "--cpus-per-task=2",
+            f"--output={tmp_path}/job-%j.out",
+            "--export=ALL,OMP_NUM_THREADS=1,RLHF_HPC_PYTHON=" + sys.executable,
+            "slurm/klppo.sbatch",
+            "recipe=tiny_klppo",
+            "trainer.nnodes=2",
+            "trainer.n_gpus_per_node=1",
+            f"trainer.default_local_dir={run}",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "actor_rollout_ref.rollout.name=hf",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     job = out.stdout.strip().split(";")[0]
     log_path = tmp_path / f"job-{job}.out"
@@ -154,8 +197,13 @@ def test_plain_sbatch_two_nodes(tmp_path):
 def test_usr2_preemption_stops_both_nodes_at_one_step_and_resumes(tmp_path, tmp_path_factory):
     need_nodes(2)
     run = tmp_path / "run"
-    out = run_launch(*TWO_NODES, f"trainer.default_local_dir={run}", f"trainer.total_training_steps={STEPS}",
-                     "trainer.save_freq=100", env=ONE_THREAD)
+    out = run_launch(
+        *TWO_NODES,
+        f"trainer.default_local_dir={run}",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=100",
+        env=ONE_THREAD,
+    )
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     wait_for_steps(run, 2, job)
@@ -166,7 +214,11 @@ def test_usr2_preemption_stops_both_nodes_at_one_step_and_resumes(tmp_path, tmp_
     assert 2 <= stop < STEPS
     assert f"resumed from {run}/global_step_{stop} (step {stop})" in text
     # the starting point, one checkpoint at the stop, written by both ranks (one on each node), and the final one
-    assert {p.name for p in run.glob("global_step_*")} == {"global_step_0", f"global_step_{stop}", f"global_step_{STEPS}"}
+    assert {p.name for p in run.glob("global_step_*")} == {
+        "global_step_0",
+        f"global_step_{stop}",
+        f"global_step_{STEPS}",
+    }
     assert sorted(p.name for p in (run / f"global_step_{stop}" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
     assert len(hosts_by_rank(text)) == 2  # two allocations, each a 2-host group
     assert raw_steps(run) == list(range(1, STEPS + 1))  # every step logged exactly once
@@ -180,14 +232,20 @@ def test_usr2_preemption_stops_both_nodes_at_one_step_and_resumes(tmp_path, tmp_
 def test_a_node_dies_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
     nodes = need_nodes(2)
     run = tmp_path / "run"
-    out = run_launch(*TWO_NODES, f"trainer.default_local_dir={run}", "trainer.total_training_steps=10",
-                     "trainer.save_freq=3", env=ONE_THREAD)
+    out = run_launch(
+        *TWO_NODES,
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=10",
+        "trainer.save_freq=3",
+        env=ONE_THREAD,
+    )
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     wait_for_steps(run, 4, job)
     before = (run / "metrics.jsonl").read_text()
-    victim = subprocess.run(["scontrol", "show", "hostnames", sacct_fields(job, "NodeList")[0]], capture_output=True,
-                            text=True).stdout.split()[1]
+    victim = subprocess.run(
+        ["scontrol", "show", "hostnames", sacct_fields(job, "NodeList")[0]], capture_output=True, text=True
+    ).stdout.split()[1]
     subprocess.run(["bash", "slurm/dev-cluster.sh", "fail-node", victim], cwd=REPO, check=True, timeout=60)
     # Slurm notices (SlurmdTimeout) and requeues the job (--requeue); with no spare node it waits for
     # the failed one, which the "admin" brings back
@@ -198,8 +256,13 @@ def test_a_node_dies_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
             break
         time.sleep(2)
     assert "Restarts=1" in restarts, restarts
-    up = subprocess.run(["bash", "slurm/dev-cluster.sh", "up", "--nodes", str(len(nodes))], cwd=REPO, timeout=300,
-                        capture_output=True, text=True)
+    up = subprocess.run(
+        ["bash", "slurm/dev-cluster.sh", "up", "--nodes", str(len(nodes))],
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     assert wait_done(job) == "COMPLETED", job_logs(run, job)
     text = "\n".join(job_logs(run, job).values())
@@ -216,10 +279,16 @@ def test_two_jobs_on_one_node_do_not_collide(tmp_path):
     nodes = need_nodes(2)
     runs, jobs = [tmp_path / "a", tmp_path / "b"], []
     for run in runs:  # one CPU each, both pinned to the same node
-        out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.n_gpus_per_node=1",
-                         "actor_rollout_ref.rollout.name=hf", "trainer.total_training_steps=3",
-                         "launcher.cpus_per_task=1", f"launcher.additional_sbatch=[--nodelist={nodes[0]}]",
-                         env=ONE_THREAD)
+        out = run_launch(
+            *TINY,
+            f"trainer.default_local_dir={run}",
+            "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.name=hf",
+            "trainer.total_training_steps=3",
+            "launcher.cpus_per_task=1",
+            f"launcher.additional_sbatch=[--nodelist={nodes[0]}]",
+            env=ONE_THREAD,
+        )
         assert out.returncode == 0, out.stderr
         jobs += job_ids(run)
     for job, run in zip(jobs, runs):
@@ -234,9 +303,14 @@ def test_two_jobs_on_one_node_do_not_collide(tmp_path):
 
 def test_sweep_is_one_array_job_spread_over_the_nodes(tmp_path):
     need_nodes(2)
-    out = run_launch(*TINY, f"trainer.default_local_dir={tmp_path}/" + "${trainer.experiment_name}",
-                     "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=hf",
-                     "sweep.algorithm.kl_ctrl.kl_coef=[0.001,0.01]", env=ONE_THREAD)
+    out = run_launch(
+        *TINY,
+        f"trainer.default_local_dir={tmp_path}/" + "${trainer.experiment_name}",
+        "trainer.total_training_steps=2",
+        "actor_rollout_ref.rollout.name=hf",
+        "sweep.algorithm.kl_ctrl.kl_coef=[0.001,0.01]",
+        env=ONE_THREAD,
+    )
     assert out.returncode == 0, out.stderr
     runs = [tmp_path / "tiny_klppo_kl_coef=0.001", tmp_path / "tiny_klppo_kl_coef=0.01"]
     ids = [job_ids(r)[0] for r in runs]
@@ -246,6 +320,7 @@ def test_sweep_is_one_array_job_spread_over_the_nodes(tmp_path):
     for run in runs:
         assert raw_steps(run) == [1, 2]
     from rlhf_hpc.recipe.load import load_resolved
+
     assert [load_resolved(r / "config.yaml").algorithm.kl_ctrl.kl_coef for r in runs] == [0.001, 0.01]
     # a whole node each (cpus_per_task=2 of 2): both elements ran at once, on different nodes
     (a_start, a_end, a_node), (b_start, b_end, b_node) = (sacct_fields(j, "Start,End,NodeList") for j in ids)
@@ -253,24 +328,40 @@ def test_sweep_is_one_array_job_spread_over_the_nodes(tmp_path):
 
 
 # --------------------------------------------------------------------------------- 4 nodes
-TINY_4NODE = ["recipe=qwen7b_klppo_4node", "cluster=slurm", "launcher.cluster_profile=local", "trainer.device=cpu",
-              "trainer.n_gpus_per_node=1", "trainer.logger=[console]", "trainer.test_freq=-1",
-              "trainer.val_before_train=false", "trainer.total_training_steps=2", "trainer.save_freq=-1",
-              "data.train_files=synthetic://copy", "data.val_files=synthetic://copy?size=64",
-              "data.train_batch_size=8", "data.max_prompt_length=32", "data.max_response_length=8",
-              "actor_rollout_ref.model.path=tiny://qwen2?vocab_size=64",
-              "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-              "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-              "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.fsdp_config.param_offload=false",
-              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false",
-              "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32",
-              "actor_rollout_ref.ref.fsdp_config.param_offload=false",
-              "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32",
-              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-              "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-              "actor_rollout_ref.rollout.dtype=float32",
-              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-              "critic.ppo_micro_batch_size_per_gpu=2", "critic.model.fsdp_config.mixed_precision.param_dtype=float32"]
+TINY_4NODE = [
+    "recipe=qwen7b_klppo_4node",
+    "cluster=slurm",
+    "launcher.cluster_profile=local",
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.logger=[console]",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.total_training_steps=2",
+    "trainer.save_freq=-1",
+    "data.train_files=synthetic://copy",
+    "data.val_files=synthetic://copy?size=64",
+    "data.train_batch_size=8",
+    "data.max_prompt_length=32",
+    "data.max_response_length=8",
+    "actor_rollout_ref.model.path=tiny://qwen2?vocab_size=64",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.ppo_epochs=1",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=false",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false",
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=float32",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=false",
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=float32",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.name=hf",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.dtype=float32",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "critic.model.fsdp_config.mixed_precision.param_dtype=float32",
+]
 
 
 def test_four_node_recipe_runs_two_steps_on_four_nodes(tmp_path):

@@ -2,6 +2,7 @@
 the advice it computes, the dry run and ``launch.py plan`` printing it, and the calibration bench
 writing what the plan reads. (The plan against measured CPU runs and published GPU runs:
 python -m rlhf_hpc.bench.time_plan_check / rlhf_hpc.bench.published_runs, BENCHMARKS.md.)"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +80,9 @@ def test_the_cpu_figures_come_from_the_calibration_file(tmp_path, monkeypatch):
     cfg, _ = load_config("tiny_klppo", [], check_files=False)
     assert hardware_of(cfg) == uncalibrated_cpu()  # no file yet: nominal, and it says so
     (tmp_path / "calibration").mkdir()
-    (tmp_path / "calibration" / "cpu.json").write_text(json.dumps({"fp32_tflops": 0.07, "hbm_gb_s": 20.0,
-                                                                    "measured": {"date": "2026-12-01"}}))
+    (tmp_path / "calibration" / "cpu.json").write_text(
+        json.dumps({"fp32_tflops": 0.07, "hbm_gb_s": 20.0, "measured": {"date": "2026-12-01"}})
+    )
     hw = hardware_of(cfg)
     assert hw.fp32_tflops == 0.07 and hw.hbm_gb_s == 20.0 and "calibrate" in hw.source
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the figures are one thread's: a rank of 4 computes 4x
@@ -95,7 +97,7 @@ def test_training_phases_are_their_flops_over_the_efficient_peak():
     rows = 1024 / 8  # per GPU
     # by hand: 2 x 28 layers x their parameters per token, attention 2 x 28 x q_dim x L per token,
     # the head on the response tokens
-    by_hand = (2 * 28 * s.layer_params * rows * 400 + 2 * 28 * 3584 * 400 * rows * 400 + 2 * 3584 * 152064 * rows * 300)
+    by_hand = 2 * 28 * s.layer_params * rows * 400 + 2 * 28 * 3584 * 400 * rows * 400 + 2 * 3584 * 152064 * rows * 300
     assert forward_flops(s, rows * 400, 400, rows * 300, s.vocab) == pytest.approx(by_hand)
     old = plan.phase("old_log_prob")
     assert old.parts["compute"] == pytest.approx(by_hand / (989e12 * hw.train_efficiency))
@@ -107,7 +109,11 @@ def test_training_phases_are_their_flops_over_the_efficient_peak():
 
 def test_each_resource_bounds_what_it_should():
     # decode of a few long responses reads the weights every step: memory-bound; faster HBM, faster gen
-    small = ("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16")
+    small = (
+        "data.train_batch_size=16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "critic.ppo_mini_batch_size=16",
+    )
     _, few = plan_of("qwen7b_klppo", *small)
     assert few.phase("gen").bound == "memory bandwidth"
     _, quick = plan_of("qwen7b_klppo", *small, "hardware.hbm_gb_s=6700")
@@ -116,7 +122,9 @@ def test_each_resource_bounds_what_it_should():
     # twice the rows: twice the update's compute
     _, base = plan_of("qwen7b_klppo")
     _, double = plan_of("qwen7b_klppo", "data.train_batch_size=2048")
-    assert double.phase("update_actor").parts["compute"] == pytest.approx(2 * base.phase("update_actor").parts["compute"])
+    assert double.phase("update_actor").parts["compute"] == pytest.approx(
+        2 * base.phase("update_actor").parts["compute"]
+    )
     # a slow link: the FSDP all-gathers bound the passes and the step's communication share grows
     _, slow = plan_of("qwen7b_klppo", "hardware.intra_node_gb_s=2")
     assert slow.phase("update_actor").bound == "intra-node link"
@@ -127,8 +135,11 @@ def test_each_resource_bounds_what_it_should():
     _, fast_disk = plan_of("qwen7b_klppo", "hardware.disk_gb_s=4")
     assert fast_disk.phase("save_checkpoint").seconds == pytest.approx(ckpt.seconds / 2)
     # param_offload: the parameters cross the host link every micro-batch
-    _, offload = plan_of("qwen7b_klppo", "actor_rollout_ref.actor.fsdp_config.param_offload=true",
-                         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
+    _, offload = plan_of(
+        "qwen7b_klppo",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false",
+    )
     assert offload.phase("update_actor").parts["host link"] > base.phase("update_actor").parts["host link"]
     assert offload.phase("update_actor").parts["host optimizer"] > 0
 
@@ -137,7 +148,7 @@ def test_the_decode_schedule_spreads_the_lengths_and_thins_the_batch():
     # lengths: the given mean and longest; spread (the mean of squares above the squared mean)
     lengths = response_lengths(256, 795, 3584)
     assert max(lengths) == 3584 and sum(lengths) / 256 == pytest.approx(795, rel=0.01)
-    assert sum(x * x for x in lengths) / 256 > 1.5 * 795 ** 2
+    assert sum(x * x for x in lengths) / 256 > 1.5 * 795**2
     assert response_lengths(8, 512, 512) == [512] * 8  # (the dry run's maxima: every response at the cap)
     even = response_lengths(100, 500, 1000)  # half the longest: uniform
     assert sorted(even)[49] == pytest.approx(500, abs=10) and sum(even) / 100 == pytest.approx(500, rel=0.01)
@@ -168,25 +179,41 @@ def test_spread_lengths_cost_decode_time_that_their_mean_hides():
 def test_the_assumed_lengths_and_a_runs_own_lengths_set_the_workload():
     cfg, full = plan_of("qwen7b_klppo")
     _, short = plan_of("qwen7b_klppo", "plan.response_length=128")
-    assert full.workload.response == 512 and short.workload.response == 128 and "plan.response_length" in short.workload.source
+    assert (
+        full.workload.response == 512
+        and short.workload.response == 128
+        and "plan.response_length" in short.workload.source
+    )
     assert short.phase("gen").seconds < full.phase("gen").seconds
     assert short.tokens_per_s_per_gpu * short.step_s == pytest.approx(1024 * (512 + 128) / 8)
     # a run plans each step with what it measured (rlhf_hpc.ppo.trainer)
     model = TimeModel(cfg)
-    step = model.plan_step({"prompt_length/mean": 100.0, "response_length/mean": 200.0, "response_length/max": 512.0},
-                           padded=612)
+    step = model.plan_step(
+        {"prompt_length/mean": 100.0, "response_length/mean": 200.0, "response_length/max": 512.0}, padded=612
+    )
     assert step.workload == Workload(1024, 100.0, 200.0, 512, 612, "this step's lengths")
     # a multi-turn step: its tool turns (tools/tokens_tool over the step's rows) are in every pass too
-    turns = model.plan_step({"prompt_length/mean": 100.0, "response_length/mean": 200.0, "response_length/max": 500.0,
-                             "tools/tokens_tool": 1024 * 30.0, "num_turns/mean": 4.0, "timing_s/tools": 0.5},
-                            padded=612)
-    assert turns.workload == Workload(1024, 100.0, 230.0, 512, 612, "this step's lengths", turns=2.0, tool_tokens=30.0,
-                                      tool_s=0.5)
+    turns = model.plan_step(
+        {
+            "prompt_length/mean": 100.0,
+            "response_length/mean": 200.0,
+            "response_length/max": 500.0,
+            "tools/tokens_tool": 1024 * 30.0,
+            "num_turns/mean": 4.0,
+            "timing_s/tools": 0.5,
+        },
+        padded=612,
+    )
+    assert turns.workload == Workload(
+        1024, 100.0, 230.0, 512, 612, "this step's lengths", turns=2.0, tool_tokens=30.0, tool_s=0.5
+    )
     assert turns.phase("update_actor").seconds > step.phase("update_actor").seconds
     # two assistant turns of 100 model tokens with the 30 tool tokens prefilled between them (not
     # decoded), and the tools' own half second
     assert [(t.rows, t.context, t.new_tokens, t.mean) for t in turns.workload.turns_open()] == [
-        (1.0, 100.0, 0.0, 100.0), (1.0, 200.0, 30.0, 100.0)]
+        (1.0, 100.0, 0.0, 100.0),
+        (1.0, 200.0, 30.0, 100.0),
+    ]
     assert turns.phase("gen").parts["tools"] == 0.5 and "2 assistant turns" in turns.phase("gen").note
     assert set(step.metrics()) >= {"plan/gen_s", "plan/update_actor_s", "plan/step_s", "plan/tokens_per_s_per_gpu"}
     line = step.render_measured({"timing_s/gen": 2 * step.phase("gen").seconds, "timing_s/step": step.step_s})
@@ -202,8 +229,10 @@ def test_advice_names_keys_whose_plan_fits_and_is_faster():
     # (here a larger token budget helps and Ulysses does not)
     ulysses_helps = any("ulysses_sequence_parallel_size" in a for a in measured)
     assert ("Ulysses sequence parallelism shortens it" in slow.advice[0]) is ulysses_helps
-    assert ulysses_helps or "finds Ulysses sequence parallelism (ulysses_sequence_parallel_size=2) no faster" in \
-        slow.advice[0]
+    assert (
+        ulysses_helps
+        or "finds Ulysses sequence parallelism (ulysses_sequence_parallel_size=2) no faster" in slow.advice[0]
+    )
     for line in measured:
         key, value = line.split(":")[0].split(" ")[0].split("=")
         other, _ = load_config("qwen7b_klppo", ["hardware.intra_node_gb_s=2", f"{key}={value}"], check_files=False)
@@ -216,14 +245,26 @@ def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("# time plan per step on 8 x H100 SXM"))
-    phases = [line.split()[1] for line in lines[start + 2:] if line.startswith("#   ")]
-    assert phases == ["update_weights", "gen", "old_log_prob", "ref", "values", "update_critic", "update_actor",
-                      "save_checkpoint"]
-    assert all("bound:" in line for line in lines[start + 2:start + 10])
+    phases = [line.split()[1] for line in lines[start + 2 :] if line.startswith("#   ")]
+    assert phases == [
+        "update_weights",
+        "gen",
+        "old_log_prob",
+        "ref",
+        "values",
+        "update_critic",
+        "update_actor",
+        "save_checkpoint",
+    ]
+    assert all("bound:" in line for line in lines[start + 2 : start + 10])
     assert any(line.startswith("# step ") and "tokens/s per GPU" in line for line in lines)
-    table = run_launch("plan", "recipe=qwen7b_klppo", "plan.response_length=300",
-                       "sweep.actor_rollout_ref.rollout.tensor_model_parallel_size=[1,2,4]",
-                       "sweep.hardware.hbm_gb=[80,24]")
+    table = run_launch(
+        "plan",
+        "recipe=qwen7b_klppo",
+        "plan.response_length=300",
+        "sweep.actor_rollout_ref.rollout.tensor_model_parallel_size=[1,2,4]",
+        "sweep.hardware.hbm_gb=[80,24]",
+    )
     assert table.returncode == 0, table.stderr
     rows = [line for line in table.stdout.splitlines() if line.startswith("| tensor_model")]
     fits = [r for r in rows if "does not fit" not in r]
@@ -235,12 +276,27 @@ def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path)
 
 def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
     out = tmp_path / "cpu.json"
-    proc = subprocess.run([sys.executable, "-m", "rlhf_hpc.bench.calibrate", "--skip-vllm", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf_hpc.bench.calibrate", "--skip-vllm", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     figures = json.loads(out.read_text())
-    for key in ("fp32_tflops", "bf16_tflops", "backward_ratio", "hbm_gb_s", "layer_overhead_s", "pass_overhead_s",
-                "host_adam_params_s", "collective_latency_s", "intra_node_gb_s", "disk_gb_s"):
+    for key in (
+        "fp32_tflops",
+        "bf16_tflops",
+        "backward_ratio",
+        "hbm_gb_s",
+        "layer_overhead_s",
+        "pass_overhead_s",
+        "host_adam_params_s",
+        "collective_latency_s",
+        "intra_node_gb_s",
+        "disk_gb_s",
+    ):
         assert figures[key] > 0, key
     hw = read_calibration(str(out))
     assert hw.fp32_tflops == figures["fp32_tflops"] and str(out) in hw.source
@@ -253,8 +309,9 @@ def test_the_nominal_cpu_computes_bf16_by_the_cpus_flags():
     native, emulated = uncalibrated_cpu(native_bf16=True), uncalibrated_cpu(native_bf16=False)
     assert native.bf16_tflops == 2 * native.fp32_tflops and "native bf16" in native.source
     assert emulated == UNCALIBRATED_CPU and emulated.bf16_tflops < emulated.fp32_tflops
-    assert dataclasses.replace(native, bf16_tflops=emulated.bf16_tflops, source="") == \
-        dataclasses.replace(emulated, source="")  # nothing else differs
+    assert dataclasses.replace(native, bf16_tflops=emulated.bf16_tflops, source="") == dataclasses.replace(
+        emulated, source=""
+    )  # nothing else differs
 
 
 def test_the_plan_holds_to_published_h100_runs():
@@ -264,6 +321,7 @@ def test_the_plan_holds_to_published_h100_runs():
     import statistics
 
     from rlhf_hpc.bench.published_runs import PUBLISHED_RUNS, plan_of_run
+
     ratios = {run.name: plan_of_run(run)[1]["step"] / run.step_s for run in PUBLISHED_RUNS}
     assert len(ratios) >= 6 and sum(run.held_out for run in PUBLISHED_RUNS) >= 2
     assert 0.85 <= statistics.median(ratios.values()) <= 1.15, ratios

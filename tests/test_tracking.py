@@ -1,5 +1,6 @@
 """W&B on compute nodes: offline chosen where there are no credentials or no service, said once,
 with the command that uploads the run; one history row per logged step."""
+
 from __future__ import annotations
 
 import socket
@@ -7,8 +8,8 @@ import time
 
 import pytest
 
-from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.observability.tracking import Tracker, wandb_mode
+from rlhf_hpc.recipe.load import load_config
 from tests.conftest import wandb_history_so_far
 
 
@@ -35,7 +36,10 @@ def test_wandb_mode_is_offline_when_the_service_does_not_answer(tmp_path):
     with socket.socket() as server:  # credentials in a netrc, and a service that answers
         server.bind(("127.0.0.1", 0))
         server.listen()
-        env = {"NETRC": netrc_file(tmp_path, "127.0.0.1"), "WANDB_BASE_URL": f"http://127.0.0.1:{server.getsockname()[1]}"}
+        env = {
+            "NETRC": netrc_file(tmp_path, "127.0.0.1"),
+            "WANDB_BASE_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
+        }
         assert wandb_mode(env)[0] == "online"
 
 
@@ -67,10 +71,13 @@ def test_the_console_line_shows_validation_scores_and_no_step_time_for_a_validat
     tracker = Tracker(cfg, tmp_path, True, 60)
     console = next(b for b in tracker.backends if b.name == "console")
     try:
-        step = console.progress_line({"critic/score/mean": 0.1, "timing_s/step": 0.3,
-                                      "val-core/synthetic/copy/reward/mean@1": 0.25}, 20)
+        step = console.progress_line(
+            {"critic/score/mean": 0.1, "timing_s/step": 0.3, "val-core/synthetic/copy/reward/mean@1": 0.25}, 20
+        )
         assert step == "step 20/60 | score 0.1 | val synthetic/copy 0.25 | 0.30s/step  ETA 0m12s"
         # val_before_train: a row of validation scores only
-        assert console.progress_line({"val-core/openai/gsm8k/reward/mean@1": 0.5}, 0) == "step 0/60 | val openai/gsm8k 0.5"
+        assert (
+            console.progress_line({"val-core/openai/gsm8k/reward/mean@1": 0.5}, 0) == "step 0/60 | val openai/gsm8k 0.5"
+        )
     finally:
         tracker.close()

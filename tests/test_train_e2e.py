@@ -1,6 +1,7 @@
 """The README's demo end to end on CPU: ``tiny_klppo`` on 2 ranks with each engine learns, logs
 every metric, checkpoints, and a stopped-and-resumed run continues exactly like an uninterrupted
 one (same sampler position, RNG-seeded rollouts, optimizer, KL controller, W&B run)."""
+
 from __future__ import annotations
 
 import ast
@@ -16,16 +17,53 @@ from tests.conftest import engine_available, run_launch, wandb_run_record
 pytestmark = pytest.mark.slow
 
 STEP_METRICS = [
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-    "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
-    "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/vf_explained_var",
-    *[f"critic/{k}/{s}" for k in ("score", "rewards", "advantages", "returns", "values") for s in ("mean", "max", "min")],
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/grad_norm",
+    "critic/vf_explained_var",
+    *[
+        f"critic/{k}/{s}"
+        for k in ("score", "rewards", "advantages", "returns", "values")
+        for s in ("mean", "max", "min")
+    ],
     *[f"{k}/{s}" for k in ("response_length", "prompt_length") for s in ("mean", "max", "min", "clip_ratio")],
-    *[f"timing_s/{k}" for k in ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
-                                "update_actor", "update_weights", "step")],
-    "perf/total_num_tokens", "perf/time_per_step", "perf/throughput", "perf/mfu/actor",
-    "perf/max_memory_allocated_gb", "perf/cpu_memory_used_gb", "training/global_step", "training/epoch",
-    "rollout/logprob_diff_max", "rollout/logprob_diff_mean", "actor/ref_kl_mean", "actor/ref_kl_var",
+    *[
+        f"timing_s/{k}"
+        for k in (
+            "gen",
+            "reward",
+            "old_log_prob",
+            "ref",
+            "values",
+            "adv",
+            "update_critic",
+            "update_actor",
+            "update_weights",
+            "step",
+        )
+    ],
+    "perf/total_num_tokens",
+    "perf/time_per_step",
+    "perf/throughput",
+    "perf/mfu/actor",
+    "perf/max_memory_allocated_gb",
+    "perf/cpu_memory_used_gb",
+    "training/global_step",
+    "training/epoch",
+    "rollout/logprob_diff_max",
+    "rollout/logprob_diff_mean",
+    "actor/ref_kl_mean",
+    "actor/ref_kl_var",
 ]
 # what may differ between two runs of the same steps: wall-clock and memory figures, and the
 # loggers' row counter (a restarted run repeats steps)
@@ -36,8 +74,12 @@ NONDETERMINISTIC = ("timing_s/", "perf/", "memory_gb/", "training/log_step")
 def demo_run(request, tmp_path_factory):
     engine_available(request.param)
     run = tmp_path_factory.mktemp(f"demo-{request.param}") / "run"
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}",
-                     f"actor_rollout_ref.rollout.name={request.param}", timeout=900)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run}",
+        f"actor_rollout_ref.rollout.name={request.param}",
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return request.param, run, out.stdout, out.stderr
 
@@ -59,8 +101,11 @@ def test_every_metric_is_present_and_finite_every_step(demo_run):
 def metric_names_read_by(path: Path) -> set[str]:
     """The metric names a module's code reads (string constants shaped like ``actor/pg_loss``)."""
     tree = ast.parse(path.read_text())
-    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and re.fullmatch(r"[a-z_]+(/[a-z_0-9]+)+", n.value)}
+    return {
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(r"[a-z_]+(/[a-z_0-9]+)+", n.value)
+    }
 
 
 def test_every_metric_the_guard_and_the_console_read_is_logged(demo_run):
@@ -71,7 +116,8 @@ def test_every_metric_the_guard_and_the_console_read_is_logged(demo_run):
     logged = set().union(*map(set, read_metrics(run)))
     pkg = Path(__file__).resolve().parents[1] / "rlhf_hpc"
     read = metric_names_read_by(pkg / "ppo/guard.py") | {
-        n for n in metric_names_read_by(pkg / "observability/tracking.py") if n.startswith(("actor/", "critic/"))}
+        n for n in metric_names_read_by(pkg / "observability/tracking.py") if n.startswith(("actor/", "critic/"))
+    }
     assert len(read) >= 10 and read - logged == {"actor/kl_loss"}
 
 
@@ -89,7 +135,11 @@ def test_the_demo_learns(demo_run):
 def test_checkpoints_and_console(demo_run):
     _, run, stdout, _ = demo_run
     assert sorted((p.name for p in run.glob("global_step_*")), key=lambda n: int(n.split("_")[-1])) == [
-        "global_step_0", "global_step_20", "global_step_40", "global_step_60"]  # 0: trainer.guard.initial_checkpoint
+        "global_step_0",
+        "global_step_20",
+        "global_step_40",
+        "global_step_60",
+    ]  # 0: trainer.guard.initial_checkpoint
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "60"
     assert (run / "config.yaml").is_file()
     assert "step 60/60 | score" in stdout and "ETA" in stdout
@@ -103,24 +153,42 @@ def test_the_start_up_is_timed_phase_by_phase_once(demo_run):
     the first step's metrics only; they add up to the time from the process's start to step 1."""
     _, run, stdout, _ = demo_run
     (line,) = [x for x in stdout.splitlines() if x.startswith("[rlhf-hpc] start-up ")]
-    phases = ["imports", "config", "process group", "data", "models", "engine", "rewards", "resume",
-              "trackers and plans"]
+    phases = [
+        "imports",
+        "config",
+        "process group",
+        "data",
+        "models",
+        "engine",
+        "rewards",
+        "resume",
+        "trackers and plans",
+    ]
     named = re.findall(r"(?:: |, )([a-z ]+) (\d+\.\d)", line)
     assert [name for name, _ in named] == phases, line
     records = read_metrics(run)
     first = records[0]
     startup = {k: v for k, v in first.items() if k.startswith("timing_s/startup/")}
-    assert sorted(startup) == sorted([f"timing_s/startup/{p.replace(' ', '_')}" for p in phases] + ["timing_s/startup/total"])
+    assert sorted(startup) == sorted(
+        [f"timing_s/startup/{p.replace(' ', '_')}" for p in phases] + ["timing_s/startup/total"]
+    )
     assert all(v >= 0 for v in startup.values())
-    assert startup["timing_s/startup/total"] == pytest.approx(sum(v for k, v in startup.items() if k != "timing_s/startup/total"))
-    assert startup["timing_s/startup/imports"] > 1.0  # counted from the process's start: torch's import alone takes seconds
-    assert startup["timing_s/startup/total"] == pytest.approx(float(line.split("start-up ")[1].split(" s:")[0]), abs=0.06)
+    assert startup["timing_s/startup/total"] == pytest.approx(
+        sum(v for k, v in startup.items() if k != "timing_s/startup/total")
+    )
+    assert (
+        startup["timing_s/startup/imports"] > 1.0
+    )  # counted from the process's start: torch's import alone takes seconds
+    assert startup["timing_s/startup/total"] == pytest.approx(
+        float(line.split("start-up ")[1].split(" s:")[0]), abs=0.06
+    )
     assert not any(k.startswith("timing_s/startup/") for r in records[1:] for k in r)
 
 
 def test_each_step_is_planned_beside_what_it_took(demo_run):
     from rlhf_hpc.planning.time_plan import TimeModel
     from rlhf_hpc.recipe.load import load_resolved
+
     _, run, stdout, _ = demo_run
     model = TimeModel(load_resolved(run / "config.yaml", check_files=False))
     records = read_metrics(run)
@@ -160,10 +228,19 @@ def test_the_console_is_the_plan_the_layout_and_the_steps(demo_run):
 
 
 def _run(run: Path, steps: int, *extra: str):
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", f"trainer.total_training_steps={steps}",
-                     "trainer.save_freq=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                     "trainer.logger=[console,wandb]", "actor_rollout_ref.rollout.name=vllm", *extra,
-                     env={"WANDB_MODE": "offline"}, timeout=600)
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=3",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console,wandb]",
+        "actor_rollout_ref.rollout.name=vllm",
+        *extra,
+        env={"WANDB_MODE": "offline"},
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 

@@ -1,4 +1,5 @@
 """Training models in one process: packing, token-budget micro-batches, LR schedule, models."""
+
 from __future__ import annotations
 
 import math
@@ -6,18 +7,19 @@ import math
 import pytest
 import torch
 
-from rlhf_hpc.ppo.actor import Actor, ActorSpec, per_token_logprobs
-from rlhf_hpc.ops.batching import (make_padded_batch, micro_batch_groups, pack, restore_order,
-                                   token_budget_micro_batches)
 from rlhf_hpc.config.schema import ActorConfig, OptimConfig
-from rlhf_hpc.ppo.critic import per_token_values
 from rlhf_hpc.models.hf import build_causal_lm, build_critic, model_config
+from rlhf_hpc.ops.batching import make_padded_batch, micro_batch_groups, pack, restore_order, token_budget_micro_batches
+from rlhf_hpc.ppo.actor import Actor, ActorSpec, per_token_logprobs
+from rlhf_hpc.ppo.critic import per_token_values
 from rlhf_hpc.ppo.optim import build_optimizer, clip_grad_norm, lr_multiplier
 
 
 def skewed_batch(n=6, P=9, R=7, seed=0):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, 256, (int(k),), generator=g).tolist() for k in torch.randint(1, P + 1, (n,), generator=g)]
+    prompts = [
+        torch.randint(1, 256, (int(k),), generator=g).tolist() for k in torch.randint(1, P + 1, (n,), generator=g)
+    ]
     resps = [torch.randint(1, 256, (int(k),), generator=g).tolist() for k in torch.randint(1, R + 1, (n,), generator=g)]
     b = make_padded_batch(prompts, resps, 0, P, R)
     b["advantages"] = torch.randn(n, R, generator=g) * b["response_mask"]
@@ -58,8 +60,7 @@ def test_packed_equals_padded_logprobs_entropy_values_and_gradients():
     torch.testing.assert_close(ent_pack, ent_pad, atol=2e-6, rtol=0)
     torch.testing.assert_close(g_pack, grads_of(actor), atol=2e-5, rtol=1e-4)
     critic = build_critic("tiny://qwen2", torch.float32, seed=1, init_from=actor)
-    torch.testing.assert_close(per_token_values(critic, b, True), per_token_values(critic, b, False),
-                               atol=2e-6, rtol=0)
+    torch.testing.assert_close(per_token_values(critic, b, True), per_token_values(critic, b, False), atol=2e-6, rtol=0)
 
 
 def test_token_budget_groups_respect_the_budget_and_balance():
@@ -87,8 +88,13 @@ def test_dynamic_micro_batches_give_the_same_update_as_fixed_ones():
     results = []
     for dyn in (False, True):
         model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
-        cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=dyn, ppo_max_token_len_per_gpu=24,
-                          clip_ratio_low=0.2, clip_ratio_high=0.2)
+        cfg = ActorConfig(
+            ppo_micro_batch_size_per_gpu=2,
+            use_dynamic_bsz=dyn,
+            ppo_max_token_len_per_gpu=24,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+        )
         actor = Actor(model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim)))
         lp, _ = actor.compute_log_prob(b, 2, dyn, 24)
         batch = dict(b, old_log_probs=lp - 0.1 * b["response_mask"])
@@ -105,8 +111,13 @@ def test_a_smaller_last_micro_batch_gives_the_update_of_one_micro_batch():
     results = []
     for micro in (6, 4):
         model = build_causal_lm("tiny://qwen2", torch.float32, seed=0)
-        cfg = ActorConfig(ppo_micro_batch_size_per_gpu=micro, shuffle=False, loss_agg_mode="seq-mean-token-mean",
-                          clip_ratio_low=0.2, clip_ratio_high=0.2)
+        cfg = ActorConfig(
+            ppo_micro_batch_size_per_gpu=micro,
+            shuffle=False,
+            loss_agg_mode="seq-mean-token-mean",
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+        )
         actor = Actor(model, cfg, ActorSpec(remove_padding=True, optimizer=build_optimizer(model, cfg.optim)))
         lp, _ = actor.compute_log_prob(b, 6)
         metrics = actor.update_policy(dict(b, old_log_probs=lp - 0.1 * b["response_mask"]), mini_batch_rows=6)
@@ -146,11 +157,11 @@ def test_clip_grad_norm_scales_only_above_the_limit():
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g)
     before = [p.grad.clone() for p in model.parameters()]
-    norm = math.sqrt(sum(float((b ** 2).sum()) for b in before))
+    norm = math.sqrt(sum(float((b**2).sum()) for b in before))
     assert clip_grad_norm(model, norm * 2) == pytest.approx(norm, rel=1e-6)
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
     assert clip_grad_norm(model, norm / 2) == pytest.approx(norm, rel=1e-6)
-    after = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters()))
+    after = math.sqrt(sum(float((p.grad**2).sum()) for p in model.parameters()))
     assert after == pytest.approx(norm / 2, rel=1e-5)
     model.weight.grad[0, 0] = float("nan")
     kept = [p.grad.clone() for p in model.parameters()]
@@ -161,8 +172,11 @@ def test_clip_grad_norm_scales_only_above_the_limit():
 def test_tiny_model_config_from_the_path():
     c = model_config("tiny://qwen2?hidden_size=32&num_hidden_layers=3", override={"rms_norm_eps": 1e-5})
     assert (c.hidden_size, c.num_hidden_layers, c.rms_norm_eps, c.vocab_size) == (32, 3, 1e-5, 256)
-    with pytest.raises(ValueError, match=r"unknown tiny model 'tiny://bert'; the built-in ones are tiny://qwen2, "
-                                         r"tiny://qwen3, tiny://llama, tiny://mistral, tiny://gemma2, tiny://gemma3"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown tiny model 'tiny://bert'; the built-in ones are tiny://qwen2, "
+        r"tiny://qwen3, tiny://llama, tiny://mistral, tiny://gemma2, tiny://gemma3",
+    ):
         model_config("tiny://bert")
 
 
@@ -170,7 +184,9 @@ def test_same_seed_same_weights_on_every_rank():
     a = build_causal_lm("tiny://qwen2", torch.float32, seed=7).state_dict()
     b = build_causal_lm("tiny://qwen2", torch.float32, seed=7).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    critic = build_critic("tiny://qwen2", torch.float32, seed=7, init_from=build_causal_lm("tiny://qwen2", torch.float32, seed=7))
+    critic = build_critic(
+        "tiny://qwen2", torch.float32, seed=7, init_from=build_causal_lm("tiny://qwen2", torch.float32, seed=7)
+    )
     assert torch.equal(critic.model.embed_tokens.weight, a["model.embed_tokens.weight"])
 
 
@@ -179,6 +195,7 @@ def world_of_one():
     import socket
 
     import torch.distributed as dist
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -193,9 +210,16 @@ def test_build_training_models_from_a_recipe(world_of_one):
     from rlhf_hpc.distributed.process_group import DistContext
     from rlhf_hpc.ppo.training_models import build_training_models
     from rlhf_hpc.recipe.load import load_config
+
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    cfg, _ = load_config("tiny_klppo", ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.use_kl_loss=true",
-                                        "actor_rollout_ref.actor.optim.lr_warmup_steps=2"])
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+        ],
+    )
     eng = build_training_models(cfg, ctx, total_steps=10)
     assert isinstance(next(eng.actor.model.parameters()), DTensor)
     assert eng.ref is not None and not any(p.requires_grad for p in eng.ref.model.parameters())
@@ -208,8 +232,9 @@ def test_build_training_models_from_a_recipe(world_of_one):
     a = eng.actor.model.model.embed_tokens.weight.full_tensor()
     c = eng.critic.model.model.embed_tokens.weight.full_tensor()
     assert torch.equal(a, c)
-    cfg2, _ = load_config("tiny_klppo", ["trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo",
-                                         "algorithm.use_kl_in_reward=false"])
+    cfg2, _ = load_config(
+        "tiny_klppo", ["trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false"]
+    )
     eng2 = build_training_models(cfg2, ctx, total_steps=10)
     assert eng2.critic is None and eng2.ref is None
 
@@ -227,12 +252,14 @@ def test_host_replica_computes_as_fsdp2_mixed_precision(world_of_one, tied, chec
 
     from rlhf_hpc.config.schema import FSDPConfig
     from rlhf_hpc.distributed.fsdp import compute_in_dtype, parallelize
+
     path = "tiny://qwen2" + ("?tie_word_embeddings=true" if tied else "")
     fsdp2 = build_causal_lm(path, torch.float32, seed=0)
     plain = build_causal_lm(path, torch.float32, seed=0)
     params = dict(plain.named_parameters())
-    parallelize(fsdp2, init_device_mesh("cpu", (1,)), FSDPConfig(), torch.device("cpu"),
-                gradient_checkpointing=checkpointing)  # default mixed precision: bf16 compute, fp32 reduce
+    parallelize(
+        fsdp2, init_device_mesh("cpu", (1,)), FSDPConfig(), torch.device("cpu"), gradient_checkpointing=checkpointing
+    )  # default mixed precision: bf16 compute, fp32 reduce
     if checkpointing:
         plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compute_in_dtype(plain, torch.bfloat16)
@@ -265,10 +292,16 @@ def test_a_frozen_reference_kept_in_bf16_computes_what_its_fp32_copy_computes_in
     from rlhf_hpc.distributed.process_group import DistContext
     from rlhf_hpc.ppo.training_models import build_training_models
     from rlhf_hpc.recipe.load import load_config
+
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     ref = "actor_rollout_ref.ref.fsdp_config."
-    base = ["trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.use_kl_loss=true", f"{ref}fsdp_size={fsdp_size}",
-            f"{ref}mixed_precision.param_dtype=bfloat16", "actor_rollout_ref.model.path=tiny://qwen2?tie_word_embeddings=true"]
+    base = [
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        f"{ref}fsdp_size={fsdp_size}",
+        f"{ref}mixed_precision.param_dtype=bfloat16",
+        "actor_rollout_ref.model.path=tiny://qwen2?tie_word_embeddings=true",
+    ]
     refs, sizes = {}, {}
     for name, extra in (("default", []), ("fp32", [f"{ref}model_dtype=float32"])):
         cfg, _ = load_config("tiny_klppo", base + extra)
@@ -287,13 +320,25 @@ def test_a_section_keeps_the_default_its_parent_gives_when_one_key_is_set():
     dtype: setting another key of the section keeps them (it used to fall back to the class's defaults,
     lr 1e-6 and float32)."""
     from rlhf_hpc.recipe.load import load_config
-    base = ["data.train_files=synthetic://x", "data.val_files=null", "actor_rollout_ref.model.path=tiny://qwen2",
-            "trainer.device=cpu", "trainer.n_gpus_per_node=2"]
-    cfg, _ = load_config(None, base + ["critic.optim.lr_warmup_steps=3", "actor_rollout_ref.ref.fsdp_config.param_offload=true"],
-                         check_files=False)
+
+    base = [
+        "data.train_files=synthetic://x",
+        "data.val_files=null",
+        "actor_rollout_ref.model.path=tiny://qwen2",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=2",
+    ]
+    cfg, _ = load_config(
+        None,
+        base + ["critic.optim.lr_warmup_steps=3", "actor_rollout_ref.ref.fsdp_config.param_offload=true"],
+        check_files=False,
+    )
     assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.lr_warmup_steps == 3
     assert cfg.actor_rollout_ref.ref.fsdp_config.model_dtype == "bfloat16"  # verl's param_dtype default
     assert cfg.actor_rollout_ref.actor.fsdp_config.model_dtype == "float32"  # a trained model's master copy
-    lora, _ = load_config(None, base + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.use_kl_loss=true"],
-                          check_files=False)
+    lora, _ = load_config(
+        None,
+        base + ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.use_kl_loss=true"],
+        check_files=False,
+    )
     assert lora.actor_rollout_ref.ref.fsdp_config.model_dtype == "float32"  # the reference is the actor, adapter off

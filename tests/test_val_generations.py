@@ -1,6 +1,7 @@
 """``trainer.log_val_generations`` (verl's N validation generations per evaluation: the rows verl
 picks, gathered from the ranks that generated them, in ``val_generations.jsonl`` and each tracker's
 table) and ``trainer.val_only`` (verl's evaluation run)."""
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ from tests.conftest import wandb_history_so_far
 def verl_pick(inputs, outputs, scores, n):
     """verl b178a3c's ``RayPPOTrainer._maybe_log_val_generations``, as written there."""
     import numpy as np
+
     samples = list(zip(inputs, outputs, scores, strict=True))
     samples.sort(key=lambda x: x[0])
     rng = np.random.RandomState(42)
@@ -41,13 +43,16 @@ def test_the_rows_are_the_ones_verl_picks(n):
     outputs = [f"{p} / response {j}" for p in prompts for j in range(n)]
     scores = [float(i) for i in range(len(inputs))]
     for count in (1, 5, len(inputs), len(inputs) + 4):
-        ours = [(prompts[i], f"{prompts[i]} / response {j}", float(i * n + j))
-                for i, j in select_val_generations(prompts, n, count)]
+        ours = [
+            (prompts[i], f"{prompts[i]} / response {j}", float(i * n + j))
+            for i, j in select_val_generations(prompts, n, count)
+        ]
         assert ours == verl_pick(inputs, outputs, scores, count)
 
 
 class FakeRollout:
     """An engine answering each prompt with its own last tokens (response j: shifted by j)."""
+
     dp_rank = 0
 
     def resume(self):
@@ -57,8 +62,13 @@ class FakeRollout:
         pass
 
     def generate(self, prompts, sampling):
-        return [[Response(token_ids=p[-4 + j:len(p) - j] or p[-1:], logprobs=[], finish_reason="stop")
-                 for j in range(sampling.n)] for p in prompts]
+        return [
+            [
+                Response(token_ids=p[-4 + j : len(p) - j] or p[-1:], logprobs=[], finish_reason="stop")
+                for j in range(sampling.n)
+            ]
+            for p in prompts
+        ]
 
 
 def validation_inputs(monkeypatch, *overrides):
@@ -107,20 +117,32 @@ def test_nothing_is_kept_at_the_default(monkeypatch):
 
 def test_val_kwargs_n_rows_are_responses(monkeypatch):
     cfg, tokenizer, val, models, reward_fn = validation_inputs(
-        monkeypatch, "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0")
+        monkeypatch,
+        "actor_rollout_ref.rollout.val_kwargs.n=2",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    )
     rows: list[dict] = []
     metrics = run_validation(cfg, ctx(0, 1), models, FakeRollout(), val, tokenizer, reward_fn, generations=rows)
     assert f"val-core/{val[0].data_source}/reward/mean@2" in metrics
     inputs = [tokenizer.decode(e.prompt_ids, skip_special_tokens=True) for e in val]
     picked = select_val_generations(inputs, 2, 6)
     assert [(r["input"], r["output"]) for r in rows] == [
-        (inputs[i], tokenizer.decode(FakeRollout().generate([val[i].prompt_ids], SimpleNamespace(n=2))[0][j].token_ids,
-                                     skip_special_tokens=True)) for i, j in picked]
+        (
+            inputs[i],
+            tokenizer.decode(
+                FakeRollout().generate([val[i].prompt_ids], SimpleNamespace(n=2))[0][j].token_ids,
+                skip_special_tokens=True,
+            ),
+        )
+        for i, j in picked
+    ]
 
 
-ROWS = [{"input": "copy: abc", "output": "abc", "score": 1.0, "data_source": "synthetic/copy"},
-        {"input": "copy: xyz", "output": "xy", "score": 0.0, "data_source": "synthetic/copy"}]
+ROWS = [
+    {"input": "copy: abc", "output": "abc", "score": 1.0, "data_source": "synthetic/copy"},
+    {"input": "copy: xyz", "output": "xy", "score": 0.0, "data_source": "synthetic/copy"},
+]
 
 
 def test_the_tracker_writes_the_rows_and_each_backend_its_table(tmp_path, monkeypatch, capsys):
@@ -129,8 +151,9 @@ def test_the_tracker_writes_the_rows_and_each_backend_its_table(tmp_path, monkey
     pytest.importorskip("tensorboard")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg, _ = load_config("tiny_klppo", ["trainer.logger=[console,wandb,tensorboard,mlflow]",
-                                        "trainer.log_val_generations=2"])
+    cfg, _ = load_config(
+        "tiny_klppo", ["trainer.logger=[console,wandb,tensorboard,mlflow]", "trainer.log_val_generations=2"]
+    )
     run = tmp_path / "run"
     tracker = Tracker(cfg, run, is_main=True, total_steps=4)
     for step in (0, 2):  # (a validation before training, and one at step 2)
@@ -142,8 +165,15 @@ def test_the_tracker_writes_the_rows_and_each_backend_its_table(tmp_path, monkey
     assert lines == [{"step": s, **r} for s in (0, 2) for r in ROWS]
     # W&B: verl's table (a row per validation: step, input_1, output_1, score_1, ...), all rows so far
     deadline = time.monotonic() + 60
-    while not (tables := sorted(run.glob("wandb/offline-run-*/files/media/table/val/generations_*.table.json"),
-                                key=lambda p: p.stat().st_mtime)) and time.monotonic() < deadline:
+    while (
+        not (
+            tables := sorted(
+                run.glob("wandb/offline-run-*/files/media/table/val/generations_*.table.json"),
+                key=lambda p: p.stat().st_mtime,
+            )
+        )
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
     assert tables
     table = max((json.loads(p.read_text()) for p in tables), key=lambda t: len(t["data"]))
@@ -154,14 +184,17 @@ def test_the_tracker_writes_the_rows_and_each_backend_its_table(tmp_path, monkey
     while len(history := wandb_history_so_far(wandb_file)) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert [h["_step"] for h in history] == [1, 2]
-    assert [(h["val/generations/_type"], h["val/generations/nrows"]) for h in history] == [("table-file", 1),
-                                                                                          ("table-file", 2)]
+    assert [(h["val/generations/_type"], h["val/generations/nrows"]) for h in history] == [
+        ("table-file", 1),
+        ("table-file", 2),
+    ]
     assert [h["training/global_step"] for h in history] == [0, 2]
     # MLflow: verl's artifact val_step<step>.json
     (art,) = run.glob("mlruns/*/*/artifacts/val_step2.json")
     assert json.loads(art.read_text()) == [{k: r[k] for k in ("input", "output", "score")} for r in ROWS]
     # TensorBoard: verl's text
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
     acc.Reload()
     texts = acc.Tensors("val/generations/text_summary")  # (add_text's tag)
@@ -172,8 +205,12 @@ def test_the_tracker_writes_the_rows_and_each_backend_its_table(tmp_path, monkey
 
 def test_the_keys_are_accepted_and_checked(tmp_path):
     from tests.test_verl_parity import VERL_GRPO, verl_args
-    cfg, _ = load_config(None, verl_args(VERL_GRPO, str(tmp_path)) + ["trainer.log_val_generations=10",
-                                                                      "trainer.val_only=True"], check_files=False)
+
+    cfg, _ = load_config(
+        None,
+        verl_args(VERL_GRPO, str(tmp_path)) + ["trainer.log_val_generations=10", "trainer.val_only=True"],
+        check_files=False,
+    )
     assert cfg.trainer.log_val_generations == 10 and cfg.trainer.val_only
     with pytest.raises(ConfigError, match=r"trainer.log_val_generations=-1: the number of validation generations"):
         load_config("tiny_klppo", ["trainer.log_val_generations=-1"], check_files=False)
@@ -183,9 +220,17 @@ def test_the_keys_are_accepted_and_checked(tmp_path):
 
 def _launch(run, *extra):
     from tests.conftest import run_launch
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={run}", "trainer.logger=[console,wandb]",
-                     "trainer.log_val_generations=3", "actor_rollout_ref.rollout.name=hf", *extra,
-                     env={"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}, timeout=600)
+
+    out = run_launch(
+        "recipe=tiny_klppo",
+        f"trainer.default_local_dir={run}",
+        "trainer.logger=[console,wandb]",
+        "trainer.log_val_generations=3",
+        "actor_rollout_ref.rollout.name=hf",
+        *extra,
+        env={"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
@@ -196,9 +241,15 @@ def test_a_run_logs_its_generations_and_val_only_evaluates_its_checkpoint(tmp_pa
     validation row at step 2 with the same generations (greedy, same weights), trains nothing and
     writes no checkpoint."""
     from rlhf_hpc.ppo.checkpoint import list_checkpoints
+
     run = tmp_path / "run"
-    _launch(run, "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_freq=2",
-            "trainer.val_before_train=true")
+    _launch(
+        run,
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=true",
+    )
     gens = [json.loads(x) for x in (run / VAL_GENERATIONS_FILE).read_text().splitlines()]
     assert [g["step"] for g in gens] == [0, 0, 0, 2, 2, 2]
     assert [g["input"] for g in gens[3:]] == [g["input"] for g in gens[:3]]  # (the same prompts each time)
@@ -210,8 +261,8 @@ def test_a_run_logs_its_generations_and_val_only_evaluates_its_checkpoint(tmp_pa
     assert "[rlhf-hpc] trainer.val_only: validated at step 2; no training" in out.stdout
     assert list_checkpoints(run) == checkpoints
     after = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert after[:len(rows)] == rows and len(after) == len(rows) + 1
-    (val,) = after[len(rows):]
+    assert after[: len(rows)] == rows and len(after) == len(rows) + 1
+    (val,) = after[len(rows) :]
     assert val["training/global_step"] == 2 and not any(k.startswith(("actor/", "critic/", "timing_s/")) for k in val)
     assert val["val-core/synthetic/copy/reward/mean@1"] == rows[-1]["val-core/synthetic/copy/reward/mean@1"]
     again = [json.loads(x) for x in (run / VAL_GENERATIONS_FILE).read_text().splitlines()]

@@ -2,20 +2,39 @@
 ``lookup`` tool) on 8 keys, the tiny model taught (rlhf_hpc/data/tool_warm_start.py) to call the tool
 and answer with its code every time; a tool config naming the tool by its dotted path (as a user's
 own class is named)."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.data.synthetic import lookup_question as question, lookup_rows
-from rlhf_hpc.data.tool_warm_start import lookup_call as call_text, teach as teach_task
+from rlhf_hpc.data.synthetic import lookup_question as question
+from rlhf_hpc.data.synthetic import lookup_rows
+from rlhf_hpc.data.tool_warm_start import lookup_call as call_text
+from rlhf_hpc.data.tool_warm_start import teach as teach_task
 from rlhf_hpc.tools.interaction import Interaction, UserTurn, last_assistant_text
-from rlhf_hpc.tools.lookup_tool import LOOKUP_SCHEMA as SCHEMA, LookupTool, lookup_code as code_of
+from rlhf_hpc.tools.lookup_tool import LOOKUP_SCHEMA as SCHEMA
+from rlhf_hpc.tools.lookup_tool import LookupTool
+from rlhf_hpc.tools.lookup_tool import lookup_code as code_of
 from tests.conftest import seed_base
 
-__all__ = ["CodeCheckInteraction", "HERMES_TEMPLATE", "KEYS", "LookupTool", "SCHEMA", "call_text", "code_of", "question",
-           "teach", "teach_gsm8k_caller", "teach_tool_caller", "write_interaction_config", "write_rows", "write_tool_config"]
+__all__ = [
+    "CodeCheckInteraction",
+    "HERMES_TEMPLATE",
+    "KEYS",
+    "LookupTool",
+    "SCHEMA",
+    "call_text",
+    "code_of",
+    "question",
+    "teach",
+    "teach_gsm8k_caller",
+    "teach_tool_caller",
+    "write_interaction_config",
+    "write_rows",
+    "write_tool_config",
+]
 
 # the teaching checks its model: well-formed calls in at least this share of first turns sampled at
 # temperature 1 (CALL_CHECK_SAMPLES of them) before a test runs it
@@ -41,9 +60,11 @@ def teach(out_dir: Path, steps: int = 200, min_rate: Optional[float] = MIN_LOOKU
         tried.append(sampled_lookup_rate(path, seed=seed_base()))
         if tried[-1] >= min_rate:
             return path
-    raise AssertionError(f"the lookup model answers right in {', '.join(f'{r:.2f}' for r in tried)} of its sampled "
-                         f"conversations after {steps}, {steps * 3 // 2} and {steps * 2} teaching steps; the tests "
-                         f"that run it need {min_rate}")
+    raise AssertionError(
+        f"the lookup model answers right in {', '.join(f'{r:.2f}' for r in tried)} of its sampled "
+        f"conversations after {steps}, {steps * 3 // 2} and {steps * 2} teaching steps; the tests "
+        f"that run it need {min_rate}"
+    )
 
 
 def sampled_lookup_rate(model_dir: Path, samples: int = None, seed: int = 0) -> float:
@@ -56,6 +77,7 @@ def sampled_lookup_rate(model_dir: Path, samples: int = None, seed: int = 0) -> 
     from rlhf_hpc.data.dataset import chat_token_ids
     from rlhf_hpc.models.tokenizer import build_tiny_tokenizer, tool_turn_ids
     from rlhf_hpc.tools.tool_calls import hermes_calls
+
     samples = samples or LOOKUP_CHECK_SAMPLES
     tok = build_tiny_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -93,9 +115,13 @@ def write_rows(path: Path, keys: list[str], interaction: str = "") -> Path:
     """The task as verl's parquet rows (``interaction``: the name each row gives its interaction)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     rows = lookup_rows(keys)
     for row in rows if interaction else ():
-        row["extra_info"]["interaction_kwargs"] = {"name": interaction, "ground_truth": row["reward_model"]["ground_truth"]}
+        row["extra_info"]["interaction_kwargs"] = {
+            "name": interaction,
+            "ground_truth": row["reward_model"]["ground_truth"],
+        }
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -104,21 +130,38 @@ class CodeCheckInteraction(Interaction):
     """A user who checks the model's answer against the row's code: right ends the conversation,
     wrong asks again (a user's own interaction, named by its dotted path; the tiny vocabulary has
     no capitals)."""
+
     def respond(self, messages, interaction_kwargs):
-        if last_assistant_text(messages).strip().removeprefix("####").strip() == str(interaction_kwargs["ground_truth"]):
+        if last_assistant_text(messages).strip().removeprefix("####").strip() == str(
+            interaction_kwargs["ground_truth"]
+        ):
             return UserTurn("right", done=True, score=1.0)
         return UserTurn("wrong, try again", score=0.0)
 
 
 def write_interaction_config(path: Path, name: str = "check") -> Path:
-    path.write_text(json.dumps({"interaction": [{"name": name, "class_name": "tests.tool_model.CodeCheckInteraction",
-                                                 "config": {}}]}))
+    path.write_text(
+        json.dumps(
+            {"interaction": [{"name": name, "class_name": "tests.tool_model.CodeCheckInteraction", "config": {}}]}
+        )
+    )
     return path
 
 
 def write_tool_config(path: Path) -> Path:
-    path.write_text(json.dumps({"tools": [{"class_name": "rlhf_hpc.tools.lookup_tool.LookupTool",
-                                           "config": {"type": "native"}, "tool_schema": SCHEMA}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "tools": [
+                    {
+                        "class_name": "rlhf_hpc.tools.lookup_tool.LookupTool",
+                        "config": {"type": "native"},
+                        "tool_schema": SCHEMA,
+                    }
+                ]
+            }
+        )
+    )
     return path
 
 
@@ -133,7 +176,7 @@ HERMES_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call>' }}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- for message in messages %}"
@@ -144,29 +187,56 @@ HERMES_TEMPLATE = (
     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
-def teach_gsm8k_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], tools: list[dict], steps: int = 120,
-                       seed: int = 0, lr: float = 3e-3, check_rows: Optional[list[dict]] = None) -> Path:
+def teach_gsm8k_caller(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    rows: list[dict],
+    tools: list[dict],
+    steps: int = 120,
+    seed: int = 0,
+    lr: float = 3e-3,
+    check_rows: Optional[list[dict]] = None,
+) -> Path:
     """The tiny Qwen2 on the real Qwen2 tokenizer (``tokenizer_dir``) taught the shape of verl's GSM8K
     multi-turn conversation on ``rows`` (``rlhf_hpc.data.prepare.gsm8k_multiturn_rows``): call
     ``calc_gsm8k_reward`` with a number, read the tool's verdict, end with ``#### <number>`` (a random
     number per row: it is the format that is taught, not arithmetic), with ``tools`` (the tool config's
     schemas) in its prompts."""
+
     def turns(row: dict, rng) -> list[dict]:
         answer = str(rng.randrange(100))
-        call = '<tool_call>\n' + json.dumps({"name": "calc_gsm8k_reward", "arguments": {"answer": answer}}) + '\n</tool_call>'
-        return [{"role": "assistant", "content": call},
-                {"role": "tool", "content": f"Current parsed answer='{answer}' reward=0.0"},
-                {"role": "assistant", "content": f"#### {answer}"}]
+        call = (
+            "<tool_call>\n"
+            + json.dumps({"name": "calc_gsm8k_reward", "arguments": {"answer": answer}})
+            + "\n</tool_call>"
+        )
+        return [
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": f"Current parsed answer='{answer}' reward=0.0"},
+            {"role": "assistant", "content": f"#### {answer}"},
+        ]
+
     return teach_tool_caller(out_dir, tokenizer_dir, rows, tools, turns, steps, seed, lr, check_rows=check_rows)
 
 
-def teach_tool_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], tools: list[dict], turns,
-                      steps: int = 120, seed: int = 0, lr: float = 3e-3, positions: int = 2048,
-                      min_call_rate: Optional[float] = MIN_CALL_RATE, max_steps: Optional[int] = None,
-                      check_rows: Optional[list[dict]] = None) -> Path:
+def teach_tool_caller(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    rows: list[dict],
+    tools: list[dict],
+    turns,
+    steps: int = 120,
+    seed: int = 0,
+    lr: float = 3e-3,
+    positions: int = 2048,
+    min_call_rate: Optional[float] = MIN_CALL_RATE,
+    max_steps: Optional[int] = None,
+    check_rows: Optional[list[dict]] = None,
+) -> Path:
     """The tiny Qwen2 on the real Qwen2 tokenizer (``tokenizer_dir``) taught, by next-token training on
     the assistant turns only, the conversations ``turns(row, rng)`` continues each of ``rows``' prompts
     with (assistant, tool, assistant), ``tools`` (the tool config's schemas) in its prompts. Written
@@ -186,12 +256,17 @@ def teach_tool_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], tool
     from transformers import AutoTokenizer
 
     from rlhf_hpc.models.hf import build_causal_lm
+
     seed += seed_base()
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.chat_template = HERMES_TEMPLATE
-    model = build_causal_lm(f"tiny://qwen2?vocab_size=151936&tie_word_embeddings=true&max_position_embeddings={positions}",
-                            torch.float32, "cpu", seed=seed)
+    model = build_causal_lm(
+        f"tiny://qwen2?vocab_size=151936&tie_word_embeddings=true&max_position_embeddings={positions}",
+        torch.float32,
+        "cpu",
+        seed=seed,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
 
     def ids_of(messages: list[dict], generation_prompt: bool = False) -> list[int]:
@@ -204,7 +279,7 @@ def teach_tool_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], tool
         model_tokens = []
         for end in [i + 1 for i, m in enumerate(conversation) if m["role"] == "assistant"]:
             # each assistant turn: from its generation prompt to its end
-            start, stop = len(ids_of(conversation[:end - 1], generation_prompt=True)), len(ids_of(conversation[:end]))
+            start, stop = len(ids_of(conversation[: end - 1], generation_prompt=True)), len(ids_of(conversation[:end]))
             model_tokens += range(start, stop - 1)  # (the template's newline after <|im_end|> is not the model's)
         return ids_of(conversation), model_tokens
 
@@ -244,14 +319,22 @@ def teach_tool_caller(out_dir: Path, tokenizer_dir: Path, rows: list[dict], tool
             raise AssertionError(
                 f"the taught model calls {name} in {rates[-1]:.2f} of its sampled first turns after {done} teaching "
                 f"steps (rates after each check: {', '.join(f'{r:.2f}' for r in rates)}); the tests that run it need "
-                f"{min_call_rate}: teach longer (steps/max_steps) or with another lr")
+                f"{min_call_rate}: teach longer (steps/max_steps) or with another lr"
+            )
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return Path(out_dir)
 
 
-def sampled_call_rate(model, tok, prompts: list[list[int]], name: str, samples: int = CALL_CHECK_SAMPLES,
-                      seed: int = 0, max_new_tokens: int = 96) -> float:
+def sampled_call_rate(
+    model,
+    tok,
+    prompts: list[list[int]],
+    name: str,
+    samples: int = CALL_CHECK_SAMPLES,
+    seed: int = 0,
+    max_new_tokens: int = 96,
+) -> float:
     """The share of ``samples`` first turns, sampled at temperature 1 (top-p 1, no top-k: the engine's
     defaults in the runs) from ``prompts`` in turn, that hold a well-formed call of ``name`` and end
     on the template's end of turn, as the agent loop runs them: a turn stops on any of the run's stop
@@ -260,10 +343,15 @@ def sampled_call_rate(model, tok, prompts: list[list[int]], name: str, samples: 
     import torch
 
     from rlhf_hpc.tools.tool_calls import hermes_calls
+
     end = tok.convert_tokens_to_ids("<|im_end|>")
     generation_eos = model.generation_config.eos_token_id
-    stops = {end, tok.eos_token_id, tok.pad_token_id,
-             *(generation_eos if isinstance(generation_eos, list) else [generation_eos])} - {None}
+    stops = {
+        end,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        *(generation_eos if isinstance(generation_eos, list) else [generation_eos]),
+    } - {None}
     gen = torch.Generator().manual_seed(seed)
     per_prompt = -(-samples // len(prompts))
     calls = total = 0
@@ -285,7 +373,11 @@ def sampled_call_rate(model, tok, prompts: list[list[int]], name: str, samples: 
                     break
                 out = model(input_ids=nxt, past_key_values=past, use_cache=True)
                 past, logits = out.past_key_values, out.logits[:, -1]
-            calls += sum(bool(ids) and ids[-1] == end and any(c.name == name for c in hermes_calls(
-                tok.decode(ids, skip_special_tokens=False)).calls) for ids in new)
+            calls += sum(
+                bool(ids)
+                and ids[-1] == end
+                and any(c.name == name for c in hermes_calls(tok.decode(ids, skip_special_tokens=False)).calls)
+                for ids in new
+            )
             total += k
     return calls / total

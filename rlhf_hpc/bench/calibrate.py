@@ -28,6 +28,7 @@ run's ranks share the machine):
                                decode (32 tokens more) beyond its overheads
   cast_gb_s                    fp32 -> bf16 copies (a bf16 engine's weight sync), source bytes per second
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,14 @@ from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
-BENCH_MODEL = ("tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
-               "&intermediate_size=1408&vocab_size=8000")
-DECODER = ("tiny://qwen2?vocab_size=64&hidden_size=576&intermediate_size=1536&num_hidden_layers=2"
-           "&num_attention_heads=9&num_key_value_heads=3")  # SmolLM2-135M's layer shape
+BENCH_MODEL = (
+    "tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
+    "&intermediate_size=1408&vocab_size=8000"
+)
+DECODER = (
+    "tiny://qwen2?vocab_size=64&hidden_size=576&intermediate_size=1536&num_hidden_layers=2"
+    "&num_attention_heads=9&num_key_value_heads=3"
+)  # SmolLM2-135M's layer shape
 
 
 def best_time(fn, calls: int = 5, repeat: int = 5) -> float:
@@ -83,9 +88,12 @@ def replicated(model):
     """``model`` wrapped as the trainer wraps a small model (FSDP2, replicated over the ranks)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dtype = "bfloat16" if next(model.parameters()).dtype == torch.bfloat16 else "float32"
-    parallelize(model, build_train_mesh(torch.device("cpu"), world, 1),
-                FSDPConfig(fsdp_size=1, reshard_after_forward=False,
-                           mixed_precision=MixedPrecisionConfig(param_dtype=dtype)), torch.device("cpu"))
+    parallelize(
+        model,
+        build_train_mesh(torch.device("cpu"), world, 1),
+        FSDPConfig(fsdp_size=1, reshard_after_forward=False, mixed_precision=MixedPrecisionConfig(param_dtype=dtype)),
+        torch.device("cpu"),
+    )
     return model
 
 
@@ -99,6 +107,7 @@ def log_prob_pass(model, batch, grad: bool = False):
 
 def together() -> None:
     import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
 
@@ -130,9 +139,13 @@ def pass_overheads() -> tuple[float, float]:
     batch = make_padded_batch([[1, 2, 3, 4, 5, 6]] * 4, [[7, 8]] * 4, 0, 6, 2)
     times = {}
     for layers in (1, 5):
-        model = replicated(build_causal_lm(f"tiny://qwen2?vocab_size=64&hidden_size=64&num_hidden_layers={layers}"
-                                           f"&num_attention_heads=4&num_key_value_heads=2&intermediate_size=128",
-                                           torch.float32))
+        model = replicated(
+            build_causal_lm(
+                f"tiny://qwen2?vocab_size=64&hidden_size=64&num_hidden_layers={layers}"
+                f"&num_attention_heads=4&num_key_value_heads=2&intermediate_size=128",
+                torch.float32,
+            )
+        )
         times[layers] = best_time(lambda: log_prob_pass(model, batch), calls=20)
     per_layer = max((times[5] - times[1]) / 4, 1e-6)
     return per_layer, max(times[1] - per_layer, 1e-6)
@@ -149,6 +162,7 @@ def adam_params_s() -> float:
 def collectives(world: int) -> tuple[float, float]:
     """(seconds per small all-reduce, bus GB/s of a 16 MiB one) over gloo."""
     import torch.distributed as dist
+
     one, big = torch.ones(1), torch.ones(4 * 2**20)
 
     def timed(t, n):
@@ -157,6 +171,7 @@ def collectives(world: int) -> tuple[float, float]:
         for _ in range(n):
             dist.all_reduce(t)
         return (time.perf_counter() - t0) / n
+
     timed(one, 5)
     latency = min(timed(one, 50) for _ in range(3))
     timed(big, 1)
@@ -175,7 +190,9 @@ def disk_gb_s(where: Path) -> float:
         return len(data) / (time.perf_counter() - t0) / 1e9
 
 
-TINY_ENGINE_MODEL = "tiny://qwen2?vocab_size=64"  # the demo's model, 2 layers (vLLM's CPU attention needs head_dim >= 32)
+TINY_ENGINE_MODEL = (
+    "tiny://qwen2?vocab_size=64"  # the demo's model, 2 layers (vLLM's CPU attention needs head_dim >= 32)
+)
 DEEP_ENGINE_MODEL = "tiny://qwen2?vocab_size=64&num_hidden_layers=10"  # the same, 10 layers
 
 
@@ -189,21 +206,37 @@ def engine_figures() -> dict[str, float]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out, syncs = {}, {}
     # (wrapped before any engine starts: closing one takes the process group down with it)
-    models = {path: replicated(build_causal_lm(path, torch.float32, seed=0))
-              for path in (TINY_ENGINE_MODEL, DEEP_ENGINE_MODEL, BENCH_MODEL)}
+    models = {
+        path: replicated(build_causal_lm(path, torch.float32, seed=0))
+        for path in (TINY_ENGINE_MODEL, DEEP_ENGINE_MODEL, BENCH_MODEL)
+    }
     prompt = [list(range(1, 27))]
-    for path, dtype in ((TINY_ENGINE_MODEL, "float32"), (DEEP_ENGINE_MODEL, "float32"), (BENCH_MODEL, "float32"),
-                        (BENCH_MODEL, "bfloat16")):  # (bf16: the engine's bf16 rates)
+    for path, dtype in (
+        (TINY_ENGINE_MODEL, "float32"),
+        (DEEP_ENGINE_MODEL, "float32"),
+        (BENCH_MODEL, "float32"),
+        (BENCH_MODEL, "bfloat16"),
+    ):  # (bf16: the engine's bf16 rates)
         model = models[path]
-        cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.dtype={dtype}",
-                                            f"trainer.n_gpus_per_node={world}", "data.max_prompt_length=64",
-                                            "data.max_response_length=64"])
+        cfg, _ = load_config(
+            "tiny_klppo",
+            [
+                "actor_rollout_ref.rollout.name=vllm",
+                f"actor_rollout_ref.rollout.dtype={dtype}",
+                f"trainer.n_gpus_per_node={world}",
+                "data.max_prompt_length=64",
+                "data.max_response_length=64",
+            ],
+        )
         engine = make_engine(cfg, path, torch.device("cpu"))
         try:
+
             def sync():  # the trainer's weight sync phase
                 engine.resume()
-                sync_weights_to_rollout(model, engine, getattr(torch, dtype),
-                                        cfg.actor_rollout_ref.rollout.update_weights_bucket_mb)
+                sync_weights_to_rollout(
+                    model, engine, getattr(torch, dtype), cfg.actor_rollout_ref.rollout.update_weights_bucket_mb
+                )
+
             if dtype == "float32":
                 syncs[path, dtype] = best_time(sync, calls=1, repeat=3)
             else:
@@ -212,33 +245,47 @@ def engine_figures() -> dict[str, float]:
                 continue
 
             def gen(rows, tokens):
-                return best_time(lambda: engine.generate(prompt * rows, Sampling(max_tokens=tokens, ignore_eos=True)),
-                                 calls=1, repeat=3)
+                return best_time(
+                    lambda: engine.generate(prompt * rows, Sampling(max_tokens=tokens, ignore_eos=True)),
+                    calls=1,
+                    repeat=3,
+                )
+
             gen(1, 4)
             if path == TINY_ENGINE_MODEL:
                 t_short, t_long, t_wide = gen(1, 8), gen(1, 64), gen(16, 8)
                 out["decode_step_overhead_s"] = max((t_long - t_short) / 56, 1e-6)
                 out["request_overhead_s"] = max((t_wide - t_short) / 15, 1e-6)
-                out["generate_overhead_s"] = max(t_short - 8 * out["decode_step_overhead_s"] - out["request_overhead_s"],
-                                                 1e-6)
+                out["generate_overhead_s"] = max(
+                    t_short - 8 * out["decode_step_overhead_s"] - out["request_overhead_s"], 1e-6
+                )
                 continue
             # 16 prompts of 64 tokens: one new token (the prefill), then 32 more (the decode)
             # (distinct prompts, new ones each call: vLLM's prefix cache would skip the prefill of a prompt it saw)
             shape, calls = model_shape(path), out["generate_overhead_s"] + 16 * out["request_overhead_s"]
-            fresh = iter(range(10 ** 6))
+            fresh = iter(range(10**6))
 
             def prompts():
-                return [torch.randint(1, 8000, (64,), generator=torch.Generator().manual_seed(next(fresh))).tolist()
-                        for _ in range(16)]
-            t_prefill = best_time(lambda: engine.generate(prompts(), Sampling(max_tokens=1, ignore_eos=True)),
-                                  calls=1, repeat=3)
-            t_all = best_time(lambda: engine.generate(prompts(), Sampling(max_tokens=33, ignore_eos=True)),
-                              calls=1, repeat=3)
+                return [
+                    torch.randint(1, 8000, (64,), generator=torch.Generator().manual_seed(next(fresh))).tolist()
+                    for _ in range(16)
+                ]
+
+            t_prefill = best_time(
+                lambda: engine.generate(prompts(), Sampling(max_tokens=1, ignore_eos=True)), calls=1, repeat=3
+            )
+            t_all = best_time(
+                lambda: engine.generate(prompts(), Sampling(max_tokens=33, ignore_eos=True)), calls=1, repeat=3
+            )
             name = "fp32" if dtype == "float32" else "bf16"
             prefill = forward_flops(shape, 16 * 64, 64, 16, shape.vocab)
-            out[f"prefill_{name}_tflops"] = prefill / max(t_prefill - calls - out["decode_step_overhead_s"], 1e-6) / 1e12
+            out[f"prefill_{name}_tflops"] = (
+                prefill / max(t_prefill - calls - out["decode_step_overhead_s"], 1e-6) / 1e12
+            )
             decode = 32 * forward_flops(shape, 16, 80, 16, shape.vocab)
-            out[f"decode_{name}_tflops"] = decode / max(t_all - t_prefill - 32 * out["decode_step_overhead_s"], 1e-6) / 1e12
+            out[f"decode_{name}_tflops"] = (
+                decode / max(t_all - t_prefill - 32 * out["decode_step_overhead_s"], 1e-6) / 1e12
+            )
         finally:
             engine.close()
     n = sum(p.numel() for p in models[BENCH_MODEL].parameters())
@@ -259,6 +306,7 @@ def cast_gb_s() -> float:
 
 def worker(out: Path, skip_vllm: bool) -> None:
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -287,8 +335,13 @@ def worker(out: Path, skip_vllm: bool) -> None:
         if rank == 0:
             merged.update(engine)
     if rank == 0:
-        merged["measured"] = {"ranks": world, "threads_per_rank": 1, "cores": os.cpu_count(),
-                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        merged["measured"] = {
+            "ranks": world,
+            "threads_per_rank": 1,
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+        }
         try:  # atomically, as the plan reads it: a launch reading meanwhile sees the old file or this one
             write_calibration(out, merged)
         except ConfigError as e:  # a figure the plan would refuse: nothing is written
@@ -318,8 +371,18 @@ def main(argv=None) -> int:
         worker(out, args.skip_vllm)
         return 0
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-           "-m", "rlhf_hpc.bench.calibrate", "--worker", "--out", str(out)] + (["--skip-vllm"] if args.skip_vllm else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.ranks}",
+        "-m",
+        "rlhf_hpc.bench.calibrate",
+        "--worker",
+        "--out",
+        str(out),
+    ] + (["--skip-vllm"] if args.skip_vllm else [])
     return subprocess.call(cmd, env=env)
 
 

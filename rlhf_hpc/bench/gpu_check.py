@@ -42,6 +42,7 @@ killed run keeps what it measured) and ``OUT_DIR/gpu_check.md`` hold the figures
 
 ``--cpu-smoke`` runs the same code on tiny shapes with gloo on the CPU, so the script cannot rot.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,16 +60,34 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.bench.gpu_check_cases import (
+    UPDATE_MODES,
+    actor_update_case,
+    attention_case,
+    forward_case,
+    host_adamw_s_per_param,
+    preflight_case,
+    rollout_case,
+    tiny_klppo_case,
+    update_step_case,
+    update_step_estimate_s,
+)
+from rlhf_hpc.bench.gpu_check_setup import (
+    GPU_WORK,
+    PLAN_LAYERS,
+    QWEN25_0_5B,
+    QWEN25_7B_4L,
+    SMOKE_L,
+    SMOKE_PLAN,
+    SMOKE_S,
+    SMOKE_WORK,
+    Models,
+    Workload,
+    env_info,
+    free_memory,
+    peak_memory_gib,
+)
 from rlhf_hpc.planning.sizing import model_shape
-
-
-
-from rlhf_hpc.bench.gpu_check_setup import (GPU_WORK, Models, PLAN_LAYERS, QWEN25_0_5B, QWEN25_7B_4L, SMOKE_L,
-                                            SMOKE_PLAN, SMOKE_S, SMOKE_WORK, Workload, env_info, free_memory,
-                                            peak_memory_gib)
-from rlhf_hpc.bench.gpu_check_cases import (UPDATE_MODES, actor_update_case, attention_case, forward_case,
-                                            host_adamw_s_per_param, preflight_case, rollout_case, tiny_klppo_case,
-                                            update_step_case, update_step_estimate_s)
 
 __all__: list[str] = []  # a script: python -m rlhf_hpc.bench.gpu_check
 
@@ -79,7 +98,8 @@ NOT_CHECKED_WITHOUT_VLLM = (
     "the in-place reload into vLLM and its completeness verdicts",
     "LoRA served by vLLM (the adapter registered once per sync)",
     "engine-vs-trainer log-probs under vLLM's kernels",
-    "the preflight's vLLM checks (weight-sync time, agreement)")
+    "the preflight's vLLM checks (weight-sync time, agreement)",
+)
 
 
 # ------------------------------------------------------------------------------------ the run
@@ -125,39 +145,51 @@ class Check:
                 row.update(case.fn())
                 row["status"] = "ok"
             except torch.OutOfMemoryError as e:
-                row.update(status="oom", note=str(e).splitlines()[0][:200],
-                           peak_gib=peak_memory_gib(self.device))
+                row.update(status="oom", note=str(e).splitlines()[0][:200], peak_gib=peak_memory_gib(self.device))
             except Exception as e:  # one broken case must not cost the rest of the run
-                row.update(status="error", note=f"{type(e).__name__}: {e}"[:300],
-                           traceback=traceback.format_exc()[-3000:])
+                row.update(
+                    status="error", note=f"{type(e).__name__}: {e}"[:300], traceback=traceback.format_exc()[-3000:]
+                )
             row["wall_s"] = time.monotonic() - t0
             self.spent_est += case.est_s
             self.spent_real += row["wall_s"]
             free_memory(self.device)
         self.rows.append(row)
-        print(f"[gpu_check] {self.elapsed():6.1f}s {row['model']:>13} | {row['case']:<44} {row['status']:>7} "
-              f"{_brief(row)}", flush=True)
+        print(
+            f"[gpu_check] {self.elapsed():6.1f}s {row['model']:>13} | {row['case']:<44} {row['status']:>7} "
+            f"{_brief(row)}",
+            flush=True,
+        )
         self.write()
         return row
 
     def write(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        data = {"mode": "cpu-smoke" if self.smoke else "gpu", "budget_s": self.budget_s,
-                "elapsed_s": self.elapsed(), "env": self.env, "cases": self.rows, "not_checked": self.not_checked}
+        data = {
+            "mode": "cpu-smoke" if self.smoke else "gpu",
+            "budget_s": self.budget_s,
+            "elapsed_s": self.elapsed(),
+            "env": self.env,
+            "cases": self.rows,
+            "not_checked": self.not_checked,
+        }
         tmp = self.out_dir / "gpu_check.json.tmp"
         tmp.write_text(json.dumps(data, indent=1, default=str))
         os.replace(tmp, self.out_dir / "gpu_check.json")
 
     def table(self) -> str:
-        lines = ["| model | case | status | tokens/s | MFU | peak mem (GiB) | time (s) | notes |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines = [
+            "| model | case | status | tokens/s | MFU | peak mem (GiB) | time (s) | notes |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in self.rows:
             tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else ""
             mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else ""
             mem = f"{r['peak_gib']:.2f}" if "peak_gib" in r else ""
             secs = f"{r['time_s']:.3f}" if "time_s" in r else ""
-            lines.append(f"| {r['model']} | {r['case']} | {r['status']} | {tps} | {mfu} | {mem} | {secs} | "
-                         f"{r.get('note', '')} |")
+            lines.append(
+                f"| {r['model']} | {r['case']} | {r['status']} | {tps} | {mfu} | {mem} | {secs} | {r.get('note', '')} |"
+            )
         return "\n".join(lines)
 
 
@@ -182,29 +214,70 @@ def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> 
     step_shape = SMOKE_L if smoke else QWEN25_7B_4L
     host_rate = host_adamw_s_per_param()
     step_params = model_shape(step_shape.path).params
-    out = [Case(f"7B update step, {mode}", step_shape.name, update_step_estimate_s(mode, step_params, k, host_rate),
-                lambda m=mode: update_step_case(models, step_shape, work, device, m, 7_615_616_512))
-           for mode in UPDATE_MODES]
-    out += [Case("attention: packed, dense mask vs per sequence", "-", 5 * k, lambda: attention_case(device, work)),
-            # the colocated engine: the trainer's loop, LoRA's adapter-only sync, the preflight's checks
-            Case(f"tiny KL-PPO in bf16, {engine} engine (fit)", "tiny_klppo", (40 if not smoke else 15) + start,
-                 lambda: tiny_klppo_case(device, bf16=True, engine=engine)),
-            Case(f"tiny KL-PPO with LoRA, {engine} engine (fit)", "tiny_klppo",
-                 (40 if not smoke else 15) + start, lambda: tiny_klppo_case(device, engine=engine, lora_rank=8)),
-            Case(f"preflight on this device (tiny_klppo, {engine} engine)", "tiny_klppo", (25 if not smoke else 10) + start,
-                 lambda: preflight_case(device, engine)),
-            Case("memory plan per phase: fit, bf16, 512-token responses", plan_shape.name, 90 * k if not smoke else 20,
-                 lambda: tiny_klppo_case(device, bf16=True, plan_shape=plan_shape, response_len=512 if not smoke else 32)),
-            Case("actor update: packed+dynamic, AC off", small.name, 25 * k,
-                 lambda: actor_update_case(models, small, work, device, grad_ckpt=False)),
-            Case("actor update: packed+dynamic, AC on", small.name, 25 * k,
-                 lambda: actor_update_case(models, small, work, device, grad_ckpt=True)),
-            Case("actor update: packed+dynamic, AC off, varlen attn", small.name, 30 * k,
-                 lambda: actor_update_case(models, small, work, device, grad_ckpt=False, attn="varlen")),
-            Case("reference log-prob forward", small.name, 15 * k,
-                 lambda: forward_case(models, small, work, device, critic=False)),
-            Case("rollout: weight sync + hf generate", small.name, 40 * k,
-                 lambda: rollout_case(models, small, work, device))]
+    out = [
+        Case(
+            f"7B update step, {mode}",
+            step_shape.name,
+            update_step_estimate_s(mode, step_params, k, host_rate),
+            lambda m=mode: update_step_case(models, step_shape, work, device, m, 7_615_616_512),
+        )
+        for mode in UPDATE_MODES
+    ]
+    out += [
+        Case("attention: packed, dense mask vs per sequence", "-", 5 * k, lambda: attention_case(device, work)),
+        # the colocated engine: the trainer's loop, LoRA's adapter-only sync, the preflight's checks
+        Case(
+            f"tiny KL-PPO in bf16, {engine} engine (fit)",
+            "tiny_klppo",
+            (40 if not smoke else 15) + start,
+            lambda: tiny_klppo_case(device, bf16=True, engine=engine),
+        ),
+        Case(
+            f"tiny KL-PPO with LoRA, {engine} engine (fit)",
+            "tiny_klppo",
+            (40 if not smoke else 15) + start,
+            lambda: tiny_klppo_case(device, engine=engine, lora_rank=8),
+        ),
+        Case(
+            f"preflight on this device (tiny_klppo, {engine} engine)",
+            "tiny_klppo",
+            (25 if not smoke else 10) + start,
+            lambda: preflight_case(device, engine),
+        ),
+        Case(
+            "memory plan per phase: fit, bf16, 512-token responses",
+            plan_shape.name,
+            90 * k if not smoke else 20,
+            lambda: tiny_klppo_case(device, bf16=True, plan_shape=plan_shape, response_len=512 if not smoke else 32),
+        ),
+        Case(
+            "actor update: packed+dynamic, AC off",
+            small.name,
+            25 * k,
+            lambda: actor_update_case(models, small, work, device, grad_ckpt=False),
+        ),
+        Case(
+            "actor update: packed+dynamic, AC on",
+            small.name,
+            25 * k,
+            lambda: actor_update_case(models, small, work, device, grad_ckpt=True),
+        ),
+        Case(
+            "actor update: packed+dynamic, AC off, varlen attn",
+            small.name,
+            30 * k,
+            lambda: actor_update_case(models, small, work, device, grad_ckpt=False, attn="varlen"),
+        ),
+        Case(
+            "reference log-prob forward",
+            small.name,
+            15 * k,
+            lambda: forward_case(models, small, work, device, critic=False),
+        ),
+        Case(
+            "rollout: weight sync + hf generate", small.name, 40 * k, lambda: rollout_case(models, small, work, device)
+        ),
+    ]
     return out
 
 
@@ -217,8 +290,7 @@ def init_process_group(device: torch.device) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
@@ -229,11 +301,16 @@ def init_process_group(device: torch.device) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("out_dir", help="folder for gpu_check.json and gpu_check.md (created)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock budget from start, seconds (default 480 on a GPU, 60 with --cpu-smoke)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget from start, seconds (default 480 on a GPU, 60 with --cpu-smoke)",
+    )
     ap.add_argument("--only", default=None, help="run only the cases whose name holds this text (e.g. vllm)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (gloo): the same code path")
     args = ap.parse_args(argv)
@@ -263,9 +340,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"not checked: {what}", flush=True)
     env = check.env
     where = env.get("gpu") or f"CPU ({env.get('cpu_cores')} cores)"
-    print(f"\n{where}, torch {env['torch']}, transformers {env['transformers']}, attention "
-          f"{env['attn_implementation']}, bf16 matmul {env['matmul_bf16_tflops']:.1f} TFLOP/s measured, MFU against "
-          f"{env['peak_tflops_assumed']:g} TFLOP/s; total {check.elapsed():.0f} s of a {budget:.0f} s budget")
+    print(
+        f"\n{where}, torch {env['torch']}, transformers {env['transformers']}, attention "
+        f"{env['attn_implementation']}, bf16 matmul {env['matmul_bf16_tflops']:.1f} TFLOP/s measured, MFU against "
+        f"{env['peak_tflops_assumed']:g} TFLOP/s; total {check.elapsed():.0f} s of a {budget:.0f} s budget"
+    )
     print(table, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -274,4 +353,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     from rlhf_hpc.distributed.process_group import exit_process
+
     exit_process(main())

@@ -1,5 +1,6 @@
 """The GPU readiness check's cases (``rlhf_hpc.bench.gpu_check`` runs them in order, each timed
 against its estimate)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +15,20 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.bench.gpu_check_setup import (
+    Models,
+    Shape,
+    Workload,
+    batch_flops,
+    fixed_batch,
+    free_memory,
+    peak_memory_gib,
+    reset_peak,
+    rollout_batch,
+    sync,
+    timed,
+    used_memory_gib,
+)
 from rlhf_hpc.distributed.process_group import DistContext
 from rlhf_hpc.observability.perf import peak_flops
 from rlhf_hpc.observability.tracking import read_metrics
@@ -30,21 +45,29 @@ from rlhf_hpc.recipe.load import load_config, write_resolved
 from rlhf_hpc.rollout.base import Sampling
 from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
-from rlhf_hpc.bench.gpu_check_setup import (Models, Shape, Workload, batch_flops, fixed_batch, free_memory,
-                                            peak_memory_gib, reset_peak, rollout_batch, sync, timed,
-                                            used_memory_gib)
 
-__all__ = ["UPDATE_MODES", "actor_update_case", "attention_case", "forward_case", "host_adamw_s_per_param",
-           "preflight_case", "rollout_case", "tiny_klppo_case", "update_step_case",
-           "update_step_estimate_s"]
+__all__ = [
+    "UPDATE_MODES",
+    "actor_update_case",
+    "attention_case",
+    "forward_case",
+    "host_adamw_s_per_param",
+    "preflight_case",
+    "rollout_case",
+    "tiny_klppo_case",
+    "update_step_case",
+    "update_step_estimate_s",
+]
 
 
-def attention_case(device: torch.device, work: Workload, head_dim: int = 128, heads: int = 12, kv_heads: int = 2
-                   ) -> dict:
+def attention_case(
+    device: torch.device, work: Workload, head_dim: int = 128, heads: int = 12, kv_heads: int = 2
+) -> dict:
     """Packed sequences through attention: what the packed path costs with sdpa (transformers
     builds a dense block-diagonal mask over the whole packed row, so the kernel computes the full
     N x N square) against per-sequence causal attention and torch's varlen kernel."""
     import torch.nn.functional as F
+
     S, L = work.attn_seqs, work.attn_len
     N = S * L
     dtype = torch.bfloat16
@@ -69,15 +92,20 @@ def attention_case(device: torch.device, work: Workload, head_dim: int = 128, he
 
     t_dense, o_dense = timed(dense, device, work.reps + 2)
     t_seq, o_seq = timed(per_seq, device, work.reps + 2)
-    out = {"time_s": t_dense, "dense_mask_s": t_dense, "per_sequence_s": t_seq,
-           "max_abs_diff": (o_dense.float() - o_seq.float()).abs().max().item(),
-           "tokens_per_s": N / t_dense}
+    out = {
+        "time_s": t_dense,
+        "dense_mask_s": t_dense,
+        "per_sequence_s": t_seq,
+        "max_abs_diff": (o_dense.float() - o_seq.float()).abs().max().item(),
+        "tokens_per_s": N / t_dense,
+    }
     note = f"{S}x{L} tokens packed: dense mask {t_dense * 1e3:.2f} ms vs per-sequence {t_seq * 1e3:.2f} ms"
     varlen = None
     with contextlib.suppress(ImportError):
         from torch.nn.attention.varlen import varlen_attn as varlen
     if varlen is not None and device.type == "cuda":
         import inspect
+
         params = inspect.signature(varlen).parameters  # its causal switch changed between releases
         causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
         cu = torch.arange(0, N + 1, L, device=device, dtype=torch.int32)
@@ -95,41 +123,64 @@ def attention_case(device: torch.device, work: Workload, head_dim: int = 128, he
     return out
 
 
-def tiny_overrides(device: torch.device, run_dir: Path, bf16: bool = False, engine: str = "hf",
-                   lora_rank: int = 0) -> list[str]:
+def tiny_overrides(
+    device: torch.device, run_dir: Path, bf16: bool = False, engine: str = "hf", lora_rank: int = 0
+) -> list[str]:
     """``tiny_klppo`` on this one device with ``engine`` (vllm: the colocated engine, asleep in the
     training phases on a GPU; hf where vLLM is not installed); ``bf16``: every model and the engine
     in bfloat16, with flash-attn's kernel where it is installed (GPU); ``lora_rank``: the actor's
     LoRA adapters, which vLLM serves adapter-only."""
-    out = [f"trainer.device={device.type}", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
-           "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=2",
-           "trainer.logger=[console]", "trainer.resume_mode=disable", f"trainer.default_local_dir={run_dir}",
-           f"actor_rollout_ref.rollout.name={engine}"]
+    out = [
+        f"trainer.device={device.type}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.test_freq=2",
+        "trainer.logger=[console]",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}",
+        f"actor_rollout_ref.rollout.name={engine}",
+    ]
     if lora_rank:
         out += [f"actor_rollout_ref.model.lora_rank={lora_rank}", f"actor_rollout_ref.model.lora_alpha={2 * lora_rank}"]
     if bf16:
-        out += [f"{m}.fsdp_config.mixed_precision.param_dtype=bfloat16" for m in
-                ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")]
+        out += [
+            f"{m}.fsdp_config.mixed_precision.param_dtype=bfloat16"
+            for m in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+        ]
         out.append("actor_rollout_ref.rollout.dtype=bfloat16")
         if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-            out += [f"{m}.override_config.attn_implementation=flash_attention_2"
-                    for m in ("actor_rollout_ref.model", "critic.model")]
+            out += [
+                f"{m}.override_config.attn_implementation=flash_attention_2"
+                for m in ("actor_rollout_ref.model", "critic.model")
+            ]
     return out
 
 
 def plan_overrides(device: torch.device, shape: Shape, response_len: int) -> list[str]:
     """``tiny_klppo`` with ``shape``'s model (actor, reference, critic) and longer responses, the
     plan sized for this device's memory: the memory-per-phase case."""
-    out = [f"actor_rollout_ref.model.path={shape.path}", f"data.max_response_length={response_len}",
-           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
+    out = [
+        f"actor_rollout_ref.model.path={shape.path}",
+        f"data.max_response_length={response_len}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+    ]
     if device.type == "cuda":
         out.append(f"trainer.gpu_memory_gb={torch.cuda.get_device_properties(device).total_memory / 2**30:.1f}")
     return out
 
 
-def tiny_klppo_case(device: torch.device, bf16: bool = False, plan_shape: Optional[Shape] = None,
-                    response_len: int = 512, engine: str = "hf", lora_rank: int = 0) -> dict:
+def tiny_klppo_case(
+    device: torch.device,
+    bf16: bool = False,
+    plan_shape: Optional[Shape] = None,
+    response_len: int = 512,
+    engine: str = "hf",
+    lora_rank: int = 0,
+) -> dict:
     """Two steps of the tiny recipe through ``fit`` on this device with ``engine``: with vLLM its
     sleep and wake around the training phases (GPU), the in-place reload with its verdicts (a
     failed one raises), and the engine's log-probs against the actor's; with ``lora_rank`` the
@@ -147,9 +198,10 @@ def tiny_klppo_case(device: torch.device, bf16: bool = False, plan_shape: Option
         fit(cfg, ctx)
         records = read_metrics(run_dir)
         if [r["training/global_step"] for r in records] != [1, 2]:
-            raise RuntimeError(f"expected metrics for steps 1 and 2, got {[r['training/global_step'] for r in records]}")
-        bad = sorted(k for r in records for k, v in r.items()
-                     if isinstance(v, str) and v in ("nan", "inf", "-inf"))
+            raise RuntimeError(
+                f"expected metrics for steps 1 and 2, got {[r['training/global_step'] for r in records]}"
+            )
+        bad = sorted(k for r in records for k, v in r.items() if isinstance(v, str) and v in ("nan", "inf", "-inf"))
         if bad:
             raise RuntimeError(f"non-finite metrics: {bad[:5]}")
         problem = ckpt.verify_checkpoint(run_dir / "global_step_2")
@@ -160,19 +212,26 @@ def tiny_klppo_case(device: torch.device, bf16: bool = False, plan_shape: Option
             return memory_per_phase(check_plan(cfg)[0], last)
         synced = [r.get("rollout/weight_sync_mib", 0.0) for r in records]
         if lora_rank and engine == "vllm" and not 0 < synced[1] < synced[0]:
-            raise RuntimeError(f"LoRA: the second weight sync moved {synced[1]:.1f} MiB, the first {synced[0]:.1f} "
-                               f"MiB: not the adapter alone")
-        return {"time_s": last["timing_s/step"], "tokens_per_s": last["perf/throughput"],
-                "peak_gib": last["perf/max_memory_allocated_gb"],
-                "logprob_diff_max": last["rollout/logprob_diff_max"], "score_mean": last["critic/score/mean"],
-                "engine_actor_kl": last["rollout/engine_actor_kl"], "sync_mib": synced,
-                "sync_s": [r.get("timing_s/update_weights") for r in records],
-                "note": f"{engine} engine, 2 steps + checkpoint + validation{', bf16' if bf16 else ''}"
-                        f"{', flash_attention_2' if any('flash_attention_2' in o for o in overrides) else ''}"
-                        f"{f', LoRA rank {lora_rank}' if lora_rank else ''}; "
-                        f"step 2 {last['timing_s/step']:.2f} s, engine-vs-actor logprob diff "
-                        f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}; "
-                        f"weight sync {synced[0]:.1f} then {synced[1]:.1f} MiB"}
+            raise RuntimeError(
+                f"LoRA: the second weight sync moved {synced[1]:.1f} MiB, the first {synced[0]:.1f} "
+                f"MiB: not the adapter alone"
+            )
+        return {
+            "time_s": last["timing_s/step"],
+            "tokens_per_s": last["perf/throughput"],
+            "peak_gib": last["perf/max_memory_allocated_gb"],
+            "logprob_diff_max": last["rollout/logprob_diff_max"],
+            "score_mean": last["critic/score/mean"],
+            "engine_actor_kl": last["rollout/engine_actor_kl"],
+            "sync_mib": synced,
+            "sync_s": [r.get("timing_s/update_weights") for r in records],
+            "note": f"{engine} engine, 2 steps + checkpoint + validation{', bf16' if bf16 else ''}"
+            f"{', flash_attention_2' if any('flash_attention_2' in o for o in overrides) else ''}"
+            f"{f', LoRA rank {lora_rank}' if lora_rank else ''}; "
+            f"step 2 {last['timing_s/step']:.2f} s, engine-vs-actor logprob diff "
+            f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}; "
+            f"weight sync {synced[0]:.1f} then {synced[1]:.1f} MiB",
+        }
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -182,15 +241,22 @@ def memory_per_phase(plan, last: dict) -> dict:
     update on, as the plan counts it): figures per phase and the worst ratio."""
     rows = plan.against_measured(last)
     if len(rows) != len(plan.phases):
-        raise RuntimeError(f"phases without a measured peak: {sorted({p.name for p in plan.phases} - {r[0] for r in rows})}")
+        raise RuntimeError(
+            f"phases without a measured peak: {sorted({p.name for p in plan.phases} - {r[0] for r in rows})}"
+        )
     ratios = {name: measured / planned for name, planned, measured in rows if planned > 0}
     worst = max(ratios, key=lambda n: abs(math.log(ratios[n])))
-    return {"time_s": last["timing_s/step"], "tokens_per_s": last["perf/throughput"],
-            "peak_gib": last["perf/max_memory_allocated_gb"],
-            "phases": {name: {"plan_gib": planned, "measured_gib": measured} for name, planned, measured in rows},
-            "worst_phase": worst, "worst_measured_over_plan": ratios[worst],
-            "note": "measured/plan GiB: " + ", ".join(f"{n} {m:.2f}/{p:.2f}" for n, p, m in rows)
-                    + f"; worst {worst} {ratios[worst]:.2f}x"}
+    return {
+        "time_s": last["timing_s/step"],
+        "tokens_per_s": last["perf/throughput"],
+        "peak_gib": last["perf/max_memory_allocated_gb"],
+        "phases": {name: {"plan_gib": planned, "measured_gib": measured} for name, planned, measured in rows},
+        "worst_phase": worst,
+        "worst_measured_over_plan": ratios[worst],
+        "note": "measured/plan GiB: "
+        + ", ".join(f"{n} {m:.2f}/{p:.2f}" for n, p, m in rows)
+        + f"; worst {worst} {ratios[worst]:.2f}x",
+    }
 
 
 def preflight_case(device: torch.device, engine: str = "hf") -> dict:
@@ -206,9 +272,15 @@ def preflight_case(device: torch.device, engine: str = "hf") -> dict:
         run_preflight(cfg, ctx, lambda line: print(f"[gpu_check] preflight: {line}", flush=True), checks)
         micro = next(c for c in checks if c.name == "actor micro-batch")
         f = micro.figures
-        return {"checks": [c.line() for c in checks], "time_s": f["seconds"], "tokens_per_s": f["tokens"] / f["seconds"],
-                "peak_gib": f["peak_gib"], "plan_gib": f.get("plan_gib"), "plan_ratio": f.get("plan_ratio"),
-                "note": f"{len(checks)} checks passed; micro-batch {micro.detail}"}
+        return {
+            "checks": [c.line() for c in checks],
+            "time_s": f["seconds"],
+            "tokens_per_s": f["tokens"] / f["seconds"],
+            "peak_gib": f["peak_gib"],
+            "plan_gib": f.get("plan_gib"),
+            "plan_ratio": f.get("plan_ratio"),
+            "note": f"{len(checks)} checks passed; micro-batch {micro.detail}",
+        }
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -222,12 +294,21 @@ def attention_agreement(models: Models, shape: Shape, work: Workload, actor, bat
     diff = (lp - lp_ref).abs()[batch["response_mask"].bool()]
     out = {"logprob_diff_vs_sdpa_max": diff.max().item(), "logprob_diff_vs_sdpa_mean": diff.mean().item()}
     if not out["logprob_diff_vs_sdpa_mean"] < 2e-2:
-        raise RuntimeError(f"attention disagrees with sdpa: mean |log-prob diff| {out['logprob_diff_vs_sdpa_mean']:.3g}")
+        raise RuntimeError(
+            f"attention disagrees with sdpa: mean |log-prob diff| {out['logprob_diff_vs_sdpa_mean']:.3g}"
+        )
     return out
 
 
-def actor_update_case(models: Models, shape: Shape, work: Workload, device: torch.device, grad_ckpt: bool,
-                      packed: bool = True, attn: str = "sdpa") -> dict:
+def actor_update_case(
+    models: Models,
+    shape: Shape,
+    work: Workload,
+    device: torch.device,
+    grad_ckpt: bool,
+    packed: bool = True,
+    attn: str = "sdpa",
+) -> dict:
     actor = models.actor(shape, work, grad_ckpt=grad_ckpt, packed=packed, attn=attn)
     batch = rollout_batch(work, shape.vocab_size)
     agreement = attention_agreement(models, shape, work, actor, batch) if attn != "sdpa" else {}
@@ -236,17 +317,28 @@ def actor_update_case(models: Models, shape: Shape, work: Workload, device: torc
     reset_peak(device)
     secs, metrics = timed(lambda: actor.update_policy(batch, work.rows), device, work.reps)
     if not math.isfinite(metrics["actor/pg_loss"]) or not math.isfinite(metrics["actor/grad_norm"]):
-        raise RuntimeError(f"non-finite update: pg_loss {metrics['actor/pg_loss']}, grad_norm {metrics['actor/grad_norm']}")
+        raise RuntimeError(
+            f"non-finite update: pg_loss {metrics['actor/pg_loss']}, grad_norm {metrics['actor/grad_norm']}"
+        )
     flops = batch_flops(shape, batch, 3)
     valid = int(batch["attention_mask"].sum())
     computed = valid if packed else batch["input_ids"].numel()
-    micro = (f"token budget {work.max_token_len}" if packed else f"{work.padded_micro} rows/micro-batch")
+    micro = f"token budget {work.max_token_len}" if packed else f"{work.padded_micro} rows/micro-batch"
     note = f"{work.rows} rows, {valid} tokens, {micro}"
     if agreement:
         note += f"; log-probs vs sdpa: mean diff {agreement['logprob_diff_vs_sdpa_mean']:.1e}"
-    return {"time_s": secs, "tokens_per_s": valid / secs, "mfu": flops / secs / peak_flops(device),
-            "peak_gib": peak_memory_gib(device), "resident_gib": resident, "valid_tokens": valid,
-            "computed_tokens": computed, "model_tflop": flops / 1e12, **agreement, "note": note}
+    return {
+        "time_s": secs,
+        "tokens_per_s": valid / secs,
+        "mfu": flops / secs / peak_flops(device),
+        "peak_gib": peak_memory_gib(device),
+        "resident_gib": resident,
+        "valid_tokens": valid,
+        "computed_tokens": computed,
+        "model_tflop": flops / 1e12,
+        **agreement,
+        "note": note,
+    }
 
 
 def forward_case(models: Models, shape: Shape, work: Workload, device: torch.device, critic: bool) -> dict:
@@ -264,12 +356,18 @@ def forward_case(models: Models, shape: Shape, work: Workload, device: torch.dev
         raise RuntimeError("non-finite forward outputs")
     flops = batch_flops(shape, batch, 1, lm_head=not critic)
     valid = int(batch["attention_mask"].sum())
-    return {"time_s": secs, "tokens_per_s": valid / secs, "mfu": flops / secs / peak_flops(device),
-            "peak_gib": peak_memory_gib(device), "note": f"{valid} tokens, bf16 compute"}
+    return {
+        "time_s": secs,
+        "tokens_per_s": valid / secs,
+        "mfu": flops / secs / peak_flops(device),
+        "peak_gib": peak_memory_gib(device),
+        "note": f"{valid} tokens, bf16 compute",
+    }
 
 
-def sync_into(engine, models: Models, shape: Shape, work: Workload, device: torch.device, bucket_mb: float
-              ) -> tuple[float, float]:
+def sync_into(
+    engine, models: Models, shape: Shape, work: Workload, device: torch.device, bucket_mb: float
+) -> tuple[float, float]:
     """Stream a freshly built FSDP actor into ``engine``: (seconds, peak memory rise in GiB). The
     actor is gone when this returns, as in training the engine then has the memory to itself."""
     actor = models.actor(shape, work, train=False)
@@ -288,8 +386,10 @@ def sync_into(engine, models: Models, shape: Shape, work: Workload, device: torc
 
 def rollout_case(models: Models, shape: Shape, work: Workload, device: torch.device) -> dict:
     """Weight sync FSDP actor -> hf engine (bf16), then generation with the synced weights."""
-    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=bfloat16",
-                                        "trainer.n_gpus_per_node=1"])
+    cfg, _ = load_config(
+        "tiny_klppo",
+        ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=bfloat16", "trainer.n_gpus_per_node=1"],
+    )
     engine = make_engine(cfg, shape.path, device)
     bucket = cfg.actor_rollout_ref.rollout.update_weights_bucket_mb
     sync_s, sync_rise = sync_into(engine, models, shape, work, device, bucket)
@@ -307,18 +407,28 @@ def rollout_case(models: Models, shape: Shape, work: Workload, device: torch.dev
     tokens = sum(len(r.token_ids) for grp in outs for r in grp)
     if tokens != work.gen_prompts * work.gen_tokens:
         raise RuntimeError(f"generated {tokens} tokens, expected {work.gen_prompts * work.gen_tokens}")
-    return {"time_s": gen_s, "tokens_per_s": tokens / gen_s, "peak_gib": peak_memory_gib(device),
-            "sync_s": sync_s, "sync_peak_rise_gib": sync_rise, "bucket_mb": bucket,
-            "note": f"{work.gen_prompts} prompts x {work.gen_prompt_len} -> {work.gen_tokens} tokens, bf16; "
-                    f"weight sync {sync_s:.3f} s, peak rise {sync_rise:.2f} GiB ({bucket} MiB buckets)"}
+    return {
+        "time_s": gen_s,
+        "tokens_per_s": tokens / gen_s,
+        "peak_gib": peak_memory_gib(device),
+        "sync_s": sync_s,
+        "sync_peak_rise_gib": sync_rise,
+        "bucket_mb": bucket,
+        "note": f"{work.gen_prompts} prompts x {work.gen_prompt_len} -> {work.gen_tokens} tokens, bf16; "
+        f"weight sync {sync_s:.3f} s, peak rise {sync_rise:.2f} GiB ({bucket} MiB buckets)",
+    }
 
 
-UPDATE_MODES = {"no offload": (False, False), "optimizer offload (7B recipe)": (False, True),
-                "param+optimizer offload": (True, True)}
+UPDATE_MODES = {
+    "no offload": (False, False),
+    "optimizer offload (7B recipe)": (False, True),
+    "param+optimizer offload": (True, True),
+}
 
 
-def update_step_case(models: Models, shape: Shape, work: Workload, device: torch.device, mode: str,
-                     full_params: int) -> dict:
+def update_step_case(
+    models: Models, shape: Shape, work: Workload, device: torch.device, mode: str, full_params: int
+) -> dict:
     """One full update step (forward/backward of a micro-batch, gradient clipping, the optimizer's
     state moves and step) with one CPU thread, as under torchrun (OMP_NUM_THREADS=1), timing each
     part; then the memory plan's estimate for this step against the measured peak (on a GPU:
@@ -342,7 +452,9 @@ def update_step_case(models: Models, shape: Shape, work: Workload, device: torch
             reset_peak(device)
             t0 = time.perf_counter()
             lp, _ = per_token_logprobs(model, micro, remove_padding=True)
-            loss, _ = policy_losses.ppo_clip_loss(micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"])
+            loss, _ = policy_losses.ppo_clip_loss(
+                micro["old_log_probs"], lp, micro["advantages"], micro["response_mask"]
+            )
             loss.backward()
             sync(device)
             times["fwd_bwd_s"] = time.perf_counter() - t0
@@ -371,18 +483,37 @@ def update_step_case(models: Models, shape: Shape, work: Workload, device: torch
         raise RuntimeError(f"non-finite loss {loss.item()} or gradient norm {norm}")
     mshape = model_shape(shape.path)
     valid = int(batch["attention_mask"].sum())
-    estimate = sum(update_bytes(mshape, mshape.params, models.fsdp(param_off), 1, valid,
-                                int(batch["response_mask"].sum()), True, mshape.vocab).values()) / 2**30
+    estimate = (
+        sum(
+            update_bytes(
+                mshape,
+                mshape.params,
+                models.fsdp(param_off),
+                1,
+                valid,
+                int(batch["response_mask"].sum()),
+                True,
+                mshape.vocab,
+            ).values()
+        )
+        / 2**30
+    )
     per_param = (times["step_s"] + times["state_in_s"] + times["state_out_s"]) / mshape.params
     rank_step = per_param * full_params / 8
     total = sum(times.values())
-    return {**times, "time_s": total, "tokens_per_s": valid / total, "peak_gib": peak,
-            "plan_estimate_gib": estimate, "plan_over_measured": estimate / peak if peak else None,
-            "optimizer_s_per_rank_step_7b": rank_step,
-            "note": f"{work.offload_rows}x{2 * work.offload_len} tokens, 1 thread; fwd/bwd {times['fwd_bwd_s']:.2f} s, "
-                    f"clip {times['clip_s']:.3f} s, state in/out {times['state_in_s']:.2f}/{times['state_out_s']:.2f} s, "
-                    f"step {times['step_s']:.2f} s -> ~{rank_step:.1f} s per optimizer step for a 7B rank shard "
-                    f"(x4 mini-batches a step); memory plan {estimate:.1f} GiB vs {peak:.1f} GiB measured"}
+    return {
+        **times,
+        "time_s": total,
+        "tokens_per_s": valid / total,
+        "peak_gib": peak,
+        "plan_estimate_gib": estimate,
+        "plan_over_measured": estimate / peak if peak else None,
+        "optimizer_s_per_rank_step_7b": rank_step,
+        "note": f"{work.offload_rows}x{2 * work.offload_len} tokens, 1 thread; fwd/bwd {times['fwd_bwd_s']:.2f} s, "
+        f"clip {times['clip_s']:.3f} s, state in/out {times['state_in_s']:.2f}/{times['state_out_s']:.2f} s, "
+        f"step {times['step_s']:.2f} s -> ~{rank_step:.1f} s per optimizer step for a 7B rank shard "
+        f"(x4 mini-batches a step); memory plan {estimate:.1f} GiB vs {peak:.1f} GiB measured",
+    }
 
 
 def host_adamw_s_per_param(probe: int = 2**24) -> tuple[float, float]:
@@ -413,4 +544,3 @@ def update_step_estimate_s(mode: str, params: int, k: float, host_rate: tuple[fl
     if UPDATE_MODES[mode][0]:
         base += params * sum(host_rate) * 1.5
     return base
-

@@ -1,4 +1,5 @@
 """The GPU readiness check's shapes, workloads and measuring helpers (``rlhf_hpc.bench.gpu_check``)."""
+
 from __future__ import annotations
 
 import gc
@@ -24,17 +25,36 @@ from rlhf_hpc.ppo.critic import Critic, CriticSpec
 from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.ppo.update import Placement
 
-
-__all__ = ["GPU_WORK", "Models", "PLAN_LAYERS", "QWEN25_0_5B", "QWEN25_7B_4L",
-           "SMOKE_L", "SMOKE_PLAN", "SMOKE_S", "SMOKE_WORK", "Shape", "Workload", "batch_flops",
-           "env_info", "fixed_batch", "free_memory", "peak_memory_gib", "reset_peak",
-           "rollout_batch", "sync", "timed", "used_memory_gib"]
+__all__ = [
+    "GPU_WORK",
+    "Models",
+    "PLAN_LAYERS",
+    "QWEN25_0_5B",
+    "QWEN25_7B_4L",
+    "SMOKE_L",
+    "SMOKE_PLAN",
+    "SMOKE_S",
+    "SMOKE_WORK",
+    "Shape",
+    "Workload",
+    "batch_flops",
+    "env_info",
+    "fixed_batch",
+    "free_memory",
+    "peak_memory_gib",
+    "reset_peak",
+    "rollout_batch",
+    "sync",
+    "timed",
+    "used_memory_gib",
+]
 
 
 # ------------------------------------------------------------------------------------ shapes
 @dataclass(frozen=True)
 class Shape:
     """A Qwen2-architecture model, built with random weights from these fields."""
+
     name: str
     vocab_size: int
     hidden_size: int
@@ -50,8 +70,9 @@ class Shape:
     def path(self) -> str:
         """The ``tiny://qwen2?...`` address ``rlhf_hpc.models`` builds from (no download)."""
         fields = {k: v for k, v in self.__dict__.items() if k != "name"}
-        return "tiny://qwen2?" + "&".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                                          for k, v in fields.items())
+        return "tiny://qwen2?" + "&".join(
+            f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()
+        )
 
 
 # the layer shapes of the published Qwen2.5 config.json files (max_position_embeddings does not
@@ -73,6 +94,7 @@ SMOKE_PLAN = Shape("smoke-plan", 64, 128, 384, 3, 4, 2, True, 10000.0, 1024)
 class Workload:
     """Sizes of the measured batches. Lengths are drawn like RL rollouts: most responses short,
     a fifth long."""
+
     rows: int  # responses in one actor update (one mini-batch: one optimizer step)
     prompt: tuple[int, int]
     short: tuple[int, int]
@@ -90,12 +112,40 @@ class Workload:
     reps: int  # timed repetitions after one warm-up (the best is reported)
 
 
-GPU_WORK = Workload(rows=64, prompt=(128, 512), short=(64, 256), long=(512, 1024), max_token_len=16384,
-                    padded_micro=8, gen_prompts=64, gen_prompt_len=256, gen_tokens=256, offload_rows=4,
-                    offload_len=512, attn_seqs=16, attn_len=1024, matmul=8192, reps=2)
-SMOKE_WORK = Workload(rows=8, prompt=(8, 24), short=(4, 8), long=(16, 24), max_token_len=96, padded_micro=4,
-                      gen_prompts=4, gen_prompt_len=8, gen_tokens=8, offload_rows=2, offload_len=16,
-                      attn_seqs=4, attn_len=32, matmul=256, reps=1)
+GPU_WORK = Workload(
+    rows=64,
+    prompt=(128, 512),
+    short=(64, 256),
+    long=(512, 1024),
+    max_token_len=16384,
+    padded_micro=8,
+    gen_prompts=64,
+    gen_prompt_len=256,
+    gen_tokens=256,
+    offload_rows=4,
+    offload_len=512,
+    attn_seqs=16,
+    attn_len=1024,
+    matmul=8192,
+    reps=2,
+)
+SMOKE_WORK = Workload(
+    rows=8,
+    prompt=(8, 24),
+    short=(4, 8),
+    long=(16, 24),
+    max_token_len=96,
+    padded_micro=4,
+    gen_prompts=4,
+    gen_prompt_len=8,
+    gen_tokens=8,
+    offload_rows=2,
+    offload_len=16,
+    attn_seqs=4,
+    attn_len=32,
+    matmul=256,
+    reps=1,
+)
 
 
 def sync(device: torch.device) -> None:
@@ -182,51 +232,97 @@ class Models:
         self.device = device
 
     def fsdp(self, offload: bool = False):
-        return FSDPConfig(fsdp_size=-1, param_offload=offload, optimizer_offload=offload,
-                          mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"))
+        return FSDPConfig(
+            fsdp_size=-1,
+            param_offload=offload,
+            optimizer_offload=offload,
+            mixed_precision=MixedPrecisionConfig(param_dtype="bfloat16", reduce_dtype="float32"),
+        )
 
-    def actor(self, shape: Shape, work: Workload, grad_ckpt: bool = False, offload: bool = False,
-              train: bool = True, packed: bool = True, attn: str = "sdpa", optimizer_offload: Optional[bool] = None):
+    def actor(
+        self,
+        shape: Shape,
+        work: Workload,
+        grad_ckpt: bool = False,
+        offload: bool = False,
+        train: bool = True,
+        packed: bool = True,
+        attn: str = "sdpa",
+        optimizer_offload: Optional[bool] = None,
+    ):
         model = build_causal_lm(shape.path, torch.float32, self.device, seed=0, attn=attn)
         if not train:
             model.requires_grad_(False)
-        parallelize(model, build_train_mesh(self.device, 1, -1), self.fsdp(offload), self.device,
-                    gradient_checkpointing=grad_ckpt)
-        cfg = ActorConfig(ppo_mini_batch_size=work.rows, ppo_micro_batch_size_per_gpu=work.padded_micro,
-                          use_dynamic_bsz=packed, ppo_max_token_len_per_gpu=work.max_token_len, ppo_epochs=1,
-                          shuffle=False, clip_ratio_low=0.2, clip_ratio_high=0.2)  # (resolve() fills these in runs)
+        parallelize(
+            model,
+            build_train_mesh(self.device, 1, -1),
+            self.fsdp(offload),
+            self.device,
+            gradient_checkpointing=grad_ckpt,
+        )
+        cfg = ActorConfig(
+            ppo_mini_batch_size=work.rows,
+            ppo_micro_batch_size_per_gpu=work.padded_micro,
+            use_dynamic_bsz=packed,
+            ppo_max_token_len_per_gpu=work.max_token_len,
+            ppo_epochs=1,
+            shuffle=False,
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.2,
+        )  # (resolve() fills these in runs)
         opt = build_optimizer(model, cfg.optim) if train else None
         opt_off = offload if optimizer_offload is None else optimizer_offload
-        return Actor(model, cfg, ActorSpec(remove_padding=packed, optimizer=opt,
-                                           optimizer_offload=opt_off and self.device.type == "cuda",
-                                           placement=Placement(device=self.device)))
+        return Actor(
+            model,
+            cfg,
+            ActorSpec(
+                remove_padding=packed,
+                optimizer=opt,
+                optimizer_offload=opt_off and self.device.type == "cuda",
+                placement=Placement(device=self.device),
+            ),
+        )
 
     def critic(self, shape: Shape):
         model = build_critic(shape.path, torch.float32, self.device, seed=1)
         model.requires_grad_(False)
         parallelize(model, build_train_mesh(self.device, 1, -1), self.fsdp(), self.device)
-        return Critic(model, CriticConfig(use_dynamic_bsz=True, forward_max_token_len_per_gpu=32768, shuffle=False,
-                                     loss_agg_mode="token-mean"),
-                      CriticSpec(remove_padding=True, placement=Placement(device=self.device)))
+        return Critic(
+            model,
+            CriticConfig(
+                use_dynamic_bsz=True, forward_max_token_len_per_gpu=32768, shuffle=False, loss_agg_mode="token-mean"
+            ),
+            CriticSpec(remove_padding=True, placement=Placement(device=self.device)),
+        )
 
 
 # ------------------------------------------------------------------------------------ the machine
 def env_info(device: torch.device, work: Workload) -> dict:
     """The versions, the device and the settings the figures were measured with."""
     import transformers  # (seconds to import: the check's report only)
-    info = {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "device": str(device),
-            "backend": dist.get_backend() if dist.is_initialized() else None,
-            "vllm_installed": importlib.util.find_spec("vllm") is not None,
-            "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
-            "attn_implementation": attn_implementation(device),
-            "peak_tflops_assumed": peak_flops(device) / 1e12}
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "vllm_installed": importlib.util.find_spec("vllm") is not None,
+        "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
+        "attn_implementation": attn_implementation(device),
+        "peak_tflops_assumed": peak_flops(device) / 1e12,
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         nccl = torch.cuda.nccl.version()  # a tuple in recent releases, an int in old ones
-        info.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda,
-                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
-                    bf16=torch.cuda.is_bf16_supported(), sm_count=props.multi_processor_count)
+        info.update(
+            gpu=props.name,
+            gpu_memory_gib=props.total_memory / 2**30,
+            cuda=torch.version.cuda,
+            nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+            bf16=torch.cuda.is_bf16_supported(),
+            sm_count=props.multi_processor_count,
+        )
     else:
         info.update(cpu_cores=os.cpu_count(), threads=torch.get_num_threads())
     n = work.matmul
@@ -235,4 +331,3 @@ def env_info(device: torch.device, work: Workload) -> dict:
     secs, _ = timed(lambda: a @ b, device, 5)
     info["matmul_bf16_tflops"] = 2 * n**3 / secs / 1e12
     return info
-

@@ -4,6 +4,7 @@ second, and what that means for one optimizer step of a 7B model's shard on 8 GP
 
     python -m rlhf_hpc.bench.host_adamw [--params-m 50]
 """
+
 from __future__ import annotations
 
 import argparse

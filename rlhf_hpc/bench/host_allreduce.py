@@ -14,6 +14,7 @@ median of ``--reps`` timings after two warm-ups, rank 0's figure:
                        backward, on a machine with one core per rank): gloo's all-reduces started
                        before the products and waited for after; shared memory after the products
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,18 @@ __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 def relaunch(args) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "rlhf_hpc.bench.host_allreduce", "--worker", "--reps", str(args.reps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "rlhf_hpc.bench.host_allreduce",
+        "--worker",
+        "--reps",
+        str(args.reps),
+    ]
     sys.exit(subprocess.call(cmd, env=env))
 
 
@@ -78,7 +89,7 @@ def worker(reps: int) -> None:
         dist.all_reduce(flat)
         offset = 0
         for g in grads:
-            g.view(-1).copy_(flat[offset:offset + g.numel()])
+            g.view(-1).copy_(flat[offset : offset + g.numel()])
             offset += g.numel()
 
     def gloo_beside_compute() -> None:
@@ -91,12 +102,14 @@ def worker(reps: int) -> None:
         compute()
         shm.mean_(grads)
 
-    figures = {"compute alone": timed(compute, reps),
-               "gloo per tensor": timed(gloo_per_tensor, reps),
-               "gloo flat": timed(gloo_flat, reps),
-               "shared memory": timed(lambda: shm.mean_(grads), reps),
-               "gloo per tensor beside compute": timed(gloo_beside_compute, reps),
-               "shared memory after compute": timed(shm_after_compute, reps)}
+    figures = {
+        "compute alone": timed(compute, reps),
+        "gloo per tensor": timed(gloo_per_tensor, reps),
+        "gloo flat": timed(gloo_flat, reps),
+        "shared memory": timed(lambda: shm.mean_(grads), reps),
+        "gloo per tensor beside compute": timed(gloo_beside_compute, reps),
+        "shared memory after compute": timed(shm_after_compute, reps),
+    }
     if rank == 0:
         print(f"{world} ranks, {len(grads)} gradients, {nbytes / 1e6:.0f} MB fp32; {why}")
         print("| way | ms | GB/s of gradient |")
@@ -104,8 +117,11 @@ def worker(reps: int) -> None:
         for name, sec in figures.items():
             rate = "" if "compute" in name else f"{nbytes / sec / 1e9:.2f}"
             print(f"| {name} | {sec * 1e3:.1f} | {rate} |")
-        print(f"shared memory / gloo per tensor: {figures['shared memory'] / figures['gloo per tensor']:.2f}x the "
-              f"time; beside compute: {figures['shared memory after compute'] / figures['gloo per tensor beside compute']:.2f}x")
+        print(
+            f"shared memory / gloo per tensor: {figures['shared memory'] / figures['gloo per tensor']:.2f}x the "
+            f"time; beside compute: "
+            f"{figures['shared memory after compute'] / figures['gloo per tensor beside compute']:.2f}x"
+        )
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ bytes moved (the tensors the stream yields, in the rollout dtype), the median ti
 the engine's log-probs of sampled continuations against the actor's (the sync is right). vLLM loads the
 adapter at the next generate (not counted here).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,9 @@ import time
 
 import torch
 
-from rlhf_hpc.models.real_model import cache_dir
 from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.models.lora import apply_lora, is_adapter
+from rlhf_hpc.models.real_model import cache_dir
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.recipe.load import load_config
@@ -29,8 +30,10 @@ from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
-FALLBACK = ("tiny://qwen2?vocab_size=50000&hidden_size=768&intermediate_size=2048&num_hidden_layers=12"
-            "&num_attention_heads=12&num_key_value_heads=2&max_position_embeddings=2048")
+FALLBACK = (
+    "tiny://qwen2?vocab_size=50000&hidden_size=768&intermediate_size=2048&num_hidden_layers=12"
+    "&num_attention_heads=12&num_key_value_heads=2&max_position_embeddings=2048"
+)
 
 
 def default_model() -> str:
@@ -49,7 +52,7 @@ def engine_vs_actor(engine, actor, vocab: int) -> float:
         lp = per_token_logprobs(actor, batch)[0]
     engine_lp = torch.zeros_like(lp)
     for i, o in enumerate(out):
-        engine_lp[i, :len(o[0].logprobs)] = torch.tensor(o[0].logprobs)
+        engine_lp[i, : len(o[0].logprobs)] = torch.tensor(o[0].logprobs)
     return (lp - engine_lp)[batch["response_mask"].bool()].abs().max().item()
 
 
@@ -59,11 +62,19 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    cfg, _ = load_config("tiny_klppo", [f"actor_rollout_ref.model.path={args.model}", "trainer.n_gpus_per_node=1",
-                                        f"actor_rollout_ref.model.lora_rank={args.rank}",
-                                        "actor_rollout_ref.model.lora_alpha=16", "actor_rollout_ref.rollout.name=vllm",
-                                        "data.max_prompt_length=12", "data.max_response_length=16"],
-                         check_files=False)
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            f"actor_rollout_ref.model.path={args.model}",
+            "trainer.n_gpus_per_node=1",
+            f"actor_rollout_ref.model.lora_rank={args.rank}",
+            "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.rollout.name=vllm",
+            "data.max_prompt_length=12",
+            "data.max_response_length=16",
+        ],
+        check_files=False,
+    )
     mcfg = cfg.actor_rollout_ref.model
     actor = apply_lora(build_causal_lm(args.model, torch.float32, seed=0), mcfg, seed=1)
     with torch.no_grad():
@@ -80,14 +91,17 @@ def main(argv=None) -> None:
         times, moved = [], 0.0
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            moved = sync_weights_to_rollout(actor, engine, torch.float32, bucket,
-                                            adapter_only=adapter_only)["rollout/weight_sync_mib"]
+            moved = sync_weights_to_rollout(actor, engine, torch.float32, bucket, adapter_only=adapter_only)[
+                "rollout/weight_sync_mib"
+            ]
             times.append(time.perf_counter() - t0)
         rows.append((label, moved, statistics.median(times), engine_vs_actor(engine, actor, actor.config.vocab_size)))
     n_params = sum(p.numel() for p in actor.parameters())
     n_adapter = sum(p.numel() for n, p in actor.named_parameters() if is_adapter(n))
-    print(f"model {args.model}: {n_params / 1e6:.1f}M parameters, LoRA rank {args.rank} on all linear layers: "
-          f"{n_adapter / 1e6:.2f}M adapter parameters; fp32; median of {args.reps}")
+    print(
+        f"model {args.model}: {n_params / 1e6:.1f}M parameters, LoRA rank {args.rank} on all linear layers: "
+        f"{n_adapter / 1e6:.2f}M adapter parameters; fp32; median of {args.reps}"
+    )
     print("| sync | MiB moved per sync | seconds per sync | max abs(engine - actor) log-prob |")
     print("| --- | --- | --- | --- |")
     for label, mib, sec, diff in rows:

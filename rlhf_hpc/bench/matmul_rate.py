@@ -9,6 +9,7 @@ rank) through the Qwen2-shaped model of hidden 512, intermediate 1408, 2 KV head
 products of its backward (``dY @ W`` and ``dY.T @ x``). Each rate is the best of 5 timings of 20
 calls. A CPU without native bf16 (AVX512-BF16 or AMX) runs bf16 far slower than fp32.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,13 @@ def shapes() -> dict[str, tuple[int, int]]:
     """(out, in) of each kind of weight matrix of the ``ppo_step`` workload's model."""
     m = model_shape()
     hidden, kv = m["hidden_size"], m["num_key_value_heads"] * m["hidden_size"] // m["num_attention_heads"]
-    return {"q/o projection": (hidden, hidden), "k/v projection": (kv, hidden),
-            "MLP up/gate": (m["intermediate_size"], hidden), "MLP down": (hidden, m["intermediate_size"]),
-            "output head": (m["vocab_size"], hidden)}
+    return {
+        "q/o projection": (hidden, hidden),
+        "k/v projection": (kv, hidden),
+        "MLP up/gate": (m["intermediate_size"], hidden),
+        "MLP down": (hidden, m["intermediate_size"]),
+        "output head": (m["vocab_size"], hidden),
+    }
 
 
 def rate(fn, flops: float, calls: int = 20) -> float:
@@ -59,14 +64,22 @@ def main() -> None:
             x, w = torch.randn(n, in_f, dtype=dtype), torch.randn(out_f, in_f, dtype=dtype)
             dy = torch.randn(n, out_f, dtype=dtype)
             flops = 2.0 * n * in_f * out_f
-            rates = [rate(lambda: torch.nn.functional.linear(x, w), flops), rate(lambda: dy @ w, flops),
-                     rate(lambda: dy.t() @ x, flops)]
+            rates = [
+                rate(lambda: torch.nn.functional.linear(x, w), flops),
+                rate(lambda: dy @ w, flops),
+                rate(lambda: dy.t() @ x, flops),
+            ]
             figures[name, dtype] = rates
             totals[dtype][0] += 3 * flops
             totals[dtype][1] += sum(flops / r / 1e9 for r in rates)
         f32, b16 = figures[name, torch.float32], figures[name, torch.bfloat16]
-        print(f"| {name} ({out_f} x {in_f}) | " + " / ".join(f"{r:.0f}" for r in f32) + " | "
-              + " / ".join(f"{r:.0f}" for r in b16) + f" | {sum(b16) / sum(f32):.2f}x |")
+        print(
+            f"| {name} ({out_f} x {in_f}) | "
+            + " / ".join(f"{r:.0f}" for r in f32)
+            + " | "
+            + " / ".join(f"{r:.0f}" for r in b16)
+            + f" | {sum(b16) / sum(f32):.2f}x |"
+        )
     f32, b16 = (totals[d][0] / totals[d][1] / 1e9 for d in (torch.float32, torch.bfloat16))
     print(f"all of them, weighted by their FLOPs: fp32 {f32:.0f} GFLOP/s, bf16 {b16:.0f} GFLOP/s ({b16 / f32:.2f}x)")
 

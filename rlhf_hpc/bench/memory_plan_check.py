@@ -12,6 +12,7 @@ the end of the step. Estimated: ``memory_plan.update_bytes`` for the same shapes
 update_actor phase adds per GPU). RSS counts whole pages and the allocator's slack, and the plan
 ignores small tensors (masks, indices, the batch): the check reports the ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,14 +38,42 @@ __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 CASES = [  # (name, model, rows, prompt length, response length, gradient checkpointing)
     ("tiny", "tiny://qwen2", 8, 64, 192, False),
-    ("small", "tiny://qwen2?vocab_size=8000&hidden_size=512&intermediate_size=1408&num_hidden_layers=4"
-              "&num_attention_heads=8&num_key_value_heads=2", 8, 64, 192, False),
-    ("small+ckpt", "tiny://qwen2?vocab_size=8000&hidden_size=512&intermediate_size=1408&num_hidden_layers=4"
-                   "&num_attention_heads=8&num_key_value_heads=2", 8, 64, 192, True),
-    ("wide-vocab", "tiny://qwen2?vocab_size=32000&hidden_size=256&intermediate_size=1024&num_hidden_layers=4"
-                   "&num_attention_heads=4&num_key_value_heads=2", 16, 32, 96, False),
-    ("deep+ckpt", "tiny://qwen2?vocab_size=4000&hidden_size=384&intermediate_size=1024&num_hidden_layers=12"
-                  "&num_attention_heads=6&num_key_value_heads=2", 16, 64, 192, True),
+    (
+        "small",
+        "tiny://qwen2?vocab_size=8000&hidden_size=512&intermediate_size=1408&num_hidden_layers=4"
+        "&num_attention_heads=8&num_key_value_heads=2",
+        8,
+        64,
+        192,
+        False,
+    ),
+    (
+        "small+ckpt",
+        "tiny://qwen2?vocab_size=8000&hidden_size=512&intermediate_size=1408&num_hidden_layers=4"
+        "&num_attention_heads=8&num_key_value_heads=2",
+        8,
+        64,
+        192,
+        True,
+    ),
+    (
+        "wide-vocab",
+        "tiny://qwen2?vocab_size=32000&hidden_size=256&intermediate_size=1024&num_hidden_layers=4"
+        "&num_attention_heads=4&num_key_value_heads=2",
+        16,
+        32,
+        96,
+        False,
+    ),
+    (
+        "deep+ckpt",
+        "tiny://qwen2?vocab_size=4000&hidden_size=384&intermediate_size=1024&num_hidden_layers=12"
+        "&num_attention_heads=6&num_key_value_heads=2",
+        16,
+        64,
+        192,
+        True,
+    ),
 ]
 
 
@@ -53,14 +82,18 @@ def measure(name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-
     _, path, rows, P, R, recompute = next(c for c in CASES if c[0] == name)
     dist.init_process_group("gloo")
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     shape = model_shape(path)
-    batch = make_padded_batch([torch.randint(1, shape.vocab, (P,), generator=g).tolist() for _ in range(rows)],
-                              [torch.randint(1, shape.vocab, (R,), generator=g).tolist() for _ in range(rows)], 0, P, R)
+    batch = make_padded_batch(
+        [torch.randint(1, shape.vocab, (P,), generator=g).tolist() for _ in range(rows)],
+        [torch.randint(1, shape.vocab, (R,), generator=g).tolist() for _ in range(rows)],
+        0,
+        P,
+        R,
+    )
     batch["advantages"] = torch.randn(rows, R, generator=g)
     batch["old_log_probs"] = -torch.rand(rows, R, generator=g) * 5
     fsdp = FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32"))
@@ -70,26 +103,50 @@ def measure(name: str) -> dict:
     reset_peak_memory(cpu)  # VmHWM := VmRSS
     model = build_causal_lm(path, torch.float32, seed=0)
     parallelize(model, build_train_mesh(cpu, 1, -1), fsdp, cpu, gradient_checkpointing=recompute)
-    actor = Actor(model, cfg, ActorSpec(optimizer=build_optimizer(model, cfg.optim), placement=Placement(
-        all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, cpu))))
+    actor = Actor(
+        model,
+        cfg,
+        ActorSpec(
+            optimizer=build_optimizer(model, cfg.optim),
+            placement=Placement(all_reduce=all_reduce_sum, sync_max=lambda k: all_reduce_max_int(k, cpu)),
+        ),
+    )
     for _ in range(2):  # the second step runs with the optimizer state alive, as every later one
         actor.update_policy(batch, rows)
     measured = peak_memory_bytes(cpu) - base
     estimate = update_bytes(shape, shape.params, fsdp, 1, rows * (P + R), rows * R, recompute, shape.vocab)
     dist.destroy_process_group()
-    return {"case": name, "params": shape.params, "tokens": rows * (P + R), "checkpointing": recompute,
-            "measured_mib": measured / 2 ** 20, "estimated_mib": sum(estimate.values()) / 2 ** 20,
-            "estimate_parts_mib": {k: v / 2 ** 20 for k, v in estimate.items()}}
+    return {
+        "case": name,
+        "params": shape.params,
+        "tokens": rows * (P + R),
+        "checkpointing": recompute,
+        "measured_mib": measured / 2**20,
+        "estimated_mib": sum(estimate.values()) / 2**20,
+        "estimate_parts_mib": {k: v / 2**20 for k, v in estimate.items()},
+    }
 
 
 def run_case(name: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    out = subprocess.run([sys.executable, "-m", "rlhf_hpc.bench.memory_plan_check", "--case", name], env=env,
-                         capture_output=True, text=True, timeout=900)
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        OMP_NUM_THREADS="1",
+        RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "rlhf_hpc.bench.memory_plan_check", "--case", name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"case {name} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -110,8 +167,11 @@ def main(argv=None) -> int:
         r = run_case(name)
         r["ratio"] = r["estimated_mib"] / r["measured_mib"]
         results.append(r)
-        print(f"{name:<12}{r['params'] / 1e6:>9.1f}M{r['tokens']:>8}  {r['measured_mib']:>12.1f}  "
-              f"{r['estimated_mib']:>13.1f}  {r['ratio']:.2f}", flush=True)
+        print(
+            f"{name:<12}{r['params'] / 1e6:>9.1f}M{r['tokens']:>8}  {r['measured_mib']:>12.1f}  "
+            f"{r['estimated_mib']:>13.1f}  {r['ratio']:.2f}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

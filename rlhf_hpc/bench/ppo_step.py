@@ -17,6 +17,7 @@ the actor and the critic; critic, reference and KL in the reward on; fp32 on 2 r
 (gloo). Extra ``key=value`` arguments override the recipe (e.g. ``actor_rollout_ref.actor.fsdp_config.fsdp_size=1``
 to compare layouts). The figure per phase is the median over steps 3..N (the first two warm up).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,29 +36,43 @@ from rlhf_hpc.models.tokenizer import load_tokenizer
 
 __all__ = ["MODEL", "REPO", "WORKLOAD", "model_shape", "run"]
 
-MODEL = ("tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
-         "&intermediate_size=1408&vocab_size=8000")
+MODEL = (
+    "tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
+    "&intermediate_size=1408&vocab_size=8000"
+)
 
 WORKLOAD = [
-    "data.train_files=synthetic://copy?size=1024", "data.val_files=null",
-    "data.train_batch_size=64", "data.max_prompt_length=32", "data.max_response_length=32",
+    "data.train_files=synthetic://copy?size=1024",
+    "data.val_files=null",
+    "data.train_batch_size=64",
+    "data.max_prompt_length=32",
+    "data.max_response_length=32",
     f"actor_rollout_ref.model.path={MODEL}",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.ppo_epochs=1",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_epochs=1",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
-    "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.ignore_eos=true",
+    "actor_rollout_ref.rollout.n=1",
+    "actor_rollout_ref.rollout.ignore_eos=true",
     "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
-    "critic.ppo_mini_batch_size=16", "critic.ppo_epochs=1",
-    "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
-    "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
-    "trainer.n_gpus_per_node=2", "trainer.guard.enable=false",
+    "critic.ppo_mini_batch_size=16",
+    "critic.ppo_epochs=1",
+    "algorithm.adv_estimator=gae",
+    "algorithm.use_kl_in_reward=true",
+    "trainer.save_freq=0",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+    "trainer.n_gpus_per_node=2",
+    "trainer.guard.enable=false",
 ]
 
 # the project's defaults (bf16 compute on fp32 master weights, bf16 rollout), which the tiny recipe
 # pins to fp32; TRL's counterpart is its bf16=True (autocast)
-BF16 = ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bfloat16",
-        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bfloat16",
-        "critic.model.fsdp_config.mixed_precision.param_dtype=bfloat16",
-        "actor_rollout_ref.rollout.dtype=bfloat16"]
+BF16 = [
+    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bfloat16",
+    "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bfloat16",
+    "critic.model.fsdp_config.mixed_precision.param_dtype=bfloat16",
+    "actor_rollout_ref.rollout.dtype=bfloat16",
+]
 
 # what TRL's PPOTrainer calls its phases, and the trainer's timers that do the same work
 PHASES = {
@@ -76,8 +91,16 @@ def run(steps: int, overrides: list[str], run_dir: Path, repo: Path = REPO, demo
     ``run_dir`` with the checkout at ``repo`` (this one, or e.g. a git worktree of an older
     commit); its metrics rows."""
     workload = ["trainer.save_freq=0", "trainer.test_freq=0"] if demo else WORKLOAD
-    cmd = [sys.executable, "launch.py", "recipe=tiny_klppo", *workload, f"trainer.total_training_steps={steps}",
-           f"trainer.default_local_dir={run_dir}", "trainer.logger=[console]", *overrides]
+    cmd = [
+        sys.executable,
+        "launch.py",
+        "recipe=tiny_klppo",
+        *workload,
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=[console]",
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -108,8 +131,15 @@ def trl_workload(workdir: Path, steps: int, bf16: bool = False) -> None:
     tokenizer.save_pretrained(workdir / "tokenizer")
     shape = model_shape()
     examples = load_examples("synthetic://copy?size=1024", tokenizer, DataConfig(max_prompt_length=32))
-    workload = {"model": shape, "prompts": [e.prompt_ids for e in examples[:64 * steps]], "steps": steps,
-                "train_batch_size": 64, "mini_batch_size": 16, "response_length": 32, "bf16": bf16}
+    workload = {
+        "model": shape,
+        "prompts": [e.prompt_ids for e in examples[: 64 * steps]],
+        "steps": steps,
+        "train_batch_size": 64,
+        "mini_batch_size": 16,
+        "response_length": 32,
+        "bf16": bf16,
+    }
     (workdir / "workload.json").write_text(json.dumps(workload))
 
 
@@ -120,13 +150,27 @@ def run_trl(venv: Path, steps: int, workdir: Path, bf16: bool = False) -> dict[s
     env.pop("PYTHONPATH", None)
     if bf16:  # TRL's PPOTrainer builds its Accelerator without bf16=True: accelerate reads it from here
         env["ACCELERATE_MIXED_PRECISION"] = "bf16"
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(script), str(workdir)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(script),
+            str(workdir),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         sys.exit(f"the TRL run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     figures = json.loads((workdir / "trl.json").read_text())
-    print(f"TRL: the policy trained with its matrix products in {', '.join(figures.pop('policy compute dtype'))}",
-          flush=True)
+    print(
+        f"TRL: the policy trained with its matrix products in {', '.join(figures.pop('policy compute dtype'))}",
+        flush=True,
+    )
     return figures
 
 
@@ -135,19 +179,38 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--label", default="rlhf-hpc")
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--vs-trl", metavar="VENV", type=Path,
-                    help="also run TRL's PPOTrainer on the same work from this virtual environment (create it with "
-                         "python -m rlhf_hpc.bench.trl_ppo_step --setup VENV) and print both side by side")
-    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:k=v,k=v",
-                    help="one more configuration of this project to time in the same run")
+    ap.add_argument(
+        "--vs-trl",
+        metavar="VENV",
+        type=Path,
+        help="also run TRL's PPOTrainer on the same work from this virtual environment (create it with "
+        "python -m rlhf_hpc.bench.trl_ppo_step --setup VENV) and print both side by side",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:k=v,k=v",
+        help="one more configuration of this project to time in the same run",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="run every column this many times, in turns")
-    ap.add_argument("--demo", action="store_true",
-                    help="time the tiny demo (recipe tiny_klppo as it is) instead of the issue-19 workload")
-    ap.add_argument("--before", metavar="CHECKOUT", type=Path,
-                    help="also time this checkout of the project (e.g. a git worktree of an older commit)")
-    ap.add_argument("--bf16", action="store_true",
-                    help="every column in bf16 mixed precision: this project with its default precision (bf16 "
-                         "compute, fp32 master weights and gradient reduction, bf16 rollout), TRL with bf16=True")
+    ap.add_argument(
+        "--demo",
+        action="store_true",
+        help="time the tiny demo (recipe tiny_klppo as it is) instead of the issue-19 workload",
+    )
+    ap.add_argument(
+        "--before",
+        metavar="CHECKOUT",
+        type=Path,
+        help="also time this checkout of the project (e.g. a git worktree of an older commit)",
+    )
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="every column in bf16 mixed precision: this project with its default precision (bf16 "
+        "compute, fp32 master weights and gradient reduction, bf16 rollout), TRL with bf16=True",
+    )
     ap.add_argument("overrides", nargs="*", help="recipe key=value overrides")
     args = ap.parse_args()
     given = list(args.overrides)
@@ -158,21 +221,26 @@ def main() -> None:
     def keep(label: str, figures: dict[str, float]) -> None:
         # over repeats, each figure's best (the least disturbed by other load on the machine)
         columns[label] = {k: min(v, columns.get(label, {}).get(k, v)) for k, v in figures.items()}
+
     for r in range(args.repeat):  # the columns take turns, so slow stretches hit each alike
         with tempfile.TemporaryDirectory() as tmp:
             if args.vs_trl:
                 keep("TRL PPOTrainer", run_trl(args.vs_trl, args.steps, Path(tmp), args.bf16))
             if args.before:
-                keep("before", phase_times(run(args.steps, args.overrides, Path(tmp) / "before", args.before,
-                                               args.demo)))
+                keep(
+                    "before", phase_times(run(args.steps, args.overrides, Path(tmp) / "before", args.before, args.demo))
+                )
             keep(args.label, phase_times(run(args.steps, args.overrides, Path(tmp) / "run", demo=args.demo)))
             for i, variant in enumerate(args.variant):
                 label, _, keys = variant.partition(":")
                 extra = [k for k in keys.split(",") if k]
                 keep(label, phase_times(run(args.steps, args.overrides + extra, Path(tmp) / f"run{i}", demo=args.demo)))
-    print(f"seconds per step, median of steps 3..{args.steps}" + (f", best of {args.repeat} runs" if args.repeat > 1 else "")
-          + (", bf16 mixed precision" if args.bf16 else "")
-          + (f" ({' '.join(given)})" if given else ""))
+    print(
+        f"seconds per step, median of steps 3..{args.steps}"
+        + (f", best of {args.repeat} runs" if args.repeat > 1 else "")
+        + (", bf16 mixed precision" if args.bf16 else "")
+        + (f" ({' '.join(given)})" if given else "")
+    )
     names = list(columns)
     print("| phase | " + " | ".join(names) + " |")
     print("| --- |" + " --- |" * len(names))

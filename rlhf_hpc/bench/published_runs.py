@@ -18,6 +18,7 @@ tokens/s/GPU x step x GPUs / 2048 - the mean generated length is the mean prompt
 The reference design's Qwen2.5-7B KL-PPO on 8 x H100 (recipe qwen7b_klppo): 11.2k tokens/s, planned
 at three response lengths (its lengths are not published).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,19 +30,26 @@ from rlhf_hpc.recipe.load import load_config
 
 __all__ = ["PUBLISHED_RUNS", "PublishedRun", "plan_of_run"]
 
-_BLOG = "NeMo-RL v0.3 blog, 2025-07-21, table 1 (mean of steps 22-29; nvidia-nemo.github.io/blog/2025/07/21/nemo-rl-v0.3)"
-_SUMMARY = ("NeMo-RL docs/about/performance-summary.md at {version} (mean of 5 steps), setup from "
-            "examples/configs/recipes/llm/performance/{name}.yaml at that tag")
+_BLOG = (
+    "NeMo-RL v0.3 blog, 2025-07-21, table 1 (mean of steps 22-29; nvidia-nemo.github.io/blog/2025/07/21/nemo-rl-v0.3)"
+)
+_SUMMARY = (
+    "NeMo-RL docs/about/performance-summary.md at {version} (mean of 5 steps), setup from "
+    "examples/configs/recipes/llm/performance/{name}.yaml at that tag"
+)
 _V05, _V04 = "v0.5.0 (6c70893)", "v0.4 (cff17f8)"
-_LLAMA8B, _LLAMA70B, _QWEN32B = (("actor_rollout_ref.model.path=meta-llama/Llama-3.1-8B-Instruct", "plan.prompt_length=127"),
-                                 ("actor_rollout_ref.model.path=meta-llama/Llama-3.1-70B", "plan.prompt_length=127"),
-                                 ("actor_rollout_ref.model.path=Qwen/Qwen3-32B", "plan.prompt_length=104"))
+_LLAMA8B, _LLAMA70B, _QWEN32B = (
+    ("actor_rollout_ref.model.path=meta-llama/Llama-3.1-8B-Instruct", "plan.prompt_length=127"),
+    ("actor_rollout_ref.model.path=meta-llama/Llama-3.1-70B", "plan.prompt_length=127"),
+    ("actor_rollout_ref.model.path=Qwen/Qwen3-32B", "plan.prompt_length=104"),
+)
 _CHOSEN_CHECKPOINTING = "actor_rollout_ref.model.enable_gradient_checkpointing=null"
 
 
 @dataclass(frozen=True)
 class PublishedRun:
     """A published run: its setup as overrides of recipe ``llama8b_grpo``, its step and phases (s)."""
+
     name: str
     source: str
     overrides: tuple[str, ...]
@@ -52,41 +60,112 @@ class PublishedRun:
 
 
 PUBLISHED_RUNS = [
-    PublishedRun("Llama-3.1-8B-Instruct, 8 x H100, Megatron", _BLOG, (*_LLAMA8B, "plan.response_length=795"),
-                 112, {"gen": 58, "update_weights": 5, "log_probs": 18, "update_actor": 28}),
-    PublishedRun("Llama-3.1-8B-Instruct, 8 x H100, DTensor (FSDP2)", _BLOG, (*_LLAMA8B, "plan.response_length=777"),
-                 122, {"gen": 57, "update_weights": 4, "log_probs": 19, "update_actor": 38}),
-    PublishedRun("Llama-3.1-70B, 64 x H100, Megatron (TP4 PP4), vLLM TP4", _BLOG,
-                 (*_LLAMA70B, "trainer.nnodes=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
-                  _CHOSEN_CHECKPOINTING, "plan.response_length=398"),
-                 147, {"gen": 84, "update_weights": 14, "log_probs": 18, "update_actor": 28}),
-    PublishedRun("Llama-3.1-70B, 64 x H100, DTensor (TP8, no checkpointing), vLLM TP4", _BLOG,
-                 (*_LLAMA70B, "trainer.nnodes=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
-                  _CHOSEN_CHECKPOINTING, "plan.response_length=395"),
-                 230, {"gen": 82, "update_weights": 15, "log_probs": 28, "update_actor": 97},
-                 outlier="its training takes 3.5x the Megatron run's on the same job (dynamic batching in place of "
-                         "sequence packing after an out-of-memory, NeMo-RL's note)"),
-    PublishedRun("Qwen3-32B, 64 x H100, Megatron (TP4 PP2), vLLM TP4 (not published: the summary's)", _BLOG,
-                 (*_QWEN32B, "trainer.nnodes=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
-                  _CHOSEN_CHECKPOINTING, "plan.response_length=3283"),
-                 213, {"gen": 96, "update_weights": 7, "log_probs": 40, "update_actor": 68}),
-    PublishedRun("Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing",
-                 _SUMMARY.format(version=_V05, name="grpo-llama3.1-8b-instruct-2n8g"),
-                 (*_LLAMA8B, "trainer.nnodes=2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-                  "plan.response_length=1019"), 92.8, held_out=True),
-    PublishedRun("Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing",
-                 _SUMMARY.format(version=_V05, name="grpo-qwen3-32b-4n8g"),
-                 (*_QWEN32B, "trainer.nnodes=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
-                  _CHOSEN_CHECKPOINTING, "plan.response_length=3251"), 376, held_out=True),
+    PublishedRun(
+        "Llama-3.1-8B-Instruct, 8 x H100, Megatron",
+        _BLOG,
+        (*_LLAMA8B, "plan.response_length=795"),
+        112,
+        {"gen": 58, "update_weights": 5, "log_probs": 18, "update_actor": 28},
+    ),
+    PublishedRun(
+        "Llama-3.1-8B-Instruct, 8 x H100, DTensor (FSDP2)",
+        _BLOG,
+        (*_LLAMA8B, "plan.response_length=777"),
+        122,
+        {"gen": 57, "update_weights": 4, "log_probs": 19, "update_actor": 38},
+    ),
+    PublishedRun(
+        "Llama-3.1-70B, 64 x H100, Megatron (TP4 PP4), vLLM TP4",
+        _BLOG,
+        (
+            *_LLAMA70B,
+            "trainer.nnodes=8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            _CHOSEN_CHECKPOINTING,
+            "plan.response_length=398",
+        ),
+        147,
+        {"gen": 84, "update_weights": 14, "log_probs": 18, "update_actor": 28},
+    ),
+    PublishedRun(
+        "Llama-3.1-70B, 64 x H100, DTensor (TP8, no checkpointing), vLLM TP4",
+        _BLOG,
+        (
+            *_LLAMA70B,
+            "trainer.nnodes=8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            _CHOSEN_CHECKPOINTING,
+            "plan.response_length=395",
+        ),
+        230,
+        {"gen": 82, "update_weights": 15, "log_probs": 28, "update_actor": 97},
+        outlier="its training takes 3.5x the Megatron run's on the same job (dynamic batching in place of "
+        "sequence packing after an out-of-memory, NeMo-RL's note)",
+    ),
+    PublishedRun(
+        "Qwen3-32B, 64 x H100, Megatron (TP4 PP2), vLLM TP4 (not published: the summary's)",
+        _BLOG,
+        (
+            *_QWEN32B,
+            "trainer.nnodes=8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            _CHOSEN_CHECKPOINTING,
+            "plan.response_length=3283",
+        ),
+        213,
+        {"gen": 96, "update_weights": 7, "log_probs": 40, "update_actor": 68},
+    ),
+    PublishedRun(
+        "Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing",
+        _SUMMARY.format(version=_V05, name="grpo-llama3.1-8b-instruct-2n8g"),
+        (
+            *_LLAMA8B,
+            "trainer.nnodes=2",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "plan.response_length=1019",
+        ),
+        92.8,
+        held_out=True,
+    ),
+    PublishedRun(
+        "Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing",
+        _SUMMARY.format(version=_V05, name="grpo-qwen3-32b-4n8g"),
+        (
+            *_QWEN32B,
+            "trainer.nnodes=4",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            _CHOSEN_CHECKPOINTING,
+            "plan.response_length=3251",
+        ),
+        376,
+        held_out=True,
+    ),
     # the same two recipes as the summary published them at v0.4 (cff17f8), an earlier NeMo-RL
-    PublishedRun("Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing; v0.4",
-                 _SUMMARY.format(version=_V04, name="grpo-llama3.1-8b-instruct-2n8g"),
-                 (*_LLAMA8B, "trainer.nnodes=2", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-                  "plan.response_length=1060"), 97.7, held_out=True),
-    PublishedRun("Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing; v0.4",
-                 _SUMMARY.format(version=_V04, name="grpo-qwen3-32b-4n8g"),
-                 (*_QWEN32B, "trainer.nnodes=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
-                  _CHOSEN_CHECKPOINTING, "plan.response_length=3206"), 393, held_out=True),
+    PublishedRun(
+        "Llama-3.1-8B-Instruct, 16 x H100, Megatron (PP2), checkpointing; v0.4",
+        _SUMMARY.format(version=_V04, name="grpo-llama3.1-8b-instruct-2n8g"),
+        (
+            *_LLAMA8B,
+            "trainer.nnodes=2",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            "plan.response_length=1060",
+        ),
+        97.7,
+        held_out=True,
+    ),
+    PublishedRun(
+        "Qwen3-32B, 32 x H100, Megatron (TP4 PP4), vLLM TP4, no checkpointing; v0.4",
+        _SUMMARY.format(version=_V04, name="grpo-qwen3-32b-4n8g"),
+        (
+            *_QWEN32B,
+            "trainer.nnodes=4",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            _CHOSEN_CHECKPOINTING,
+            "plan.response_length=3206",
+        ),
+        393,
+        held_out=True,
+    ),
 ]
 REFERENCE_TOKENS_S = 11_200
 
@@ -100,15 +179,21 @@ def plan_of_run(run: PublishedRun) -> tuple[TimePlan, dict[str, float]]:
     """(the plan of ``run``'s workload, its seconds under the published phases' names and ``step``)."""
     plan = planned("llama8b_grpo", *run.overrides)
     seconds = {p.name: p.seconds for p in plan.phases}
-    got = {"gen": seconds["gen"], "update_weights": seconds["update_weights"],
-           "log_probs": seconds.get("old_log_prob", 0.0) + seconds.get("ref", 0.0),
-           "update_actor": seconds["update_actor"], "step": plan.step_s}
+    got = {
+        "gen": seconds["gen"],
+        "update_weights": seconds["update_weights"],
+        "log_probs": seconds.get("old_log_prob", 0.0) + seconds.get("ref", 0.0),
+        "update_actor": seconds["update_actor"],
+        "step": plan.step_s,
+    }
     return plan, got
 
 
 def main() -> int:
-    print("| run | published step (s) | planned (s) | planned / published | phases planned / published "
-          "(gen, refit, log-probs, training) |")
+    print(
+        "| run | published step (s) | planned (s) | planned / published | phases planned / published "
+        "(gen, refit, log-probs, training) |"
+    )
     print("| --- | --- | --- | --- | --- |")
     ratios, held = [], []
     for run in PUBLISHED_RUNS:
@@ -116,19 +201,28 @@ def main() -> int:
         ratio = got["step"] / run.step_s
         (held if run.held_out else ratios).append(ratio)
         phases = ", ".join(f"{got[k]:.1f}/{v:g}" for k, v in run.phases.items()) or "not published"
-        print(f"| {run.name}{' (held out)' if run.held_out else ''} | {run.step_s:g} | {got['step']:.1f} | "
-              f"{ratio:.2f}{' (outlier: ' + run.outlier + ')' if run.outlier else ''} | {phases} |")
+        print(
+            f"| {run.name}{' (held out)' if run.held_out else ''} | {run.step_s:g} | {got['step']:.1f} | "
+            f"{ratio:.2f}{' (outlier: ' + run.outlier + ')' if run.outlier else ''} | {phases} |"
+        )
     both = ratios + held
-    print(f"\nplanned / published: median {statistics.median(both):.2f}, range {min(both):.2f}-{max(both):.2f} "
-          f"({len(both)} runs; the {len(held)} held out: {', '.join(f'{r:.2f}' for r in held)})")
-    print(f"\nreference design, Qwen2.5-7B KL-PPO (critic, GAE), 8 x H100 SXM, published {REFERENCE_TOKENS_S:,} tokens/s")
+    print(
+        f"\nplanned / published: median {statistics.median(both):.2f}, range {min(both):.2f}-{max(both):.2f} "
+        f"({len(both)} runs; the {len(held)} held out: {', '.join(f'{r:.2f}' for r in held)})"
+    )
+    print(
+        f"\nreference design, Qwen2.5-7B KL-PPO (critic, GAE), 8 x H100 SXM, published {REFERENCE_TOKENS_S:,} tokens/s"
+    )
     print("| mean response (tokens) | step (s) | tokens/s, all 8 GPUs | tokens/s per GPU | slowest phase |")
     print("| --- | --- | --- | --- | --- |")
     for response in (121, 250, 400):
         p = planned("qwen7b_klppo", "plan.prompt_length=100", f"plan.response_length={response}")
         slowest = max((x for x in p.phases if x.name != "save_checkpoint"), key=lambda x: x.seconds)
-        print(f"| {response} | {p.step_s:.1f} | {p.tokens_per_s_per_gpu * p.world:,.0f} | {p.tokens_per_s_per_gpu:,.0f} | "
-              f"{slowest.name} {slowest.seconds:.1f} s ({slowest.bound}) |")
+        print(
+            f"| {response} | {p.step_s:.1f} | {p.tokens_per_s_per_gpu * p.world:,.0f} | "
+            f"{p.tokens_per_s_per_gpu:,.0f} | "
+            f"{slowest.name} {slowest.seconds:.1f} s ({slowest.bound}) |"
+        )
     return 0
 
 

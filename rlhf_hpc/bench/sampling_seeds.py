@@ -9,6 +9,7 @@ per call (``rlhf_hpc.rollout.vllm_engine``). Same prompts, same sampling, both m
 (in-process vLLM, one engine), chunked prefill off for both (the CPU build dies with per-request
 seeds under chunked prefill). Reported: best wall time of ``--reps`` generate() calls and tokens/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,12 +41,27 @@ def main(argv=None) -> int:
     model = args.model or str(prepare())
     tok = AutoTokenizer.from_pretrained(model)
     rows = addition_rows(9, args.prompts, seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=tok.apply_chat_template(r["prompt"], add_generation_prompt=True,
-                                                                      tokenize=True)["input_ids"]) for r in rows]
+    prompts = [
+        TokensPrompt(
+            prompt_token_ids=tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
+        for r in rows
+    ]
     on_gpu = torch.cuda.is_available()
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=256, enforce_eager=True, enable_chunked_prefill=False,
-              max_num_batched_tokens=16384, max_num_seqs=256, skip_tokenizer_init=True, seed=0,
-              **({} if on_gpu else {"block_size": 32}))
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        max_model_len=256,
+        enforce_eager=True,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=16384,
+        max_num_seqs=256,
+        skip_tokenizer_init=True,
+        seed=0,
+        **({} if on_gpu else {"block_size": 32}),
+    )
     common = dict(n=args.n, temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=0, detokenize=False)
 
     def per_request():

@@ -12,6 +12,7 @@ response): at sp=1 each rank computes its own row, at sp=2 the two ranks compute
 of its tokens each (``rlhf_hpc.distributed.sequence_parallel``). Both with and without activation
 checkpointing. The log-prob sums show both compute the same thing; time is secondary on gloo.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ def worker(sp_size: int, checkpointing: bool, tokens: int, hidden: int, layers: 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     sp = build_sequence_parallel(sp_size)
-    path = (f"tiny://qwen2?hidden_size={hidden}&intermediate_size={hidden * 11 // 4}&num_hidden_layers={layers}"
-            f"&num_attention_heads=8&num_key_value_heads=2&vocab_size=8192&max_position_embeddings={2 * tokens}")
+    path = (
+        f"tiny://qwen2?hidden_size={hidden}&intermediate_size={hidden * 11 // 4}&num_hidden_layers={layers}"
+        f"&num_attention_heads=8&num_key_value_heads=2&vocab_size=8192&max_position_embeddings={2 * tokens}"
+    )
     model = build_causal_lm(path, torch.float32, seed=0, attn="varlen")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -69,9 +72,18 @@ def worker(sp_size: int, checkpointing: bool, tokens: int, hidden: int, layers: 
     rises = [None] * dist.get_world_size()
     dist.all_gather_object(rises, (rise, lp_sum, seconds))
     if rank == 0:
-        out.write_text(json.dumps({"sp": sp_size, "checkpointing": checkpointing, "tokens": tokens,
-                                   "peak_rise_mib": [r[0] for r in rises], "logprob_sum": [r[1] for r in rises],
-                                   "seconds": max(r[2] for r in rises)}))
+        out.write_text(
+            json.dumps(
+                {
+                    "sp": sp_size,
+                    "checkpointing": checkpointing,
+                    "tokens": tokens,
+                    "peak_rise_mib": [r[0] for r in rises],
+                    "logprob_sum": [r[1] for r in rises],
+                    "seconds": max(r[2] for r in rises),
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -93,20 +105,47 @@ def main(argv=None) -> int:
         for ckpt in (False, True):
             for sp in (1, 2):
                 out = Path(tmp) / f"{sp}-{int(ckpt)}.json"
-                subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                "-m", "rlhf_hpc.bench.sp_memory", "--tokens", str(args.tokens), "--hidden",
-                                str(args.hidden), "--layers", str(args.layers), "--worker", str(sp), str(int(ckpt)),
-                                str(out)], env=env, capture_output=True, text=True, check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc-per-node=2",
+                        "-m",
+                        "rlhf_hpc.bench.sp_memory",
+                        "--tokens",
+                        str(args.tokens),
+                        "--hidden",
+                        str(args.hidden),
+                        "--layers",
+                        str(args.layers),
+                        "--worker",
+                        str(sp),
+                        str(int(ckpt)),
+                        str(out),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 rows.append(json.loads(out.read_text()))
-    print(f"one row of {args.tokens} tokens, Qwen2 hidden {args.hidden}, {args.layers} layers, 8/2 heads, "
-          f"vocabulary 8192, fp32, 2 ranks")
-    print("| activation checkpointing | sp | tokens per rank | peak rise per rank (MiB) | fwd+bwd (s) | "
-          "log-prob sum per rank |")
+    print(
+        f"one row of {args.tokens} tokens, Qwen2 hidden {args.hidden}, {args.layers} layers, 8/2 heads, "
+        f"vocabulary 8192, fp32, 2 ranks"
+    )
+    print(
+        "| activation checkpointing | sp | tokens per rank | peak rise per rank (MiB) | fwd+bwd (s) | "
+        "log-prob sum per rank |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {'on' if r['checkpointing'] else 'off'} | {r['sp']} | {r['tokens'] // r['sp']} | "
-              f"{' / '.join(f'{m:.0f}' for m in r['peak_rise_mib'])} | {r['seconds']:.1f} | "
-              f"{' / '.join(f'{s:.3f}' for s in r['logprob_sum'])} |")
+        print(
+            f"| {'on' if r['checkpointing'] else 'off'} | {r['sp']} | {r['tokens'] // r['sp']} | "
+            f"{' / '.join(f'{m:.0f}' for m in r['peak_rise_mib'])} | {r['seconds']:.1f} | "
+            f"{' / '.join(f'{s:.3f}' for s in r['logprob_sum'])} |"
+        )
     print(json.dumps(rows))
     return 0
 

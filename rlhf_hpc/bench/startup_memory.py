@@ -10,6 +10,7 @@ mappings are not counted N times), sampled every 20 ms over torchrun and its wor
 rank's own peak RSS (VmHWM). ``--before TREE``: the same run with another checkout of the project
 on ``PYTHONPATH`` (e.g. ``git worktree add ../before bd611fa``), measured in the same invocation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,15 +76,31 @@ def _tree(root: int) -> list[int]:
 
 
 def run(model: str, ranks: int, tree: Path) -> dict:
-    overrides = [f"actor_rollout_ref.model.path={model}", f"trainer.n_gpus_per_node={ranks}",
-                 "data.train_files=synthetic://copy", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                 "actor_rollout_ref.rollout.name=hf"]
+    overrides = [
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.n_gpus_per_node={ranks}",
+        "data.train_files=synthetic://copy",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.name=hf",
+    ]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-           f"--master-port={port}", "--no-python", sys.executable, "-c", WORKER, json.dumps(overrides)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--no-python",
+        sys.executable,
+        "-c",
+        WORKER,
+        json.dumps(overrides),
+    ]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tree)
     peak = [0]
@@ -92,6 +109,7 @@ def run(model: str, ranks: int, tree: Path) -> dict:
         while proc.poll() is None:
             peak[0] = max(peak[0], sum(_pss(p) for p in _tree(proc.pid)))
             time.sleep(0.02)
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     out, err = proc.communicate(timeout=1800)
@@ -104,7 +122,9 @@ def run(model: str, ranks: int, tree: Path) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.bench.startup_memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a Hugging Face model directory (e.g. python -m rlhf_hpc.models.real_model)")
+    ap.add_argument(
+        "--model", required=True, help="a Hugging Face model directory (e.g. python -m rlhf_hpc.models.real_model)"
+    )
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--before", type=Path, help="an earlier checkout, measured the same way")
     ap.add_argument("--json", type=Path)
@@ -118,9 +138,12 @@ def main(argv=None) -> int:
             r = run(args.model, n, tree)
             r["code"] = label
             rows.append(r)
-            gb = 2 ** 30
-            print(f"{label:>6} {n} ranks: node peak PSS {r['node_peak_pss'] / gb:.2f} GiB, per-rank peak RSS "
-                  f"{', '.join(f'{b / gb:.2f}' for b in r['rank_peak_rss'])} GiB ({r['seconds']:.0f} s)", flush=True)
+            gb = 2**30
+            print(
+                f"{label:>6} {n} ranks: node peak PSS {r['node_peak_pss'] / gb:.2f} GiB, per-rank peak RSS "
+                f"{', '.join(f'{b / gb:.2f}' for b in r['rank_peak_rss'])} GiB ({r['seconds']:.0f} s)",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

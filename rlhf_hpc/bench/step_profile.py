@@ -9,6 +9,7 @@ matrix products, attention, log-softmax/entropy over the vocabulary, the optimiz
 concatenation) and the rest (Python, hooks, small ops). Each event is counted once, in the
 outermost range that names a kind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,17 +24,67 @@ from rlhf_hpc.bench.ppo_step import REPO, run
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 KINDS = [  # (kind, name prefixes), first match wins
-    ("collectives", ("c10d::", "gloo:", "record_param_comms", "FSDP::all_gather", "FSDP::post_backward_reduce",
-                     "FSDP::all_reduce", "FSDP::reduce_scatter", "ReplicaGradients.")),
+    (
+        "collectives",
+        (
+            "c10d::",
+            "gloo:",
+            "record_param_comms",
+            "FSDP::all_gather",
+            "FSDP::post_backward_reduce",
+            "FSDP::all_reduce",
+            "FSDP::reduce_scatter",
+            "ReplicaGradients.",
+        ),
+    ),
     ("optimizer", ("Optimizer.step", "aten::_fused_adamw", "aten::_foreach_")),
     ("attention", ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "ScaledDotProduct")),
-    ("matmul", ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "MmBackward", "AddmmBackward",
-                "BmmBackward", "LinearBackward")),
-    ("vocabulary softmax", ("aten::log_softmax", "aten::_log_softmax", "aten::logsumexp", "LogSoftmaxBackward",
-                            "aten::softmax", "aten::_softmax")),
-    ("data movement", ("aten::copy_", "aten::cat", "aten::_chunk_cat", "aten::index", "aten::gather", "aten::scatter",
-                       "aten::masked_scatter", "aten::clone", "aten::contiguous", "aten::index_select", "aten::masked_select",
-                       "aten::_to_copy", "aten::repeat", "aten::stack", "aten::pad", "aten::constant_pad_nd")),
+    (
+        "matmul",
+        (
+            "aten::linear",
+            "aten::matmul",
+            "aten::mm",
+            "aten::addmm",
+            "aten::bmm",
+            "MmBackward",
+            "AddmmBackward",
+            "BmmBackward",
+            "LinearBackward",
+        ),
+    ),
+    (
+        "vocabulary softmax",
+        (
+            "aten::log_softmax",
+            "aten::_log_softmax",
+            "aten::logsumexp",
+            "LogSoftmaxBackward",
+            "aten::softmax",
+            "aten::_softmax",
+        ),
+    ),
+    (
+        "data movement",
+        (
+            "aten::copy_",
+            "aten::cat",
+            "aten::_chunk_cat",
+            "aten::index",
+            "aten::gather",
+            "aten::scatter",
+            "aten::masked_scatter",
+            "aten::clone",
+            "aten::contiguous",
+            "aten::index_select",
+            "aten::masked_select",
+            "aten::_to_copy",
+            "aten::repeat",
+            "aten::stack",
+            "aten::pad",
+            "aten::constant_pad_nd",
+        ),
+    ),
 ]
 
 
@@ -75,7 +126,9 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=3)
     ap.add_argument("--trace", type=Path, help="analyse this trace instead of running")
     ap.add_argument("--rank", type=int, default=0, help="the rank whose trace is analysed")
-    ap.add_argument("--repo", type=Path, default=REPO, help="profile this checkout (e.g. a worktree of an older commit)")
+    ap.add_argument(
+        "--repo", type=Path, default=REPO, help="profile this checkout (e.g. a worktree of an older commit)"
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.trace:
@@ -91,8 +144,11 @@ def main() -> None:
     print("| --- |" + " --- |" * (len(kinds) + 2))
     for phase, acc in table.items():
         other = acc["total"] - sum(acc.get(k, 0.0) for k in kinds)
-        print(f"| {phase} | {acc['total']:.2f} | " + " | ".join(f"{acc.get(k, 0.0):.2f}" for k in kinds)
-              + f" | {other:.2f} |")
+        print(
+            f"| {phase} | {acc['total']:.2f} | "
+            + " | ".join(f"{acc.get(k, 0.0):.2f}" for k in kinds)
+            + f" | {other:.2f} |"
+        )
     sys.stdout.flush()
 
 

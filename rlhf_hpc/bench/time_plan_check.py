@@ -10,6 +10,7 @@ its ``timing_s/<phase>``; the median over steps after the first two, and the err
   smollm2   recipe smollm2_add_klppo (SmolLM2-135M-Instruct, bf16; needs the model in
             ~/.cache/rlhf-hpc/models, ../shared/notes/real-models.md), fewer steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,13 @@ PHASES = ["update_weights", "gen", "old_log_prob", "ref", "values", "update_crit
 
 
 def run(args: list[str], steps: int, run_dir: Path) -> list[dict]:
-    cmd = [sys.executable, "launch.py", *args, f"trainer.total_training_steps={steps}",
-           f"trainer.default_local_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "launch.py",
+        *args,
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -49,8 +55,10 @@ def compare(rows: list[dict], skip: int = 2) -> dict[str, tuple[float, float]]:
     out = {}
     for phase in PHASES:
         if f"timing_s/{phase}" in rows[0] and f"plan/{phase}_s" in rows[0]:
-            out[phase] = (statistics.median(r[f"timing_s/{phase}"] for r in rows),
-                          statistics.median(r[f"plan/{phase}_s"] for r in rows))
+            out[phase] = (
+                statistics.median(r[f"timing_s/{phase}"] for r in rows),
+                statistics.median(r[f"plan/{phase}_s"] for r in rows),
+            )
     return out
 
 

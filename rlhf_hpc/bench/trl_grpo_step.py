@@ -17,6 +17,7 @@ TRL has no phase timers: its generation (``_generate``), its log-prob passes wit
 (``_get_per_token_logps_and_entropies``: the reference) and its scoring (``_calculate_rewards``) are
 timed by wrapping those methods on the trainer; training is the rest of the step.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,19 +45,43 @@ def main(workdir: Path) -> None:
     spec.loader.exec_module(scores)
 
     def addition_reward(completions, ground_truth, **_):
-        return [scores.addition_score(c[-1]["content"] if isinstance(c, list) else c, g)
-                for c, g in zip(completions, ground_truth)]
+        return [
+            scores.addition_score(c[-1]["content"] if isinstance(c, list) else c, g)
+            for c, g in zip(completions, ground_truth)
+        ]
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rows = w["train_batch_size"] * w["n"]
     args = GRPOConfig(
-        output_dir=str(workdir / "trl-out"), report_to=[], use_cpu=True, bf16=True, seed=0, dataloader_num_workers=0,
-        per_device_train_batch_size=rows // world, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_iterations=1, num_generations=w["n"], max_completion_length=w["response_length"],
-        shuffle_dataset=False, temperature=1.0, top_p=1.0, top_k=0, beta=w["kl_coef"], epsilon=0.2,
-        loss_type="dapo", scale_rewards="group", learning_rate=w["lr"], lr_scheduler_type="constant",
-        weight_decay=0.01, max_grad_norm=1.0, max_steps=w["steps"], save_strategy="no", logging_steps=1,
-        disable_dropout=True)
+        output_dir=str(workdir / "trl-out"),
+        report_to=[],
+        use_cpu=True,
+        bf16=True,
+        seed=0,
+        dataloader_num_workers=0,
+        per_device_train_batch_size=rows // world,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=w["n"],
+        max_completion_length=w["response_length"],
+        shuffle_dataset=False,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=w["kl_coef"],
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        learning_rate=w["lr"],
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        max_steps=w["steps"],
+        save_strategy="no",
+        logging_steps=1,
+        disable_dropout=True,
+    )
     data = Dataset.from_dict({"prompt": w["prompts"], "ground_truth": w["ground_truths"]})
     trainer = GRPOTrainer(model=w["model"], reward_funcs=addition_reward, args=args, train_dataset=data)
     if trainer.ref_model is not None:  # the project keeps its frozen reference in bf16
@@ -76,14 +101,17 @@ def main(workdir: Path) -> None:
                 return fn(*a, **kw)
             finally:
                 current[phase] += time.perf_counter() - t0
+
         setattr(trainer, name, wrapper)
+
     timed("_generate", "gen")
     timed("_get_per_token_logps_and_entropies", "log_probs", only_without_grad=True)
     timed("_calculate_rewards", "reward")
     # the dtype the policy's matrix products run in while it trains (bf16: accelerate's autocast)
     compute_dtypes: set[str] = set()
     trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda mod, inp, out: compute_dtypes.add(str(out.dtype)) if torch.is_grad_enabled() else None)
+        lambda mod, inp, out: compute_dtypes.add(str(out.dtype)) if torch.is_grad_enabled() else None
+    )
 
     steps: list[float] = []
     rewards: list[float] = []
@@ -109,9 +137,19 @@ def main(workdir: Path) -> None:
         step = statistics.median(steps[skip:])
         phases = {k: statistics.median(v[skip:]) for k, v in times.items()}
         training = statistics.median(s - sum(times[k][i] for k in times) for i, s in enumerate(steps) if i >= skip)
-        (workdir / "trl.json").write_text(json.dumps({
-            "step": step, **phases, "training": training, "steps": steps, "rewards": rewards,
-            "policy compute dtype": sorted(compute_dtypes)}, indent=1))
+        (workdir / "trl.json").write_text(
+            json.dumps(
+                {
+                    "step": step,
+                    **phases,
+                    "training": training,
+                    "steps": steps,
+                    "rewards": rewards,
+                    "policy compute dtype": sorted(compute_dtypes),
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

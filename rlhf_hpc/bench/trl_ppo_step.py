@@ -13,6 +13,7 @@ and reward-model passes: its training loop calls ``forward`` too, with gradients
 the rest of the step. The dtype the policy's matrix products run in while it trains is reported
 (bf16 under ``bf16=True``: accelerate's autocast). Only this script touches TRL's module.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,12 @@ from pathlib import Path
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
-TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0", "transformers==5.19.0", "requests"]  # (GRPOTrainer imports requests)
+TRL_REQUIREMENTS = [
+    "torch==2.13.0",
+    "trl==1.12.0",
+    "transformers==5.19.0",
+    "requests",
+]  # (GRPOTrainer imports requests)
 
 
 def setup(venv: Path) -> None:
@@ -36,11 +42,16 @@ def setup(venv: Path) -> None:
 
 def main(workdir: Path) -> None:
     import torch
-    from datasets import Dataset
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              Qwen2Config, TrainerCallback)
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
     import trl.experimental.ppo.ppo_trainer as ppo_module
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        Qwen2Config,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     w = json.loads((workdir / "workload.json").read_text())
     torch.manual_seed(0)
@@ -48,8 +59,9 @@ def main(workdir: Path) -> None:
     policy = AutoModelForCausalLM.from_config(config)
     ref = AutoModelForCausalLM.from_config(config)
     ref.load_state_dict(policy.state_dict())
-    value, reward = (AutoModelForSequenceClassification.from_config(Qwen2Config(**w["model"], num_labels=1))
-                     for _ in range(2))
+    value, reward = (
+        AutoModelForSequenceClassification.from_config(Qwen2Config(**w["model"], num_labels=1)) for _ in range(2)
+    )
     tokenizer = AutoTokenizer.from_pretrained(workdir / "tokenizer")
     for m in (policy, ref, value, reward):
         m.config.pad_token_id = tokenizer.pad_token_id
@@ -67,14 +79,17 @@ def main(workdir: Path) -> None:
                 return fn(*args, **kwargs)
             finally:
                 current[phase] += time.perf_counter() - t0
+
         return wrapper
+
     ppo_module.batch_generation = timed(ppo_module.batch_generation, "gen")
     ppo_module.forward = timed(ppo_module.forward, "forward")
     ppo_module.get_reward = timed(ppo_module.get_reward, "forward")
     # the dtype the policy's matrix products run in while it trains (bf16 under TRL's bf16=True)
     compute_dtypes: set[str] = set()
     policy.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda mod, inp, out: compute_dtypes.add(str(out.dtype)) if torch.is_grad_enabled() else None)
+        lambda mod, inp, out: compute_dtypes.add(str(out.dtype)) if torch.is_grad_enabled() else None
+    )
 
     steps: list[float] = []
 
@@ -94,25 +109,59 @@ def main(workdir: Path) -> None:
     # TRL: a rank's rollout batch is per_device_train_batch_size x gradient_accumulation_steps, split
     # into num_mini_batches, each an optimizer step; with accumulation 1 a mini-batch is one pass
     args = PPOConfig(
-        output_dir=str(workdir / "trl-out"), report_to=[], use_cpu=True, bf16=w.get("bf16", False), fp16=False,
-        per_device_train_batch_size=w["train_batch_size"] // world, gradient_accumulation_steps=1,
-        num_mini_batches=w["train_batch_size"] // w["mini_batch_size"], num_ppo_epochs=1,
-        total_episodes=w["train_batch_size"] * w["steps"], local_rollout_forward_batch_size=w["train_batch_size"] // world,
-        response_length=w["response_length"], stop_token=None, temperature=1.0, learning_rate=1e-6,
-        num_sample_generations=0, save_strategy="no", logging_steps=1000, seed=0, dataloader_num_workers=0)
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=prompts, callbacks=[StepTimes()])
+        output_dir=str(workdir / "trl-out"),
+        report_to=[],
+        use_cpu=True,
+        bf16=w.get("bf16", False),
+        fp16=False,
+        per_device_train_batch_size=w["train_batch_size"] // world,
+        gradient_accumulation_steps=1,
+        num_mini_batches=w["train_batch_size"] // w["mini_batch_size"],
+        num_ppo_epochs=1,
+        total_episodes=w["train_batch_size"] * w["steps"],
+        local_rollout_forward_batch_size=w["train_batch_size"] // world,
+        response_length=w["response_length"],
+        stop_token=None,
+        temperature=1.0,
+        learning_rate=1e-6,
+        num_sample_generations=0,
+        save_strategy="no",
+        logging_steps=1000,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=prompts,
+        callbacks=[StepTimes()],
+    )
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         skip = 2
         gen = statistics.median(times["gen"][skip:])
         fwd = statistics.median(times["forward"][skip:])
         step = statistics.median(steps[skip:])
-        training = statistics.median(s - g - f for s, g, f in zip(steps[skip:], times["gen"][skip:], times["forward"][skip:]))
-        (workdir / "trl.json").write_text(json.dumps({
-            "step": step, "generation (incl. weight sync)": gen, "forward passes before the update": fwd,
-            "training (critic + actor update)": training, "steps": len(steps),
-            "policy compute dtype": sorted(compute_dtypes)}, indent=1))
+        training = statistics.median(
+            s - g - f for s, g, f in zip(steps[skip:], times["gen"][skip:], times["forward"][skip:])
+        )
+        (workdir / "trl.json").write_text(
+            json.dumps(
+                {
+                    "step": step,
+                    "generation (incl. weight sync)": gen,
+                    "forward passes before the update": fwd,
+                    "training (critic + actor update)": training,
+                    "steps": len(steps),
+                    "policy compute dtype": sorted(compute_dtypes),
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

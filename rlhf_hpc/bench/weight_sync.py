@@ -12,6 +12,7 @@ consumer is the hf engine's in-place copy (its own weights allocated before meas
   bucketed S MiB    rlhf_hpc.rollout.weight_sync.stream_full_params (async all-gathers of the next bucket
                     in flight while this one is copied)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,24 @@ from rlhf_hpc.rollout.weight_sync import stream_full_params
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
-MODEL = ("tiny://qwen2?vocab_size=50000&hidden_size=768&intermediate_size=2048&num_hidden_layers=12"
-         "&num_attention_heads=12&num_key_value_heads=2&max_position_embeddings=2048")
+MODEL = (
+    "tiny://qwen2?vocab_size=50000&hidden_size=768&intermediate_size=2048&num_hidden_layers=12"
+    "&num_attention_heads=12&num_key_value_heads=2&max_position_embeddings=2048"
+)
 
 
 def relaunch(args) -> None:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "rlhf_hpc.bench.weight_sync", "--worker"] + (["--skip-generate"] if args.skip_generate else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "rlhf_hpc.bench.weight_sync",
+        "--worker",
+    ] + (["--skip-generate"] if args.skip_generate else [])
     sys.exit(subprocess.call(cmd, env=env))
 
 
@@ -52,18 +63,28 @@ def worker(skip_generate: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cpu = torch.device("cpu")
     model = build_causal_lm(MODEL, torch.float32, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters()) * 4
-    parallelize(model, build_train_mesh(cpu, world, -1),
-                FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32")), cpu)
-    cfg, _ = load_config("tiny_klppo", ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=float32",
-                                        f"trainer.n_gpus_per_node={world}", "data.max_prompt_length=64",
-                                        "data.max_response_length=64"])
+    parallelize(
+        model,
+        build_train_mesh(cpu, world, -1),
+        FSDPConfig(fsdp_size=-1, mixed_precision=MixedPrecisionConfig(param_dtype="float32")),
+        cpu,
+    )
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.dtype=float32",
+            f"trainer.n_gpus_per_node={world}",
+            "data.max_prompt_length=64",
+            "data.max_response_length=64",
+        ],
+    )
     hf = make_engine(cfg, MODEL, cpu)
 
     def full_state_dict():
@@ -74,9 +95,12 @@ def worker(skip_generate: bool) -> None:
         for name, p in model.named_parameters():
             yield name, p.full_tensor()
 
-    methods = {"full state dict": full_state_dict, "per-parameter full_tensor": per_parameter,
-               "bucketed 16 MiB": lambda: stream_full_params(model, torch.float32, 16),
-               "bucketed 256 MiB": lambda: stream_full_params(model, torch.float32, 256)}
+    methods = {
+        "full state dict": full_state_dict,
+        "per-parameter full_tensor": per_parameter,
+        "bucketed 16 MiB": lambda: stream_full_params(model, torch.float32, 16),
+        "bucketed 256 MiB": lambda: stream_full_params(model, torch.float32, 256),
+    }
     rows = []
     for name, make in methods.items():
         times, rises = [], []
@@ -100,6 +124,7 @@ def worker(skip_generate: bool) -> None:
         sampling = Sampling(n=1, temperature=1.0, max_tokens=64, ignore_eos=True)
         engines = [("hf", hf)]
         import importlib.util
+
         if importlib.util.find_spec("vllm") is not None:
             cfg.actor_rollout_ref.rollout.name = "vllm"
             engines.append(("vllm", make_engine(cfg, MODEL, cpu)))
@@ -113,11 +138,15 @@ def worker(skip_generate: bool) -> None:
             dt = time.perf_counter() - t0
             tokens = torch.tensor([float(sum(len(r.token_ids) for grp in outs for r in grp))])
             dist.all_reduce(tokens)
-            gen.append({"engine": ename, "tokens": int(tokens.item()), "time_s": dt, "tokens_per_s": tokens.item() / dt})
+            gen.append(
+                {"engine": ename, "tokens": int(tokens.item()), "time_s": dt, "tokens_per_s": tokens.item() / dt}
+            )
         closers = [e for _, e in engines]
     if rank == 0:
-        print(f"{n_params / 1e6:.1f}M params, largest tensor {largest / 2**20:.0f} MiB (fp32), model "
-              f"{n_params * 4 / 2**20:.0f} MiB (fp32), {world} ranks (gloo, CPU)")
+        print(
+            f"{n_params / 1e6:.1f}M params, largest tensor {largest / 2**20:.0f} MiB (fp32), model "
+            f"{n_params * 4 / 2**20:.0f} MiB (fp32), {world} ranks (gloo, CPU)"
+        )
         print("| method | sync time (s) | peak RSS rise, max over ranks (MiB) |")
         print("| --- | --- | --- |")
         for r in rows:

@@ -6,6 +6,7 @@ Each entry says what the other layers need to know of an engine without importin
 implementing ``rlhf_hpc.rollout.base.RolloutEngine`` and one ``register_engine`` line here
 (docs/extending.md). ``auto`` is not an engine: the first installed engine of ``AUTO_ORDER``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class EngineSpec:
     ``lora``: serves LoRA adapters (``adapter_max_rank``: the largest rank it serves, None: any).
     ``bounded_context``: refuses a context longer than the model's positions (vLLM's max_model_len
     check at its start; transformers runs them)."""
+
     name: str
     entry: str
     package: Optional[str]
@@ -53,7 +55,15 @@ def planned_engine(name: str) -> EngineSpec:
     return ENGINES[AUTO_ORDER[0] if name == AUTO else name]
 
 
-register_engine(EngineSpec("vllm", "rlhf_hpc.rollout.vllm_engine:VLLMEngine", package="vllm", paged=True,
-                           adapter_max_rank=512, bounded_context=True))  # rlhf_hpc.models.lora.VLLM_LORA_RANKS
+register_engine(
+    EngineSpec(
+        "vllm",
+        "rlhf_hpc.rollout.vllm_engine:VLLMEngine",
+        package="vllm",
+        paged=True,
+        adapter_max_rank=512,
+        bounded_context=True,
+    )
+)  # rlhf_hpc.models.lora.VLLM_LORA_RANKS
 register_engine(EngineSpec("hf", "rlhf_hpc.rollout.hf_engine:HFEngine", package=None, paged=False))
 AUTO_ORDER = ("vllm", "hf")  # auto: the first whose package is installed (and can serve the device)

@@ -1,4 +1,5 @@
 """The error every configuration problem raises: one message per problem, each naming its key."""
+
 from __future__ import annotations
 
 import difflib

@@ -2,6 +2,7 @@
 machine), profiled (``global_profiler``), what its hardware can do (``hardware``) and what the time
 plan assumes of the data (``plan``). Sections of ``rlhf_hpc.config.schema.Config``, kept apart from
 the algorithm's (verl's) sections."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class LauncherConfig:
 class GlobalProfilerConfig:
     """verl's ``global_profiler`` (tool torch): torch.profiler traces of chosen steps
     (on the command line ``trainer.profile_steps=[3,4]`` is a shorthand for ``global_profiler.steps``)."""
+
     tool: str = "torch"  # verl's key; only torch here (Nsight Systems: launcher.nsys=true)
     steps: Optional[list[int]] = None  # global steps to trace, e.g. [3, 4]; null: none
     ranks: Optional[list[int]] = None  # ranks that trace them; null: every rank
@@ -62,6 +64,7 @@ class HardwareConfig:
     """What a node's hardware can do, for the time plan (rlhf_hpc/planning/hardware.py); a cluster
     profile may set it (``hardware: h100_sxm``). Figures are per GPU and one direction, except
     ``inter_node_gb_s`` (the whole node's network) and ``disk_gb_s`` (per node)."""
+
     # a name in rlhf_hpc.planning.hardware.PRESETS (h100_sxm, h100_pcie, h100_nvl, h200, a100_80gb_sxm, a100_40gb_*,
     # a100_80gb_pcie, l40s, l40, a40, rtx_a6000, v100, mi300x, mi250), or cpu (this machine's calibration);
     # null: the GPU the run sees (h100_sxm at a dry run) for GPU runs, cpu otherwise
@@ -88,6 +91,7 @@ class PlanConfig:
     an upper bound. A run's own steps are planned with their measured lengths (``plan/<phase>_s``).
     A mean that is set is > 0 and at most its maximum (0 is not "unset": null is; refused at
     validation, rlhf_hpc/recipe/input_checks.py)."""
+
     prompt_length: Optional[int] = None  # in (0, data.max_prompt_length]; null: data.max_prompt_length
     response_length: Optional[int] = None  # in (0, data.max_response_length]; null: data.max_response_length
     # multi-turn runs only (actor_rollout_ref.rollout.multi_turn.enable): the mean assistant turns of

@@ -1,6 +1,7 @@
 """verl's ``actor_rollout_ref.rollout.multi_turn`` keys (its names and defaults): the agent loop
 (rlhf_hpc/rollout/agent_loop.py) generates turn by turn, runs the tools the model calls between
 turns and trains on the model's tokens only. A section of ``rlhf_hpc.config.schema.RolloutConfig``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,6 +2,7 @@
 class of verl (or of verl's recipes) that has an equivalent here, a name of the extension point's
 registry, or the dotted path of the user's own subclass of the documented base class. Anything
 else is refused with what is built in and how to write one's own."""
+
 from __future__ import annotations
 
 import importlib
@@ -22,6 +23,7 @@ VERL_PACKAGES = ("verl.", "recipe.")  # verl's library and its recipes: they imp
 class BuiltinClass(Protocol):
     """A registry entry: ``entry`` the class (``module:Class``, imported when resolved), ``verl_class``
     verl's class it stands for (None: this project's own)."""
+
     name: str
     entry: str
     verl_class: Optional[str]
@@ -48,8 +50,9 @@ def read_entry_list(path: str, key: str, section: str, shape: str) -> list:
     return items
 
 
-def resolve_class(class_name: str, registry: Registry, base: type, method: str, where: str
-                  ) -> tuple[Optional[BuiltinClass], type]:
+def resolve_class(
+    class_name: str, registry: Registry, base: type, method: str, where: str
+) -> tuple[Optional[BuiltinClass], type]:
     """(the built-in entry, None for the user's own class; the class). ``base`` is the interface a
     user's class subclasses and ``method`` the one it implements (synchronous: called in threads)."""
     spec = next((s for s in registry.values() if s.verl_class == class_name), None) or registry.get(class_name)
@@ -58,14 +61,19 @@ def resolve_class(class_name: str, registry: Registry, base: type, method: str, 
     builtin = ", ".join(f"{s.name} (verl's {s.verl_class})" if s.verl_class else s.name for s in registry.values())
     interface = f"{base.__module__}.{base.__name__}"
     if class_name.startswith(VERL_PACKAGES):
-        raise ConfigError(f"{where}: class_name {class_name}: verl's class has no equivalent here; built in: "
-                          f"{builtin}, or name your own class implementing {interface}")
+        raise ConfigError(
+            f"{where}: class_name {class_name}: verl's class has no equivalent here; built in: "
+            f"{builtin}, or name your own class implementing {interface}"
+        )
     try:
         cls = import_entry(class_name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"{where}: class_name {class_name} does not import ({type(e).__name__}: {e}); built in: "
-                          f"{builtin}") from None
+        raise ConfigError(
+            f"{where}: class_name {class_name} does not import ({type(e).__name__}: {e}); built in: {builtin}"
+        ) from None
     if not (inspect.isclass(cls) and issubclass(cls, base)) or inspect.iscoroutinefunction(getattr(cls, method)):
-        raise ConfigError(f"{where}: class_name {class_name} is not a {registry.kind} here: subclass {interface} and "
-                          f"implement {method}(...) (a plain method, not async)")
+        raise ConfigError(
+            f"{where}: class_name {class_name} is not a {registry.kind} here: subclass {interface} and "
+            f"implement {method}(...) (a plain method, not async)"
+        )
     return None, cls

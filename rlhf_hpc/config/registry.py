@@ -2,6 +2,7 @@
 functions, hardware): a name -> entry table whose lookup of an unknown name raises a ConfigError
 that names the config key and every registered name (no catch-all ``else``). Entries are added
 where they are implemented, by ``register`` or a decorator; docs/extending.md lists the points."""
+
 from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar
@@ -30,14 +31,17 @@ class Registry(dict, Generic[T]):
 
     def decorator(self, name: str, wrap: Callable[[Callable], T] = lambda fn: fn) -> Callable[[Callable], Callable]:
         """``@registry.decorator(name)`` registers ``wrap(fn)`` under ``name`` and returns ``fn``."""
+
         def add(fn: Callable) -> Callable:
             self.register(name, wrap(fn))
             return fn
+
         return add
 
     def __missing__(self, name: str):
-        raise ConfigError(f"{self.key}: unknown {self.kind} {name!r}{did_you_mean(str(name), self)}; "
-                          f"registered: {', '.join(self)}")
+        raise ConfigError(
+            f"{self.key}: unknown {self.kind} {name!r}{did_you_mean(str(name), self)}; registered: {', '.join(self)}"
+        )
 
 
 REGISTRIES: list[Registry] = []  # every registry, for the test that each refuses an unknown name

@@ -1,6 +1,7 @@
 """The keys of running untrusted code: ``sandbox`` (this project's own sandbox on the node,
 rlhf_hpc/tools/sandbox.py) and verl's ``reward_model.sandbox_fusion`` (the user's own SandboxFusion
 service, called instead when its ``url`` is set). Sections of ``rlhf_hpc.config.schema.Config``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ class SandboxConfig:
     """Where and under which limits a program runs (the code reward's test cases, the code tool).
     Every limit is per run of one program, all its processes together; the wall-clock limit kills
     its whole process tree."""
+
     # a name in rlhf_hpc.tools.backends.SANDBOX_BACKENDS (bwrap, apptainer, rlimit), or auto: bwrap
     # where it can create namespaces here, else apptainer (with apptainer_image); never rlimit,
     # which has no namespaces (it sees the files and the network the user sees) and is used only
@@ -51,6 +53,7 @@ class SandboxFusionConfig:
     """verl's ``reward_model.sandbox_fusion`` (verl 0.9: ``reward.sandbox_fusion``; its keys and
     defaults): with ``url`` set (its run_code endpoint, e.g. ``http://host:8080/run_code``), code is
     run by the user's own SandboxFusion service instead of the sandbox on the node."""
+
     url: Optional[str] = None
     max_concurrent: int = 64  # requests in flight at once from one process
     memory_limit_mb: int = 1024

@@ -7,6 +7,7 @@ feature is the same, so a verl recipe reads the same here. Deliberate difference
 A recipe (YAML in ``recipes/``) only fills these dataclasses in; see ``rlhf_hpc.recipe`` for
 loading, inheritance, ``key=value`` overrides and validation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,17 +17,35 @@ from rlhf_hpc.config.job_schema import GlobalProfilerConfig, HardwareConfig, Lau
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "CriticModelConfig", "CustomClsConfig",
-           "CustomRewardFunctionConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig", "GuardConfig", "KLControlConfig", "MixedPrecisionConfig",
-           "ModelConfig", "OptimConfig", "OverlongBufferConfig", "RewardModelConfig", "RolloutCorrectionConfig"]
+__all__ = [
+    "ATTN_IMPLEMENTATIONS",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "Config",
+    "CriticConfig",
+    "CriticModelConfig",
+    "CustomClsConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "FSDPConfig",
+    "FilterGroupsConfig",
+    "GuardConfig",
+    "KLControlConfig",
+    "MixedPrecisionConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
+    "RewardModelConfig",
+    "RolloutCorrectionConfig",
+]
 
 # values of override_config.attn_implementation (verl's key); varlen: rlhf_hpc/models/attention.py
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
 
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
-LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"]
+KLKind = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"
+]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 
@@ -136,6 +155,7 @@ class ModelConfig:
 class PolicyLossConfig:
     """verl's ``actor_rollout_ref.actor.policy_loss`` (its keys and defaults). A key only one loss
     reads is refused when set while another loss is selected (rlhf_hpc/recipe/checks.py)."""
+
     loss_mode: str = "vanilla"  # a name in rlhf_hpc.ops.policy_losses.POLICY_LOSSES
     clip_cov_ratio: float = 0.0002  # clip_cov: share of the valid tokens whose gradient it may drop
     clip_cov_lb: float = 1.0  # clip_cov: lower bound of the covariance of a token it may drop
@@ -152,6 +172,7 @@ class CheckpointConfig:
     rank's RNG state; ``hf_model``: a Hugging Face model directory, ``<model>/huggingface``, in its
     compute dtype) and what a resume loads (null: what is saved, as verl's ``${.save_contents}``).
     The trainer's own position (step, data, KL controller) is always saved (rlhf_hpc/ppo/checkpoint.py)."""
+
     save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
     load_contents: Optional[list[str]] = None
 
@@ -303,6 +324,7 @@ class RewardModelSubConfig:
 class OverlongBufferConfig:
     """DAPO's overlong reward shaping (``reward_manager: dapo``): a response longer than
     data.max_response_length - len gets a penalty growing linearly to -penalty_factor (verl's keys)."""
+
     enable: bool = False
     len: int = 0
     penalty_factor: float = 1.0
@@ -314,6 +336,7 @@ class RewardModelConfig:
     """A reward model on the training mesh, inference only (rlhf_hpc/rewards/reward_model.py).
     Its score replaces the rule/custom score of a response in training (verl's naive reward
     manager); validation still scores with the rule/custom function."""
+
     enable: bool = False
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
     model: RewardModelSubConfig = field(default_factory=RewardModelSubConfig)
@@ -360,6 +383,7 @@ class RolloutCorrectionConfig:
     (old_log_probs) and the actor's old-log-prob forward is skipped (verl's 2-policy mode); the
     correction then compares the current policy with the engine's per micro-batch, and
     ``loss_type: reinforce`` trains -A log pi w instead of the clipped ratio. verl's defaults."""
+
     rollout_is: Optional[Literal["token", "sequence"]] = None
     rollout_is_threshold: Union[float, str] = 2.0
     rollout_is_batch_normalize: bool = False
@@ -374,6 +398,7 @@ class FilterGroupsConfig:
     """DAPO's dynamic sampling (verl's keys): the groups whose ``metric`` has zero variance over
     their responses are dropped, and generation repeats (data.gen_batch_size prompts at a time)
     until data.train_batch_size prompts remain; max_num_gen_batches <= 0: no limit."""
+
     enable: bool = False
     metric: Optional[Literal["acc", "score", "seq_reward", "seq_final_reward"]] = None
     max_num_gen_batches: int = 0
@@ -382,6 +407,7 @@ class FilterGroupsConfig:
 @dataclass
 class PfPpoConfig:
     """verl's ``algorithm.pf_ppo``: how a response's score weighs its draws."""
+
     reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
     weight_pow: float = 2.0  # pow: |score| ^ weight_pow
 
@@ -410,6 +436,7 @@ class AlgorithmConfig:
 @dataclass
 class GuardConfig:
     """Divergence checks after every step; a trip rolls back to the last good checkpoint."""
+
     enable: bool = True
     max_kl: Optional[float] = None  # KL(actor || reference) per token above which the step is rejected
     kl_rise_threshold: Optional[float] = None  # ... or above this for kl_rise_steps steps in a row
@@ -488,8 +515,7 @@ class Config:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    custom_reward_function: CustomRewardFunctionConfig = field(
-        default_factory=CustomRewardFunctionConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -8,6 +8,7 @@ log_step)``: validation generations) in observability/tracking.py and one
 ``register_tracker`` line here (docs/extending.md). ``metrics.jsonl`` in the run directory is
 always written and is no entry.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = ["TRACKERS", "TrackerSpec", "register_tracker"]
 class TrackerSpec:
     """``entry``: ``"module:Class"``; ``package``: its feature in ``recipe.packages.PACKAGES`` (None:
     none needed)."""
+
     name: str
     entry: str
     package: Optional[str]

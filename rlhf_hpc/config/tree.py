@@ -1,5 +1,6 @@
 """The configuration as a YAML tree: parse and dump (YAML 1.2 numbers), deep merge, flatten to
 dotted keys, the dotted get, a Config back to a tree."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,14 +22,18 @@ class _Loader(yaml.SafeLoader):
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0o[0-7]+|0x[0-9a-fA-F]+)$"),
-    list("-+0123456789"))
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+.0123456789"))
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
 
 
 def parse_yaml(text: str) -> Any:

@@ -2,6 +2,7 @@
 ``.name``, ``data.custom_cls.path`` / ``.name``) and that has an equivalent here. Those files import
 verl, which is not here, so they are never read: the equivalent (``entry``, ``module:name``,
 imported where it runs) takes their place, and the dry run says so in one line."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,10 +21,18 @@ class VerlRecipeCode:
 
 
 VERL_RECIPE_CODE = (
-    VerlRecipeCode("retool/retool.py", "compute_score", "rlhf_hpc.rewards.retool:compute_score",
-                   "ReTool's reward (\\boxed{} strict, -1 wrong, less negative the more turns)"),
-    VerlRecipeCode("retool/retool.py", "CustomRLHFDataset", "rlhf_hpc.data.retool:retool_rows",
-                   "ReTool's dataset (DAPO-Math-17k and AIME directories, its answer format appended)"),
+    VerlRecipeCode(
+        "retool/retool.py",
+        "compute_score",
+        "rlhf_hpc.rewards.retool:compute_score",
+        "ReTool's reward (\\boxed{} strict, -1 wrong, less negative the more turns)",
+    ),
+    VerlRecipeCode(
+        "retool/retool.py",
+        "CustomRLHFDataset",
+        "rlhf_hpc.data.retool:retool_rows",
+        "ReTool's dataset (DAPO-Math-17k and AIME directories, its answer format appended)",
+    ),
 )
 
 
@@ -35,6 +44,6 @@ def verl_recipe_code(path: Optional[str], name: Optional[str]) -> Optional[VerlR
     given = PurePosixPath(str(path).replace("\\", "/"))
     for code in VERL_RECIPE_CODE:
         parts = PurePosixPath(code.file).parts
-        if code.name == name and given.parts[-len(parts):] == parts:
+        if code.name == name and given.parts[-len(parts) :] == parts:
             return code
     return None

@@ -5,6 +5,7 @@ A row: ``data_source`` (str), ``prompt`` (a list of chat messages ``{role, conte
 optional). Prompts go through the tokenizer's chat template with the generation prompt appended.
 Every problem is found before training starts and named by file, row index and column.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,8 +19,15 @@ from rlhf_hpc.config.schema import CustomClsConfig, DataConfig
 from rlhf_hpc.config.verl_recipes import verl_recipe_code
 from rlhf_hpc.data.synthetic import synthetic_rows
 
-__all__ = ["DataError", "Example", "StatefulSampler", "chat_token_ids", "check_data_files", "load_examples",
-           "read_rows"]
+__all__ = [
+    "DataError",
+    "Example",
+    "StatefulSampler",
+    "chat_token_ids",
+    "check_data_files",
+    "load_examples",
+    "read_rows",
+]
 
 
 class DataError(ValueError):
@@ -49,6 +57,7 @@ def read_rows(path: str, split_seed: int = 0, custom_cls: Optional[CustomClsConf
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: not readable as {recipe_code.what} ({type(e).__name__}: {e})") from None
     import pyarrow.parquet as pq
+
     p = Path(path).expanduser()
     if p.is_dir():
         raise DataError(f"{path}: a directory, not a parquet file: name the file in it (e.g. {path}/train.parquet)")
@@ -63,16 +72,24 @@ def read_rows(path: str, split_seed: int = 0, custom_cls: Optional[CustomClsConf
 def _check_row(row: dict, where: str, prompt_key: str) -> None:
     def bad(column: str, what: str) -> DataError:
         return DataError(f"{where}, column '{column}': {what}")
+
     for col in ("data_source", prompt_key, "reward_model"):
         if col not in row or row[col] is None:
             raise bad(col, "missing")
     if not isinstance(row["data_source"], str):
         raise bad("data_source", f"expected a string, got {type(row['data_source']).__name__}")
     msgs = row[prompt_key]
-    if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-        raise bad(prompt_key, "expected a non-empty list of chat messages {role: str, content: str}, got "
-                              f"{str(msgs)[:80]!r}")
+    if (
+        not isinstance(msgs, list)
+        or not msgs
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        )
+    ):
+        raise bad(
+            prompt_key,
+            f"expected a non-empty list of chat messages {{role: str, content: str}}, got {str(msgs)[:80]!r}",
+        )
     rm = row["reward_model"]
     if not isinstance(rm, dict) or rm.get("ground_truth") is None:
         raise bad("reward_model", f"expected a mapping with a non-null 'ground_truth', got {str(rm)[:80]!r}")
@@ -92,8 +109,11 @@ def check_data_files(data: DataConfig, interactions: Optional[list[str]] = None)
     for key in ("train_files", "val_files"):
         value = getattr(data, key)
         for path in [value] if isinstance(value, str) else list(value or []):
-            if path.startswith("synthetic://") or not Path(path).expanduser().exists() or \
-                    (Path(path).expanduser().is_dir() and not data.custom_cls.path):
+            if (
+                path.startswith("synthetic://")
+                or not Path(path).expanduser().exists()
+                or (Path(path).expanduser().is_dir() and not data.custom_cls.path)
+            ):
                 continue  # built in code / reported by the config check
             for i, row in enumerate(read_rows(path, custom_cls=data.custom_cls)):
                 _check_row(row, f"{path}, row {i}", data.prompt_key)
@@ -107,13 +127,16 @@ def check_data_files(data: DataConfig, interactions: Optional[list[str]] = None)
 def _check_interaction(row: dict, where: str, interactions: list[str]) -> None:
     name = ((row.get("extra_info") or {}).get("interaction_kwargs") or {}).get("name")
     if name not in interactions:
-        raise DataError(f"{where}, column 'extra_info': interaction_kwargs.name={name!r} is not an interaction of "
-                        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path ({', '.join(interactions)}); "
-                        f"each row names the interaction that answers it (verl's format)")
+        raise DataError(
+            f"{where}, column 'extra_info': interaction_kwargs.name={name!r} is not an interaction of "
+            f"actor_rollout_ref.rollout.multi_turn.interaction_config_path ({', '.join(interactions)}); "
+            f"each row names the interaction that answers it (verl's format)"
+        )
 
 
-def chat_token_ids(tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None,
-                   tools: Optional[list[dict]] = None) -> list[int]:
+def chat_token_ids(
+    tokenizer, messages: list[dict], template_kwargs: Optional[dict] = None, tools: Optional[list[dict]] = None
+) -> list[int]:
     """Token ids of the chat-formatted prompt, generation prompt appended; ``template_kwargs``
     (``data.apply_chat_template_kwargs``) go to the template, e.g. ``enable_thinking``; ``tools``
     (a multi-turn run's tool schemas) too, as the template shows them to the model."""
@@ -124,8 +147,9 @@ def chat_token_ids(tokenizer, messages: list[dict], template_kwargs: Optional[di
     return list(ids)
 
 
-def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_seed: int = 0,
-                  tools: Optional[list[dict]] = None) -> list[Example]:
+def load_examples(
+    files: str | list[str], tokenizer, data: DataConfig, split_seed: int = 0, tools: Optional[list[dict]] = None
+) -> list[Example]:
     """Read, check and tokenise every row (``tools``: the schemas a multi-turn run shows the
     model); apply ``max_prompt_length`` with ``truncation`` (error | left | right) and
     ``filter_overlong_prompts``."""
@@ -143,21 +167,31 @@ def load_examples(files: str | list[str], tokenizer, data: DataConfig, split_see
                 if data.filter_overlong_prompts:
                     continue
                 if data.truncation == "error":
-                    raise DataError(f"{where}, column '{data.prompt_key}': the prompt is {len(ids)} tokens, more than "
-                                    f"data.max_prompt_length={data.max_prompt_length} (set data.truncation=left|right "
-                                    f"or data.filter_overlong_prompts=true)")
-                ids = ids[-data.max_prompt_length:] if data.truncation == "left" else ids[:data.max_prompt_length]
-            out.append(Example(prompt_ids=ids, data_source=row["data_source"],
-                               ground_truth=row["reward_model"]["ground_truth"],
-                               extra_info=dict(row.get("extra_info") or {}), index=len(out),
-                               messages=list(row[data.prompt_key]),
-                               reward_style=str(row["reward_model"].get("style") or "rule")))
+                    raise DataError(
+                        f"{where}, column '{data.prompt_key}': the prompt is {len(ids)} tokens, more than "
+                        f"data.max_prompt_length={data.max_prompt_length} (set data.truncation=left|right "
+                        f"or data.filter_overlong_prompts=true)"
+                    )
+                ids = ids[-data.max_prompt_length :] if data.truncation == "left" else ids[: data.max_prompt_length]
+            out.append(
+                Example(
+                    prompt_ids=ids,
+                    data_source=row["data_source"],
+                    ground_truth=row["reward_model"]["ground_truth"],
+                    extra_info=dict(row.get("extra_info") or {}),
+                    index=len(out),
+                    messages=list(row[data.prompt_key]),
+                    reward_style=str(row["reward_model"].get("style") or "rule"),
+                )
+            )
     if not read:
         raise DataError(f"{', '.join(files)}: no rows (an empty data file)")
     if not out:  # only data.filter_overlong_prompts drops rows
-        raise DataError(f"{', '.join(files)}: all {read} rows filtered out as longer than data.max_prompt_length="
-                        f"{data.max_prompt_length} tokens (data.filter_overlong_prompts=true): raise "
-                        f"data.max_prompt_length, or set data.truncation=left|right with filter_overlong_prompts=false")
+        raise DataError(
+            f"{', '.join(files)}: all {read} rows filtered out as longer than data.max_prompt_length="
+            f"{data.max_prompt_length} tokens (data.filter_overlong_prompts=true): raise "
+            f"data.max_prompt_length, or set data.truncation=left|right with filter_overlong_prompts=false"
+        )
     return out
 
 
@@ -168,8 +202,10 @@ class StatefulSampler:
 
     def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True):
         if batch_size > n:
-            raise DataError(f"data.train_batch_size={batch_size} is larger than the dataset ({n} prompts, counted "
-                            f"after the data.max_prompt_length filter): lower data.train_batch_size or add rows")
+            raise DataError(
+                f"data.train_batch_size={batch_size} is larger than the dataset ({n} prompts, counted "
+                f"after the data.max_prompt_length filter): lower data.train_batch_size or add rows"
+            )
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
         self.epoch, self.pos = 0, 0
 
@@ -185,7 +221,7 @@ class StatefulSampler:
     def next_batch(self) -> list[int]:
         if self.pos + self.batch_size > self.n:
             self.epoch, self.pos = self.epoch + 1, 0
-        idx = self._order()[self.pos:self.pos + self.batch_size].tolist()
+        idx = self._order()[self.pos : self.pos + self.batch_size].tolist()
         self.pos += self.batch_size
         return idx
 
@@ -197,7 +233,7 @@ class StatefulSampler:
             raise DataError(f"data.gen_batch_size={size} is larger than the dataset ({self.n} prompts)")
         if self.pos + size > self.n:
             self.epoch, self.pos = self.epoch + 1, 0
-        idx = self._order()[self.pos:self.pos + size].tolist()
+        idx = self._order()[self.pos : self.pos + size].tolist()
         self.pos += size
         return idx
 
@@ -206,6 +242,8 @@ class StatefulSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if state["n"] != self.n:
-            raise DataError(f"the checkpoint's sampler saw {state['n']} prompts, this dataset has {self.n}: "
-                            f"resuming on different training data would not continue the same run")
+            raise DataError(
+                f"the checkpoint's sampler saw {state['n']} prompts, this dataset has {self.n}: "
+                f"resuming on different training data would not continue the same run"
+            )
         self.epoch, self.pos = state["epoch"], state["pos"]

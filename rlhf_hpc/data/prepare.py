@@ -7,18 +7,20 @@
 
 ``gsm8k_multiturn`` writes the rows of verl's ``gsm8k_multiturn_w_tool.py``: a system prompt asking
 for the ``calc_gsm8k_reward`` tool, and each row's ground truth as that tool's ``create_kwargs``
-(``extra_info.tools_kwargs``), for a multi-turn run with verl's GSM8K tool config. ``gsm8k_multiturn_w_interaction`` writes those of
-``gsm8k_multiturn_w_interaction.py``: a system prompt asking to reconsider an answer the user calls
-wrong, and each row's ``extra_info.interaction_kwargs`` naming verl's GSM8K interaction.
-``search_r1`` writes those of verl's ``preprocess_search_r1_dataset.py`` from Search-R1's
-``train.parquet``/``test.parquet`` (``PeterJinGo/nq_hotpotqa_train`` as the hub holds it, in
-``--src``): Search-R1's instruction, ``data_source`` ``searchR1_<set>``, the golden answers as the
-ground truth, the search tool's arguments.
+(``extra_info.tools_kwargs``), for a multi-turn run with verl's GSM8K tool config.
+``gsm8k_multiturn_w_interaction`` writes those of ``gsm8k_multiturn_w_interaction.py``: a system
+prompt asking to reconsider an answer the user calls wrong, and each row's
+``extra_info.interaction_kwargs`` naming verl's GSM8K interaction. ``search_r1`` writes those of
+verl's ``preprocess_search_r1_dataset.py`` from Search-R1's ``train.parquet``/``test.parquet``
+(``PeterJinGo/nq_hotpotqa_train`` as the hub holds it, in ``--src``): Search-R1's instruction,
+``data_source`` ``searchR1_<set>``, the golden answers as the ground truth, the search tool's
+arguments.
 
 ``--src`` is a directory holding GSM8K's original ``train.jsonl``/``test.jsonl`` (``question``,
 ``answer`` ending in ``#### N``) or a Hugging Face datasets name (``openai/gsm8k``; needs the
 ``datasets`` package and the dataset in its cache or network access).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +33,7 @@ from rlhf_hpc.rewards.gsm8k import ground_truth_from_answer
 __all__ = ["gsm8k_interaction_rows", "gsm8k_multiturn_rows", "gsm8k_rows", "main", "search_r1_rows"]
 
 GSM8K_SOURCE = "openai/gsm8k"
-GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 def gsm8k_rows(records: list[dict], split: str) -> list[dict]:
@@ -41,19 +43,25 @@ def gsm8k_rows(records: list[dict], split: str) -> list[dict]:
             truth = ground_truth_from_answer(rec["answer"])
         except (KeyError, ValueError) as e:
             raise ValueError(f"{split} record {i}: {e}") from None
-        rows.append({"data_source": GSM8K_SOURCE,
-                     "prompt": [{"role": "user", "content": rec["question"] + " " + GSM8K_INSTRUCTION}],
-                     "ability": "math",
-                     "reward_model": {"style": "rule", "ground_truth": truth},
-                     "extra_info": {"split": split, "index": i, "answer": rec["answer"], "question": rec["question"]}})
+        rows.append(
+            {
+                "data_source": GSM8K_SOURCE,
+                "prompt": [{"role": "user", "content": rec["question"] + " " + GSM8K_INSTRUCTION}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": truth},
+                "extra_info": {"split": split, "index": i, "answer": rec["answer"], "question": rec["question"]},
+            }
+        )
     return rows
 
 
 # the system prompt of verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py (data: the same prompts)
-GSM8K_TOOL_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
-                     "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after "
-                     "step by step solving the question, before generate final answer at least once and refine your "
-                     "answer if necessary. Put your final answer in the format of `#### <answer>`.")
+GSM8K_TOOL_SYSTEM = (
+    "You are a math expert. You are given a question and you need to solve it step by step. "
+    "Reasoning step by step before any tool call. You should use the `calc_gsm8k_reward` tool after "
+    "step by step solving the question, before generate final answer at least once and refine your "
+    "answer if necessary. Put your final answer in the format of `#### <answer>`."
+)
 GSM8K_TOOL_INSTRUCTION = "Let's think step by step and output the final answer after `####`."
 
 
@@ -62,18 +70,24 @@ def gsm8k_multiturn_rows(records: list[dict], split: str) -> list[dict]:
     rows = gsm8k_rows(records, split)
     for row, rec in zip(rows, records):
         truth = row["reward_model"]["ground_truth"]
-        row["prompt"] = [{"role": "system", "content": GSM8K_TOOL_SYSTEM},
-                         {"role": "user", "content": rec["question"] + " " + GSM8K_TOOL_INSTRUCTION}]
-        row["extra_info"].update(need_tools_kwargs=True,
-                                 tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
-                                 interaction_kwargs={"query": rec["question"], "ground_truth": truth})
+        row["prompt"] = [
+            {"role": "system", "content": GSM8K_TOOL_SYSTEM},
+            {"role": "user", "content": rec["question"] + " " + GSM8K_TOOL_INSTRUCTION},
+        ]
+        row["extra_info"].update(
+            need_tools_kwargs=True,
+            tools_kwargs={"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+            interaction_kwargs={"query": rec["question"], "ground_truth": truth},
+        )
     return rows
 
 
 # the system prompt of verl's examples/data_preprocess/gsm8k_multiturn_w_interaction.py
-GSM8K_INTERACTION_SYSTEM = ("You are a math expert. You are given a question and you need to solve it step by step. "
-                            "You should rethinking carefully if user point out your answer is wrong. Put your final "
-                            "answer in the format of `#### <answer>`.")
+GSM8K_INTERACTION_SYSTEM = (
+    "You are a math expert. You are given a question and you need to solve it step by step. "
+    "You should rethinking carefully if user point out your answer is wrong. Put your final "
+    "answer in the format of `#### <answer>`."
+)
 
 
 def gsm8k_interaction_rows(records: list[dict], split: str) -> list[dict]:
@@ -83,8 +97,11 @@ def gsm8k_interaction_rows(records: list[dict], split: str) -> list[dict]:
     for row, rec in zip(rows, records):
         question = rec["question"] + " " + GSM8K_TOOL_INSTRUCTION
         row["prompt"] = [{"role": "system", "content": GSM8K_INTERACTION_SYSTEM}, {"role": "user", "content": question}]
-        row["extra_info"]["interaction_kwargs"] = {"name": "gsm8k", "query": question,
-                                                   "ground_truth": row["reward_model"]["ground_truth"]}
+        row["extra_info"]["interaction_kwargs"] = {
+            "name": "gsm8k",
+            "query": question,
+            "ground_truth": row["reward_model"]["ground_truth"],
+        }
     return rows
 
 
@@ -96,7 +113,8 @@ SEARCH_R1_INSTRUCTION = (
     "query </tool_call> and it will return the top searched results between <tool_response> and </tool_response>. "
     "You can search as many times as your want. If you find no further external knowledge needed, you can directly "
     "provide the answer inside <answer> and </answer>, without detailed illustrations. For example, <answer> Beijing "
-    "</answer>. Question: ")
+    "</answer>. Question: "
+)
 
 
 def search_r1_rows(records: list[dict], split: str) -> list[dict]:
@@ -107,29 +125,49 @@ def search_r1_rows(records: list[dict], split: str) -> list[dict]:
             question = rec["question"]
             truth = (rec.get("reward_model") or {}).get("ground_truth") or {"target": list(rec["golden_answers"])}
         except (KeyError, TypeError) as e:
-            raise ValueError(f"{split} record {i}: {type(e).__name__}: {e} (expected Search-R1's question and "
-                             f"golden_answers)") from None
+            raise ValueError(
+                f"{split} record {i}: {type(e).__name__}: {e} (expected Search-R1's question and golden_answers)"
+            ) from None
         source = f"searchR1_{rec.get('data_source', '')}"
-        tools_kwargs = {"search": {"create_kwargs": {"ground_truth": truth, "question": question, "data_source": source}}}
-        rows.append({"data_source": source,
-                     "prompt": [{"role": "system", "content": SEARCH_R1_SYSTEM},
-                                {"role": "user", "content": SEARCH_R1_INSTRUCTION + question}],
-                     "ability": rec.get("ability") or "fact-reasoning", "reward_model": {"style": "rule", "ground_truth": truth},
-                     "extra_info": {"index": i, "need_tools_kwargs": True, "question": question, "split": split,
-                                    "tools_kwargs": tools_kwargs}})
+        tools_kwargs = {
+            "search": {"create_kwargs": {"ground_truth": truth, "question": question, "data_source": source}}
+        }
+        rows.append(
+            {
+                "data_source": source,
+                "prompt": [
+                    {"role": "system", "content": SEARCH_R1_SYSTEM},
+                    {"role": "user", "content": SEARCH_R1_INSTRUCTION + question},
+                ],
+                "ability": rec.get("ability") or "fact-reasoning",
+                "reward_model": {"style": "rule", "ground_truth": truth},
+                "extra_info": {
+                    "index": i,
+                    "need_tools_kwargs": True,
+                    "question": question,
+                    "split": split,
+                    "tools_kwargs": tools_kwargs,
+                },
+            }
+        )
     return rows
 
 
 def read_parquet_split(src: str, split: str) -> list[dict]:
     import pyarrow.parquet as pq
+
     file = Path(src).expanduser() / f"{split}.parquet"
     if not file.is_file():
         raise SystemExit(f"error: {file}: missing (expected the set's {split}.parquet)")
     return pq.read_table(file).to_pylist()
 
 
-ROW_WRITERS = {"gsm8k": gsm8k_rows, "gsm8k_multiturn": gsm8k_multiturn_rows,
-               "gsm8k_multiturn_w_interaction": gsm8k_interaction_rows, "search_r1": search_r1_rows}
+ROW_WRITERS = {
+    "gsm8k": gsm8k_rows,
+    "gsm8k_multiturn": gsm8k_multiturn_rows,
+    "gsm8k_multiturn_w_interaction": gsm8k_interaction_rows,
+    "search_r1": search_r1_rows,
+}
 
 
 def read_gsm8k(src: str, split: str) -> list[dict]:
@@ -150,14 +188,17 @@ def read_gsm8k(src: str, split: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise SystemExit(f"--src {src} is not a directory, and reading a datasets name needs the 'datasets' "
-                         f"package (pip install datasets)") from None
+        raise SystemExit(
+            f"--src {src} is not a directory, and reading a datasets name needs the 'datasets' "
+            f"package (pip install datasets)"
+        ) from None
     return list(datasets.load_dataset(src, "main", split=split))
 
 
 def write_parquet(rows: list[dict], out: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), out)
 

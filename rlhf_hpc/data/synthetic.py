@@ -25,17 +25,26 @@ stdin/stdout programs, ``CODE_TASKS``); the reward is verl's code score: the sha
 
 Rows come out in the reference data format, so they go through the same pipeline as parquet data.
 """
+
 from __future__ import annotations
 
 import json
 import random
 from urllib.parse import parse_qsl, urlparse
 
-from rlhf_hpc.rewards.synthetic import ADD_SOURCE, CODE_SOURCE, COPY_SOURCE as DATA_SOURCE, LOOKUP_SOURCE
+from rlhf_hpc.rewards.synthetic import ADD_SOURCE, CODE_SOURCE, LOOKUP_SOURCE
+from rlhf_hpc.rewards.synthetic import COPY_SOURCE as DATA_SOURCE
 from rlhf_hpc.tools.lookup_tool import lookup_code
 
-__all__ = ["CODE_TASKS", "LOOKUP_KEYS", "addition_rows", "code_rows", "lookup_question", "lookup_rows",
-           "synthetic_rows"]
+__all__ = [
+    "CODE_TASKS",
+    "LOOKUP_KEYS",
+    "addition_rows",
+    "code_rows",
+    "lookup_question",
+    "lookup_rows",
+    "synthetic_rows",
+]
 
 LOOKUP_KEYS = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
 
@@ -45,8 +54,10 @@ def synthetic_rows(url: str, split_seed: int) -> list[dict]:
     from val."""
     parsed = urlparse(url)
     if parsed.netloc not in ("copy", "add", "lookup", "code"):
-        raise ValueError(f"unknown synthetic task '{url}'; the built-in ones are synthetic://copy, synthetic://add, "
-                         f"synthetic://lookup and synthetic://code")
+        raise ValueError(
+            f"unknown synthetic task '{url}'; the built-in ones are synthetic://copy, synthetic://add, "
+            f"synthetic://lookup and synthetic://code"
+        )
     opts = dict(parse_qsl(parsed.query))
     if parsed.netloc == "code":
         return code_rows(int(opts.get("size", 512)), split_seed)
@@ -61,11 +72,15 @@ def synthetic_rows(url: str, split_seed: int) -> list[dict]:
     rows = []
     for i in range(size):
         target = rng.choice(targets)
-        rows.append({"data_source": DATA_SOURCE,
-                     "prompt": [{"role": "user", "content": f"copy: {target}"}],
-                     "ability": "copy",
-                     "reward_model": {"style": "rule", "ground_truth": target},
-                     "extra_info": {"index": i}})
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": f"copy: {target}"}],
+                "ability": "copy",
+                "reward_model": {"style": "rule", "ground_truth": target},
+                "extra_info": {"index": i},
+            }
+        )
     return rows
 
 
@@ -74,11 +89,15 @@ def addition_rows(largest: int, size: int, seed: int) -> list[dict]:
     rows = []
     for i in range(size):
         a, b = rng.randint(0, largest), rng.randint(0, largest)
-        rows.append({"data_source": ADD_SOURCE,
-                     "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with only the number."}],
-                     "ability": "arithmetic",
-                     "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                     "extra_info": {"index": i}})
+        rows.append(
+            {
+                "data_source": ADD_SOURCE,
+                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with only the number."}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"index": i},
+            }
+        )
     return rows
 
 
@@ -103,13 +122,25 @@ def code_rows(size: int, seed: int) -> list[dict]:
         k = rng.randint(2, 9)
         inputs = [rng.randint(0, 50) for _ in range(3)]
         task = words.format(k=k)
-        rows.append({"data_source": CODE_SOURCE,
-                     "prompt": [{"role": "user", "content": f"Write a Python program that {task}. Give only the "
-                                                            f"program, in a ```python block."}],
-                     "ability": "code",
-                     "reward_model": {"style": "rule", "ground_truth": json.dumps(
-                         {"inputs": [f"{n}\n" for n in inputs], "outputs": [f"{answer(n, k)}\n" for n in inputs]})},
-                     "extra_info": {"index": i}})
+        rows.append(
+            {
+                "data_source": CODE_SOURCE,
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f"Write a Python program that {task}. Give only the program, in a ```python block.",
+                    }
+                ],
+                "ability": "code",
+                "reward_model": {
+                    "style": "rule",
+                    "ground_truth": json.dumps(
+                        {"inputs": [f"{n}\n" for n in inputs], "outputs": [f"{answer(n, k)}\n" for n in inputs]}
+                    ),
+                },
+                "extra_info": {"index": i},
+            }
+        )
     return rows
 
 
@@ -118,7 +149,13 @@ def lookup_question(key: str) -> list[dict]:
 
 
 def lookup_rows(keys: list[str]) -> list[dict]:
-    return [{"data_source": LOOKUP_SOURCE, "prompt": lookup_question(key), "ability": "tools",
-             "reward_model": {"style": "rule", "ground_truth": str(lookup_code(key))},
-             "extra_info": {"index": i, "tools_kwargs": {"lookup": {"create_kwargs": {"key": key}}}}}
-            for i, key in enumerate(keys)]
+    return [
+        {
+            "data_source": LOOKUP_SOURCE,
+            "prompt": lookup_question(key),
+            "ability": "tools",
+            "reward_model": {"style": "rule", "ground_truth": str(lookup_code(key))},
+            "extra_info": {"index": i, "tools_kwargs": {"lookup": {"create_kwargs": {"key": key}}}},
+        }
+        for i, key in enumerate(keys)
+    ]

@@ -14,6 +14,7 @@ prompt's key, read the code back, end with ``#### <code>``.
 
     python -m rlhf_hpc.data.tool_warm_start --out ~/.cache/rlhf-hpc/models/tiny-lookup
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,19 @@ DEMO_TEACHING = dict(call_share=0.2, fresh_codes=True, steps=450, calling_steps=
 
 def lookup_call(key: str) -> str:
     """The model's turn that calls the tool (hermes)."""
-    return f'<tool_call>{json.dumps({"name": "lookup", "arguments": {"key": key}})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': 'lookup', 'arguments': {'key': key}})}</tool_call>"
 
 
 def lookup_conversation(key: str, answer: int, tool_code: Optional[int] = None) -> list[dict]:
     """The conversation that calls the tool (answering ``tool_code``, default the key's code), then
     answers ``answer``."""
     code = lookup_code(key) if tool_code is None else tool_code
-    return [*lookup_question(key), {"role": "assistant", "content": lookup_call(key)},
-            {"role": "tool", "content": str(code)}, {"role": "assistant", "content": f"#### {answer}"}]
+    return [
+        *lookup_question(key),
+        {"role": "assistant", "content": lookup_call(key)},
+        {"role": "tool", "content": str(code)},
+        {"role": "assistant", "content": f"#### {answer}"},
+    ]
 
 
 class _TaughtRows:
@@ -62,8 +67,9 @@ class _TaughtRows:
         self._cache: dict[tuple, tuple[list[int], list[int]]] = {}
 
     def _encode(self, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tools=[LOOKUP_SCHEMA], tokenize=False,
-                                            add_generation_prompt=generation_prompt)
+        text = self.tok.apply_chat_template(
+            messages, tools=[LOOKUP_SCHEMA], tokenize=False, add_generation_prompt=generation_prompt
+        )
         return self.tok.encode(text, add_special_tokens=False)
 
     def row(self, key: str, tool_code: Optional[int], answer: int) -> tuple[list[int], list[int]]:
@@ -78,17 +84,27 @@ class _TaughtRows:
                 conversation = lookup_conversation(key, answer, tool_code)
                 ids = self._encode(conversation)
                 call_end = len(self._encode(conversation[:2]))
-                answer_start = call_end if self.learn_tool_turn else len(
-                    self._encode(conversation[:3], generation_prompt=True))
-                labels = ([-100] * prompt + ids[prompt:call_end] + [-100] * (answer_start - call_end)
-                          + ids[answer_start:])
+                answer_start = (
+                    call_end if self.learn_tool_turn else len(self._encode(conversation[:3], generation_prompt=True))
+                )
+                labels = (
+                    [-100] * prompt + ids[prompt:call_end] + [-100] * (answer_start - call_end) + ids[answer_start:]
+                )
             self._cache[key, tool_code, answer] = ids, labels
         return self._cache[key, tool_code, answer]
 
 
-def teach(out_dir: Path, keys: Optional[list[str]] = None, call_share: float = 1.0, fresh_codes: bool = False,
-          steps: int = 200, calling_steps: int = 0, batch_size: Optional[int] = None, seed: int = 0,
-          lr: float = 3e-3) -> Path:
+def teach(
+    out_dir: Path,
+    keys: Optional[list[str]] = None,
+    call_share: float = 1.0,
+    fresh_codes: bool = False,
+    steps: int = 200,
+    calling_steps: int = 0,
+    batch_size: Optional[int] = None,
+    seed: int = 0,
+    lr: float = 3e-3,
+) -> Path:
     """The taught model written to ``out_dir`` (transformers format, float32). ``keys``: the
     conversations' keys (default: every key of the task); ``batch_size``: conversations per step
     (default: one per key, the same each step, when the codes are the keys' own); ``calling_steps``:
@@ -101,7 +117,7 @@ def teach(out_dir: Path, keys: Optional[list[str]] = None, call_share: float = 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(steps):
         batch = []
-        for key in (rng.choices(keys, k=batch_size) if batch_size else keys):
+        for key in rng.choices(keys, k=batch_size) if batch_size else keys:
             if step >= calling_steps and rng.random() >= call_share:
                 batch.append(rows.row(key, None, rng.randrange(10)))
             else:
@@ -123,18 +139,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.data.tool_warm_start", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     d = DEMO_TEACHING
-    ap.add_argument("--call-share", type=float, default=d["call_share"],
-                    help="share of the taught conversations that call the tool, once the copying is learned "
-                         f"(default {d['call_share']}: RL has the rest to learn)")
+    ap.add_argument(
+        "--call-share",
+        type=float,
+        default=d["call_share"],
+        help="share of the taught conversations that call the tool, once the copying is learned "
+        f"(default {d['call_share']}: RL has the rest to learn)",
+    )
     ap.add_argument("--steps", type=int, default=d["steps"])
-    ap.add_argument("--calling-steps", type=int, default=d["calling_steps"],
-                    help="the first steps, in which every conversation calls the tool")
+    ap.add_argument(
+        "--calling-steps",
+        type=int,
+        default=d["calling_steps"],
+        help="the first steps, in which every conversation calls the tool",
+    )
     ap.add_argument("--batch-size", type=int, default=d["batch_size"])
     ap.add_argument("--lr", type=float, default=d["lr"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    out = teach(Path(args.out).expanduser(), call_share=args.call_share, fresh_codes=True, steps=args.steps,
-                calling_steps=args.calling_steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr)
+    out = teach(
+        Path(args.out).expanduser(),
+        call_share=args.call_share,
+        fresh_codes=True,
+        steps=args.steps,
+        calling_steps=args.calling_steps,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        lr=args.lr,
+    )
     print(f"the tool task's starting model -> {out}")
     return 0
 

@@ -1,11 +1,12 @@
 """How long a step spends in collectives: the bottom layer every module that communicates uses.
 
-Every collective the project issues runs inside ``collective()``: the
-all-reduces of ``rlhf_hpc.distributed.process_group``, the weight-sync all-gathers of ``rlhf_hpc.rollout.weight_sync``, the gradient
-norm's all-reduce, the rollout's tensor-parallel prompt exchange, and FSDP2's own all-gathers and
-reduce-scatters (``time_fsdp_collectives`` installs FSDP2's custom-comm hooks, which call the same
-``all_gather_single``/``reduce_scatter_single`` as FSDP2's defaults). While a step runs, a
-``CommMeter`` adds up the time spent inside them, per loop phase:
+Every collective the project issues runs inside ``collective()``: the all-reduces of
+``rlhf_hpc.distributed.process_group``, the weight-sync all-gathers of
+``rlhf_hpc.rollout.weight_sync``, the gradient norm's all-reduce, the rollout's tensor-parallel
+prompt exchange, and FSDP2's own all-gathers and reduce-scatters (``time_fsdp_collectives`` installs
+FSDP2's custom-comm hooks, which call the same ``all_gather_single``/``reduce_scatter_single`` as
+FSDP2's defaults). While a step runs, a ``CommMeter`` adds up the time spent inside them, per loop
+phase:
 
 - CPU (gloo): wall time of the call. gloo collectives block the caller until done (the
   asynchronous weight-sync all-gathers are counted where the rank waits for them), so this is the
@@ -24,6 +25,7 @@ shared memory, or asynchronous gloo all-reduces during the backward), counted wh
 waits for them. Not seen by the meter: vLLM's internal
 tensor-parallel collectives during generation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +38,15 @@ import torch.distributed as dist
 __all__ = ["CommMeter", "GROUPS", "collective", "metering", "time_fsdp_collectives"]
 
 # loop phases (rlhf_hpc.observability.perf.Timer names) -> the group their communication is reported under
-PHASE_GROUPS = {"update_weights": "weight_sync", "gen": "rollout", "old_log_prob": "train", "ref": "train",
-                "values": "train", "update_critic": "train", "update_actor": "train"}
+PHASE_GROUPS = {
+    "update_weights": "weight_sync",
+    "gen": "rollout",
+    "old_log_prob": "train",
+    "ref": "train",
+    "values": "train",
+    "update_critic": "train",
+    "update_actor": "train",
+}
 GROUPS = ("weight_sync", "train", "rollout", "other")
 
 
@@ -152,6 +161,7 @@ except ImportError:  # pragma: no cover - older torch: FSDP2's collectives go un
     AllGather = ReduceScatter = None
 
 if AllGather is not None:
+
     class TimedAllGather(AllGather):
         """FSDP2's default all-gather (same call, same buffers), measured."""
 
@@ -173,8 +183,7 @@ if AllGather is not None:
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             with collective():
-                work = dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
-                                                  async_op=async_op)
+                work = dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
             self.done = _mark()
             return work
 
@@ -198,6 +207,7 @@ def time_fsdp_collectives(model: torch.nn.Module, hsdp: bool = False) -> None:
     if AllGather is None:
         return
     from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
         if isinstance(module, FSDPModule):
             reduce_scatter = TimedReduceScatter()

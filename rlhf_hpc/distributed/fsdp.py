@@ -1,6 +1,7 @@
 """The one place that applies FSDP2 to a model: sharding groups, mixed precision, offload,
 prefetch and activation checkpointing; and, for a model replicated on the host, the same without
 FSDP2 (mixed precision by casting hooks, gradients averaged by ``ReplicaGradients``)."""
+
 from __future__ import annotations
 
 import weakref
@@ -13,13 +14,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rlhf_hpc.config.schema import FSDPConfig
+from rlhf_hpc.distributed.comm import collective, time_fsdp_collectives
 from rlhf_hpc.distributed.host_allreduce import SharedMemoryAllReduce
 from rlhf_hpc.models.hf import torch_dtype
-from rlhf_hpc.distributed.comm import collective, time_fsdp_collectives
 
-__all__ = ["ReplicaGradients", "compute_in_dtype", "decoder_layers", "describe_gradient_reduction",
-           "finish_gradient_sync", "gradient_reduction", "host_replicas", "parallelize", "set_gradient_sync",
-           "tied_embeddings"]
+__all__ = [
+    "ReplicaGradients",
+    "compute_in_dtype",
+    "decoder_layers",
+    "describe_gradient_reduction",
+    "finish_gradient_sync",
+    "gradient_reduction",
+    "host_replicas",
+    "parallelize",
+    "set_gradient_sync",
+    "tied_embeddings",
+]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -36,8 +46,14 @@ def tied_embeddings(model: nn.Module) -> bool:
     return out is not None and out.weight is emb.weight
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: torch.device,
-                gradient_checkpointing: bool = False, shared_memory: bool = True) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    fsdp: FSDPConfig,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    shared_memory: bool = True,
+) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FULL_SHARD; 2-D (replicate, shard): HSDP).
     A model replicated on the host (``host_replicas``) is left whole instead: its modules compute in
     ``param_dtype`` (``compute_in_dtype``) and ``ReplicaGradients`` averages its gradients.
@@ -53,8 +69,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, device: to
     if gradient_checkpointing:
         # transformers' own checkpointing: no wrapper modules, so parameter names stay the same
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(fsdp.mixed_precision.param_dtype),
-                              reduce_dtype=torch_dtype(fsdp.mixed_precision.reduce_dtype))
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(fsdp.mixed_precision.param_dtype),
+        reduce_dtype=torch_dtype(fsdp.mixed_precision.reduce_dtype),
+    )
     offload: OffloadPolicy = OffloadPolicy()
     if fsdp.param_offload or fsdp.offload_policy:
         # pinned host memory only helps (and only works) with an accelerator
@@ -97,8 +115,9 @@ def compute_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
     if dtype is None:
         return
     for module in model.modules():
-        names = [n for n, p in module._parameters.items()
-                 if p is not None and p.is_floating_point() and p.dtype != dtype]
+        names = [
+            n for n, p in module._parameters.items() if p is not None and p.is_floating_point() and p.dtype != dtype
+        ]
         if not names:
             continue
         kept: list[dict] = []  # the parameters while the module runs (a stack: calls may nest)
@@ -110,8 +129,7 @@ def compute_in_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> None:
             # floating inputs too, as FSDP2's cast_forward_inputs: a caller may have matched them to the
             # parameters' own dtype before the call (PEFT casts x to lora_A.weight.dtype, fp32 here)
             if any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != dtype for a in args):
-                return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                             for a in args)
+                return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
             return None
 
         def restore(module, args, output, kept=kept):
@@ -165,8 +183,9 @@ class ReplicaGradients:
         self.pending: list = []
         self.ready = False  # a backward with ``enabled`` ran since the last average (shared memory)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.shared, why = SharedMemoryAllReduce.create(group) if shared_memory else (
-            None, "parallelize(shared_memory=False)")
+        self.shared, why = (
+            SharedMemoryAllReduce.create(group) if shared_memory else (None, "parallelize(shared_memory=False)")
+        )
         self.how = "shared memory" if self.shared is not None else "gloo"
         self.why = why  # for the log: the mapping's size, or why gloo
         for p in self.params:

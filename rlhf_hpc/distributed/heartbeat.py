@@ -18,6 +18,7 @@ OOM killer, or by a fault injected on purpose.
 Only ranks started by a launcher of this project beat (it sets ``RLHF_HPC_LAUNCH_ID``: files of
 another launch are ignored by the watchdog).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -30,8 +31,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["Beat", "ENV_INTERVAL", "ENV_LAUNCH_ID", "HEARTBEAT_DIR", "Heartbeat", "beat_interval", "process_start",
-           "read_beats", "signal_note"]
+__all__ = [
+    "Beat",
+    "ENV_INTERVAL",
+    "ENV_LAUNCH_ID",
+    "HEARTBEAT_DIR",
+    "Heartbeat",
+    "beat_interval",
+    "process_start",
+    "read_beats",
+    "signal_note",
+]
 
 HEARTBEAT_DIR = "heartbeat"
 ENV_LAUNCH_ID = "RLHF_HPC_LAUNCH_ID"

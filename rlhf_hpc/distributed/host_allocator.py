@@ -14,6 +14,7 @@ ranks' environment (``rlhf_hpc.launch.local.worker_env``). Where the user has ch
 or ``GLIBC_TUNABLES`` set, or an allocator preloaded), nothing is changed. Other C libraries
 ignore the variable.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,11 +29,18 @@ TUNABLES = {
     "glibc.malloc.hugetlb": 1,  # madvise(MADV_HUGEPAGE) on the heap (glibc >= 2.35; older ones ignore it)
 }
 VALUE = ":".join(f"{k}={v}" for k, v in TUNABLES.items())
-USER_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                 "MALLOC_ARENA_MAX")
+USER_SETTINGS = (
+    "GLIBC_TUNABLES",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_ARENA_MAX",
+)
 PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
-KEPT = ("malloc keeps freed host memory: blocks up to 32 MiB from the heap, up to 1 GiB of it kept, in huge "
-        "pages (GLIBC_TUNABLES)")
+KEPT = (
+    "malloc keeps freed host memory: blocks up to 32 MiB from the heap, up to 1 GiB of it kept, in huge "
+    "pages (GLIBC_TUNABLES)"
+)
 
 
 def malloc_tunables(env: Mapping[str, str]) -> tuple[Optional[str], str]:

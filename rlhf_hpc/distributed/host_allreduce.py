@@ -15,6 +15,7 @@ sum slice ``rank`` of all N copies into this rank's copy, sync, copy every slice
 syncs are gloo barriers (the first of each call an all-reduce that also checks that every rank
 brought the same number of elements).
 """
+
 from __future__ import annotations
 
 import os
@@ -71,8 +72,9 @@ class SharedMemoryAllReduce:
         self.rounds = 0  # buckets done, over all calls: which half the next one uses
 
     @classmethod
-    def create(cls, group, capacity: int = DEFAULT_CAPACITY, host: Optional[str] = None,
-               shm_dir: Path = SHM_DIR) -> tuple[Optional["SharedMemoryAllReduce"], str]:
+    def create(
+        cls, group, capacity: int = DEFAULT_CAPACITY, host: Optional[str] = None, shm_dir: Path = SHM_DIR
+    ) -> tuple[Optional["SharedMemoryAllReduce"], str]:
         """(the all-reduce or None, why in words). Collective over ``group``; every rank gets the
         same answer. ``host``: this rank's machine (default ``host_identity()``)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -115,8 +117,11 @@ class SharedMemoryAllReduce:
         fits = st.f_bavail * st.f_frsize // (4 * 2 * size)
         capacity = min(capacity, fits) // 4096 * 4096
         if capacity < MIN_CAPACITY:
-            return [None, f"{shm_dir} has {st.f_bavail * st.f_frsize >> 20} MiB free, too little for "
-                          f"{2 * size} x {MIN_CAPACITY >> 20} MiB"]
+            return [
+                None,
+                f"{shm_dir} has {st.f_bavail * st.f_frsize >> 20} MiB free, too little for "
+                f"{2 * size} x {MIN_CAPACITY >> 20} MiB",
+            ]
         path = shm_dir / f"rlhf_hpc_allreduce_{os.getpid()}_{_launch_tag()}{uuid.uuid4().hex[:12]}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -138,8 +143,10 @@ class SharedMemoryAllReduce:
         dtype = tensors[0].dtype
         for t in tensors:
             if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"SharedMemoryAllReduce: expected contiguous host tensors of {dtype}, got "
-                                 f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})")
+                raise ValueError(
+                    f"SharedMemoryAllReduce: expected contiguous host tensors of {dtype}, got "
+                    f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})"
+                )
         flats = [t.view(-1) for t in tensors]
         total = sum(f.numel() for f in flats)
         per_bucket = self.capacity // dtype.itemsize
@@ -152,7 +159,7 @@ class SharedMemoryAllReduce:
             start = 0
             while start < f.numel():
                 n = min(f.numel() - start, per_bucket - filled)
-                pieces.append((f[start:start + n], filled))
+                pieces.append((f[start : start + n], filled))
                 start, filled = start + n, filled + n
                 if filled == per_bucket:
                     self._bucket(pieces, filled, dtype, scale, counts)
@@ -160,22 +167,25 @@ class SharedMemoryAllReduce:
         if pieces:
             self._bucket(pieces, filled, dtype, scale, counts)
 
-    def _bucket(self, pieces: list, used: int, dtype: torch.dtype, scale: float,
-                counts: Optional[torch.Tensor]) -> None:
+    def _bucket(
+        self, pieces: list, used: int, dtype: torch.dtype, scale: float, counts: Optional[torch.Tensor]
+    ) -> None:
         half = self.buffer[self.rounds % 2]
         self.rounds += 1
         slots = half.view(dtype)  # (size, capacity / itemsize): one row per rank
         mine = slots[self.rank]
         for part, offset in pieces:
-            torch.mul(part, scale, out=mine[offset:offset + part.numel()])
+            torch.mul(part, scale, out=mine[offset : offset + part.numel()])
         if counts is None:
             dist.barrier(group=self.group)
         else:
             dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
             if counts[0] != -counts[1]:
-                raise RuntimeError(f"SharedMemoryAllReduce: ranks brought different numbers of elements "
-                                   f"(between {-int(counts[1])} and {int(counts[0])}); every rank must pass "
-                                   f"the same tensors")
+                raise RuntimeError(
+                    f"SharedMemoryAllReduce: ranks brought different numbers of elements "
+                    f"(between {-int(counts[1])} and {int(counts[0])}); every rank must pass "
+                    f"the same tensors"
+                )
         chunk = -(-used // self.size)  # this rank sums elements [rank * chunk, (rank + 1) * chunk)
         lo, hi = self.rank * chunk, min(used, (self.rank + 1) * chunk)
         if lo < hi:
@@ -188,5 +198,5 @@ class SharedMemoryAllReduce:
             while at < end:
                 owner = at // chunk
                 stop = min(end, (owner + 1) * chunk)
-                part[at - offset:stop - offset].copy_(slots[owner, at:stop])
+                part[at - offset : stop - offset].copy_(slots[owner, at:stop])
                 at = stop

@@ -17,6 +17,7 @@ Host memory at start-up, per node: one full copy (rank 0's node) plus each rank'
 one full copy per rank (BENCHMARKS.md: "Host memory at start-up"). Random-weight tiny models are
 built from a seed on every rank, as before: nothing is read.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -26,14 +27,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from rlhf_hpc.distributed.process_group import build_train_mesh
 from rlhf_hpc.distributed.fsdp import host_replicas, parallelize
+from rlhf_hpc.distributed.process_group import build_train_mesh
 
 __all__ = ["build_once", "build_sharded", "materialize"]
 
 
-def build_sharded(build: Callable[[str], nn.Module], fsdp, ctx, gradient_checkpointing: bool,
-                  from_checkpoint: bool, frozen: bool = False) -> nn.Module:
+def build_sharded(
+    build: Callable[[str], nn.Module],
+    fsdp,
+    ctx,
+    gradient_checkpointing: bool,
+    from_checkpoint: bool,
+    frozen: bool = False,
+) -> nn.Module:
     """``build(device)`` (``"cpu"`` or ``"meta"``) sharded over its training mesh (``fsdp``: a
     ``FSDPConfig`` with its layout filled in, rlhf_hpc.planning.layout; ``ctx``: the ``DistContext``), a
     checkpoint on disk read by rank 0 only. ``frozen``: no gradients (reference, reward model)."""
@@ -45,13 +52,19 @@ def build_sharded(build: Callable[[str], nn.Module], fsdp, ctx, gradient_checkpo
 
     def shard(model: nn.Module) -> nn.Module:
         return parallelize(model, mesh, fsdp, ctx.device, gradient_checkpointing=gradient_checkpointing)
+
     # (parallelize keeps a model whole on every rank only where it trains)
     replicated = not frozen and host_replicas(mesh, fsdp, ctx.device) is not None
     return build_once(built, shard, replicated, ctx.device, from_checkpoint)
 
 
-def build_once(build: Callable[[str], nn.Module], shard: Callable[[nn.Module], nn.Module], replicated: bool,
-               device: torch.device, from_checkpoint: bool) -> nn.Module:
+def build_once(
+    build: Callable[[str], nn.Module],
+    shard: Callable[[nn.Module], nn.Module],
+    replicated: bool,
+    device: torch.device,
+    from_checkpoint: bool,
+) -> nn.Module:
     """The model ``build(device)`` makes (``"cpu"``: with its weights; ``"meta"``: the structure
     only), sharded by ``shard`` (``parallel.parallelize``), read from its checkpoint by rank 0 only.
     ``replicated``: ``shard`` keeps every rank's model whole (host replicas). ``from_checkpoint``
@@ -90,8 +103,11 @@ def materialize(model: nn.Module, device: torch.device, init_buffers: bool = Tru
                 if init is not None and next(module.buffers(recurse=False), None) is not None:
                     init(module)
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if out is not None and getattr(model.config, "tie_word_embeddings", False) \
-            and out.weight is not model.get_input_embeddings().weight:
+    if (
+        out is not None
+        and getattr(model.config, "tie_word_embeddings", False)
+        and out.weight is not model.get_input_embeddings().weight
+    ):
         model.tie_weights()
     return model
 

@@ -1,4 +1,5 @@
 """Process group set-up from torchrun's environment: NCCL on CUDA, gloo on CPU."""
+
 from __future__ import annotations
 
 import atexit
@@ -14,9 +15,21 @@ import torch.distributed as dist
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.distributed.comm import collective
 
-__all__ = ["DistContext", "all_reduce_max", "all_reduce_max_int", "all_reduce_min", "all_reduce_sum",
-           "build_rollout_tp_group", "build_train_mesh", "device_memory_gb", "exit_process", "init_distributed", "mesh_shape",
-           "on_exit_process", "process_group_backend"]
+__all__ = [
+    "DistContext",
+    "all_reduce_max",
+    "all_reduce_max_int",
+    "all_reduce_min",
+    "all_reduce_sum",
+    "build_rollout_tp_group",
+    "build_train_mesh",
+    "device_memory_gb",
+    "exit_process",
+    "init_distributed",
+    "mesh_shape",
+    "on_exit_process",
+    "process_group_backend",
+]
 
 
 @dataclass
@@ -38,8 +51,10 @@ def pick_device(requested: str) -> torch.device:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but torch sees no GPU on this node "
-                               "(use trainer.device=cpu, or check the CUDA build of torch)")
+            raise RuntimeError(
+                "trainer.device=cuda but torch sees no GPU on this node "
+                "(use trainer.device=cpu, or check the CUDA build of torch)"
+            )
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -54,8 +69,11 @@ def device_memory_gb(device: torch.device) -> Optional[float]:
 def host_collectives_needed(cfg: Config) -> bool:
     """A model whose shards live on the host (FSDP2 CPUOffloadPolicy: param_offload/offload_policy)
     has CPU DTensor gradients: the gradient-norm all-reduce of a CPU tensor needs a CPU backend."""
-    sections = [cfg.actor_rollout_ref.actor.fsdp_config, cfg.actor_rollout_ref.ref.fsdp_config,
-                cfg.critic.model.fsdp_config]
+    sections = [
+        cfg.actor_rollout_ref.actor.fsdp_config,
+        cfg.actor_rollout_ref.ref.fsdp_config,
+        cfg.critic.model.fsdp_config,
+    ]
     return any(f.param_offload or f.offload_policy for f in sections)
 
 
@@ -77,15 +95,24 @@ def init_distributed(cfg: Config) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(seconds=cfg.trainer.dist_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=cfg.trainer.dist_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     world = dist.get_world_size()
     if world != cfg.world_size:
-        raise RuntimeError(f"torchrun started {world} ranks but trainer.nnodes x trainer.n_gpus_per_node "
-                           f"= {cfg.world_size}; launch with the configured number of processes")
-    return DistContext(rank=dist.get_rank(), world_size=world,
-                       local_rank=int(os.environ.get("LOCAL_RANK", 0)), device=device, backend=backend)
+        raise RuntimeError(
+            f"torchrun started {world} ranks but trainer.nnodes x trainer.n_gpus_per_node "
+            f"= {cfg.world_size}; launch with the configured number of processes"
+        )
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        device=device,
+        backend=backend,
+    )
 
 
 def mesh_shape(world_size: int, fsdp_size: int) -> tuple[int, int]:
@@ -100,6 +127,7 @@ def build_train_mesh(device: torch.device, world_size: int, fsdp_size: int):
     """The training mesh: 1-D ``("shard",)`` when nothing is replicated (FULL_SHARD), else 2-D
     ``("replicate", "shard")`` (HSDP: shard inside a group, all-reduce across groups)."""
     from torch.distributed.device_mesh import init_device_mesh
+
     replicate, shard = mesh_shape(world_size, fsdp_size)
     if replicate == 1:
         return init_device_mesh(device.type, (shard,), mesh_dim_names=("shard",))

@@ -13,6 +13,7 @@ Each row keeps ``prompt_pos``, the position of its prompt in the step: responses
 form a group (GRPO/RLOO) even when they end up on different ranks, and group statistics are
 reduced over all ranks (``rlhf_hpc.ops.estimators.group_stats``).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -22,16 +23,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
 from rlhf_hpc.distributed.comm import collective
+from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
 
-__all__ = ["RolloutRow", "balance_ratio", "balanced_partitions", "contiguous_partitions", "coverage",
-           "prompt_share", "redistribute_rows", "resample_rows"]
+__all__ = [
+    "RolloutRow",
+    "balance_ratio",
+    "balanced_partitions",
+    "contiguous_partitions",
+    "coverage",
+    "prompt_share",
+    "redistribute_rows",
+    "resample_rows",
+]
 
 
 @dataclass
 class RolloutRow:
     """One sampled response and what the trainer needs to rebuild its row on any rank."""
+
     prompt_pos: int  # position of the prompt in the step's batch: the group id
     example: int  # index of the prompt in the training set (every rank holds the set)
     prompt_ids: list[int]
@@ -77,7 +87,7 @@ def balanced_partitions(weights: list[int], k: int) -> list[list[int]]:
     heap, tie = [], 0
     for start in range(0, n, k):
         # a partial solution: k sets as (sum, indices), heaviest first
-        sets = sorted(([weights[i], [i]] for i in order[start:start + k]), key=lambda s: (-s[0], s[1]))
+        sets = sorted(([weights[i], [i]] for i in order[start : start + k]), key=lambda s: (-s[0], s[1]))
         heapq.heappush(heap, (-(sets[0][0] - sets[-1][0]), tie, sets))
         tie += 1
     while len(heap) > 1:
@@ -98,8 +108,9 @@ def balance_ratio(weights: list[int], partitions: list[list[int]]) -> float:
     return max(totals) / mean if mean > 0 else 1.0
 
 
-def redistribute_rows(local: list[RolloutRow], world_size: int, rank: int, balance: bool
-                      ) -> tuple[list[RolloutRow], dict[str, float]]:
+def redistribute_rows(
+    local: list[RolloutRow], world_size: int, rank: int, balance: bool
+) -> tuple[list[RolloutRow], dict[str, float]]:
     """Every rank passes the rows it generated (in prompt order); every rank gets back the rows
     it trains on, in prompt order, and the same metrics: ``perf/balance_ratio`` (after) and
     ``perf/balance_ratio_unbalanced`` (contiguous blocks, i.e. without ``balance_batch``), token
@@ -112,17 +123,22 @@ def redistribute_rows(local: list[RolloutRow], world_size: int, rank: int, balan
     else:
         rows = list(local)
     if len(rows) % world_size:
-        raise RuntimeError(f"the step has {len(rows)} responses, not divisible by {world_size} ranks "
-                           f"(data.train_batch_size x rollout.n must be; validation checks it)")
+        raise RuntimeError(
+            f"the step has {len(rows)} responses, not divisible by {world_size} ranks "
+            f"(data.train_batch_size x rollout.n must be; validation checks it)"
+        )
     weights = [r.num_tokens for r in rows]
     plain = contiguous_partitions(len(rows), world_size)
     parts = balanced_partitions(weights, world_size) if balance else plain
     totals = [sum(weights[i] for i in p) for p in parts]
-    metrics = {"perf/balance_ratio": balance_ratio(weights, parts),
-               "perf/balance_ratio_unbalanced": balance_ratio(weights, plain),
-               "global_seqlen/max": float(max(totals)), "global_seqlen/min": float(min(totals)),
-               "global_seqlen/mean": sum(totals) / len(totals),
-               "global_seqlen/minmax_diff": float(max(totals) - min(totals))}
+    metrics = {
+        "perf/balance_ratio": balance_ratio(weights, parts),
+        "perf/balance_ratio_unbalanced": balance_ratio(weights, plain),
+        "global_seqlen/max": float(max(totals)),
+        "global_seqlen/min": float(min(totals)),
+        "global_seqlen/mean": sum(totals) / len(totals),
+        "global_seqlen/minmax_diff": float(max(totals) - min(totals)),
+    }
     return [rows[i] for i in parts[rank]], metrics
 
 
@@ -132,8 +148,10 @@ def coverage(prompt_pos: list[int], num_prompts: int) -> dict[str, float]:
     seen = torch.zeros(num_prompts, dtype=torch.float64)
     seen[torch.tensor(prompt_pos, dtype=torch.long)] = 1.0
     responses = all_reduce_sum(torch.tensor([float(len(prompt_pos))], dtype=torch.float64))
-    return {"training/prompts_trained": all_reduce_max(seen).sum().item(),
-            "training/responses_trained": responses.item()}
+    return {
+        "training/prompts_trained": all_reduce_max(seen).sum().item(),
+        "training/responses_trained": responses.item(),
+    }
 
 
 def resample_rows(batch: dict, draw, world_size: int, rank: int) -> dict:
@@ -150,5 +168,5 @@ def resample_rows(batch: dict, draw, world_size: int, rank: int) -> dict:
         rows = batch
     total = rows["token_scores"].shape[0]
     indices = draw(rows["token_scores"].sum(-1))
-    share = indices[rank * (total // world_size):(rank + 1) * (total // world_size)]
+    share = indices[rank * (total // world_size) : (rank + 1) * (total // world_size)]
     return {k: v[share] for k, v in rows.items()}

@@ -28,6 +28,7 @@ key/value heads must divide by ``sp`` too, or (fewer KV heads than ranks) ``sp``
 them, and each KV head is then repeated ``sp / kv_heads`` times so that every rank gets the one its
 query heads use.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,16 +38,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import Batch, pack, unpack_per_token
-from rlhf_hpc.distributed.comm import collective
 
-__all__ = ["KEYS", "SequenceParallel", "UlyssesAttention", "build_sequence_parallel", "for_model", "gather_rows",
-           "heads_problem", "per_token_logprobs", "per_token_values"]
+__all__ = [
+    "KEYS",
+    "SequenceParallel",
+    "UlyssesAttention",
+    "build_sequence_parallel",
+    "for_model",
+    "gather_rows",
+    "heads_problem",
+    "per_token_logprobs",
+    "per_token_values",
+]
 
 # verl's keys, as the validation messages name them
-KEYS = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-        "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size")
+KEYS = (
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+    "critic.ulysses_sequence_parallel_size",
+)
 
 
 def heads_problem(num_heads: int, num_kv_heads: int, sp: int, key: str) -> Optional[str]:
@@ -54,12 +67,16 @@ def heads_problem(num_heads: int, num_kv_heads: int, sp: int, key: str) -> Optio
     if sp <= 1:
         return None
     if num_heads % sp:
-        return (f"{key}={sp}: the model's {num_heads} attention heads do not divide by {sp} (Ulysses gives every rank "
-                f"of a sequence-parallel group the same number of heads); use a size that divides {num_heads}")
+        return (
+            f"{key}={sp}: the model's {num_heads} attention heads do not divide by {sp} (Ulysses gives every rank "
+            f"of a sequence-parallel group the same number of heads); use a size that divides {num_heads}"
+        )
     if num_kv_heads % sp and sp % num_kv_heads:
-        return (f"{key}={sp}: the model's {num_kv_heads} key/value heads neither divide by {sp} nor divide it (a "
-                f"KV head can be repeated only a whole number of times per rank); use a divisor or a multiple of "
-                f"{num_kv_heads} that divides {num_heads}")
+        return (
+            f"{key}={sp}: the model's {num_kv_heads} key/value heads neither divide by {sp} nor divide it (a "
+            f"KV head can be repeated only a whole number of times per rank); use a divisor or a multiple of "
+            f"{num_kv_heads} that divides {num_heads}"
+        )
     return None
 
 
@@ -67,6 +84,7 @@ def heads_problem(num_heads: int, num_kv_heads: int, sp: int, key: str) -> Optio
 class SequenceParallel:
     """This rank's sequence-parallel group. ``group``: the all-to-all/all-gather of activations
     (the default backend); ``rows_group``: gloo, for the host batches exchanged before a forward."""
+
     size: int
     rank: int
     group: dist.ProcessGroup
@@ -145,7 +163,7 @@ class _GatherSlices(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         start = ctx.sp.rank * ctx.n
-        return grad[start:start + ctx.n].contiguous(), None
+        return grad[start : start + ctx.n].contiguous(), None
 
 
 def gather_slices(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
@@ -174,11 +192,13 @@ class UlyssesAttention:
     the group and the (1, N) position ids of the whole sequence (they say where sequences start).
     Passed as ``model(..., ulysses=UlyssesAttention(...))``; transformers forwards it to the
     attention function of every layer (also when activation checkpointing recomputes a layer)."""
+
     sp: SequenceParallel
     position_ids: torch.Tensor
 
-    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attend,
-                 **kwargs) -> tuple[torch.Tensor, None]:
+    def __call__(
+        self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attend, **kwargs
+    ) -> tuple[torch.Tensor, None]:
         """query (1, H, n, D), key/value (1, Hkv, n, D) of this rank's slice -> ((1, n, H, D), None).
         ``attend``: the packed attention function run on this rank's heads of the whole sequence."""
         sp = self.sp
@@ -190,8 +210,9 @@ class UlyssesAttention:
         def exchange(t: torch.Tensor) -> torch.Tensor:  # (1, h, n, D) -> (1, h / sp, N, D)
             return heads_to_sequence(t[0].transpose(0, 1), sp).transpose(0, 1).unsqueeze(0)
 
-        out, _ = attend(module, exchange(query), exchange(key), exchange(value), None,
-                        position_ids=self.position_ids, **kwargs)  # (1, N, H / sp, D)
+        out, _ = attend(
+            module, exchange(query), exchange(key), exchange(value), None, position_ids=self.position_ids, **kwargs
+        )  # (1, N, H / sp, D)
         return sequence_to_heads(out[0], sp).unsqueeze(0), None
 
 
@@ -203,7 +224,7 @@ def gather_rows(batch: Batch, sp: SequenceParallel) -> tuple[Batch, slice]:
     with collective(calls=2, host=True):
         dist.all_gather_object(parts, {k: v.cpu() for k, v in batch.items()}, group=sp.rows_group)
     sizes = [p["responses"].shape[0] for p in parts]
-    start = sum(sizes[:sp.rank])
+    start = sum(sizes[: sp.rank])
     return {k: torch.cat([p[k] for p in parts]) for k in batch}, slice(start, start + sizes[sp.rank])
 
 
@@ -211,6 +232,7 @@ def gather_rows(batch: Batch, sp: SequenceParallel) -> tuple[Batch, slice]:
 class Slice:
     """This rank's slice of a packed sequence padded to a multiple of sp. ids/positions (1, n);
     ``ulysses`` carries the (1, N) position ids of the whole padded sequence."""
+
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     start: int
@@ -227,12 +249,18 @@ def slice_packed(input_ids: torch.Tensor, position_ids: torch.Tensor, sp: Sequen
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device).unsqueeze(0)], 1)
     n = (N + pad) // sp.size
     a = sp.rank * n
-    return Slice(input_ids[:, a:a + n], position_ids[:, a:a + n], a, UlyssesAttention(sp, position_ids))
+    return Slice(input_ids[:, a : a + n], position_ids[:, a : a + n], a, UlyssesAttention(sp, position_ids))
 
 
-def per_token_logprobs(model: nn.Module, batch: Batch, sp: SequenceParallel, temperature: float = 1.0,
-                       with_entropy: bool = False, entropy_grad: bool = True, with_sum_pi_squared: bool = False
-                       ) -> tuple:
+def per_token_logprobs(
+    model: nn.Module,
+    batch: Batch,
+    sp: SequenceParallel,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    with_sum_pi_squared: bool = False,
+) -> tuple:
     """``rlhf_hpc.ppo.actor.per_token_logprobs`` (packed rows) with the sequence split over ``sp``:
     the same (B, R) log-probs (and entropies, and sum pi^2 with ``with_sum_pi_squared``), zero where
     ``response_mask`` is 0, on every rank of the group. The head runs only on this slice's positions
@@ -246,10 +274,16 @@ def per_token_logprobs(model: nn.Module, batch: Batch, sp: SequenceParallel, tem
     predicts = packed.gather_index[mask]
     label_at = torch.zeros(N, dtype=torch.long, device=device).index_put((predicts,), batch["responses"][mask])
     kept_at = torch.zeros(N, dtype=torch.bool, device=device).index_fill(0, predicts, True)
-    local = kept_at[part.start:part.start + n].nonzero().flatten()
-    logits = model(input_ids=part.input_ids, position_ids=part.position_ids, attention_mask=None, use_cache=False,
-                   logits_to_keep=local, ulysses=part.ulysses).logits[0]  # (kept here, V)
-    labels = label_at[part.start:part.start + n][local]
+    local = kept_at[part.start : part.start + n].nonzero().flatten()
+    logits = model(
+        input_ids=part.input_ids,
+        position_ids=part.position_ids,
+        attention_mask=None,
+        use_cache=False,
+        logits_to_keep=local,
+        ulysses=part.ulysses,
+    ).logits[0]  # (kept here, V)
+    labels = label_at[part.start : part.start + n][local]
     values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
     if logits.requires_grad and not values.requires_grad:
         # no response token in this slice: keep the graph, so this rank's backward runs the
@@ -272,6 +306,7 @@ def per_token_values(model: nn.Module, batch: Batch, sp: SequenceParallel) -> to
     (B, R), zero where masked, the same on every rank of the group."""
     packed = pack(batch)
     part = slice_packed(packed.input_ids, packed.position_ids, sp)
-    values = model(input_ids=part.input_ids, position_ids=part.position_ids, attention_mask=None,
-                   ulysses=part.ulysses)  # (1, n)
+    values = model(
+        input_ids=part.input_ids, position_ids=part.position_ids, attention_mask=None, ulysses=part.ulysses
+    )  # (1, n)
     return unpack_per_token(gather_slices(values[0], sp), packed)

@@ -8,6 +8,7 @@ written, a bug: ``record_failure``), or a launcher's watchdog (a rank lost or hu
 ``rlhf_hpc.launch.watchdog``). The first record wins (``os.link`` refuses to replace a file, on a
 shared filesystem too), so a rank that only lost its peer never hides the rank that died.
 """
+
 from __future__ import annotations
 
 import errno
@@ -24,10 +25,30 @@ import torch.distributed as dist
 
 from rlhf_hpc.distributed.heartbeat import ENV_LAUNCH_ID
 
-__all__ = ["BAD_INPUT", "EXIT_CODES", "FAILED", "FAILURE", "Failure", "GUARD_STOP", "HUNG_RANK", "LATEST_FILE",
-           "LOST_RANK", "OK", "REQUEUE", "RESTARTABLE", "RUN_DIR_UNWRITABLE", "checkpoint_summary",
-           "describe_run_end", "interrupted_code", "launch_command", "lost_peer", "note_in_run_log", "read_failure",
-           "record_failure", "unwritable_path"]
+__all__ = [
+    "BAD_INPUT",
+    "EXIT_CODES",
+    "FAILED",
+    "FAILURE",
+    "Failure",
+    "GUARD_STOP",
+    "HUNG_RANK",
+    "LATEST_FILE",
+    "LOST_RANK",
+    "OK",
+    "REQUEUE",
+    "RESTARTABLE",
+    "RUN_DIR_UNWRITABLE",
+    "checkpoint_summary",
+    "describe_run_end",
+    "interrupted_code",
+    "launch_command",
+    "lost_peer",
+    "note_in_run_log",
+    "read_failure",
+    "record_failure",
+    "unwritable_path",
+]
 
 OK = 0
 FAILED = 1
@@ -42,13 +63,18 @@ REQUEUE = 85
 EXIT_CODES: dict[int, tuple[str, str]] = {
     OK: ("done", "the run finished"),
     FAILED: ("error", "a rank failed with an unexpected error (a bug: the traceback is in that rank's output)"),
-    BAD_INPUT: ("bad input", "refused before or as the ranks started: config, data, a checkpoint of another run, "
-                             "a failed preflight, a run directory another run holds"),
+    BAD_INPUT: (
+        "bad input",
+        "refused before or as the ranks started: config, data, a checkpoint of another run, "
+        "a failed preflight, a run directory another run holds",
+    ),
     GUARD_STOP: ("guard stop", "the stability guard stopped training after trainer.guard.max_rollbacks rollbacks"),
     LOST_RANK: ("lost rank", "a rank died (killed, crashed, out of host memory) or its node was lost"),
     HUNG_RANK: ("hung rank", "a rank stopped responding: no heartbeat for launcher.heartbeat_timeout_s"),
-    RUN_DIR_UNWRITABLE: ("run directory unwritable",
-                         "a write into the run directory failed (permissions, read-only, full disk, quota)"),
+    RUN_DIR_UNWRITABLE: (
+        "run directory unwritable",
+        "a write into the run directory failed (permissions, read-only, full disk, quota)",
+    ),
     REQUEUE: ("requeue", "Slurm node: stopped early (preemption, time limit); the sbatch script requeues the job"),
 }
 # a failure a new attempt may get past (launcher.max_restarts); the others would repeat
@@ -125,8 +151,13 @@ def unwritable_path(exc: BaseException) -> Optional[str]:
 
 
 # what a collective raises on a rank whose peer died or was killed (gloo's and NCCL's words)
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-              "remote process exited or there was a network error")
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited or there was a network error",
+)
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -178,8 +209,10 @@ def interrupted_code(signum: int) -> int:
 
 def describe_run_end(failure: Failure, run_dir: str | Path, resume: str) -> str:
     """The one line of a failed run: what, where, the last checkpoint, how to resume, the code."""
-    return (f"[rlhf-hpc] run failed: {failure.summary().rstrip('.')}; {checkpoint_summary(run_dir)}; "
-            f"resume with: {resume}; exit code {failure.code} ({failure.label()})")
+    return (
+        f"[rlhf-hpc] run failed: {failure.summary().rstrip('.')}; {checkpoint_summary(run_dir)}; "
+        f"resume with: {resume}; exit code {failure.code} ({failure.label()})"
+    )
 
 
 RUN_LOG = "launch.log"

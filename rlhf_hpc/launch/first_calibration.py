@@ -9,6 +9,7 @@ layout and its plans, is resolved again with the measured figures. ``hardware.fi
 =false`` skips it; Slurm jobs are planned where they are submitted, away from the nodes that run
 them, so they never calibrate the login node's CPU.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,6 +32,7 @@ def needs_first_calibration(cfg) -> bool:
         return False
     if cfg.trainer.device == "auto":
         import torch  # (already imported by the config's loading; auto on a GPU machine is a GPU run)
+
         if torch.cuda.is_available():
             return False
     return not calibration_path().is_file()
@@ -40,9 +42,11 @@ def dry_run_note(cfg) -> str | None:
     """The dry run's comment line when the launch would calibrate first."""
     if not needs_first_calibration(cfg):
         return None
-    return (f"# no calibration file for this CPU ({calibration_path()}): the plans below use nominal figures; "
-            f"the run measures this machine first (about a minute, once) and plans with what it measures "
-            f"(hardware.first_run_calibration=false skips it)")
+    return (
+        f"# no calibration file for this CPU ({calibration_path()}): the plans below use nominal figures; "
+        f"the run measures this machine first (about a minute, once) and plans with what it measures "
+        f"(hardware.first_run_calibration=false skips it)"
+    )
 
 
 def calibrate_first_run(cfg) -> Path:
@@ -55,14 +59,19 @@ def calibrate_first_run(cfg) -> Path:
     cmd = [sys.executable, "-m", "rlhf_hpc.bench.calibrate", "--ranks", str(ranks), "--out", str(out)]
     if importlib.util.find_spec("vllm") is None:  # the engine's figures keep their defaults
         cmd.append("--skip-vllm")
-    print(f"[rlhf-hpc] no calibration file for this CPU: measuring it once before the first run "
-          f"(about a minute; log {log})", flush=True)
+    print(
+        f"[rlhf-hpc] no calibration file for this CPU: measuring it once before the first run "
+        f"(about a minute; log {log})",
+        flush=True,
+    )
     t0 = time.perf_counter()
     with open(log, "w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
     if rc != 0 or not out.is_file():
-        raise ConfigError(f"the first run's calibration of this CPU failed (exit code {rc}; log {log}). "
-                          f"Run it alone to see why: {' '.join(cmd[1:])}; or plan with the nominal figures: "
-                          f"hardware.first_run_calibration=false")
+        raise ConfigError(
+            f"the first run's calibration of this CPU failed (exit code {rc}; log {log}). "
+            f"Run it alone to see why: {' '.join(cmd[1:])}; or plan with the nominal figures: "
+            f"hardware.first_run_calibration=false"
+        )
     print(f"[rlhf-hpc] calibrated this CPU in {time.perf_counter() - t0:.0f} s: {out}", flush=True)
     return out

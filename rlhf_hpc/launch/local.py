@@ -6,6 +6,7 @@ checkpoint, as Slurm's warning does; a second one kills them at once. The watchd
 when a rank dies or hangs. Every end other than success is one line (``failure.describe_run_end``)
 with a documented exit code.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,22 +17,41 @@ import sys
 import uuid
 from pathlib import Path
 
-from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.engines import planned_engine
+from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.distributed.heartbeat import ENV_INTERVAL, ENV_LAUNCH_ID, HEARTBEAT_DIR, beat_interval
 from rlhf_hpc.distributed.host_allocator import malloc_tunables
-from rlhf_hpc.planning.hardware import cpu_threads_per_rank
-from rlhf_hpc.launch.failure import (BAD_INPUT, FAILED, OK, RESTARTABLE, Failure, checkpoint_summary,
-                                     describe_run_end, interrupted_code, launch_command, note_in_run_log)
+from rlhf_hpc.launch.failure import (
+    BAD_INPUT,
+    FAILED,
+    OK,
+    RESTARTABLE,
+    Failure,
+    checkpoint_summary,
+    describe_run_end,
+    interrupted_code,
+    launch_command,
+    note_in_run_log,
+)
 from rlhf_hpc.launch.rank_group import Outcome, RankGroup
 from rlhf_hpc.launch.run_lock import RunLock
 from rlhf_hpc.launch.stop import clear, read_stopped
 from rlhf_hpc.launch.watchdog import Watchdog
+from rlhf_hpc.planning.hardware import cpu_threads_per_rank
 from rlhf_hpc.recipe.load import write_resolved
 
-__all__ = ["LAYOUT_SHOWN", "STOP_SIGNALS", "TORCHRUN_MONITOR", "check_heartbeat_timeout", "prune_empty_dirs", "run_local",
-           "standalone_torchrun_command", "torchrun_log_dir", "worker_env"]
+__all__ = [
+    "LAYOUT_SHOWN",
+    "STOP_SIGNALS",
+    "TORCHRUN_MONITOR",
+    "check_heartbeat_timeout",
+    "prune_empty_dirs",
+    "run_local",
+    "standalone_torchrun_command",
+    "torchrun_log_dir",
+    "worker_env",
+]
 
 
 # set for ranks whose console already shows the plan's layout lines: rank 0 does not repeat them
@@ -52,10 +72,20 @@ def torchrun_log_dir(run_dir: str | Path) -> Path:
 
 def standalone_torchrun_command(cfg: Config, config_path: str | Path) -> list[str]:
     """The exact command line local mode runs (also what ``--dry-run`` prints)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={cfg.trainer.n_gpus_per_node}", "--max-restarts=0", TORCHRUN_MONITOR,
-            f"--log-dir={torchrun_log_dir(Path(config_path).parent)}",
-            "-m", "rlhf_hpc.worker", str(config_path)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
+        "--max-restarts=0",
+        TORCHRUN_MONITOR,
+        f"--log-dir={torchrun_log_dir(Path(config_path).parent)}",
+        "-m",
+        "rlhf_hpc.worker",
+        str(config_path),
+    ]
 
 
 def worker_env(cfg: Config) -> dict[str, str]:
@@ -80,8 +110,11 @@ def worker_env(cfg: Config) -> dict[str, str]:
         # crashed colocated engines on wake (verl sets the same for its colocated vLLM)
         env.setdefault("NCCL_CUMEM_ENABLE", "0")
         rollout = cfg.actor_rollout_ref.rollout
-        if (planned_engine(rollout.name).package == "vllm" and rollout.tensor_model_parallel_size > 1
-                and rollout.free_cache_engine):
+        if (
+            planned_engine(rollout.name).package == "vllm"
+            and rollout.tensor_model_parallel_size > 1
+            and rollout.free_cache_engine
+        ):
             # NCCL only for the engine's tensor-parallel all-reduce under sleep mode: vLLM's
             # disable_custom_all_reduce (set by the engine) leaves its symmetric-memory and FlashInfer
             # all-reduces on, which keep their own buffers across sleep/wake like the custom one
@@ -95,8 +128,10 @@ def worker_env(cfg: Config) -> dict[str, str]:
 def check_heartbeat_timeout(cfg: Config) -> float:
     timeout = cfg.launcher.heartbeat_timeout_s
     if not timeout > 0:
-        raise ConfigError(f"launcher.heartbeat_timeout_s: {timeout} is not a number of seconds > 0 (a rank without a "
-                          f"heartbeat for that long ends the run; the default is 300)")
+        raise ConfigError(
+            f"launcher.heartbeat_timeout_s: {timeout} is not a number of seconds > 0 (a rank without a "
+            f"heartbeat for that long ends the run; the default is 300)"
+        )
     return timeout
 
 
@@ -154,11 +189,15 @@ def _attempts(cfg: Config, cmd: list[str], run_dir: Path, lock: RunLock, receive
         shutil.rmtree(run_dir / HEARTBEAT_DIR, ignore_errors=True)
         launch_id = uuid.uuid4().hex[:12]
         env = worker_env(cfg)
-        env.update({"RLHF_HPC_ATTEMPT": str(attempt), ENV_LAUNCH_ID: launch_id,
-                    LAYOUT_SHOWN: "1"})  # this console has the layout lines already (cli printed the plan)
+        env.update(
+            {"RLHF_HPC_ATTEMPT": str(attempt), ENV_LAUNCH_ID: launch_id, LAYOUT_SHOWN: "1"}
+        )  # this console has the layout lines already (cli printed the plan)
         group = RankGroup(cmd, env, run_dir)
-        outcome = group.supervise(Watchdog(run_dir, launch_id, cfg.launcher.heartbeat_timeout_s),
-                                  refresh=lambda: lock.refresh(every_s=every), signals=received)
+        outcome = group.supervise(
+            Watchdog(run_dir, launch_id, cfg.launcher.heartbeat_timeout_s),
+            refresh=lambda: lock.refresh(every_s=every),
+            signals=received,
+        )
         failure = outcome.failure
         if outcome.signals and failure is None:
             return _interrupted(outcome, run_dir, resume)
@@ -171,9 +210,11 @@ def _attempts(cfg: Config, cmd: list[str], run_dir: Path, lock: RunLock, receive
             return BAD_INPUT, failure.what  # the user's error in its own words, once
         if failure.code not in RESTARTABLE or attempt + 1 == attempts or outcome.signals:
             return failure.code, describe_run_end(failure, run_dir, resume)
-        line = (f"[rlhf-hpc] workers failed (exit {failure.code}: {failure.label()}): {failure.summary()}; "
-                f"restart {attempt + 1}/{cfg.launcher.max_restarts} from the latest checkpoint "
-                f"({checkpoint_summary(run_dir)})")
+        line = (
+            f"[rlhf-hpc] workers failed (exit {failure.code}: {failure.label()}): {failure.summary()}; "
+            f"restart {attempt + 1}/{cfg.launcher.max_restarts} from the latest checkpoint "
+            f"({checkpoint_summary(run_dir)})"
+        )
         print(line, flush=True)
         note_in_run_log(run_dir, line)
     raise AssertionError("unreachable: the last attempt returns")
@@ -186,8 +227,12 @@ def _interrupted(outcome: Outcome, run_dir: Path, resume: str) -> tuple[int, str
     name = signal.Signals(signum).name
     if outcome.code == 0 and not read_stopped(run_dir):
         return OK, f"[rlhf-hpc] {name} arrived as the run finished: nothing to resume"
-    how = ("the ranks finished their step and saved a checkpoint" if outcome.code == 0 else
-           "the ranks were killed (a second signal): the steps after the last checkpoint are lost")
+    how = (
+        "the ranks finished their step and saved a checkpoint"
+        if outcome.code == 0
+        else "the ranks were killed (a second signal): the steps after the last checkpoint are lost"
+    )
     code = interrupted_code(signum)
-    return code, (f"[rlhf-hpc] stopped by {name}: {how}; {checkpoint_summary(run_dir)}; resume with: {resume}; "
-                  f"exit code {code}")
+    return code, (
+        f"[rlhf-hpc] stopped by {name}: {how}; {checkpoint_summary(run_dir)}; resume with: {resume}; exit code {code}"
+    )

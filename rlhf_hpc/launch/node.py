@@ -12,6 +12,7 @@ A stop can also be requested with a file (``stop.request_stop``), which is what 
 does when its own USR2 handler runs. Either way the ranks agree at the next step boundary, save a
 checkpoint and exit; ``stop.read_stopped`` then says why.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.distributed.heartbeat import ENV_LAUNCH_ID, beat_interval
-from rlhf_hpc.launch.failure import (BAD_INPUT, FAILED, OK, REQUEUE, Failure, checkpoint_summary, describe_run_end,
-                                     note_in_run_log)
+from rlhf_hpc.launch.failure import (
+    BAD_INPUT,
+    FAILED,
+    OK,
+    REQUEUE,
+    Failure,
+    checkpoint_summary,
+    describe_run_end,
+    note_in_run_log,
+)
 from rlhf_hpc.launch.local import TORCHRUN_MONITOR, prune_empty_dirs, torchrun_log_dir, worker_env
 from rlhf_hpc.launch.rank_group import Outcome, RankGroup
 from rlhf_hpc.launch.run_lock import RunDirLocked, RunLock
@@ -37,8 +46,16 @@ from rlhf_hpc.launch.watchdog import Watchdog
 from rlhf_hpc.planning.hardware import step_cpu_warning, usable_cpus
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["JOBS_FILE", "NodeInfo", "NodeJob", "NodeRun", "node_info", "node_python", "node_torchrun_command",
-           "resume_command"]
+__all__ = [
+    "JOBS_FILE",
+    "NodeInfo",
+    "NodeJob",
+    "NodeRun",
+    "node_info",
+    "node_python",
+    "node_torchrun_command",
+    "resume_command",
+]
 
 
 @dataclass
@@ -83,10 +100,15 @@ def node_info(env: Optional[dict] = None) -> NodeInfo:
         job_id = env["SLURM_JOB_ID"]
     hosts = hostnames(env["SLURM_JOB_NODELIST"])
     # the port from SLURM_JOB_ID, unique per array element too ("12_34" and "123_4" must not collide)
-    return NodeInfo(job_id=job_id, node_rank=int(env.get("SLURM_NODEID", 0)), nnodes=len(hosts), master=hosts[0],
-                    port=rendezvous_port(env["SLURM_JOB_ID"]),
-                    restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
-                    end_time=job_end_time(env["SLURM_JOB_ID"]))
+    return NodeInfo(
+        job_id=job_id,
+        node_rank=int(env.get("SLURM_NODEID", 0)),
+        nnodes=len(hosts),
+        master=hosts[0],
+        port=rendezvous_port(env["SLURM_JOB_ID"]),
+        restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+        end_time=job_end_time(env["SLURM_JOB_ID"]),
+    )
 
 
 def rendezvous_port(job_id: str) -> int:
@@ -106,12 +128,21 @@ def node_python(cfg) -> list[str]:
 
 
 def node_torchrun_command(cfg, config_path: str | Path, info: NodeInfo) -> list[str]:
-    cmd = node_python(cfg) + ["-m", "torch.distributed.run", f"--nnodes={info.nnodes}",
-           f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint={info.master}:{info.port}",
-           f"--rdzv-id={info.job_id}", f"--max-restarts={cfg.launcher.max_restarts}", TORCHRUN_MONITOR,
-           f"--log-dir={torchrun_log_dir(Path(config_path).parent)}",
-           "-m", "rlhf_hpc.worker", str(config_path)]
+    cmd = node_python(cfg) + [
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={info.nnodes}",
+        f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={info.master}:{info.port}",
+        f"--rdzv-id={info.job_id}",
+        f"--max-restarts={cfg.launcher.max_restarts}",
+        TORCHRUN_MONITOR,
+        f"--log-dir={torchrun_log_dir(Path(config_path).parent)}",
+        "-m",
+        "rlhf_hpc.worker",
+        str(config_path),
+    ]
     return cmd
 
 
@@ -132,9 +163,12 @@ class NodeRun:
         self.cmd = node_torchrun_command(cfg, config_path, info)
         # one line per node in its own log: where it runs and where the ranks meet
         cpus = usable_cpus()
-        print(f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
-              f"{cfg.trainer.n_gpus_per_node} ranks on {cpus} CPUs, rendezvous {info.master}:{info.port} "
-              f"(id {info.job_id}, restart {info.restart_count})", flush=True)
+        print(
+            f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
+            f"{cfg.trainer.n_gpus_per_node} ranks on {cpus} CPUs, rendezvous {info.master}:{info.port} "
+            f"(id {info.job_id}, restart {info.restart_count})",
+            flush=True,
+        )
         warning = step_cpu_warning(cfg.launcher.cpus_per_task, cpus, os.environ.get("SLURM_CPUS_PER_TASK"))
         if warning:
             print(f"[rlhf-hpc] warning: {warning}", flush=True)
@@ -173,8 +207,9 @@ class NodeJob:
         every = beat_interval(cfg.launcher.heartbeat_timeout_s)
         try:
             self.run = NodeRun(cfg, self.config_path, info)
-            watchdog = Watchdog(run_dir, self.run.launch_id, cfg.launcher.heartbeat_timeout_s,
-                                watch_all=info.node_rank == 0)
+            watchdog = Watchdog(
+                run_dir, self.run.launch_id, cfg.launcher.heartbeat_timeout_s, watch_all=info.node_rank == 0
+            )
             # with torchrun restarting its ranks itself (launcher.max_restarts), a lost rank is its call
             refresh = (lambda: lock.refresh(every)) if lock else (lambda: None)
             outcome = self.run.group.supervise(watchdog, refresh=refresh, kill_lost=cfg.launcher.max_restarts == 0)
@@ -190,16 +225,21 @@ class NodeJob:
         if failure is not None and failure.code == BAD_INPUT:  # once in the job's log, no requeue
             return BAD_INPUT, failure.what if info.node_rank == 0 else ""
         if failure is None and outcome.code != 0:
-            failure = Failure(FAILED, f"torchrun exited with code {outcome.code} (its report is above)",
-                              f"node {info.node_rank} ({socket.gethostname()})")
+            failure = Failure(
+                FAILED,
+                f"torchrun exited with code {outcome.code} (its report is above)",
+                f"node {info.node_rank} ({socket.gethostname()})",
+            )
         if failure is not None:
             line = describe_run_end(failure, run_dir, resume_command(run_dir))
             note_in_run_log(run_dir, f"job {info.job_id} node {info.node_rank}: {line}")
             return failure.code, line
         stopped = read_stopped(run_dir)
         if stopped and info.restart_count >= cfg.launcher.max_requeues:
-            return OK, (f"[rlhf-hpc] stopped ({stopped}) but launcher.max_requeues={cfg.launcher.max_requeues} "
-                        f"is used up; {checkpoint_summary(run_dir)}; resume with: {resume_command(run_dir)}")
+            return OK, (
+                f"[rlhf-hpc] stopped ({stopped}) but launcher.max_requeues={cfg.launcher.max_requeues} "
+                f"is used up; {checkpoint_summary(run_dir)}; resume with: {resume_command(run_dir)}"
+            )
         if stopped and info.node_rank == 0:
             return REQUEUE, f"[rlhf-hpc] stopped ({stopped}); exit code {REQUEUE} asks the sbatch script to requeue"
         return OK, ""

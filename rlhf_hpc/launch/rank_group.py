@@ -13,6 +13,7 @@
   own and the launcher's line is the one); after a failure a rank recorded, the group ends once
   every rank has exited or waits after a lost peer, at most ``FAILURE_GRACE_S`` later.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -100,8 +101,13 @@ class RankGroup:
                 pass
         self.proc.wait()
 
-    def supervise(self, watchdog: Watchdog, refresh: Callable[[], None] = lambda: None,
-                  signals: Optional[list[int]] = None, kill_lost: bool = True) -> Outcome:
+    def supervise(
+        self,
+        watchdog: Watchdog,
+        refresh: Callable[[], None] = lambda: None,
+        signals: Optional[list[int]] = None,
+        kill_lost: bool = True,
+    ) -> Outcome:
         """Wait for torchrun to end. ``signals``: filled by the caller's signal handlers; the first
         stops the ranks at the next step boundary, a second kills them. ``kill_lost``: end the
         group when a rank of this host is lost (off where torchrun restarts its ranks itself)."""
@@ -115,8 +121,11 @@ class RankGroup:
                 seen_signals = len(signals)
                 if seen_signals == 1:
                     name = signal.Signals(signals[0]).name
-                    print(f"[rlhf-hpc] {name}: the ranks finish their step, save a checkpoint and stop (a second "
-                          f"signal stops them at once, without one)", flush=True)
+                    print(
+                        f"[rlhf-hpc] {name}: the ranks finish their step, save a checkpoint and stop (a second "
+                        f"signal stops them at once, without one)",
+                        flush=True,
+                    )
                     self.stop(f"signal {name}")
                 else:
                     outcome.killed = True

@@ -15,6 +15,7 @@ launch is refused with the holder named. A lock left behind is taken over when i
 A takeover goes through ``RUN_LOCK.takeover`` (also O_EXCL), and re-reads the lock inside it, so two
 launches that both found a stale lock never both win.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,10 @@ class LockHolder:
 
     def describe(self) -> str:
         job = f", Slurm job {self.job_id}" if self.job_id else ""
-        return (f"host {self.host}, pid {self.pid}{job}, since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}")
+        return (
+            f"host {self.host}, pid {self.pid}{job}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}"
+        )
 
 
 class RunDirLocked(ConfigError):
@@ -77,8 +80,14 @@ class RunLock:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         pid = os.getpid()
-        me = LockHolder(host=socket.gethostname(), pid=pid, pid_start=process_start(pid), started=time.time(),
-                        job_id=job_id, stale_after_s=stale_after_s)
+        me = LockHolder(
+            host=socket.gethostname(),
+            pid=pid,
+            pid_start=process_start(pid),
+            started=time.time(),
+            job_id=job_id,
+            stale_after_s=stale_after_s,
+        )
         lock = cls(run_dir, me)
         for _ in range(20):
             if lock._create():
@@ -93,8 +102,9 @@ class RunLock:
             elif stale_reason(holder, me, lock.path) is None:
                 raise RunDirLocked(busy_message(run_dir, holder))
             lock._take_over(text)
-        raise RunDirLocked(f"trainer.default_local_dir: cannot lock {run_dir}: {LOCK_FILE} keeps changing "
-                           f"(several launches at once?)")
+        raise RunDirLocked(
+            f"trainer.default_local_dir: cannot lock {run_dir}: {LOCK_FILE} keeps changing (several launches at once?)"
+        )
 
     def _create(self) -> bool:
         try:
@@ -141,7 +151,10 @@ class RunLock:
         """Remove the lock if it is still ours (a launch elsewhere may have found it stale meanwhile)."""
         holder, _ = read_holder(self.path)
         if holder is not None and (holder.host, holder.pid, holder.started) == (
-                self.holder.host, self.holder.pid, self.holder.started):
+            self.holder.host,
+            self.holder.pid,
+            self.holder.started,
+        ):
             self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "RunLock":
@@ -187,9 +200,11 @@ def stale_reason(holder: LockHolder, me: LockHolder, path: Path) -> Optional[str
 
 
 def busy_message(run_dir: Path, holder: LockHolder) -> str:
-    return (f"trainer.default_local_dir: {run_dir} is in use by another run ({holder.describe()}); "
-            f"stop that run first (or wait for it), or choose another directory. A lock left by a process "
-            f"that is gone is taken over by itself")
+    return (
+        f"trainer.default_local_dir: {run_dir} is in use by another run ({holder.describe()}); "
+        f"stop that run first (or wait for it), or choose another directory. A lock left by a process "
+        f"that is gone is taken over by itself"
+    )
 
 
 def check_free(run_dir: str | Path, job_id: Optional[str] = None) -> None:
@@ -199,7 +214,8 @@ def check_free(run_dir: str | Path, job_id: Optional[str] = None) -> None:
     holder, _ = read_holder(path)
     if holder is None:
         return  # free, or being taken right now (the launch that takes it decides)
-    me = LockHolder(host=socket.gethostname(), pid=os.getpid(), pid_start="", started=time.time(), job_id=job_id,
-                    stale_after_s=0.0)
+    me = LockHolder(
+        host=socket.gethostname(), pid=os.getpid(), pid_start="", started=time.time(), job_id=job_id, stale_after_s=0.0
+    )
     if stale_reason(holder, me, path) is None:
         raise RunDirLocked(busy_message(Path(run_dir), holder))

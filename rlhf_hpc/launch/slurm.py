@@ -8,6 +8,7 @@ trainer's ``resume_mode=auto``) and the same W&B run. When the ranks stop on the
 allocation is about to end, the job requeues itself the same way. ``launcher.max_requeues`` bounds
 the loop.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,25 @@ from typing import Optional
 
 import submitit
 
-from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.errors import ConfigError
+from rlhf_hpc.config.schema import Config
 from rlhf_hpc.launch import stop
 from rlhf_hpc.launch.failure import OK, REQUEUE, launch_command
 from rlhf_hpc.launch.local import check_heartbeat_timeout
 from rlhf_hpc.launch.node import JOBS_FILE, NodeInfo, NodeJob, node_info, node_torchrun_command
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["cancel", "check_cluster", "have_slurm", "job_state", "log_files", "node_command_preview", "run_jobs", "sbatch_text",
-           "submit"]
+__all__ = [
+    "cancel",
+    "check_cluster",
+    "have_slurm",
+    "job_state",
+    "log_files",
+    "node_command_preview",
+    "run_jobs",
+    "sbatch_text",
+    "submit",
+]
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -93,8 +103,15 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
     python = nsys_prefix(Path(folder).parent / "profile") + shlex.quote(sys.executable) if la.nsys else None
     ex = cls(folder=str(folder), max_num_timeout=la.max_requeues, python=python)
     setup = list(la.setup) + ([f"mkdir -p {shlex.quote(str(Path(folder).parent / 'profile'))}"] if la.nsys else [])
-    params = dict(job_name=tr.experiment_name, nodes=tr.nnodes, ntasks_per_node=1, time=la.time_min,
-                  signal_delay_s=la.signal_lead_s, array_parallelism=la.array_parallelism, setup=setup)
+    params = dict(
+        job_name=tr.experiment_name,
+        nodes=tr.nnodes,
+        ntasks_per_node=1,
+        time=la.time_min,
+        signal_delay_s=la.signal_lead_s,
+        array_parallelism=la.array_parallelism,
+        setup=setup,
+    )
     if la.partition:
         params["partition"] = la.partition
     if la.cpus_per_task:
@@ -123,10 +140,19 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
 
 def node_command_preview(cfg: Config, config_path: Path) -> list[str]:
     """What each node of the job runs (the dry run shows it): its rendezvous is the job's, known on the node."""
-    info = NodeInfo(job_id="$SLURM_JOB_ID", node_rank=0, nnodes=cfg.trainer.nnodes, master="$FIRST_HOST",
-                    port=0, restart_count=0, end_time=None)
-    return [a.replace(":0", ":$PORT") if a.startswith("--rdzv-endpoint") else a
-            for a in node_torchrun_command(cfg, config_path, info)]
+    info = NodeInfo(
+        job_id="$SLURM_JOB_ID",
+        node_rank=0,
+        nnodes=cfg.trainer.nnodes,
+        master="$FIRST_HOST",
+        port=0,
+        restart_count=0,
+        end_time=None,
+    )
+    return [
+        a.replace(":0", ":$PORT") if a.startswith("--rdzv-endpoint") else a
+        for a in node_torchrun_command(cfg, config_path, info)
+    ]
 
 
 def nsys_prefix(nsys_report_dir: Path) -> str:
@@ -134,8 +160,7 @@ def nsys_prefix(nsys_report_dir: Path) -> str:
     below it are in one report per node, ``<run dir>/profile/nsys_<job>_node<N>.nsys-rep`` (the
     trainer's phases are NVTX ranges in it). ``%q{VAR}`` is expanded by nsys on the node."""
     out = f"{nsys_report_dir}/nsys_%q{{SLURM_JOB_ID}}_node%q{{SLURM_NODEID}}"
-    return (f"nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true "
-            f"--output={shlex.quote(out)} ")
+    return f"nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true --output={shlex.quote(out)} "
 
 
 def sbatch_text(cfg: Config, folder: Path) -> str:
@@ -151,10 +176,18 @@ def check_cluster(cfg: Config) -> None:
         parts = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60).stdout.split()
         names = [p.rstrip("*") for p in parts]
         if la.partition not in names:
-            raise ConfigError(f"launcher.partition: '{la.partition}' is not a partition of this cluster "
-                              f"(sinfo lists: {', '.join(names) or 'none'})")
-    args = ["sbatch", "--test-only", f"--nodes={tr.nnodes}", "--ntasks-per-node=1", f"--time={la.time_min}",
-            "--wrap=true"]
+            raise ConfigError(
+                f"launcher.partition: '{la.partition}' is not a partition of this cluster "
+                f"(sinfo lists: {', '.join(names) or 'none'})"
+            )
+    args = [
+        "sbatch",
+        "--test-only",
+        f"--nodes={tr.nnodes}",
+        "--ntasks-per-node=1",
+        f"--time={la.time_min}",
+        "--wrap=true",
+    ]
     if la.partition:
         args.append(f"--partition={la.partition}")
     if la.cpus_per_task:
@@ -171,9 +204,11 @@ def check_cluster(cfg: Config) -> None:
     out = subprocess.run(args, capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         msg = (out.stderr or out.stdout).strip().replace("sbatch: error: ", "")
-        raise ConfigError(f"Slurm rejects the resource request (trainer.nnodes={tr.nnodes}, trainer.n_gpus_per_node="
-                          f"{tr.n_gpus_per_node}, launcher.cpus_per_task={la.cpus_per_task}, launcher.mem_gb="
-                          f"{la.mem_gb}, launcher.partition={la.partition}, launcher.time_min={la.time_min}): {msg}")
+        raise ConfigError(
+            f"Slurm rejects the resource request (trainer.nnodes={tr.nnodes}, trainer.n_gpus_per_node="
+            f"{tr.n_gpus_per_node}, launcher.cpus_per_task={la.cpus_per_task}, launcher.mem_gb="
+            f"{la.mem_gb}, launcher.partition={la.partition}, launcher.time_min={la.time_min}): {msg}"
+        )
 
 
 def submit(cfgs: list[tuple[Config, Path]]) -> list[str]:
@@ -201,14 +236,17 @@ def submit(cfgs: list[tuple[Config, Path]]) -> list[str]:
 def run_jobs(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / JOBS_FILE
     if not path.is_file():
-        raise ConfigError(f"{run_dir}: no Slurm jobs recorded here ({JOBS_FILE} is missing): is it a run directory "
-                          f"of a cluster=slurm launch?")
+        raise ConfigError(
+            f"{run_dir}: no Slurm jobs recorded here ({JOBS_FILE} is missing): is it a run directory "
+            f"of a cluster=slurm launch?"
+        )
     return json.loads(path.read_text())
 
 
 def job_state(job_id: str) -> str:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True, text=True, timeout=60
+    )
     states = [s for s in out.stdout.split() if s]
     if states:
         return states[-1]

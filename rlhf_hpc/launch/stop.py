@@ -6,6 +6,7 @@ allocation that ends within ``launcher.time_margin_s`` makes every rank stop tog
 checkpoint and exit. ``STOPPED`` in the run directory then tells the launcher why, so it requeues
 (Slurm) or says where to resume (locally: the launcher's SIGTERM, SIGINT, SIGUSR1 or SIGHUP, ``local``).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,15 @@ import torch
 
 from rlhf_hpc.launch.failure import BAD_INPUT, FAILURE, Failure, record_failure
 
-__all__ = ["STOPPED", "StopCheck", "clear", "install_signal_handler", "read_stopped", "record_user_error",
-           "request_stop"]
+__all__ = [
+    "STOPPED",
+    "StopCheck",
+    "clear",
+    "install_signal_handler",
+    "read_stopped",
+    "record_user_error",
+    "request_stop",
+]
 
 STOP_REQUEST = "STOP_REQUESTED"
 STOPPED = "STOPPED"

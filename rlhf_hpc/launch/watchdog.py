@@ -13,6 +13,7 @@ directory).
 
 What it finds is a ``Failure`` (``rlhf_hpc.launch.failure``); acting on it is the caller's job.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,12 @@ class Watchdog:
             count, _ = self._moved.get(rank, (None, now))
             if count != beat.count:
                 self._moved[rank] = (beat.count, now)
-            if (beat.host == self.host and self._pidfds.get(rank, (None,))[0] != beat.pid and beat.state != "exited"
-                    and (rank, beat.pid) not in self._gone):
+            if (
+                beat.host == self.host
+                and self._pidfds.get(rank, (None,))[0] != beat.pid
+                and beat.state != "exited"
+                and (rank, beat.pid) not in self._gone
+            ):
                 self._watch_pid(rank, beat)
 
     def _watch_pid(self, rank: int, beat: Beat) -> None:
@@ -111,34 +116,53 @@ class Watchdog:
             return None  # ended on purpose (done, a recorded failure, waiting after a lost peer)
         note = signal_note(self.run_dir, rank)
         if note.startswith("Fatal Python error"):
-            return Failure(LOST_RANK, f"the process crashed ({note.splitlines()[0]}; its stack: "
-                                      f"{self.run_dir / 'heartbeat' / f'rank{rank}.signal'})", describe_rank(beat))
+            return Failure(
+                LOST_RANK,
+                f"the process crashed ({note.splitlines()[0]}; its stack: "
+                f"{self.run_dir / 'heartbeat' / f'rank{rank}.signal'})",
+                describe_rank(beat),
+            )
         if note:
             self.terminated.append(beat)
             return None
-        return Failure(LOST_RANK, "the process died without an error of its own (killed by a signal, by the "
-                                  "out-of-memory killer, or exited past Python)", describe_rank(beat))
+        return Failure(
+            LOST_RANK,
+            "the process died without an error of its own (killed by a signal, by the "
+            "out-of-memory killer, or exited past Python)",
+            describe_rank(beat),
+        )
 
     def _stale(self) -> Optional[Failure]:
         now = time.monotonic()
         for rank, beat in sorted(self.beats.items()):
-            if (beat.state == "exited" or (rank, beat.pid) in self._gone
-                    or not (self.watch_all or beat.host == self.host)):
+            if (
+                beat.state == "exited"
+                or (rank, beat.pid) in self._gone
+                or not (self.watch_all or beat.host == self.host)
+            ):
                 continue
             _, since = self._moved[rank]
             if now - since > self.timeout_s:
                 if not writable(self.run_dir):
-                    return Failure(RUN_DIR_UNWRITABLE, f"{self.run_dir} cannot be written (the heartbeats stopped "
-                                                       f"with it)", describe_rank(beat))
-                return Failure(HUNG_RANK, f"no heartbeat for {now - since:.0f} s (launcher.heartbeat_timeout_s="
-                                          f"{self.timeout_s:g}): the process is stopped or stuck", describe_rank(beat))
+                    return Failure(
+                        RUN_DIR_UNWRITABLE,
+                        f"{self.run_dir} cannot be written (the heartbeats stopped with it)",
+                        describe_rank(beat),
+                    )
+                return Failure(
+                    HUNG_RANK,
+                    f"no heartbeat for {now - since:.0f} s (launcher.heartbeat_timeout_s="
+                    f"{self.timeout_s:g}): the process is stopped or stuck",
+                    describe_rank(beat),
+                )
         return None
 
     def settled(self) -> bool:
         """Every rank has ended or waits after a lost peer: nothing more will come from the group."""
         self._read()
-        return bool(self.beats) and all(beat.state != "running" or (rank, beat.pid) in self._gone
-                                        for rank, beat in self.beats.items())
+        return bool(self.beats) and all(
+            beat.state != "running" or (rank, beat.pid) in self._gone for rank, beat in self.beats.items()
+        )
 
     def after_exit(self) -> Optional[Failure]:
         """Once torchrun has ended with an error and nothing was recorded: the rank that ended

@@ -6,6 +6,7 @@ transformers, FSDP2 on 2 ranks against one process, Ulysses against sp=1, the we
 and its log-probs, checkpoint, resume and Hugging Face export. Another decoder-only causal LM that
 transformers builds is accepted with a warning; anything else is refused before a job is queued.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -26,6 +27,7 @@ TESTED = {
 def causal_lm_class(config) -> Optional[str]:
     """The class ``AutoModelForCausalLM`` builds for ``config`` (None: it builds none)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     named = [a for a in (getattr(config, "architectures", None) or []) if a.endswith("ForCausalLM")]
     return named[0] if named else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
 
@@ -39,20 +41,28 @@ def architecture_problems(config, key: str, attn: Optional[str] = None) -> tuple
     cls = causal_lm_class(config)
     named = (getattr(config, "architectures", None) or [config.model_type])[0]
     if getattr(config, "vision_config", None) is not None or getattr(config, "text_config", None) is not None:
-        errors.append(f"{key}.path: {named} is a multimodal model; rlhf-hpc trains text-only causal LMs ({tested}): "
-                      f"use the text model's checkpoint (for Gemma 3: model_type gemma3_text, Gemma3ForCausalLM)")
+        errors.append(
+            f"{key}.path: {named} is a multimodal model; rlhf-hpc trains text-only causal LMs ({tested}): "
+            f"use the text model's checkpoint (for Gemma 3: model_type gemma3_text, Gemma3ForCausalLM)"
+        )
         return errors, warnings
     if cls is None or not cls.endswith("ForCausalLM") or getattr(config, "is_encoder_decoder", False):
         built = f" (AutoModelForCausalLM would build {cls})" if cls else ""
-        errors.append(f"{key}.path: {named} (model_type {config.model_type}) is not a decoder-only causal language "
-                      f"model{built}; rlhf-hpc trains causal LMs ({tested})")
+        errors.append(
+            f"{key}.path: {named} (model_type {config.model_type}) is not a decoder-only causal language "
+            f"model{built}; rlhf-hpc trains causal LMs ({tested})"
+        )
         return errors, warnings
     if cls not in TESTED:
-        warnings.append(f"{key}.path: {cls} is not among the architectures tested end to end here ({tested}); "
-                        f"it may train, but nothing here has checked its weight sync or its log-probs")
+        warnings.append(
+            f"{key}.path: {cls} is not among the architectures tested end to end here ({tested}); "
+            f"it may train, but nothing here has checked its weight sync or its log-probs"
+        )
     cap = getattr(config, "attn_logit_softcapping", None)
     if cap and attn == "sdpa":
-        errors.append(f"{key}.override_config.attn_implementation=sdpa: {cls} soft-caps its attention scores "
-                      f"(attn_logit_softcapping={cap}), which sdpa ignores; use varlen (the default without "
-                      f"flash-attn), eager or flash_attention_2")
+        errors.append(
+            f"{key}.override_config.attn_implementation=sdpa: {cls} soft-caps its attention scores "
+            f"(attn_logit_softcapping={cap}), which sdpa ignores; use varlen (the default without "
+            f"flash-attn), eager or flash_attention_2"
+        )
     return errors, warnings

@@ -14,6 +14,7 @@ Calls that carry a padding mask (padded batches) go to sdpa unchanged, and so do
 KV cache. Select it with ``actor_rollout_ref.model.override_config.attn_implementation: varlen``
 (verl's key); the default is flash_attention_2 where flash-attn is installed, else varlen.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -23,8 +24,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kernel_arguments", "packing_metadata", "per_sequence_attention", "register", "sequence_starts",
-           "varlen_attention_forward"]
+__all__ = [
+    "kernel_arguments",
+    "packing_metadata",
+    "per_sequence_attention",
+    "register",
+    "sequence_starts",
+    "varlen_attention_forward",
+]
 
 NAME = "varlen"
 
@@ -37,6 +44,7 @@ def register() -> str:
     """Make ``NAME`` a transformers attention implementation (idempotent); returns ``NAME``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(NAME, varlen_attention_forward)
     AttentionMaskInterface.register(NAME, varlen_mask)
     return NAME
@@ -48,6 +56,7 @@ def varlen_mask(*args, **kwargs):
     if kwargs.get("attention_mask") is None:
         return None
     from transformers.masking_utils import sdpa_mask
+
     return sdpa_mask(*args, **kwargs)
 
 
@@ -84,8 +93,9 @@ def _kernel():
     return varlen_attn
 
 
-def kernel_arguments(kernel, scaling: Optional[float], heads: int, kv_heads: int,
-                     window: Optional[int] = None) -> tuple[dict, int]:
+def kernel_arguments(
+    kernel, scaling: Optional[float], heads: int, kv_heads: int, window: Optional[int] = None
+) -> tuple[dict, int]:
     """Keyword arguments for this torch's ``varlen_attn`` (its causal switch and GQA support
     changed between releases), and how many times to repeat each key/value head without GQA.
     ``window``: a sliding window of that many tokens (flash's (left, right) = (window - 1, 0))."""
@@ -93,8 +103,10 @@ def kernel_arguments(kernel, scaling: Optional[float], heads: int, kv_heads: int
     kw = {"scale": scaling}
     if window is not None:
         if "window_size" not in params:
-            raise ValueError("attn_implementation=varlen: this torch's varlen_attn has no sliding window; install "
-                             "flash-attn (attn_implementation=flash_attention_2) for this model")
+            raise ValueError(
+                "attn_implementation=varlen: this torch's varlen_attn has no sliding window; install "
+                "flash-attn (attn_implementation=flash_attention_2) for this model"
+            )
         kw["window_size"] = (window - 1, 0)
     else:
         kw.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
@@ -104,11 +116,20 @@ def kernel_arguments(kernel, scaling: Optional[float], heads: int, kv_heads: int
     return kw, heads // kv_heads
 
 
-def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                             position_ids: Optional[torch.Tensor] = None, ulysses=None,
-                             softcap: Optional[float] = None, **kwargs):
+def varlen_attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    ulysses=None,
+    softcap: Optional[float] = None,
+    **kwargs,
+):
     """transformers attention function. query (B, H, L, D), key/value (B, Hkv, L, D) ->
     ((B, L, H, D), None). ``ulysses`` (a ``rlhf_hpc.distributed.sequence_parallel.UlyssesAttention``): the
     rows are one slice of a sequence split over ranks; it exchanges heads for the whole sequence
@@ -116,22 +137,47 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor, val
     sees itself and the W - 1 before it, as transformers' masks; ``softcap`` (Gemma 2): scores
     become softcap x tanh(score / softcap) before the softmax."""
     if ulysses is not None:
-        return ulysses(module, query, key, value, varlen_attention_forward, dropout=dropout, scaling=scaling,
-                       sliding_window=sliding_window, softcap=softcap, **kwargs)
+        return ulysses(
+            module,
+            query,
+            key,
+            value,
+            varlen_attention_forward,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            **kwargs,
+        )
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
         if softcap is not None:  # sdpa has no soft-capping: the model's own eager attention has
             eager = sys.modules[type(module).__module__].eager_attention_forward
             if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds its mask
-                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device
-                                             ).masked_fill(~attention_mask, torch.finfo(query.dtype).min)
-            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                         sliding_window=sliding_window, softcap=softcap, **kwargs)
+                attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                    ~attention_mask, torch.finfo(query.dtype).min
+                )
+            return eager(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                **kwargs,
+            )
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if dropout:
-        raise ValueError("attn_implementation=varlen does not support attention dropout; use sdpa or "
-                         "flash_attention_2 for this model")
+        raise ValueError(
+            "attn_implementation=varlen does not support attention dropout; use sdpa or "
+            "flash_attention_2 for this model"
+        )
     B, H, L, D = query.shape
     kv_heads = key.shape[1]
     cu, longest = packing_metadata(position_ids, B, L, kwargs)
@@ -164,14 +210,21 @@ def _causal(length: int, window: Optional[int], device) -> Optional[torch.Tensor
     return (d >= 0) & (d < window)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: Optional[float],
-            window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: Optional[float],
+    window: Optional[int],
+    softcap: Optional[float],
+) -> torch.Tensor:
     """Causal attention over a batch of equal-length sequences: (n, H, L, D) q, (n, Hkv, L, D) k/v."""
     gqa = k.shape[1] != q.shape[1]
     allowed = _causal(q.shape[2], window, q.device)
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scaling,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scaling, enable_gqa=gqa
+        )
     if gqa:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
     scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
@@ -182,9 +235,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: Optional
     return torch.softmax(scores.float(), -1).to(v.dtype) @ v
 
 
-def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                           scaling: Optional[float] = None, window: Optional[int] = None,
-                           softcap: Optional[float] = None) -> torch.Tensor:
+def per_sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    scaling: Optional[float] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """Causal attention inside each sequence of a packed batch (within ``window`` tokens, with
     ``softcap`` when given): q (N, H, D), k/v (N, Hkv, D), ``cu`` (S+1,) sequence bounds ->
     (N, H, D). Sequences of equal length go through one batched call (one call per distinct length,
@@ -203,8 +262,9 @@ def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         first = starts[lens == length]  # (n,) the first token of each sequence of this length
         n = len(first)
         idx = (first[:, None] + torch.arange(length, device=q.device)).reshape(-1)  # (n * length,)
-        o = _attend(*(t[idx].view(n, length, t.shape[1], D).transpose(1, 2) for t in (q, k, v)), scaling, window,
-                    softcap)
+        o = _attend(
+            *(t[idx].view(n, length, t.shape[1], D).transpose(1, 2) for t in (q, k, v)), scaling, window, softcap
+        )
         outs.append(o.transpose(1, 2).reshape(n * length, H, D))
         order.append(idx)
     # the outputs grouped by length -> back in token order

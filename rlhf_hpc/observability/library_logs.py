@@ -12,6 +12,7 @@ Where the user chose how a library logs, that library is left alone: ``VLLM_CONF
 when set (the launcher sets it to ERROR for CPU ranks only: torch's C++ warnings bypass Python and
 cannot be routed to a file; on GPUs they stay, NCCL's among them).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -86,11 +87,13 @@ def route_library_logs(run_dir: str | Path, rank: int) -> Path:
         vllm_log.propagate = False
 
     import torch  # noqa: F401  (torch's logging puts its console handler on "torch" at import)
+
     for handler in logging.getLogger("torch").handlers:
         if isinstance(handler, logging.StreamHandler) and not any(isinstance(f, _Below) for f in handler.filters):
             handler.addFilter(_Below(logging.ERROR, file))
 
     from transformers.utils import logging as transformers_logging
+
     transformers_logging.disable_progress_bar()  # "Loading weights" bars: one per model per rank
 
     logging.captureWarnings(True)

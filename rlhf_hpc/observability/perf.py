@@ -1,4 +1,5 @@
 """Timers, model FLOPs and MFU, memory figures."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,8 +11,17 @@ import torch
 from rlhf_hpc.planning.hardware import device_hardware
 from rlhf_hpc.planning.sizing import forward_flops, matmul_shape
 
-__all__ = ["CPU_NOMINAL_FLOPS", "Timer", "memory_metrics", "model_flops", "peak_flops", "peak_flops_of",
-           "peak_memory_bytes", "reset_peak_memory", "rss_bytes"]
+__all__ = [
+    "CPU_NOMINAL_FLOPS",
+    "Timer",
+    "memory_metrics",
+    "model_flops",
+    "peak_flops",
+    "peak_flops_of",
+    "peak_memory_bytes",
+    "reset_peak_memory",
+    "rss_bytes",
+]
 
 # CPU has no meaningful table entry; a nominal 1e11 FLOP/s per rank keeps the metric defined there
 CPU_NOMINAL_FLOPS = 1e11
@@ -128,8 +138,10 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def _peaks_now(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
-        return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device),
-                "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device)}
+        return {
+            "perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device),
+            "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device),
+        }
     return {"perf/max_memory_allocated_gb": _status_field("VmHWM")}
 
 

@@ -15,6 +15,7 @@ check against the trace. The loop's phases are ``record_function`` ranges in the
 ranges on CUDA (``rlhf_hpc.observability.perf.Timer``), so an Nsight Systems run (``launcher.nsys=true``) shows
 them too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,14 @@ class StepProfiler:
                 path = self.trace_path(step)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(path))
-                summary = {"step": step, "rank": self.rank, "comm_s": meter.total, "calls": meter.calls,
-                           "by_phase_s": meter.seconds, "step_s": timer.times.get("timing_s/step")}
+                summary = {
+                    "step": step,
+                    "rank": self.rank,
+                    "comm_s": meter.total,
+                    "calls": meter.calls,
+                    "by_phase_s": meter.seconds,
+                    "step_s": timer.times.get("timing_s/step"),
+                }
                 path.with_name(f"rank{self.rank}.comm.json").write_text(json.dumps(summary, indent=1))
 
     def metrics(self, times: dict[str, float], log: Callable[[str], None] = print) -> dict[str, float]:
@@ -117,8 +124,10 @@ class CommHint:
             return None
         self.said = True
         shares = ", ".join(f"{g} {v:.0%}" for g, v in split.items())
-        return (f"[rlhf-hpc] communication took {m['perf/comm_fraction']:.0%} of the step for {HINT_STEPS} steps "
-                f"({shares}); most in {top}: {advice}")
+        return (
+            f"[rlhf-hpc] communication took {m['perf/comm_fraction']:.0%} of the step for {HINT_STEPS} steps "
+            f"({shares}); most in {top}: {advice}"
+        )
 
     def keys_for(self, group: str) -> str:
         """The advice for ``group``: one ``key (why)`` per suggestion the recipe did not set, "; "-joined
@@ -129,43 +138,84 @@ class CommHint:
         tr, arr = self.cfg.trainer, self.cfg.actor_rollout_ref
         actor = "actor_rollout_ref.actor"
         if group == "weight_sync":
-            return [("actor_rollout_ref.rollout.update_weights_bucket_mb",
-                     f"raise actor_rollout_ref.rollout.update_weights_bucket_mb (now "
-                     f"{arr.rollout.update_weights_bucket_mb}; fewer, larger all-gathers overlapping the engine's copy)")]
+            return [
+                (
+                    "actor_rollout_ref.rollout.update_weights_bucket_mb",
+                    f"raise actor_rollout_ref.rollout.update_weights_bucket_mb (now "
+                    f"{arr.rollout.update_weights_bucket_mb}; fewer, larger all-gathers overlapping the engine's copy)",
+                )
+            ]
         if group == "train":
             fsdp, out = resolved_fsdp_configs(self.cfg)["actor"], []
             if fsdp.fsdp_size == 1:  # replicated: the only collective is one gradient all-reduce per mini-batch
-                out.append((f"{actor}.ppo_mini_batch_size",
-                            f"fewer, larger mini-batches ({actor}.ppo_mini_batch_size, now "
-                            f"{arr.actor.ppo_mini_batch_size}; one gradient all-reduce each)"))
+                out.append(
+                    (
+                        f"{actor}.ppo_mini_batch_size",
+                        f"fewer, larger mini-batches ({actor}.ppo_mini_batch_size, now "
+                        f"{arr.actor.ppo_mini_batch_size}; one gradient all-reduce each)",
+                    )
+                )
                 if tr.device != "cpu":  # (CPU replicas average through shared memory in their own dtype:
                     # a bf16 reduce would move them onto gloo's slower all-reduce, rlhf_hpc.distributed.fsdp)
-                    out.append((f"{actor}.fsdp_config.mixed_precision.reduce_dtype",
-                                f"{actor}.fsdp_config.mixed_precision.reduce_dtype=bfloat16 (half the bytes)"))
+                    out.append(
+                        (
+                            f"{actor}.fsdp_config.mixed_precision.reduce_dtype",
+                            f"{actor}.fsdp_config.mixed_precision.reduce_dtype=bfloat16 (half the bytes)",
+                        )
+                    )
                 return out
             if (tr.nnodes > 1 and fsdp.fsdp_size in (-1, None)) or (fsdp.fsdp_size or 0) > tr.n_gpus_per_node:
-                out.append((f"{actor}.fsdp_config.fsdp_size",
-                            f"shard inside a node with HSDP: {actor}.fsdp_config.fsdp_size="
-                            f"{tr.n_gpus_per_node} (now {fsdp.fsdp_size}; likewise critic.model.fsdp_config.fsdp_size)"))
-            out.append((f"{actor}.ppo_micro_batch_size_per_gpu",
-                        f"larger {actor}.ppo_micro_batch_size_per_gpu (now {arr.actor.ppo_micro_batch_size_per_gpu}; "
-                        f"every micro-batch gathers the weights again)"))
+                out.append(
+                    (
+                        f"{actor}.fsdp_config.fsdp_size",
+                        f"shard inside a node with HSDP: {actor}.fsdp_config.fsdp_size="
+                        f"{tr.n_gpus_per_node} (now {fsdp.fsdp_size}; likewise critic.model.fsdp_config.fsdp_size)",
+                    )
+                )
+            out.append(
+                (
+                    f"{actor}.ppo_micro_batch_size_per_gpu",
+                    f"larger {actor}.ppo_micro_batch_size_per_gpu (now {arr.actor.ppo_micro_batch_size_per_gpu}; "
+                    f"every micro-batch gathers the weights again)",
+                )
+            )
             if not fsdp.forward_prefetch:
-                out.append((f"{actor}.fsdp_config.forward_prefetch",
-                            "fsdp_config.forward_prefetch=true (overlap the next layer's all-gather)"))
+                out.append(
+                    (
+                        f"{actor}.fsdp_config.forward_prefetch",
+                        "fsdp_config.forward_prefetch=true (overlap the next layer's all-gather)",
+                    )
+                )
             if fsdp.reshard_after_forward:
-                out.append((f"{actor}.fsdp_config.reshard_after_forward",
-                            "fsdp_config.reshard_after_forward=false (no second all-gather in backward; more memory)"))
+                out.append(
+                    (
+                        f"{actor}.fsdp_config.reshard_after_forward",
+                        "fsdp_config.reshard_after_forward=false (no second all-gather in backward; more memory)",
+                    )
+                )
             if arr.actor.ulysses_sequence_parallel_size == 1:
-                out.append((f"{actor}.ulysses_sequence_parallel_size",
-                            f"{actor}.ulysses_sequence_parallel_size=2 or 4 (each rank holds a slice of every row: "
-                            f"raise the token budgets / micro-batch sizes for fewer micro-batches)"))
+                out.append(
+                    (
+                        f"{actor}.ulysses_sequence_parallel_size",
+                        f"{actor}.ulysses_sequence_parallel_size=2 or 4 (each rank holds a slice of every row: "
+                        f"raise the token budgets / micro-batch sizes for fewer micro-batches)",
+                    )
+                )
             return out
         if group == "rollout":
-            return [("actor_rollout_ref.rollout.tensor_model_parallel_size",
-                     f"lower actor_rollout_ref.rollout.tensor_model_parallel_size (now "
-                     f"{arr.rollout.tensor_model_parallel_size}) if the model fits")]
+            return [
+                (
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                    f"lower actor_rollout_ref.rollout.tensor_model_parallel_size (now "
+                    f"{arr.rollout.tensor_model_parallel_size}) if the model fits",
+                )
+            ]
         if tr.device == "cpu":  # CPU ranks share the cores: waiting at the all-reduces is contention, not imbalance
             return []
-        return [("trainer.balance_batch", "this is mostly waiting at the metric all-reduces for the slowest rank: "
-                 "even out the work per rank (trainer.balance_batch=true, actor_rollout_ref.actor.use_dynamic_bsz=true)")]
+        return [
+            (
+                "trainer.balance_batch",
+                "this is mostly waiting at the metric all-reduces for the slowest rank: "
+                "even out the work per rank (trainer.balance_batch=true, actor_rollout_ref.actor.use_dynamic_bsz=true)",
+            )
+        ]

@@ -1,6 +1,7 @@
 """Where a rank's start-up goes: the seconds of each phase from the worker's first line to its first
 step (imports, the config, the process group, the data, the models, the engine, the resume, the
 trackers), logged once by the main rank and as ``timing_s/startup/<phase>`` in the first step's metrics."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,14 @@ class StartupClock:
         return sum(self.phases.values())
 
     def line(self) -> str:
-        return (f"start-up {self.total:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in self.phases.items())
-                + " (this rank; the first weight sync is step 1's update_weights)")
+        return (
+            f"start-up {self.total:.1f} s: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in self.phases.items())
+            + " (this rank; the first weight sync is step 1's update_weights)"
+        )
 
     def metrics(self) -> dict[str, float]:
-        return {**{f"timing_s/startup/{k.replace(' ', '_')}": v for k, v in self.phases.items()}, "timing_s/startup/total": self.total}
+        return {
+            **{f"timing_s/startup/{k.replace(' ', '_')}": v for k, v in self.phases.items()},
+            "timing_s/startup/total": self.total,
+        }

@@ -14,6 +14,7 @@ Validation generations (``trainer.log_val_generations``): ``<run dir>/val_genera
 (always; one JSON object per row, with its ``step``), and each backend's ``log_generations``: W&B
 verl's table ``val/generations`` (a row per validation: step, input_1, output_1, score_1, ...),
 TensorBoard verl's text ``val/generations``, MLflow verl's artifact ``val_step<step>.json``."""
+
 from __future__ import annotations
 
 import importlib
@@ -30,9 +31,24 @@ from typing import Optional
 from rlhf_hpc.config.trackers import TRACKERS, TrackerSpec
 from rlhf_hpc.config.tree import flatten, to_dict
 
-__all__ = ["ConsoleBackend", "MLFLOW_DIR", "MLFLOW_ID_FILE", "MLflowBackend", "RUN_SPECIFIC", "TensorBoardBackend",
-           "Tracker", "VAL_GENERATIONS_FILE", "WandbBackend", "backend_class", "config_hash", "mlflow_metric_name",
-           "mlflow_tracking_uri", "read_metrics", "wandb_mode", "wandb_sync_command"]
+__all__ = [
+    "ConsoleBackend",
+    "MLFLOW_DIR",
+    "MLFLOW_ID_FILE",
+    "MLflowBackend",
+    "RUN_SPECIFIC",
+    "TensorBoardBackend",
+    "Tracker",
+    "VAL_GENERATIONS_FILE",
+    "WandbBackend",
+    "backend_class",
+    "config_hash",
+    "mlflow_metric_name",
+    "mlflow_tracking_uri",
+    "read_metrics",
+    "wandb_mode",
+    "wandb_sync_command",
+]
 
 WANDB_ID_FILE = "wandb_run_id"
 GLOBAL_STEP, LOG_STEP = "training/global_step", "training/log_step"
@@ -44,8 +60,13 @@ VAL_GENERATIONS_KEY = "val/generations"  # verl's name (ValidationGenerationsLog
 
 def git_commit() -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -58,15 +79,19 @@ RUN_SPECIFIC = ("trainer.default_local_dir", "trainer.experiment_name", "trainer
 def config_hash(cfg) -> str:
     """Short hash of the resolved config, identical for runs that are the same experiment."""
     import hashlib
+
     flat = {k: v for k, v in flatten(to_dict(cfg)).items() if k not in RUN_SPECIFIC}
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def wandb_tags(cfg) -> list[str]:
     commit = git_commit()
-    tags = [f"recipe:{cfg.trainer.recipe}" if cfg.trainer.recipe else None,
-            f"profile:{cfg.launcher.cluster_profile}" if cfg.launcher.cluster_profile else None,
-            f"git:{commit}" if commit else None, f"config:{config_hash(cfg)}"]
+    tags = [
+        f"recipe:{cfg.trainer.recipe}" if cfg.trainer.recipe else None,
+        f"profile:{cfg.launcher.cluster_profile}" if cfg.launcher.cluster_profile else None,
+        f"git:{commit}" if commit else None,
+        f"config:{config_hash(cfg)}",
+    ]
     return [t for t in tags if t]
 
 
@@ -82,8 +107,15 @@ class Tracker:
     names (``rlhf_hpc.config.trackers.TRACKERS``: the backend classes below); other ranks write nothing.
     ``wandb_id`` / ``mlflow_id``: the runs a resumed run continues (kept in its checkpoints)."""
 
-    def __init__(self, cfg, run_dir: str | Path, is_main: bool, total_steps: int,
-                 wandb_id: Optional[str] = None, mlflow_id: Optional[str] = None):
+    def __init__(
+        self,
+        cfg,
+        run_dir: str | Path,
+        is_main: bool,
+        total_steps: int,
+        wandb_id: Optional[str] = None,
+        mlflow_id: Optional[str] = None,
+    ):
         self.cfg, self.run_dir, self.is_main, self.total = cfg, Path(run_dir), is_main, total_steps
         self.backends: list = []
         self._ids = {"wandb": wandb_id, "mlflow": mlflow_id}
@@ -156,6 +188,7 @@ def backend_class(spec: TrackerSpec) -> type:
 
 class ConsoleBackend:
     """One line per step: the headline metrics, validation scores, seconds per step and the ETA."""
+
     name, run_id, first_step = "console", None, 0
 
     def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
@@ -169,14 +202,23 @@ class ConsoleBackend:
         dt = m.get("timing_s/step", 0.0)
         eta = dt * max(0, self.total - step)
         parts = [f"step {step}/{self.total}"]
-        for key, label in (("critic/score/mean", "score"), ("actor/reward_kl_penalty", "kl"), ("actor/kl_loss", "kl_loss"),
-                           ("response_length/mean", "resp_len"), ("actor/pg_loss", "pg_loss"),
-                           ("critic/vf_loss", "vf_loss"), ("rollout/logprob_diff_max", "lp_diff")):
+        for key, label in (
+            ("critic/score/mean", "score"),
+            ("actor/reward_kl_penalty", "kl"),
+            ("actor/kl_loss", "kl_loss"),
+            ("response_length/mean", "resp_len"),
+            ("actor/pg_loss", "pg_loss"),
+            ("critic/vf_loss", "vf_loss"),
+            ("rollout/logprob_diff_max", "lp_diff"),
+        ):
             if key in m:
                 parts.append(f"{label} {m[key]:.4g}")
         # validation scores (val-core/<data_source>/reward/mean@n), by data source
-        parts += [f"val {k[len('val-core/'):].rsplit('/reward/', 1)[0]} {v:.4g}" for k, v in sorted(m.items())
-                  if k.startswith("val-core/") and isinstance(v, (int, float))]
+        parts += [
+            f"val {k[len('val-core/') :].rsplit('/reward/', 1)[0]} {v:.4g}"
+            for k, v in sorted(m.items())
+            if k.startswith("val-core/") and isinstance(v, (int, float))
+        ]
         if "timing_s/step" in m:  # (a validation before training is no step)
             parts.append(f"{dt:.2f}s/step  ETA {_fmt_duration(eta)}")
         return " | ".join(parts)
@@ -190,14 +232,17 @@ class ConsoleBackend:
 
 class TensorBoardBackend:
     """Scalars in ``<run dir>/tensorboard``, against the row counter (``training/log_step``)."""
+
     name, run_id, first_step = "tensorboard", None, 0
 
     def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
         try:
             from torch.utils.tensorboard import SummaryWriter  # (optional package: only when asked for)
         except ImportError:
-            raise RuntimeError("trainer.logger has tensorboard but the tensorboard package is not installed "
-                               "(pip install tensorboard, or drop it from trainer.logger)") from None
+            raise RuntimeError(
+                "trainer.logger has tensorboard but the tensorboard package is not installed "
+                "(pip install tensorboard, or drop it from trainer.logger)"
+            ) from None
         self.tb = SummaryWriter(log_dir=str(tracker.run_dir / "tensorboard"))
 
     def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
@@ -209,7 +254,9 @@ class TensorBoardBackend:
         """verl's text: each sample's input, output and score in Markdown (against the row counter, as the scalars)."""
         text = f"**Generation Results - Step {step}**\n\n" + "".join(
             f"### Sample {i + 1}\n**Input:** {r['input']}\n\n**Output:** {r['output']}\n\n**Score:** {r['score']}\n\n"
-            f"---\n\n" for i, r in enumerate(rows))
+            f"---\n\n"
+            for i, r in enumerate(rows)
+        )
         self.tb.add_text(VAL_GENERATIONS_KEY, text, log_step)
         self.tb.flush()
 
@@ -219,10 +266,12 @@ class TensorBoardBackend:
 
 class WandbBackend:
     """A W&B run (offline where the service cannot be reached: ``wandb_mode``), resumed by id."""
+
     name = "wandb"
 
     def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
         import wandb  # (optional package: only when asked for)
+
         run_dir, cfg = tracker.run_dir, tracker.cfg
         self.run_dir = run_dir
         id_file = run_dir / WANDB_ID_FILE
@@ -232,13 +281,22 @@ class WandbBackend:
         tr = cfg.trainer
         mode, why = wandb_mode(os.environ)
         if mode == "offline" and "WANDB_MODE" not in os.environ:
-            tracker.log_line(f"[rlhf-hpc] W&B offline: {why}; the run is kept in {run_dir / 'wandb'} "
-                             f"(upload it later: {wandb_sync_command(run_dir)})")
+            tracker.log_line(
+                f"[rlhf-hpc] W&B offline: {why}; the run is kept in {run_dir / 'wandb'} "
+                f"(upload it later: {wandb_sync_command(run_dir)})"
+            )
         self.offline = mode == "offline"
         self.run = wandb.init(
-            project=tr.project_name, name=tr.experiment_name, id=self.run_id, resume="allow",
-            group=tr.wandb_group or tr.recipe or tr.experiment_name, dir=str(run_dir),
-            config=flatten(to_dict(cfg)), tags=wandb_tags(cfg), mode=mode)
+            project=tr.project_name,
+            name=tr.experiment_name,
+            id=self.run_id,
+            resume="allow",
+            group=tr.wandb_group or tr.recipe or tr.experiment_name,
+            dir=str(run_dir),
+            config=flatten(to_dict(cfg)),
+            tags=wandb_tags(cfg),
+            mode=mode,
+        )
         # charts are drawn against the training step; W&B's own step is the row counter
         self.run.define_metric(GLOBAL_STEP)
         self.run.define_metric("*", step_metric=GLOBAL_STEP)
@@ -256,6 +314,7 @@ class WandbBackend:
         of all validations so far logged again each time (wandb issue 2981's workaround, as verl),
         into the row of the validation's metrics (``commit=False``: they follow in the same row)."""
         import wandb  # (imported by __init__ already)
+
         columns = ["step"] + [f"{c}_{i + 1}" for i in range(len(rows)) for c in ("input", "output", "score")]
         if self._gen_columns != columns:  # (a new table if the number of rows changes)
             self._gen_columns, self._gen_rows = columns, []
@@ -271,6 +330,7 @@ class WandbBackend:
 
 class MLflowBackend:
     """An MLflow run (module docstring), continued by id."""
+
     name, first_step = "mlflow", 0
 
     def __init__(self, tracker: Tracker, run_id: Optional[str] = None):
@@ -279,8 +339,10 @@ class MLflowBackend:
             from mlflow.entities import Param
             from mlflow.exceptions import MlflowException
         except ImportError:
-            raise RuntimeError("trainer.logger has mlflow but the mlflow package is not installed "
-                               "(pip install mlflow-skinny, or drop it from trainer.logger)") from None
+            raise RuntimeError(
+                "trainer.logger has mlflow but the mlflow package is not installed "
+                "(pip install mlflow-skinny, or drop it from trainer.logger)"
+            ) from None
         run_dir, cfg = tracker.run_dir, tracker.cfg
         id_file = run_dir / MLFLOW_ID_FILE
         if run_id is None and id_file.is_file():
@@ -294,9 +356,11 @@ class MLflowBackend:
             try:
                 self.client.update_run(run_id, status="RUNNING")
             except MlflowException as e:
-                raise RuntimeError(f"MLflow run {run_id} (this run's, from its checkpoint) is not in the "
-                                   f"tracking store {uri}: set MLFLOW_TRACKING_URI to the store the run started "
-                                   f"with ({str(e).splitlines()[0]})") from None
+                raise RuntimeError(
+                    f"MLflow run {run_id} (this run's, from its checkpoint) is not in the "
+                    f"tracking store {uri}: set MLFLOW_TRACKING_URI to the store the run started "
+                    f"with ({str(e).splitlines()[0]})"
+                ) from None
             for key, value in mlflow_tags(cfg).items():
                 self.client.set_tag(run_id, key, value)
         else:
@@ -305,7 +369,7 @@ class MLflowBackend:
             run_id = self.client.create_run(exp_id, run_name=tr.experiment_name, tags=mlflow_tags(cfg)).info.run_id
             params = [Param(k, _param_value(v)) for k, v in flatten(to_dict(cfg)).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
-                self.client.log_batch(run_id, params=params[i:i + 100])
+                self.client.log_batch(run_id, params=params[i : i + 100])
         self.run_id = run_id
         id_file.write_text(run_id)
         if (run_dir / "config.yaml").is_file():
@@ -313,14 +377,24 @@ class MLflowBackend:
 
     def log(self, metrics: dict[str, float], step: int, log_step: int) -> None:
         from mlflow.entities import Metric  # (optional package, imported by __init__ already)
+
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_metric_name(k), float(v), now, step)
-                                                    for k, v in metrics.items() if isinstance(v, (int, float))])
+        self.client.log_batch(
+            self.run_id,
+            metrics=[
+                Metric(mlflow_metric_name(k), float(v), now, step)
+                for k, v in metrics.items()
+                if isinstance(v, (int, float))
+            ],
+        )
 
     def log_generations(self, rows: list[dict], step: int, log_step: int) -> None:
         """verl's artifact: ``val_step<step>.json``, a list of {input, output, score}."""
-        self.client.log_text(self.run_id, json.dumps([{k: r[k] for k in ("input", "output", "score")} for r in rows]),
-                             f"val_step{step}.json")
+        self.client.log_text(
+            self.run_id,
+            json.dumps([{k: r[k] for k in ("input", "output", "score")} for r in rows]),
+            f"val_step{step}.json",
+        )
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id, "FINISHED")
@@ -339,6 +413,7 @@ def wandb_mode(env) -> tuple[str, str]:
     import netrc
     import socket
     from urllib.parse import urlparse
+
     url = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai")
     host = url.hostname or "api.wandb.ai"
     has_key = bool(env.get("WANDB_API_KEY"))
@@ -350,8 +425,9 @@ def wandb_mode(env) -> tuple[str, str]:
     if not has_key:
         return "offline", f"no W&B credentials here (WANDB_API_KEY, or a ~/.netrc entry for {host})"
     try:
-        socket.create_connection((host, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=WANDB_REACH_TIMEOUT_S).close()
+        socket.create_connection(
+            (host, url.port or (443 if url.scheme == "https" else 80)), timeout=WANDB_REACH_TIMEOUT_S
+        ).close()
     except OSError as e:
         return "offline", f"{host} cannot be reached from here ({e.strerror or e})"
     return "online", "credentials found and the service answers"

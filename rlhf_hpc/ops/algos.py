@@ -17,6 +17,7 @@ was split and however much padding each micro-batch holds. When gradients are av
 ``dp_size`` ranks (FSDP's reduce-scatter averages), scale each rank's loss by ``dp_size`` before
 ``backward()`` so the average of the ranks' gradients equals the gradient of that sum.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -24,10 +25,27 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["AdaptiveKLController", "AllReduce", "FixedKLController", "LOSS_AGG_MODES", "agg_loss",
-           "apply_kl_to_rewards", "entropy_from_logits", "entropy_from_logits_chunked", "global_batch_counts",
-           "kl_penalty", "logprobs_from_logits", "make_kl_controller", "masked_mean", "masked_var", "masked_whiten",
-           "sum_over_ranks", "sum_pi_squared_chunked", "token_logprobs_chunked", "value_loss"]
+__all__ = [
+    "AdaptiveKLController",
+    "AllReduce",
+    "FixedKLController",
+    "LOSS_AGG_MODES",
+    "agg_loss",
+    "apply_kl_to_rewards",
+    "entropy_from_logits",
+    "entropy_from_logits_chunked",
+    "global_batch_counts",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "sum_over_ranks",
+    "sum_pi_squared_chunked",
+    "token_logprobs_chunked",
+    "value_loss",
+]
 
 # Sums a tensor over data-parallel ranks (e.g. an all_reduce wrapper). None = this process only.
 AllReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
@@ -43,8 +61,9 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None,
-                all_reduce: AllReduce = None) -> torch.Tensor:
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None, all_reduce: AllReduce = None
+) -> torch.Tensor:
     """Mean of ``x`` where ``mask`` is 1 (over everything, or along ``dim``); 0 where nothing is
     valid. ``all_reduce`` (whole-tensor mean only) makes it the mean over all ranks' elements."""
     if dim is not None:
@@ -53,8 +72,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None,
     return stats[0] / stats[1].clamp_min(1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
-               all_reduce: AllReduce = None) -> torch.Tensor:
+def masked_var(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, all_reduce: AllReduce = None
+) -> torch.Tensor:
     """Variance of the valid elements of ``x`` (unbiased: divides by n - 1, as the reference)."""
     mean = masked_mean(x, mask, all_reduce=all_reduce)
     stats = sum_over_ranks(torch.stack([masked_sum((x - mean) ** 2, mask), mask.sum().to(x.dtype)]), all_reduce)
@@ -68,8 +88,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
     return stats[0] / n
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  all_reduce: AllReduce = None) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, all_reduce: AllReduce = None
+) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over the valid elements (global with ``all_reduce``);
     ``shift_mean=False`` adds the mean back (scale only)."""
     mean = masked_mean(x, mask, all_reduce=all_reduce)
@@ -135,8 +156,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
         if target_kl <= 0 or horizon <= 0:
-            raise ValueError(f"AdaptiveKLController needs target_kl > 0 and horizon > 0 "
-                             f"(got {target_kl}, {horizon})")
+            raise ValueError(f"AdaptiveKLController needs target_kl > 0 and horizon > 0 (got {target_kl}, {horizon})")
         self.value = float(init_kl_coef)
         self.target = float(target_kl)
         self.horizon = int(horizon)
@@ -163,9 +183,15 @@ def make_kl_controller(kl_ctrl) -> FixedKLController | AdaptiveKLController:
     raise ValueError(f"algorithm.kl_ctrl.type: unknown controller '{kl_ctrl.type}'; use fixed or adaptive")
 
 
-def apply_kl_to_rewards(token_scores: torch.Tensor, logprob: torch.Tensor, ref_logprob: torch.Tensor,
-                        response_mask: torch.Tensor, controller, kind: str = "kl",
-                        all_reduce: AllReduce = None) -> tuple[torch.Tensor, dict]:
+def apply_kl_to_rewards(
+    token_scores: torch.Tensor,
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    controller,
+    kind: str = "kl",
+    all_reduce: AllReduce = None,
+) -> tuple[torch.Tensor, dict]:
     """KL in the reward: token_rewards = token_scores - beta * kl * mask, then update the controller.
 
     Args: token_scores, logprob, ref_logprob, response_mask: (B, T).
@@ -179,8 +205,10 @@ def apply_kl_to_rewards(token_scores: torch.Tensor, logprob: torch.Tensor, ref_l
     beta = controller.value
     token_rewards = token_scores - beta * kl
     per_seq = masked_mean(kl, mask, dim=-1)
-    stats = sum_over_ranks(torch.stack([per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_seq.dtype,
-                                                              device=per_seq.device)]), all_reduce)
+    stats = sum_over_ranks(
+        torch.stack([per_seq.sum(), torch.tensor(float(per_seq.numel()), dtype=per_seq.dtype, device=per_seq.device)]),
+        all_reduce,
+    )
     current_kl = (stats[0] / stats[1].clamp_min(1)).item()
     controller.update(current_kl=current_kl, n_steps=int(stats[1].item()))
     return token_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
@@ -190,21 +218,29 @@ def apply_kl_to_rewards(token_scores: torch.Tensor, logprob: torch.Tensor, ref_l
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def global_batch_counts(response_masks: torch.Tensor | list[torch.Tensor],
-                        all_reduce: AllReduce = None) -> tuple[float, float]:
+def global_batch_counts(
+    response_masks: torch.Tensor | list[torch.Tensor], all_reduce: AllReduce = None
+) -> tuple[float, float]:
     """(valid tokens, sequences) of a whole mini-batch: pass every micro-batch mask of this rank;
     ``all_reduce`` adds the other ranks'. Feed the result to ``agg_loss``."""
     masks = [response_masks] if isinstance(response_masks, torch.Tensor) else list(response_masks)
-    counts = torch.tensor([float(sum(m.sum().item() for m in masks)),
-                           float(sum(m.shape[0] for m in masks))], dtype=torch.float64,
-                          device=masks[0].device)
+    counts = torch.tensor(
+        [float(sum(m.sum().item() for m in masks)), float(sum(m.shape[0] for m in masks))],
+        dtype=torch.float64,
+        device=masks[0].device,
+    )
     counts = sum_over_ranks(counts, all_reduce)
     return float(counts[0].item()), float(counts[1].item())
 
 
-def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str,
-             global_tokens: Optional[float] = None, global_seqs: Optional[float] = None,
-             norm_const: Optional[float] = None) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str,
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    norm_const: Optional[float] = None,
+) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss into a scalar.
 
     token-mean: sum over valid tokens / valid tokens of the global mini-batch;
@@ -234,9 +270,15 @@ def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str,
 
 
 # -------------------------------------------------------------------------------------- losses
-def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor,
-               response_mask: torch.Tensor, cliprange_value: float = 0.5,
-               loss_agg_mode: str = "token-mean", **agg_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2)).
 
     All inputs (B, T). Returns (loss, vf_clipfrac: share of tokens where the clipped term won).
@@ -315,16 +357,21 @@ class _TokenLogProbs(torch.autograd.Function):
         t, n = ctx.temperature, ctx.chunk_size
         grad = torch.empty_like(logits)
         for i in range(0, logits.shape[0], n):
-            g = grad_lp[i:i + n, None].float() / t
-            p = logits[i:i + n].to(torch.float32, copy=True)  # (a copy: the steps below are in place)
-            p.div_(t).sub_(lse[i:i + n, None]).exp_().mul_(-g).scatter_add_(-1, labels[i:i + n, None], g)
-            grad[i:i + n].copy_(p)
+            g = grad_lp[i : i + n, None].float() / t
+            p = logits[i : i + n].to(torch.float32, copy=True)  # (a copy: the steps below are in place)
+            p.div_(t).sub_(lse[i : i + n, None]).exp_().mul_(-g).scatter_add_(-1, labels[i : i + n, None], g)
+            grad[i : i + n].copy_(p)
         return grad, None, None, None
 
 
-def token_logprobs_chunked(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                           with_entropy: bool = False, entropy_grad: bool = True, chunk_size: int = 1024
-                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def token_logprobs_chunked(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of ``labels`` (and entropies) under softmax(logits / temperature), computed in fp32
     one chunk of ``chunk_size`` rows at a time: (n, V) logits in any dtype, (n,) labels ->
     (n,) fp32 log-probs, (n,) fp32 entropies or None.

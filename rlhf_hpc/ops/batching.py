@@ -10,6 +10,7 @@ with position ids that restart at 0 per sequence. transformers then attends with
 sequence only -- provided the call passes ``attention_mask=None`` and ``use_cache=False`` (with
 either, the logits are silently wrong).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,9 +18,22 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Batch", "Packed", "dummy_rows", "fixed_micro_batches", "make_padded_batch", "micro_batch_groups", "pack",
-           "per_rank_mini_batch", "position_ids_from_mask", "restore_order", "select_rows", "to_device",
-           "token_budget_micro_batches", "unpack_per_token"]
+__all__ = [
+    "Batch",
+    "Packed",
+    "dummy_rows",
+    "fixed_micro_batches",
+    "make_padded_batch",
+    "micro_batch_groups",
+    "pack",
+    "per_rank_mini_batch",
+    "position_ids_from_mask",
+    "restore_order",
+    "select_rows",
+    "to_device",
+    "token_budget_micro_batches",
+    "unpack_per_token",
+]
 
 Batch = dict[str, torch.Tensor]
 
@@ -35,26 +49,31 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def make_padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                      prompt_len: int, response_len: int) -> Batch:
+def make_padded_batch(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int, prompt_len: int, response_len: int
+) -> Batch:
     """Token lists -> the padded layout above. Raises ValueError when a list is too long."""
     B = len(prompts)
     input_ids = torch.full((B, prompt_len + response_len), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(B, prompt_len + response_len, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if len(p) > prompt_len or len(r) > response_len:
-            raise ValueError(f"row {i}: prompt {len(p)} / response {len(r)} tokens exceed "
-                             f"{prompt_len} / {response_len}")
+            raise ValueError(
+                f"row {i}: prompt {len(p)} / response {len(r)} tokens exceed {prompt_len} / {response_len}"
+            )
         if p:
-            input_ids[i, prompt_len - len(p):prompt_len] = torch.tensor(p)
-            attention_mask[i, prompt_len - len(p):prompt_len] = 1
+            input_ids[i, prompt_len - len(p) : prompt_len] = torch.tensor(p)
+            attention_mask[i, prompt_len - len(p) : prompt_len] = 1
         if r:
-            input_ids[i, prompt_len:prompt_len + len(r)] = torch.tensor(r)
-            attention_mask[i, prompt_len:prompt_len + len(r)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask),
-            "responses": input_ids[:, prompt_len:].clone(),
-            "response_mask": attention_mask[:, prompt_len:].clone()}
+            input_ids[i, prompt_len : prompt_len + len(r)] = torch.tensor(r)
+            attention_mask[i, prompt_len : prompt_len + len(r)] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+        "responses": input_ids[:, prompt_len:].clone(),
+        "response_mask": attention_mask[:, prompt_len:].clone(),
+    }
 
 
 def select_rows(batch: Batch, rows: torch.Tensor | list[int] | slice) -> Batch:
@@ -83,6 +102,7 @@ class Packed:
     ``cu_seqlens`` (B+1,) int32 sequence bounds and ``max_len``: the packing metadata varlen and
     flash attention need, known on the host here, so no layer has to find it (a host sync each).
     """
+
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     gather_index: torch.Tensor
@@ -93,8 +113,12 @@ class Packed:
     def attention_kwargs(self) -> dict:
         """transformers' keyword arguments for packed sequences (``cu_seq_lens_q`` ...), which
         its models hand to every layer's attention function."""
-        return dict(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens, max_length_q=self.max_len,
-                    max_length_k=self.max_len)
+        return dict(
+            cu_seq_lens_q=self.cu_seqlens,
+            cu_seq_lens_k=self.cu_seqlens,
+            max_length_q=self.max_len,
+            max_length_k=self.max_len,
+        )
 
 
 def pack(batch: Batch) -> Packed:
@@ -117,10 +141,14 @@ def pack(batch: Batch) -> Packed:
     index = (starts + prompt_lens).unsqueeze(1) + j - 1
     resp_mask = batch["response_mask"].bool()
     index = torch.where(resp_mask, index, torch.zeros_like(index))
-    return Packed(input_ids=input_ids, position_ids=position_ids.to(input_ids.device),
-                  gather_index=index, response_mask=batch["response_mask"],
-                  cu_seqlens=torch.tensor(bounds, dtype=torch.int32).to(input_ids.device, non_blocking=True),
-                  max_len=max(host_lengths, default=0))
+    return Packed(
+        input_ids=input_ids,
+        position_ids=position_ids.to(input_ids.device),
+        gather_index=index,
+        response_mask=batch["response_mask"],
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32).to(input_ids.device, non_blocking=True),
+        max_len=max(host_lengths, default=0),
+    )
 
 
 def unpack_per_token(packed_values: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -175,8 +203,9 @@ def restore_order(chunks: list[torch.Tensor], groups: list[list[int]]) -> torch.
     return result
 
 
-def micro_batch_groups(batch: Batch, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int,
-                       sync_max=None) -> list[list[int]]:
+def micro_batch_groups(
+    batch: Batch, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int, sync_max=None
+) -> list[list[int]]:
     """Row groups for the micro-batches of ``batch``: fixed-size, or by token budget.
 
     Every rank must run the same number of micro-batches (each forward/backward is a collective
@@ -196,5 +225,5 @@ def micro_batch_groups(batch: Batch, micro_batch_size: int, use_dynamic_bsz: boo
             groups.append([])
             continue
         g = groups.pop(big)
-        groups += [g[: len(g) // 2], g[len(g) // 2:]]
+        groups += [g[: len(g) // 2], g[len(g) // 2 :]]
     return groups

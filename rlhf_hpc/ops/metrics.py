@@ -1,4 +1,5 @@
 """Reducing per-rank training metrics to one value per key, the same on every rank."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -63,7 +64,16 @@ def _detached(value):
 def _to_host(values: list) -> torch.Tensor:
     """Floats and 0-d tensors -> one float64 host tensor, with a single device-to-host copy."""
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    stacked = torch.stack([v.to(device, torch.float64) if isinstance(v, torch.Tensor)
-                           else torch.tensor(float(v), dtype=torch.float64, device=device) for v in values]) \
-        if values else torch.zeros(0, dtype=torch.float64)
+    stacked = (
+        torch.stack(
+            [
+                v.to(device, torch.float64)
+                if isinstance(v, torch.Tensor)
+                else torch.tensor(float(v), dtype=torch.float64, device=device)
+                for v in values
+            ]
+        )
+        if values
+        else torch.zeros(0, dtype=torch.float64)
+    )
     return stacked.cpu()

@@ -9,6 +9,7 @@ draws as responses. Pure torch; the trainer draws over every rank's rows with on
 generator (``rlhf_hpc.distributed.rows.resample_rows``), where verl draws on its driver with the
 global RNG (so here a resumed run draws the same rows again).
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,7 @@ def pf_ppo_weights(scores: torch.Tensor, method: str = "pow", weight_pow: float 
     return torch.clamp(weights + 1e-8, min=1e-8)
 
 
-def pf_ppo_indices(scores: torch.Tensor, method: str, weight_pow: float,
-                   generator: torch.Generator) -> torch.Tensor:
+def pf_ppo_indices(scores: torch.Tensor, method: str, weight_pow: float, generator: torch.Generator) -> torch.Tensor:
     """(B,) indices of the resampled batch: B draws with replacement from the weights of ``scores``."""
     weights = pf_ppo_weights(scores.float(), method, weight_pow)
     return torch.multinomial(weights, scores.shape[0], replacement=True, generator=generator)

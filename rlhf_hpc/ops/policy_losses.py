@@ -19,6 +19,7 @@ hence which values make sense; ``keys`` are the actor keys (relative to ``actor_
 that only this loss reads: set away from their default while another loss is selected, they are
 refused (they would be ignored).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,19 @@ import torch
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.ops.algos import agg_loss, masked_mean
 
-__all__ = ["DIVERGENCE", "IS_WEIGHT", "LOG_RATIO", "POLICY_LOSSES", "PPO_RATIO", "ClipRange", "PolicyLoss", "PolicyLossFn",
-           "ppo_clip_loss", "register_policy_loss", "reinforce_loss"]
+__all__ = [
+    "DIVERGENCE",
+    "IS_WEIGHT",
+    "LOG_RATIO",
+    "POLICY_LOSSES",
+    "PPO_RATIO",
+    "ClipRange",
+    "PolicyLoss",
+    "PolicyLossFn",
+    "ppo_clip_loss",
+    "register_policy_loss",
+    "reinforce_loss",
+]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -39,22 +51,27 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict]]
 class ClipRange:
     """What a loss's ``clip_ratio_low`` / ``clip_ratio_high`` bound: ``meaning`` (for messages) and
     ``low_below``, the (exclusive) upper limit of a sensible ``clip_ratio_low`` (None: any value >= 0)."""
+
     meaning: str
     low_below: Optional[float] = None
 
 
 PPO_RATIO = ClipRange("PPO's ratio pi/pi_old, clipped to [1 - low, 1 + high]", low_below=1.0)
 LOG_RATIO = ClipRange("the log-ratio log(pi/pi_old), clipped to [-low, high]")
-IS_WEIGHT = ClipRange("the detached importance weight pi/pi_old, clipped to [1 - low, 1 + high] "
-                      "(low >= 1: no lower bound)")
-DIVERGENCE = ClipRange("the divergence of pi from pi_old past which a token loses its gradient (dppo_tv: pi - pi_old; "
-                       "dppo_kl: their binary KL), low for negative advantages, high for positive")
+IS_WEIGHT = ClipRange(
+    "the detached importance weight pi/pi_old, clipped to [1 - low, 1 + high] (low >= 1: no lower bound)"
+)
+DIVERGENCE = ClipRange(
+    "the divergence of pi from pi_old past which a token loses its gradient (dppo_tv: pi - pi_old; "
+    "dppo_kl: their binary KL), low for negative advantages, high for positive"
+)
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
     """A registry entry: ``fn`` and what the checks read (see the module's docstring). Called as
     the function itself."""
+
     name: str
     fn: PolicyLossFn
     clip: ClipRange = PPO_RATIO
@@ -70,8 +87,13 @@ class PolicyLoss:
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "actor_rollout_ref.actor.policy_loss.loss_mode")
 
 
-def register_policy_loss(name: str, clip: ClipRange = PPO_RATIO, keys: tuple[str, ...] = (),
-                         check: Optional[Callable[[object], list[str]]] = None, bypass_only: bool = False):
+def register_policy_loss(
+    name: str,
+    clip: ClipRange = PPO_RATIO,
+    keys: tuple[str, ...] = (),
+    check: Optional[Callable[[object], list[str]]] = None,
+    bypass_only: bool = False,
+):
     """``@register_policy_loss(name)``: registers the function as ``PolicyLoss(name, fn, clip, keys, check)``.
     ``clip``: what its clip ratios bound (PPO_RATIO also for a loss that reads none: the range
     checks stay PPO's); ``keys``: the actor keys only this loss reads; ``check``: the actor
@@ -80,10 +102,18 @@ def register_policy_loss(name: str, clip: ClipRange = PPO_RATIO, keys: tuple[str
 
 
 # ------------------------------------------------------------------------------------ the math
-def ppo_clip_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
-                  response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                  clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                  is_weights: Optional[torch.Tensor] = None, **agg_kwargs) -> tuple[torch.Tensor, dict]:
+def ppo_clip_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    is_weights: Optional[torch.Tensor] = None,
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate with dual clip. All inputs (B, T).
 
     ratio = exp(clamp(lp - old, -20, 20)); L = max(-A ratio, -A clip(ratio, 1 - low, 1 + high));
@@ -95,8 +125,10 @@ def ppo_clip_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: 
     ``pg_clipfrac_lower`` (share where the dual clip was active), ``ppo_kl`` (mean old - lp).
     """
     if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0 (got {clip_ratio_c}): it is the dual-clip bound "
-                         f"on the ratio of negative-advantage tokens")
+        raise ValueError(
+            f"clip_ratio_c must be > 1.0 (got {clip_ratio_c}): it is the dual-clip bound "
+            f"on the ratio of negative-advantage tokens"
+        )
     mask = response_mask.to(logprob.dtype)
     neg_approx_kl = torch.clamp(logprob - old_logprob, min=-20.0, max=20.0)
     ratio = torch.exp(neg_approx_kl)
@@ -118,9 +150,15 @@ def ppo_clip_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: 
     return loss, metrics
 
 
-def reinforce_loss(rollout_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
-                   response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
-                   is_weights: Optional[torch.Tensor] = None, **agg_kwargs) -> tuple[torch.Tensor, dict]:
+def reinforce_loss(
+    rollout_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    is_weights: Optional[torch.Tensor] = None,
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict]:
     """verl's bypass-mode REINFORCE loss (``rollout_correction.loss_type: reinforce``): per token
     -A * log pi * w, no ratio and no clip; ``w`` the detached IS weights, or 1. All inputs (B, T).
     Returns (loss, metrics): ``ppo_kl`` (mean rollout - current log-prob, as verl reports it)."""
@@ -135,15 +173,26 @@ def reinforce_loss(rollout_logprob: torch.Tensor, logprob: torch.Tensor, advanta
 @register_policy_loss("vanilla")
 def vanilla(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
     """PPO's clipped ratio with dual clip (verl's ``vanilla``)."""
-    return ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
-                         cfg.clip_ratio_c, cfg.loss_agg_mode, is_weights=is_weights, **agg_kwargs)
+    return ppo_clip_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        cfg.clip_ratio_low,
+        cfg.clip_ratio_high,
+        cfg.clip_ratio_c,
+        cfg.loss_agg_mode,
+        is_weights=is_weights,
+        **agg_kwargs,
+    )
 
 
 @register_policy_loss("reinforce")
 def reinforce(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
     """-A log pi w (what ``algorithm.rollout_correction.loss_type=reinforce`` trains in bypass mode)."""
-    return reinforce_loss(old_log_prob, log_prob, advantages, response_mask, cfg.loss_agg_mode,
-                          is_weights=is_weights, **agg_kwargs)
+    return reinforce_loss(
+        old_log_prob, log_prob, advantages, response_mask, cfg.loss_agg_mode, is_weights=is_weights, **agg_kwargs
+    )
 
 
 @register_policy_loss("gpg")
@@ -182,9 +231,11 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None
         pg_losses = pg_losses * is_weights
     loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
-        metrics = {"pg_clipfrac": masked_mean(torch.gt(loss2, loss1).to(mask.dtype), mask),
-                   "ppo_kl": masked_mean(-log_ratio, mask),
-                   "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device)}
+        metrics = {
+            "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).to(mask.dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device),
+        }
     return loss, metrics
 
 
@@ -198,8 +249,11 @@ def sapo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None
     mask = response_mask.to(log_prob.dtype)
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
-    tau = torch.where(advantages > 0, torch.as_tensor(cfg.tau_pos, dtype=advantages.dtype, device=advantages.device),
-                      torch.as_tensor(cfg.tau_neg, dtype=advantages.dtype, device=advantages.device))
+    tau = torch.where(
+        advantages > 0,
+        torch.as_tensor(cfg.tau_pos, dtype=advantages.dtype, device=advantages.device),
+        torch.as_tensor(cfg.tau_neg, dtype=advantages.dtype, device=advantages.device),
+    )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     pg_losses = -gate * advantages
     if is_weights is not None:
@@ -211,8 +265,9 @@ def sapo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None
     return loss, metrics
 
 
-@register_policy_loss("clip_cov", keys=("policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb",
-                                        "policy_loss.clip_cov_ub"))
+@register_policy_loss(
+    "clip_cov", keys=("policy_loss.clip_cov_ratio", "policy_loss.clip_cov_lb", "policy_loss.clip_cov_ub")
+)
 def clip_cov(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
     """Clip-Cov (Cui et al. 2025, arXiv 2505.22617; verl's ``clip_cov``): PPO's clipped ratio (no
     dual clip, no clamp of the log-ratio, as verl), where in addition a random share of the tokens
@@ -246,8 +301,10 @@ def clip_cov(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=
         pg_losses = pg_losses * is_weights
     loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
-        metrics = {"pg_clipfrac": masked_mean((keep == 0).to(mask.dtype), mask),
-                   "ppo_kl": masked_mean(-log_ratio, mask)}
+        metrics = {
+            "pg_clipfrac": masked_mean((keep == 0).to(mask.dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+        }
     return loss, metrics
 
 
@@ -307,9 +364,11 @@ def geo_mean(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=
     loss = pg_losses.sum() / _global_rows(agg_kwargs, pg_losses.shape[0])
     with torch.no_grad():
         clipped = torch.ne(log_ratio, clamped)
-        metrics = {"pg_clipfrac": masked_mean((clipped & (advantages > 0)).to(mask.dtype), mask),
-                   "ppo_kl": masked_mean(-log_ratio, mask),
-                   "pg_clipfrac_lower": masked_mean((clipped & (advantages < 0)).to(mask.dtype), mask)}
+        metrics = {
+            "pg_clipfrac": masked_mean((clipped & (advantages > 0)).to(mask.dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac_lower": masked_mean((clipped & (advantages < 0)).to(mask.dtype), mask),
+        }
     return loss, metrics
 
 
@@ -330,9 +389,11 @@ def cispo(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=Non
         pg_losses = pg_losses * is_weights
     loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
-        metrics = {"pg_clipfrac": masked_mean((ratio != weight).to(mask.dtype), mask),
-                   "ppo_kl": masked_mean(-log_ratio, mask),
-                   "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device)}
+        metrics = {
+            "pg_clipfrac": masked_mean((ratio != weight).to(mask.dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac_lower": torch.zeros((), dtype=mask.dtype, device=mask.device),
+        }
     return loss, metrics
 
 
@@ -352,9 +413,11 @@ def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weight
         pg_losses = pg_losses * is_weights
     loss = agg_loss(pg_losses, mask, cfg.loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
-        metrics = {"pg_clipfrac": masked_mean(1.0 - kept, mask),
-                   "ppo_kl": masked_mean(-log_ratio, mask),
-                   "pg_clipfrac_lower": masked_mean((ratio > cfg.clip_ratio_c).to(mask.dtype) * kept, mask)}
+        metrics = {
+            "pg_clipfrac": masked_mean(1.0 - kept, mask),
+            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac_lower": masked_mean((ratio > cfg.clip_ratio_c).to(mask.dtype) * kept, mask),
+        }
     return loss, metrics
 
 
@@ -362,8 +425,10 @@ def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weight
 def dppo_tv(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=None, **agg_kwargs):
     """DPPO-Binary-TV: a token with A > 0 keeps its gradient while pi - pi_old <= clip_ratio_high, one
     with A <= 0 while pi - pi_old >= -clip_ratio_low."""
+
     def kept(p, p_old, adv):
         return torch.where(adv > 0, (p - p_old) <= cfg.clip_ratio_high, (p - p_old) >= -cfg.clip_ratio_low)
+
     return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights, agg_kwargs, kept)
 
 
@@ -372,19 +437,25 @@ def dppo_kl(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights=N
     """DPPO-Binary-KL: the binary KL between (pi_old, 1 - pi_old) and (pi, 1 - pi) bounds a token's
     move in the advantage's direction (clip_ratio_high for A > 0, clip_ratio_low otherwise); a move
     the other way always keeps its gradient."""
+
     def kept(p, p_old, adv):
         binary_kl = p_old * (torch.log(p_old) - torch.log(p)) + (1 - p_old) * torch.log(
-            (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-        return torch.where(adv > 0, (binary_kl <= cfg.clip_ratio_high) | (p <= p_old),
-                           (binary_kl <= cfg.clip_ratio_low) | (p >= p_old))
+            (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+        )
+        return torch.where(
+            adv > 0, (binary_kl <= cfg.clip_ratio_high) | (p <= p_old), (binary_kl <= cfg.clip_ratio_low) | (p >= p_old)
+        )
+
     return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, cfg, is_weights, agg_kwargs, kept)
 
 
 def _dro_problems(actor) -> list[str]:
     beta = actor.policy_loss.dro_beta
     if beta is None or beta <= 0:
-        return [f"actor_rollout_ref.actor.policy_loss.dro_beta={beta}: policy_loss.loss_mode=dro needs a positive "
-                f"beta, the weight of its quadratic log-ratio penalty (e.g. 0.1)"]
+        return [
+            f"actor_rollout_ref.actor.policy_loss.dro_beta={beta}: policy_loss.loss_mode=dro needs a positive "
+            f"beta, the weight of its quadratic log-ratio penalty (e.g. 0.1)"
+        ]
     return []
 
 
@@ -410,5 +481,15 @@ def bypass_mode(old_log_prob, log_prob, advantages, response_mask, cfg, is_weigh
     ppo_clip`` this is PPO's clipped ratio, the IS weights reported but not applied (the ratio is
     already current / engine); ``loss_type: reinforce`` trains ``reinforce`` instead (the actor
     chooses it). Refused without bypass mode at the dry run (rlhf_hpc/recipe/algorithm_checks.py)."""
-    return ppo_clip_loss(old_log_prob, log_prob, advantages, response_mask, cfg.clip_ratio_low, cfg.clip_ratio_high,
-                         cfg.clip_ratio_c, cfg.loss_agg_mode, is_weights=None, **agg_kwargs)
+    return ppo_clip_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        cfg.clip_ratio_low,
+        cfg.clip_ratio_high,
+        cfg.clip_ratio_c,
+        cfg.loss_agg_mode,
+        is_weights=None,
+        **agg_kwargs,
+    )

@@ -23,6 +23,7 @@ holds (NaN, -inf) never reaches a figure: masked sums select with ``torch.where`
 is global over ranks (``all_reduce_sum``/``all_reduce_max``): N ranks give the numbers one process
 gives on the whole batch, as verl's driver computes them.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,19 @@ import torch
 __all__ = ["RS_OPTIONS", "parse_is_threshold", "parse_rejection", "rollout_correction"]
 
 SAFETY_BOUND = 20.0
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
@@ -54,19 +66,24 @@ def parse_is_threshold(threshold) -> tuple[float, Optional[float]]:
     """``rollout_is_threshold`` -> (upper, lower): one number caps the weights at it (lower None);
     ``"lower_upper"`` is IcePop's window. ValueError naming what is wrong (verl's rules)."""
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
-        raise ValueError(f"rollout_is_threshold={threshold!r}: give a number (a cap, e.g. 2.0) or "
-                         f"'lower_upper' (IcePop's window, e.g. 0.5_2.0)")
+        raise ValueError(
+            f"rollout_is_threshold={threshold!r}: give a number (a cap, e.g. 2.0) or "
+            f"'lower_upper' (IcePop's window, e.g. 0.5_2.0)"
+        )
     spec = str(threshold).strip()
     try:
         lower, upper = (float(x) for x in spec.split("_", 1)) if "_" in spec else (None, float(spec))
     except ValueError:
-        raise ValueError(f"rollout_is_threshold='{spec}' is not a number or 'lower_upper' (e.g. 2.0 or 0.5_2.0)") \
-            from None
+        raise ValueError(
+            f"rollout_is_threshold='{spec}' is not a number or 'lower_upper' (e.g. 2.0 or 0.5_2.0)"
+        ) from None
     if upper <= 0 or (lower is not None and lower <= 0):
         raise ValueError(f"rollout_is_threshold='{spec}': bounds must be > 0 (verl's default 2.0; 2-5 is usual)")
     if lower is not None and lower > upper:
-        raise ValueError(f"rollout_is_threshold='{spec}': lower {lower} is above upper {upper}, a window that keeps "
-                         f"no weight; write it lower_upper (e.g. {upper}_{lower})")
+        raise ValueError(
+            f"rollout_is_threshold='{spec}': lower {lower} is above upper {upper}, a window that keeps "
+            f"no weight; write it lower_upper (e.g. {upper}_{lower})"
+        )
     return upper, lower
 
 
@@ -83,16 +100,25 @@ def parse_rejection(rollout_rs: Optional[str], threshold) -> list[RejectionOptio
         raise ValueError("rollout_rs names no option")
     bad = [n for n in names if n not in RS_OPTIONS]
     if bad:
-        raise ValueError(f"rollout_rs: unknown option {', '.join(bad)}; choose from {', '.join(RS_OPTIONS)} "
-                         f"(verl's older 'token'/'sequence'/'geometric' are token_k1/seq_sum_k1/seq_mean_k1)")
+        raise ValueError(
+            f"rollout_rs: unknown option {', '.join(bad)}; choose from {', '.join(RS_OPTIONS)} "
+            f"(verl's older 'token'/'sequence'/'geometric' are token_k1/seq_sum_k1/seq_mean_k1)"
+        )
     if threshold is None:
-        raise ValueError("rollout_rs is set but rollout_rs_threshold is not: give a bound per option "
-                         "(e.g. rollout_rs=seq_mean_k3 rollout_rs_threshold=0.01, or seq_sum_k1 with '0.5_2.0')")
-    specs = [str(threshold)] if isinstance(threshold, (int, float)) else \
-        [p.strip() for p in str(threshold).split(",") if p.strip()]
+        raise ValueError(
+            "rollout_rs is set but rollout_rs_threshold is not: give a bound per option "
+            "(e.g. rollout_rs=seq_mean_k3 rollout_rs_threshold=0.01, or seq_sum_k1 with '0.5_2.0')"
+        )
+    specs = (
+        [str(threshold)]
+        if isinstance(threshold, (int, float))
+        else [p.strip() for p in str(threshold).split(",") if p.strip()]
+    )
     if len(specs) not in (1, len(names)):
-        raise ValueError(f"rollout_rs_threshold has {len(specs)} entries for {len(names)} options: give one, "
-                         f"or one per option in the order of rollout_rs")
+        raise ValueError(
+            f"rollout_rs_threshold has {len(specs)} entries for {len(names)} options: give one, "
+            f"or one per option in the order of rollout_rs"
+        )
     specs = specs * len(names) if len(specs) == 1 else specs
     options = []
     for name, spec in zip(names, specs):
@@ -102,21 +128,26 @@ def parse_rejection(rollout_rs: Optional[str], threshold) -> list[RejectionOptio
                 upper = float(up_s)
                 lower = float(lo_s) if lo_s is not None else 1.0 / upper
             elif "_" in spec:
-                raise ValueError(f"rollout_rs_threshold '{spec}' for {name}: k2/k3 take one upper bound, not "
-                                 f"'lower_upper'")
+                raise ValueError(
+                    f"rollout_rs_threshold '{spec}' for {name}: k2/k3 take one upper bound, not 'lower_upper'"
+                )
             else:
                 upper, lower = float(spec), None
         except (ValueError, ZeroDivisionError) as e:
             if "k2/k3" in str(e):
                 raise
-            raise ValueError(f"rollout_rs_threshold '{spec}' for {name} is not a number"
-                             + (" or 'lower_upper'" if name.endswith("k1") else "")) from None
+            raise ValueError(
+                f"rollout_rs_threshold '{spec}' for {name} is not a number"
+                + (" or 'lower_upper'" if name.endswith("k1") else "")
+            ) from None
         if upper <= 0 or (lower is not None and lower <= 0):
             raise ValueError(f"rollout_rs_threshold '{spec}' for {name}: bounds must be positive")
         if lower is not None and lower > upper:
-            raise ValueError(f"rollout_rs_threshold '{spec}' for {name}: lower {lower:g} is above upper {upper:g}, "
-                             f"a window that keeps no token; write it lower_upper with lower <= upper"
-                             + ("" if "_" in spec else " (one value u means the window [1/u, u]: give u >= 1)"))
+            raise ValueError(
+                f"rollout_rs_threshold '{spec}' for {name}: lower {lower:g} is above upper {upper:g}, "
+                f"a window that keeps no token; write it lower_upper with lower <= upper"
+                + ("" if "_" in spec else " (one value u means the window [1/u, u]: give u >= 1)")
+            )
         options.append(RejectionOption(name, upper, lower))
     return options
 
@@ -179,9 +210,15 @@ def _masked_row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ IS weights
-def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold,
-                       batch_normalize: bool = False, g: Optional[_Global] = None,
-                       with_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+def importance_weights(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    threshold,
+    batch_normalize: bool = False,
+    g: Optional[_Global] = None,
+    with_metrics: bool = True,
+) -> tuple[torch.Tensor, dict]:
     """IS weights (B, R), truncated at ``threshold`` or IcePop's ``"lower_upper"`` window, detached
     and zero off the mask, and their metrics (verl's ``rollout_is_*``). ``level``: ``token`` or
     ``sequence``."""
@@ -218,8 +255,16 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, 
     return w, metrics
 
 
-def _importance_metrics(w: torch.Tensor, raw: torch.Tensor, for_metrics: torch.Tensor, mask: torch.Tensor,
-                        level: str, threshold: float, lower: Optional[float], g: _Global) -> dict:
+def _importance_metrics(
+    w: torch.Tensor,
+    raw: torch.Tensor,
+    for_metrics: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    threshold: float,
+    lower: Optional[float],
+    g: _Global,
+) -> dict:
     """Of the applied weights ``w``; the fractions beyond the bounds count the ``raw`` ones (a capped
     weight never exceeds the cap)."""
     lower = 1.0 / threshold if lower is None else lower
@@ -258,8 +303,13 @@ def _importance_metrics(w: torch.Tensor, raw: torch.Tensor, for_metrics: torch.T
 
 
 # ------------------------------------------------------------------------- rejection sampling
-def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, options: list[RejectionOption],
-                   g: Optional[_Global] = None, with_metrics: bool = True) -> tuple[torch.Tensor, dict]:
+def rejection_mask(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    options: list[RejectionOption],
+    g: Optional[_Global] = None,
+    with_metrics: bool = True,
+) -> tuple[torch.Tensor, dict]:
     """The response mask with rejected tokens (or whole rows) removed (B, R), and verl's
     ``rollout_rs_*`` metrics."""
     g = g or _Global(None, None)
@@ -289,8 +339,19 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, options: list[Re
         combined = combined * keep_f
         if not with_metrics:
             continue
-        metrics.update(_rejection_metrics(opt.name, stat, seq_stat, mask, seq_valid, upper,
-                                          lower if lower is not None else 0.0, lower is not None, g))
+        metrics.update(
+            _rejection_metrics(
+                opt.name,
+                stat,
+                seq_stat,
+                mask,
+                seq_valid,
+                upper,
+                lower if lower is not None else 0.0,
+                lower is not None,
+                g,
+            )
+        )
         row_kept = (~(~keep & valid)).all(-1)
         metrics[f"rollout_rs_{opt.name}_masked_fraction"] = g.masked_mean(1 - keep_f, mask)
         s, n = g.sum((~row_kept & seq_valid).double(), seq_valid.double())
@@ -301,8 +362,17 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, options: list[Re
     return (mask * combined).to(mask.dtype), metrics
 
 
-def _rejection_metrics(name: str, stat: torch.Tensor, seq_stat: Optional[torch.Tensor], mask: torch.Tensor,
-                       seq_valid: torch.Tensor, upper: float, lower: float, with_lower: bool, g: _Global) -> dict:
+def _rejection_metrics(
+    name: str,
+    stat: torch.Tensor,
+    seq_stat: Optional[torch.Tensor],
+    mask: torch.Tensor,
+    seq_valid: torch.Tensor,
+    upper: float,
+    lower: float,
+    with_lower: bool,
+    g: _Global,
+) -> dict:
     p = f"rollout_rs_{name}"
     seq = seq_stat if seq_stat is not None else _masked_row_mean(stat, mask)
     n_valid_rows = g.sum(seq_valid.double())[0]
@@ -330,15 +400,17 @@ def _rejection_metrics(name: str, stat: torch.Tensor, seq_stat: Optional[torch.T
         if with_lower:
             m[f"{p}_seq_fraction_low"] = g.mean((sv < lower).double())
     else:
-        for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high") + \
-                (("seq_fraction_low",) if with_lower else ()):
+        for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high") + (
+            ("seq_fraction_low",) if with_lower else ()
+        ):
             m[f"{p}_{k}"] = 0.0
     return m
 
 
 # ------------------------------------------------------------------------ off-policy metrics
-def off_policy_metrics(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor,
-                       g: Optional[_Global] = None) -> dict:
+def off_policy_metrics(
+    train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, g: Optional[_Global] = None
+) -> dict:
     """How far the trained policy is from the one that sampled (verl's ``compute_offpolicy_metrics``):
     ``kl`` (k1, mean of rollout - train), ``k3_kl``, perplexities, ``chi2_token``/``chi2_seq``."""
     g = g or _Global(None, None)
@@ -366,9 +438,15 @@ def off_policy_metrics(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: t
 
 
 # ---------------------------------------------------------------------------------- together
-def rollout_correction(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, cfg,
-                       all_reduce_sum: Reduce = None, all_reduce_max: Reduce = None, with_metrics: bool = True
-                       ) -> tuple[Optional[torch.Tensor], torch.Tensor, dict]:
+def rollout_correction(
+    train_lp: torch.Tensor,
+    rollout_lp: torch.Tensor,
+    mask: torch.Tensor,
+    cfg,
+    all_reduce_sum: Reduce = None,
+    all_reduce_max: Reduce = None,
+    with_metrics: bool = True,
+) -> tuple[Optional[torch.Tensor], torch.Tensor, dict]:
     """IS weights (or None), the response mask after rejection, and every ``rollout_corr/`` metric.
 
     Args: train_lp (log pi_old, or the current policy's in bypass mode), rollout_lp (the engine's),
@@ -385,8 +463,9 @@ def rollout_correction(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: t
     log_ratio = train_lp - rollout_lp
     weights, metrics = None, {}
     if cfg.rollout_is is not None:
-        weights, m = importance_weights(log_ratio, mask64, cfg.rollout_is, cfg.rollout_is_threshold,
-                                        cfg.rollout_is_batch_normalize, g, with_metrics)
+        weights, m = importance_weights(
+            log_ratio, mask64, cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_is_batch_normalize, g, with_metrics
+        )
         weights = weights.to(torch.float32)
         metrics.update(m)
     new_mask = mask

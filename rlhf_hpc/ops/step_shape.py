@@ -13,6 +13,7 @@ the update is on-policy (one epoch of one mini-batch) and nothing reads pi_old b
 update's own first forward, detached: the same numbers without a second forward over the batch
 (TRL's GRPO does the same); or in rollout correction's bypass mode the engine's log-probs.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,15 @@ from rlhf_hpc.config.schema import Config
 from rlhf_hpc.ops.batching import per_rank_mini_batch
 from rlhf_hpc.ops.estimators import ADV_ESTIMATORS
 
-__all__ = ["FORWARD_PHASES", "PhaseShape", "StepShape", "UPDATE_PHASES", "micro_tokens", "old_log_prob_source",
-           "step_shape"]
+__all__ = [
+    "FORWARD_PHASES",
+    "PhaseShape",
+    "StepShape",
+    "UPDATE_PHASES",
+    "micro_tokens",
+    "old_log_prob_source",
+    "step_shape",
+]
 
 FORWARD_PHASES = ("old_log_prob", "ref", "values", "reward_model")
 UPDATE_PHASES = ("update_actor", "update_critic")
@@ -39,15 +47,30 @@ def old_log_prob_source(cfg: Config) -> str:
     if rc.bypass_mode:
         return "engine"
     est = ADV_ESTIMATORS.get(alg.adv_estimator)
-    read_before_update = (alg.use_kl_in_reward or rc.rollout_is is not None or rc.rollout_rs is not None
-                          or actor.calculate_sum_pi_squared or (est is not None and est.needs_sum_pi_squared))
-    one_update = (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
-                  and cfg.trainer.critic_warmup == 0)
+    read_before_update = (
+        alg.use_kl_in_reward
+        or rc.rollout_is is not None
+        or rc.rollout_rs is not None
+        or actor.calculate_sum_pi_squared
+        or (est is not None and est.needs_sum_pi_squared)
+    )
+    one_update = (
+        actor.ppo_epochs == 1
+        and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        and cfg.trainer.critic_warmup == 0
+    )
     return "update" if one_update and not read_before_update else "pass"
 
 
-def micro_tokens(rows: Optional[int], per_rank_rows: int, dynamic: bool, max_token_len: int,
-                 prompt_len: int, response_len: int, sp: int = 1) -> tuple[int, int]:
+def micro_tokens(
+    rows: Optional[int],
+    per_rank_rows: int,
+    dynamic: bool,
+    max_token_len: int,
+    prompt_len: int,
+    response_len: int,
+    sp: int = 1,
+) -> tuple[int, int]:
     """(tokens, response tokens) of the largest micro-batch on one rank: a token budget caps both
     (a budget filled by short prompts is almost all response); fixed rows hold at most rows x full
     length. With sequence parallelism (``sp`` > 1) a micro-batch holds the rows of sp ranks, each
@@ -64,6 +87,7 @@ class PhaseShape:
     ``dynamic``: micro-batches by ``token_budget`` tokens per GPU instead; ``sp``: the Ulysses group;
     ``mini_rows``: rows per rank in one mini-batch (updates; None for a forward phase), ``epochs``
     passes over them; ``remove_padding``: packed rows (no padding computed)."""
+
     name: str
     micro_rows: Optional[int]
     dynamic: bool
@@ -73,11 +97,19 @@ class PhaseShape:
     epochs: int = 1
     remove_padding: bool = True
 
-    def micro_tokens(self, per_rank_rows: int, prompt_len: int, response_len: int,
-                     sequence_parallel: bool = True) -> tuple[int, int]:
+    def micro_tokens(
+        self, per_rank_rows: int, prompt_len: int, response_len: int, sequence_parallel: bool = True
+    ) -> tuple[int, int]:
         """(tokens, response tokens) of this phase's largest micro-batch on a rank (``micro_tokens``)."""
-        return micro_tokens(self.micro_rows, per_rank_rows, bool(self.dynamic), self.token_budget, prompt_len,
-                            response_len, self.sp if sequence_parallel else 1)
+        return micro_tokens(
+            self.micro_rows,
+            per_rank_rows,
+            bool(self.dynamic),
+            self.token_budget,
+            prompt_len,
+            response_len,
+            self.sp if sequence_parallel else 1,
+        )
 
     def micro_batches(self, rows: float, tokens: float) -> int:
         """Micro-batches of ``rows`` rows (``tokens`` tokens) on a rank: by the token budget, or
@@ -91,6 +123,7 @@ class PhaseShape:
 class StepShape:
     """One step: ``prompts`` x ``n`` rows of ``prompt_len`` + ``response_len`` tokens at most over
     ``world`` ranks, and the shape of each phase (``phase(name)``)."""
+
     prompts: int
     n: int
     world: int
@@ -132,24 +165,56 @@ def step_shape(cfg: Config) -> StepShape:
     n, world = rollout.n, cfg.world_size
 
     def update(name: str, section, remove_padding: bool) -> PhaseShape:
-        return PhaseShape(name, section.ppo_micro_batch_size_per_gpu, section.use_dynamic_bsz,
-                          section.ppo_max_token_len_per_gpu, section.ulysses_sequence_parallel_size,
-                          per_rank_mini_batch(section.ppo_mini_batch_size, n, world) if world else 0,
-                          section.ppo_epochs, remove_padding)
+        return PhaseShape(
+            name,
+            section.ppo_micro_batch_size_per_gpu,
+            section.use_dynamic_bsz,
+            section.ppo_max_token_len_per_gpu,
+            section.ulysses_sequence_parallel_size,
+            per_rank_mini_batch(section.ppo_mini_batch_size, n, world) if world else 0,
+            section.ppo_epochs,
+            remove_padding,
+        )
 
     return StepShape(
-        cfg.data.train_batch_size, n, world, cfg.data.max_prompt_length, cfg.data.max_response_length,
-        old_log_prob=PhaseShape("old_log_prob", rollout.log_prob_micro_batch_size_per_gpu,
-                                rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu,
-                                actor.ulysses_sequence_parallel_size, remove_padding=arr.model.use_remove_padding),
-        ref=PhaseShape("ref", ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
-                       ref.log_prob_max_token_len_per_gpu, ref.ulysses_sequence_parallel_size or 1,
-                       remove_padding=arr.model.use_remove_padding),
-        values=PhaseShape("values", critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                          critic.forward_max_token_len_per_gpu, critic.ulysses_sequence_parallel_size,
-                          remove_padding=critic.model.use_remove_padding),
-        reward_model=PhaseShape("reward_model", rm.micro_batch_size_per_gpu, rm.use_dynamic_bsz,
-                                rm.forward_max_token_len_per_gpu, 1, remove_padding=rm.model.use_remove_padding),
+        cfg.data.train_batch_size,
+        n,
+        world,
+        cfg.data.max_prompt_length,
+        cfg.data.max_response_length,
+        old_log_prob=PhaseShape(
+            "old_log_prob",
+            rollout.log_prob_micro_batch_size_per_gpu,
+            rollout.log_prob_use_dynamic_bsz,
+            rollout.log_prob_max_token_len_per_gpu,
+            actor.ulysses_sequence_parallel_size,
+            remove_padding=arr.model.use_remove_padding,
+        ),
+        ref=PhaseShape(
+            "ref",
+            ref.log_prob_micro_batch_size_per_gpu,
+            ref.log_prob_use_dynamic_bsz,
+            ref.log_prob_max_token_len_per_gpu,
+            ref.ulysses_sequence_parallel_size or 1,
+            remove_padding=arr.model.use_remove_padding,
+        ),
+        values=PhaseShape(
+            "values",
+            critic.ppo_micro_batch_size_per_gpu,
+            critic.use_dynamic_bsz,
+            critic.forward_max_token_len_per_gpu,
+            critic.ulysses_sequence_parallel_size,
+            remove_padding=critic.model.use_remove_padding,
+        ),
+        reward_model=PhaseShape(
+            "reward_model",
+            rm.micro_batch_size_per_gpu,
+            rm.use_dynamic_bsz,
+            rm.forward_max_token_len_per_gpu,
+            1,
+            remove_padding=rm.model.use_remove_padding,
+        ),
         update_actor=update("update_actor", actor, arr.model.use_remove_padding),
         update_critic=update("update_critic", critic, critic.model.use_remove_padding),
-        old_log_probs=old_log_prob_source(cfg))
+        old_log_probs=old_log_prob_source(cfg),
+    )

@@ -1,6 +1,7 @@
 """The changes the time plan's advice tries (rlhf_hpc.planning.time_plan.advice_for re-plans each):
 larger micro-batches, Ulysses where communication passes the reference design's rule, another
 rollout TP, another FSDP layout, less recompute and offloading."""
+
 from __future__ import annotations
 
 import copy
@@ -33,34 +34,71 @@ def candidate_changes(cfg: Config, comm_share: float) -> list[tuple[list[tuple[s
         if prefix == "critic" and not critic.enable:
             continue
         if section.use_dynamic_bsz:
-            out.append(([(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu * 2)],
-                        "fewer, larger micro-batches"))
+            out.append(
+                (
+                    [(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu * 2)],
+                    "fewer, larger micro-batches",
+                )
+            )
         elif section.ppo_micro_batch_size_per_gpu:
-            out.append(([(f"{prefix}.ppo_micro_batch_size_per_gpu", section.ppo_micro_batch_size_per_gpu * 2)],
-                        "fewer, larger micro-batches"))
+            out.append(
+                (
+                    [(f"{prefix}.ppo_micro_batch_size_per_gpu", section.ppo_micro_batch_size_per_gpu * 2)],
+                    "fewer, larger micro-batches",
+                )
+            )
         if comm_share > COMM_RULE and section.ulysses_sequence_parallel_size == 1:
-            out.append(([(f"{prefix}.ulysses_sequence_parallel_size", 2)],
-                        f"communication is {comm_share:.0%} of the step (the {COMM_RULE:.0%} rule)"))
+            out.append(
+                (
+                    [(f"{prefix}.ulysses_sequence_parallel_size", 2)],
+                    f"communication is {comm_share:.0%} of the step (the {COMM_RULE:.0%} rule)",
+                )
+            )
     rollout = arr.rollout
     if rollout.log_prob_use_dynamic_bsz:
-        out.append(([("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                      rollout.log_prob_max_token_len_per_gpu * 2)], "fewer log-prob micro-batches"))
-    tp, kv = rollout.tensor_model_parallel_size, max(1, model_shape(arr.model.path, arr.model.override_config,
-                                                                    arr.model.trust_remote_code).kv_heads)
+        out.append(
+            (
+                [
+                    (
+                        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                        rollout.log_prob_max_token_len_per_gpu * 2,
+                    )
+                ],
+                "fewer log-prob micro-batches",
+            )
+        )
+    tp, kv = (
+        rollout.tensor_model_parallel_size,
+        max(1, model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code).kv_heads),
+    )
     for t in (tp // 2, tp * 2):
-        if 1 <= t <= cfg.trainer.n_gpus_per_node and t != tp and cfg.world_size % t == 0 and (kv % t == 0 or t % kv == 0):
+        if (
+            1 <= t <= cfg.trainer.n_gpus_per_node
+            and t != tp
+            and cfg.world_size % t == 0
+            and (kv % t == 0 or t % kv == 0)
+        ):
             out.append(([("actor_rollout_ref.rollout.tensor_model_parallel_size", t)], "another rollout TP"))
     sizes = {1, cfg.trainer.n_gpus_per_node, cfg.world_size} - {None}
     layouts = plan_layouts(cfg)
     for size in sorted(sizes):
         if size != layouts["actor"] and cfg.world_size % size == 0:
-            out.append(([(f"{p}.fsdp_config.fsdp_size", size) for p in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
-                                                                         "critic.model")], "another FSDP layout"))
-    for key, on in (("actor_rollout_ref.model.enable_gradient_checkpointing", True),
-                    ("critic.model.enable_gradient_checkpointing", True),
-                    ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", True),
-                    ("actor_rollout_ref.actor.fsdp_config.param_offload", True),
-                    ("critic.model.fsdp_config.optimizer_offload", True)):
+            out.append(
+                (
+                    [
+                        (f"{p}.fsdp_config.fsdp_size", size)
+                        for p in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+                    ],
+                    "another FSDP layout",
+                )
+            )
+    for key, on in (
+        ("actor_rollout_ref.model.enable_gradient_checkpointing", True),
+        ("critic.model.enable_gradient_checkpointing", True),
+        ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", True),
+        ("actor_rollout_ref.actor.fsdp_config.param_offload", True),
+        ("critic.model.fsdp_config.optimizer_offload", True),
+    ):
         if get_key(cfg, key) is on and (critic.enable or not key.startswith("critic")):
             out.append(([(key, False)], "less work"))
     return out

@@ -14,6 +14,7 @@ A paged engine (vLLM) batches continuously: requests start in their given order 
 ``batch`` at once. An engine without paging (transformers' ``generate``) runs all its rows as one
 batch until the longest is done, finished rows included.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -62,6 +63,7 @@ def response_lengths(rows: int, mean: float, longest: int) -> list[int]:
 class DecodeSegment:
     """``steps`` decode steps with ``sequences`` in the batch and ``context`` tokens of KV cache in all
     (summed over the sequences; the mean over the segment's steps)."""
+
     steps: int
     sequences: int
     context: float
@@ -81,7 +83,7 @@ def decode_segments(lengths: list[int], prompt: float, batch: int, continuous: b
     segments: list[DecodeSegment] = []
     if not continuous:
         for start in range(0, len(order), batch):
-            wave = order[start:start + batch]
+            wave = order[start : start + batch]
             steps = max(wave)
             segments.append(DecodeSegment(steps, len(wave), len(wave) * (prompt + (steps - 1) / 2)))
         return segments

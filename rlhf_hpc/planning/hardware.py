@@ -12,6 +12,7 @@ network per node (all its NICs), the host link (PCIe). The runtime constants (``
 kernel launches per decoder layer and pass; ``decode_step_overhead_s``: the engine's scheduler and
 sampler per decode step) are estimates on GPUs and measured on the CPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,16 +23,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
+from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.planning.sizing import DEFAULT_GPU_MEMORY_GB
 
-__all__ = ["CALIBRATION_KEYS", "DEFAULT_GPU", "DEVICE_NAMES", "FIGURES", "Hardware", "PRESETS", "UNCALIBRATED_CPU",
-           "calibration_path", "calibration_problems", "cpu_bf16_keys", "cpu_dtype_warnings", "cpu_has_native_bf16",
-           "cpu_threads_per_rank", "device_hardware", "gpu_memory_gb", "hardware_of", "hardware_problems",
-           "plans_this_cpu", "preset_for_device", "read_calibration", "register_hardware", "step_cpu_warning", "uncalibrated_cpu",
-           "usable_cpus", "write_calibration"]
+__all__ = [
+    "CALIBRATION_KEYS",
+    "DEFAULT_GPU",
+    "DEVICE_NAMES",
+    "FIGURES",
+    "Hardware",
+    "PRESETS",
+    "UNCALIBRATED_CPU",
+    "calibration_path",
+    "calibration_problems",
+    "cpu_bf16_keys",
+    "cpu_dtype_warnings",
+    "cpu_has_native_bf16",
+    "cpu_threads_per_rank",
+    "device_hardware",
+    "gpu_memory_gb",
+    "hardware_of",
+    "hardware_problems",
+    "plans_this_cpu",
+    "preset_for_device",
+    "read_calibration",
+    "register_hardware",
+    "step_cpu_warning",
+    "uncalibrated_cpu",
+    "usable_cpus",
+    "write_calibration",
+]
 
 
 @dataclass(frozen=True)
@@ -111,80 +134,250 @@ def register_hardware(name: str, hw: Hardware, device_names: tuple[str, ...] = (
 
 
 # NVLink 4: 900 GB/s both directions per GPU; DGX H100: 8 x 400 Gb/s ConnectX-7 per node; PCIe Gen5 x16
-register_hardware("h100_sxm", Hardware("H100 SXM 80GB", 989, 67, 3350, 80, 450, 400, 64,
-                                       source=_NVIDIA + "H100 Tensor Core GPU datasheet (SXM5), DGX H100 user guide"),
-                  ("H100",))
+register_hardware(
+    "h100_sxm",
+    Hardware(
+        "H100 SXM 80GB",
+        989,
+        67,
+        3350,
+        80,
+        450,
+        400,
+        64,
+        source=_NVIDIA + "H100 Tensor Core GPU datasheet (SXM5), DGX H100 user guide",
+    ),
+    ("H100",),
+)
 # no NVLink across the node (bridges join pairs only): PCIe Gen5; 2 x 200 Gb/s NICs is a common build
-register_hardware("h100_pcie", Hardware("H100 PCIe 80GB", 756, 51, 2000, 80, 64, 50, 64,
-                                        source=_NVIDIA + "H100 Tensor Core GPU datasheet (PCIe); PCIe Gen5 x16 between GPUs"),
-                  ("H100 PCIe",))
-register_hardware("h200", Hardware("H200 SXM 141GB", 989, 67, 4800, 141, 450, 400, 64,
-                                   source=_NVIDIA + "H200 Tensor Core GPU datasheet (SXM), DGX H200 user guide"),
-                  ("H200",))
+register_hardware(
+    "h100_pcie",
+    Hardware(
+        "H100 PCIe 80GB",
+        756,
+        51,
+        2000,
+        80,
+        64,
+        50,
+        64,
+        source=_NVIDIA + "H100 Tensor Core GPU datasheet (PCIe); PCIe Gen5 x16 between GPUs",
+    ),
+    ("H100 PCIe",),
+)
+register_hardware(
+    "h200",
+    Hardware(
+        "H200 SXM 141GB",
+        989,
+        67,
+        4800,
+        141,
+        450,
+        400,
+        64,
+        source=_NVIDIA + "H200 Tensor Core GPU datasheet (SXM), DGX H200 user guide",
+    ),
+    ("H200",),
+)
 # NVLink 3: 600 GB/s both directions; DGX A100: 8 x 200 Gb/s HDR per node; PCIe Gen4 x16
-register_hardware("a100_80gb_sxm", Hardware("A100 SXM 80GB", 312, 19.5, 2039, 80, 300, 200, 32,
-                                            source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 user guide"),
-                  ("A100",))
-register_hardware("a100_80gb_pcie", Hardware("A100 PCIe 80GB", 312, 19.5, 1935, 80, 32, 25, 32,
-                                             source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB PCIe); PCIe Gen4 x16 "
-                                                              "between GPUs"),
-                  ("A100 80GB PCIe",))
+register_hardware(
+    "a100_80gb_sxm",
+    Hardware(
+        "A100 SXM 80GB",
+        312,
+        19.5,
+        2039,
+        80,
+        300,
+        200,
+        32,
+        source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 user guide",
+    ),
+    ("A100",),
+)
+register_hardware(
+    "a100_80gb_pcie",
+    Hardware(
+        "A100 PCIe 80GB",
+        312,
+        19.5,
+        1935,
+        80,
+        32,
+        25,
+        32,
+        source=_NVIDIA + "A100 Tensor Core GPU datasheet (80GB PCIe); PCIe Gen4 x16 between GPUs",
+    ),
+    ("A100 80GB PCIe",),
+)
 # the 40 GB parts: HBM2 1555 GB/s, the same compute; torch names them "A100-SXM4-40GB" / "A100-PCIE-40GB"
-register_hardware("a100_40gb_sxm", Hardware("A100 SXM 40GB", 312, 19.5, 1555, 40, 300, 200, 32,
-                                            source=_NVIDIA + "A100 Tensor Core GPU datasheet (40GB SXM), DGX A100 user "
-                                                             "guide"),
-                  ("A100-SXM4-40GB",))
-register_hardware("a100_40gb_pcie", Hardware("A100 PCIe 40GB", 312, 19.5, 1555, 40, 32, 25, 32,
-                                             source=_NVIDIA + "A100 Tensor Core GPU datasheet (40GB PCIe); PCIe Gen4 x16 "
-                                                              "between GPUs"),
-                  ("A100-PCIE-40GB",))
+register_hardware(
+    "a100_40gb_sxm",
+    Hardware(
+        "A100 SXM 40GB",
+        312,
+        19.5,
+        1555,
+        40,
+        300,
+        200,
+        32,
+        source=_NVIDIA + "A100 Tensor Core GPU datasheet (40GB SXM), DGX A100 user guide",
+    ),
+    ("A100-SXM4-40GB",),
+)
+register_hardware(
+    "a100_40gb_pcie",
+    Hardware(
+        "A100 PCIe 40GB",
+        312,
+        19.5,
+        1555,
+        40,
+        32,
+        25,
+        32,
+        source=_NVIDIA + "A100 Tensor Core GPU datasheet (40GB PCIe); PCIe Gen4 x16 between GPUs",
+    ),
+    ("A100-PCIE-40GB",),
+)
 # 362 dense (733 with sparsity), GDDR6 864 GB/s, no NVLink; 200 Gb/s per node is common
-register_hardware("l40s", Hardware("L40S 48GB", 362, 91.6, 864, 48, 32, 25, 32,
-                                   source=_NVIDIA + "L40S GPU datasheet; PCIe Gen4 x16 between GPUs"),
-                  ("L40S",))
+register_hardware(
+    "l40s",
+    Hardware(
+        "L40S 48GB", 362, 91.6, 864, 48, 32, 25, 32, source=_NVIDIA + "L40S GPU datasheet; PCIe Gen4 x16 between GPUs"
+    ),
+    ("L40S",),
+)
 # 835 dense bf16, 60 fp32, HBM3 3.9 TB/s, 94 GB; NVLink bridges join pairs only (600 GB/s): PCIe Gen5
 # across the node; the network as the PCIe card's
-register_hardware("h100_nvl", Hardware("H100 NVL 94GB", 835, 60, 3900, 94, 64, 50, 64,
-                                       source=_NVIDIA + "H100 Tensor Core GPU datasheet (NVL); PCIe Gen5 x16 between GPUs"),
-                  ("H100 NVL",))
+register_hardware(
+    "h100_nvl",
+    Hardware(
+        "H100 NVL 94GB",
+        835,
+        60,
+        3900,
+        94,
+        64,
+        50,
+        64,
+        source=_NVIDIA + "H100 Tensor Core GPU datasheet (NVL); PCIe Gen5 x16 between GPUs",
+    ),
+    ("H100 NVL",),
+)
 # 181 dense bf16 (362 with sparsity), 90.5 fp32, GDDR6 864 GB/s, no NVLink; the network as the L40S's
-register_hardware("l40", Hardware("L40 48GB", 181, 90.5, 864, 48, 32, 25, 32,
-                                  source=_NVIDIA + "L40 GPU datasheet; PCIe Gen4 x16 between GPUs"),
-                  ("L40",))
+register_hardware(
+    "l40",
+    Hardware(
+        "L40 48GB", 181, 90.5, 864, 48, 32, 25, 32, source=_NVIDIA + "L40 GPU datasheet; PCIe Gen4 x16 between GPUs"
+    ),
+    ("L40",),
+)
 # 150 dense bf16 (299 with sparsity), 37.4 fp32, GDDR6 696 GB/s; NVLink bridges join pairs only
-register_hardware("a40", Hardware("A40 48GB", 150, 37.4, 696, 48, 32, 25, 32,
-                                  source=_NVIDIA + "A40 GPU datasheet; PCIe Gen4 x16 between GPUs"),
-                  ("A40",))
+register_hardware(
+    "a40",
+    Hardware(
+        "A40 48GB", 150, 37.4, 696, 48, 32, 25, 32, source=_NVIDIA + "A40 GPU datasheet; PCIe Gen4 x16 between GPUs"
+    ),
+    ("A40",),
+)
 # 155 dense bf16 (310 with sparsity), 38.7 fp32, GDDR6 768 GB/s; NVLink bridges join pairs only
-register_hardware("rtx_a6000", Hardware("RTX A6000 48GB", 155, 38.7, 768, 48, 32, 25, 32,
-                                        source=_NVIDIA + "RTX A6000 datasheet; PCIe Gen4 x16 between GPUs"),
-                  ("A6000",))
+register_hardware(
+    "rtx_a6000",
+    Hardware(
+        "RTX A6000 48GB",
+        155,
+        38.7,
+        768,
+        48,
+        32,
+        25,
+        32,
+        source=_NVIDIA + "RTX A6000 datasheet; PCIe Gen4 x16 between GPUs",
+    ),
+    ("A6000",),
+)
 # no bf16: 125 is the fp16 tensor-core figure (the peak a bf16 run is measured against), 15.7 fp32,
 # HBM2 900 GB/s, 32 GB (16 GB parts exist: hardware.hbm_gb=16); NVLink 2: 300 GB/s both directions;
 # DGX-1: 4 x 100 Gb/s EDR per node; PCIe Gen3 x16
-register_hardware("v100", Hardware("V100 SXM2 32GB", 125, 15.7, 900, 32, 150, 50, 16,
-                                   source=_NVIDIA + "V100 Tensor Core GPU datasheet (SXM2), DGX-1 user guide"),
-                  ("V100",))
+register_hardware(
+    "v100",
+    Hardware(
+        "V100 SXM2 32GB",
+        125,
+        15.7,
+        900,
+        32,
+        150,
+        50,
+        16,
+        source=_NVIDIA + "V100 Tensor Core GPU datasheet (SXM2), DGX-1 user guide",
+    ),
+    ("V100",),
+)
 # 1307 dense bf16, 163.4 fp32 matrix, HBM3 5.3 TB/s, 192 GB; Infinity Fabric: 7 links of 64 GB/s one
 # direction to the node's other GPUs; 8 x 400 Gb/s per node (the reference platform's); PCIe Gen5 x16
-register_hardware("mi300x", Hardware("MI300X 192GB", 1307, 163.4, 5300, 192, 448, 400, 64,
-                                     source=_AMD + "AMD Instinct MI300X data sheet, MI300X platform data sheet"),
-                  ("MI300X",))
+register_hardware(
+    "mi300x",
+    Hardware(
+        "MI300X 192GB",
+        1307,
+        163.4,
+        5300,
+        192,
+        448,
+        400,
+        64,
+        source=_AMD + "AMD Instinct MI300X data sheet, MI300X platform data sheet",
+    ),
+    ("MI300X",),
+)
 # the package of two GCDs: 362 dense bf16, 90.5 fp32 matrix, HBM2e 3.2 TB/s, 128 GB (torch sees each GCD
 # as a device with half of these: set hardware.* per GCD to plan one); Infinity Fabric up to 800 GB/s both
 # directions; the network per node is not on the data sheet (4 x 200 Gb/s assumed); PCIe Gen4 x16
-register_hardware("mi250", Hardware("MI250 128GB", 362, 90.5, 3277, 128, 400, 100, 32,
-                                    source=_AMD + "AMD Instinct MI250 data sheet (network per node assumed)"),
-                  ("MI250",))
+register_hardware(
+    "mi250",
+    Hardware(
+        "MI250 128GB",
+        362,
+        90.5,
+        3277,
+        128,
+        400,
+        100,
+        32,
+        source=_AMD + "AMD Instinct MI250 data sheet (network per node assumed)",
+    ),
+    ("MI250",),
+)
 
 # a CPU without a calibration file: the order of magnitude of one modern core (a decoder pass at
 # ~50 GFLOP/s in fp32, no native bf16), to be replaced by what `python -m rlhf_hpc.bench.calibrate` measures
-UNCALIBRATED_CPU = Hardware("CPU (uncalibrated)", 0.01, 0.05, 10, 0, 5, 1, 10, disk_gb_s=0.5, train_efficiency=1.0,
-                            host_adam_params_s=5e7, layer_overhead_s=3e-4, pass_overhead_s=3e-3,
-                            decode_step_overhead_s=1e-2, request_overhead_s=1e-3, generate_overhead_s=1e-2,
-                            sync_overhead_s=1e-2, collective_latency_s=1e-4, engine_load_gb_s=1.0,
-                            overlap_comm=False, source="nominal figures: no calibration file (run "
-                                                       "python -m rlhf_hpc.bench.calibrate)")
+UNCALIBRATED_CPU = Hardware(
+    "CPU (uncalibrated)",
+    0.01,
+    0.05,
+    10,
+    0,
+    5,
+    1,
+    10,
+    disk_gb_s=0.5,
+    train_efficiency=1.0,
+    host_adam_params_s=5e7,
+    layer_overhead_s=3e-4,
+    pass_overhead_s=3e-3,
+    decode_step_overhead_s=1e-2,
+    request_overhead_s=1e-3,
+    generate_overhead_s=1e-2,
+    sync_overhead_s=1e-2,
+    collective_latency_s=1e-4,
+    engine_load_gb_s=1.0,
+    overlap_comm=False,
+    source="nominal figures: no calibration file (run python -m rlhf_hpc.bench.calibrate)",
+)
 
 
 def uncalibrated_cpu(native_bf16: Optional[bool] = None) -> Hardware:
@@ -194,12 +387,23 @@ def uncalibrated_cpu(native_bf16: Optional[bool] = None) -> Hardware:
     native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
     if not native:
         return UNCALIBRATED_CPU
-    return dataclasses.replace(UNCALIBRATED_CPU, bf16_tflops=2 * UNCALIBRATED_CPU.fp32_tflops,
-                               source=UNCALIBRATED_CPU.source + "; bf16 2x fp32: this CPU has native bf16")
+    return dataclasses.replace(
+        UNCALIBRATED_CPU,
+        bf16_tflops=2 * UNCALIBRATED_CPU.fp32_tflops,
+        source=UNCALIBRATED_CPU.source + "; bf16 2x fp32: this CPU has native bf16",
+    )
 
 
-FIGURES = ("bf16_tflops", "fp32_tflops", "hbm_gb_s", "hbm_gb", "intra_node_gb_s", "inter_node_gb_s",
-           "host_link_gb_s", "disk_gb_s")
+FIGURES = (
+    "bf16_tflops",
+    "fp32_tflops",
+    "hbm_gb_s",
+    "hbm_gb",
+    "intra_node_gb_s",
+    "inter_node_gb_s",
+    "host_link_gb_s",
+    "disk_gb_s",
+)
 
 
 def calibration_path() -> Path:
@@ -214,21 +418,35 @@ def calibration_path() -> Path:
 # nothing beside a pass); null only where Hardware's figure is Optional (not measured).
 _RATE_ENDINGS = ("_tflops", "_gb_s", "_params_s")
 CALIBRATION_KEYS: dict[str, str] = {
-    f.name: ("bool" if f.type == "bool" else
-             ("rate" if f.name.endswith(_RATE_ENDINGS) or f.name == "train_efficiency" else "nonnegative")
-             + ("?" if f.type.startswith("Optional") else ""))
-    for f in dataclasses.fields(Hardware) if f.name not in ("name", "source")}  # (the reader names the source)
+    f.name: (
+        "bool"
+        if f.type == "bool"
+        else ("rate" if f.name.endswith(_RATE_ENDINGS) or f.name == "train_efficiency" else "nonnegative")
+        + ("?" if f.type.startswith("Optional") else "")
+    )
+    for f in dataclasses.fields(Hardware)
+    if f.name not in ("name", "source")
+}  # (the reader names the source)
 CALIBRATION_KEYS["measured"] = "mapping"
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-               int: "a number", float: "a number"}
+_JSON_TYPES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    type(None): "null",
+    int: "a number",
+    float: "a number",
+}
 
 
 def calibration_problems(figures, where: str) -> list[str]:
     """What is wrong with ``figures`` (a calibration file's parsed JSON) as the time plan reads them,
     one message per key, each starting with ``where`` (the key and the file)."""
     if not isinstance(figures, dict):
-        return [f"{where} holds {_JSON_TYPES.get(type(figures), type(figures).__name__)}, not an object of named "
-                f"figures ({{\"fp32_tflops\": 0.05, ...}})"]
+        return [
+            f"{where} holds {_JSON_TYPES.get(type(figures), type(figures).__name__)}, not an object of named "
+            f'figures ({{"fp32_tflops": 0.05, ...}})'
+        ]
     out = []
     for k, v in figures.items():
         kind = CALIBRATION_KEYS.get(k)
@@ -260,13 +478,16 @@ def read_calibration(path: Optional[str] = None) -> Hardware:
     file and the key, and how to write it again)."""
     p = Path(path).expanduser() if path else calibration_path()
     key = "hardware.calibration" + ("" if path else " (null: the default file)")
-    fix = (f"write it again with python -m rlhf_hpc.bench.calibrate --out {p}" +
-           ("" if path else ", or delete it (the CPU plan then uses nominal figures)"))
+    fix = f"write it again with python -m rlhf_hpc.bench.calibrate --out {p}" + (
+        "" if path else ", or delete it (the CPU plan then uses nominal figures)"
+    )
     if not p.is_file():
         if path:
-            raise ConfigError(f"hardware.calibration: no file {p}"
-                              f"{' (a directory)' if p.is_dir() else ''}; write it with python -m "
-                              f"rlhf_hpc.bench.calibrate --out {p}")
+            raise ConfigError(
+                f"hardware.calibration: no file {p}"
+                f"{' (a directory)' if p.is_dir() else ''}; write it with python -m "
+                f"rlhf_hpc.bench.calibrate --out {p}"
+            )
         return uncalibrated_cpu()
     try:
         figures = json.loads(p.read_text())
@@ -275,9 +496,12 @@ def read_calibration(path: Optional[str] = None) -> Hardware:
     problems = calibration_problems(figures, f"{key}: {p}")
     if problems:
         raise ConfigError([f"{m}; {fix}" for m in problems])
-    return dataclasses.replace(UNCALIBRATED_CPU, **{k: v for k, v in figures.items() if k != "measured"},
-                               name=f"CPU rank ({figures.get('measured', {}).get('date', 'calibrated')} calibration)",
-                               source=f"measured by rlhf_hpc.bench.calibrate: {p}")
+    return dataclasses.replace(
+        UNCALIBRATED_CPU,
+        **{k: v for k, v in figures.items() if k != "measured"},
+        name=f"CPU rank ({figures.get('measured', {}).get('date', 'calibrated')} calibration)",
+        source=f"measured by rlhf_hpc.bench.calibrate: {p}",
+    )
 
 
 def write_calibration(path: str | Path, figures: dict) -> Path:
@@ -322,10 +546,12 @@ def step_cpu_warning(cpus_per_task: Optional[int], usable: int, slurm_cpus_per_t
     ranks, the engine's and NCCL's threads would share them."""
     if not cpus_per_task or usable >= cpus_per_task:
         return None
-    return (f"this node's job step can use {usable} of the {cpus_per_task} CPUs launcher.cpus_per_task asks for "
-            f"(SLURM_CPUS_PER_TASK={slurm_cpus_per_task or 'unset'}): the ranks, vLLM's and NCCL's threads share "
-            f"them. The step's srun must restate --cpus-per-task (Slurm 22.05-23.11 steps do not inherit it); "
-            f"the launcher's sbatch and slurm/klppo.sbatch do, so a site setting or a wrapper binds it smaller")
+    return (
+        f"this node's job step can use {usable} of the {cpus_per_task} CPUs launcher.cpus_per_task asks for "
+        f"(SLURM_CPUS_PER_TASK={slurm_cpus_per_task or 'unset'}): the ranks, vLLM's and NCCL's threads share "
+        f"them. The step's srun must restate --cpus-per-task (Slurm 22.05-23.11 steps do not inherit it); "
+        f"the launcher's sbatch and slurm/klppo.sbatch do, so a site setting or a wrapper binds it smaller"
+    )
 
 
 def preset_for_device(device_name: str) -> Optional[str]:
@@ -361,7 +587,9 @@ def hardware_of(cfg, device_name: Optional[str] = None) -> Hardware:
         hw = PRESETS[name]
     given = {k: getattr(hw_cfg, k) for k in FIGURES if getattr(hw_cfg, k) is not None}
     if given:
-        hw = dataclasses.replace(hw, **given, source=hw.source + "; set: " + ", ".join(f"{k}={v}" for k, v in given.items()))
+        hw = dataclasses.replace(
+            hw, **given, source=hw.source + "; set: " + ", ".join(f"{k}={v}" for k, v in given.items())
+        )
     return hw
 
 
@@ -385,9 +613,11 @@ def hardware_problems(cfg) -> list[str]:
     hw = cfg.hardware
     out = []
     if hw.preset is not None and hw.preset not in PRESETS and hw.preset != "cpu":
-        out.append(f"hardware.preset: unknown '{hw.preset}'{did_you_mean(hw.preset, [*PRESETS, 'cpu'])}; known: "
-                   f"{', '.join([*PRESETS, 'cpu'])} (or leave it null and give the figures: "
-                   f"{', '.join('hardware.' + f for f in FIGURES)})")
+        out.append(
+            f"hardware.preset: unknown '{hw.preset}'{did_you_mean(hw.preset, [*PRESETS, 'cpu'])}; known: "
+            f"{', '.join([*PRESETS, 'cpu'])} (or leave it null and give the figures: "
+            f"{', '.join('hardware.' + f for f in FIGURES)})"
+        )
     for k in FIGURES:
         v = getattr(hw, k)
         if v is not None and v <= 0:
@@ -432,16 +662,25 @@ def cpu_bf16_keys(cfg) -> list[str]:
     """The config keys of the models this run computes in bf16 (the actor, the engine, and the
     reference, critic and reward model where the run has them)."""
     arr = cfg.actor_rollout_ref
-    keys = {"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": arr.actor.fsdp_config.mixed_precision.param_dtype,
-            "actor_rollout_ref.rollout.dtype": arr.rollout.dtype}
+    keys = {
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": (
+            arr.actor.fsdp_config.mixed_precision.param_dtype
+        ),
+        "actor_rollout_ref.rollout.dtype": arr.rollout.dtype,
+    }
     if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora_enabled(arr.model):
         # (with LoRA the reference is the actor with its adapter off: no model of its own)
-        keys["actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype"] = arr.ref.fsdp_config.mixed_precision.param_dtype
+        keys["actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype"] = (
+            arr.ref.fsdp_config.mixed_precision.param_dtype
+        )
     if cfg.critic.enable:
-        keys["critic.model.fsdp_config.mixed_precision.param_dtype"] = cfg.critic.model.fsdp_config.mixed_precision.param_dtype
+        keys["critic.model.fsdp_config.mixed_precision.param_dtype"] = (
+            cfg.critic.model.fsdp_config.mixed_precision.param_dtype
+        )
     if cfg.reward_model.enable:
         keys["reward_model.model.fsdp_config.mixed_precision.param_dtype"] = (
-            cfg.reward_model.model.fsdp_config.mixed_precision.param_dtype)
+            cfg.reward_model.model.fsdp_config.mixed_precision.param_dtype
+        )
     return [k for k, v in keys.items() if v == "bfloat16"]
 
 
@@ -454,6 +693,9 @@ def cpu_dtype_warnings(cfg, native_bf16: Optional[bool] = None) -> list[str]:
     keys = cpu_bf16_keys(cfg)
     if native is not False or not keys:
         return []
-    return [f"this CPU has no native bf16 (no avx512_bf16/amx_bf16 in /proc/cpuinfo): torch emulates it, 18-20x "
-            f"slower than float32 through a forward and backward pass (BENCHMARKS.md). The run computes in bf16 through {', '.join(keys)}; to run in "
-            f"float32 add: {' '.join(k + '=float32' for k in keys)}"]
+    return [
+        f"this CPU has no native bf16 (no avx512_bf16/amx_bf16 in /proc/cpuinfo): torch emulates it, 18-20x "
+        f"slower than float32 through a forward and backward pass (BENCHMARKS.md). The run computes in bf16 "
+        f"through {', '.join(keys)}; to run in "
+        f"float32 add: {' '.join(k + '=float32' for k in keys)}"
+    ]

@@ -3,6 +3,7 @@ runtime and what it offloads to the host (on a CPU run, its whole per-rank plan)
 pretrained checkpoint rank 0 reads at start-up (rlhf_hpc.distributed.loading), checked against
 ``launcher.mem_gb`` before anything is queued.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ class HostPlan:
     """Host memory of one node: every rank's steady share (``per_rank``: its runtime, what is
     offloaded to the host; on a CPU run its whole per-rank plan) and the start-up peak of reading
     a pretrained checkpoint (rank 0 alone holds a full copy, rlhf_hpc.distributed.loading)."""
+
     ranks: int
     per_rank: dict[str, float]
     loading: float  # one full copy of the largest pretrained model, in its model_dtype
@@ -43,20 +45,26 @@ class HostPlan:
 
     def _detail(self) -> str:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.per_rank.items() if v)
-        return (f"{self.ranks} ranks x {sum(self.per_rank.values()) / GiB:.2f} ({parts})"
-                + (f" + loading {self.loading / GiB:.2f} (rank 0 reads the checkpoint)" if self.loading else ""))
+        return f"{self.ranks} ranks x {sum(self.per_rank.values()) / GiB:.2f} ({parts})" + (
+            f" + loading {self.loading / GiB:.2f} (rank 0 reads the checkpoint)" if self.loading else ""
+        )
 
     def render(self) -> str:
         fits = self.capacity is None or self.total <= self.capacity
         line = f"{'# OK  ' if fits else '# FAIL'} host/node     {self.total / GiB:6.1f} GiB  = {self._detail()}"
-        return line + (f" of {self.capacity / GiB:.0f} GiB ({self.capacity_source})" if self.capacity else
-                       " (no launcher.mem_gb to check against)")
+        return line + (
+            f" of {self.capacity / GiB:.0f} GiB ({self.capacity_source})"
+            if self.capacity
+            else " (no launcher.mem_gb to check against)"
+        )
 
     def failure(self) -> Optional[str]:
         if self.capacity is None or self.total <= self.capacity:
             return None
-        return (f"memory plan: host memory per node needs {self.total / GiB:.1f} GiB but {self.capacity_source} "
-                f"gives {self.capacity / GiB:.0f} GiB ({self._detail()}); shrink it with {', '.join(self.shrink)}")
+        return (
+            f"memory plan: host memory per node needs {self.total / GiB:.1f} GiB but {self.capacity_source} "
+            f"gives {self.capacity / GiB:.0f} GiB ({self._detail()}); shrink it with {', '.join(self.shrink)}"
+        )
 
 
 def host_runtime_bytes(device: str) -> float:
@@ -69,13 +77,22 @@ def host_runtime_bytes(device: str) -> float:
     return HOST_RUNTIME_GB["cuda" if device == "cuda" else "cpu"] * GiB + kept
 
 
-def host_plan(cfg: Config, actor_params: int, peak: float, largest_pretrained: int, critic_params: int,
-              rm_params: int, layouts: dict[str, Optional[FSDPConfig]], trainable: Optional[dict] = None) -> HostPlan:
+def host_plan(
+    cfg: Config,
+    actor_params: int,
+    peak: float,
+    largest_pretrained: int,
+    critic_params: int,
+    rm_params: int,
+    layouts: dict[str, Optional[FSDPConfig]],
+    trainable: Optional[dict] = None,
+) -> HostPlan:
     """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
     to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
     the moments between updates), and a LoRA actor's engine weights while it sleeps; CPU runs: the
-    per-rank plan's largest phase (``peak``), which is host memory already. Plus the start-up copy rank 0 reads (``largest_pretrained`` parameters). ``trainable``:
-    a LoRA model's adapter parameters by model name (gradients and moments are of those only)."""
+    per-rank plan's largest phase (``peak``), which is host memory already. Plus the start-up copy
+    rank 0 reads (``largest_pretrained`` parameters). ``trainable``: a LoRA model's adapter
+    parameters by model name (gradients and moments are of those only)."""
     tr, world = cfg.trainer, cfg.world_size
     params = {"actor": actor_params, "ref": actor_params, "critic": critic_params, "reward_model": rm_params}
     shrink = []
@@ -87,23 +104,34 @@ def host_plan(cfg: Config, actor_params: int, peak: float, largest_pretrained: i
             n = params[name] / shard_count(world, fsdp)
             trains = name in ("actor", "critic")
             t = ((trainable or {}).get(name) or params[name]) / shard_count(world, fsdp)
-            prefix = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic.model",
-                      "reward_model": "reward_model.model"}[name]
+            prefix = {
+                "actor": "actor_rollout_ref.actor",
+                "ref": "actor_rollout_ref.ref",
+                "critic": "critic.model",
+                "reward_model": "reward_model.model",
+            }[name]
             if fsdp.param_offload or fsdp.offload_policy:
                 per_rank[f"{name} offloaded"] = n * DTYPE_BYTES[fsdp.model_dtype] + (
-                    t * (DTYPE_BYTES[fsdp.model_dtype] + 8) if trains else 0)
+                    t * (DTYPE_BYTES[fsdp.model_dtype] + 8) if trains else 0
+                )
                 shrink.append(f"{prefix}.fsdp_config.param_offload=false")
             elif trains and fsdp.optimizer_offload:
                 per_rank[f"{name} Adam moments"] = 8 * t
                 shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
         rollout = cfg.actor_rollout_ref.rollout
-        if lora_enabled(cfg.actor_rollout_ref.model) and planned_engine(rollout.name).paged and rollout.free_cache_engine:
+        if (
+            lora_enabled(cfg.actor_rollout_ref.model)
+            and planned_engine(rollout.name).paged
+            and rollout.free_cache_engine
+        ):
             # a LoRA actor's engine sleeps at level 1 (rlhf_hpc.rollout.vllm_engine: the base weights must
             # survive): its share of the weights is copied to pinned host memory at every sleep
-            per_rank["engine weights asleep (LoRA)"] = (actor_params * DTYPE_BYTES[rollout.dtype]
-                                                        / rollout.tensor_model_parallel_size)
-            shrink.append("actor_rollout_ref.rollout.tensor_model_parallel_size (each rank's engine holds 1/TP of "
-                          "the weights)")
+            per_rank["engine weights asleep (LoRA)"] = (
+                actor_params * DTYPE_BYTES[rollout.dtype] / rollout.tensor_model_parallel_size
+            )
+            shrink.append(
+                "actor_rollout_ref.rollout.tensor_model_parallel_size (each rank's engine holds 1/TP of the weights)"
+            )
     else:
         per_rank = {"largest phase": peak}
     loading = float(largest_pretrained * DTYPE_BYTES[cfg.actor_rollout_ref.actor.fsdp_config.model_dtype])
@@ -116,5 +144,4 @@ def host_plan(cfg: Config, actor_params: int, peak: float, largest_pretrained: i
         shrink.insert(0, "launcher.mem_gb (ask Slurm for more)")
     elif cfg.launcher.cluster == "local" or tr.device != "cuda":
         capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink,
-                    enforced=bool(cfg.launcher.mem_gb))
+    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink, enforced=bool(cfg.launcher.mem_gb))

@@ -21,6 +21,7 @@ Every rank and the launching machine decide alike (the same config, model config
 figures; the ranks check it, rlhf_hpc.ppo.training_models); the
 choice and its reason are printed with the memory plan and in the run's log.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,14 +36,28 @@ from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.planning.hardware import gpu_memory_gb
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB, activation_bytes, logits_bytes, model_shape
 
-__all__ = ["CHECKPOINT_SHARE", "Layout", "SECTIONS", "SizeSearch", "choose_checkpointing", "choose_layouts", "describe",
-           "rank_memory_bytes", "resolved_fsdp_configs", "shard_count", "use_size_search"]
+__all__ = [
+    "CHECKPOINT_SHARE",
+    "Layout",
+    "SECTIONS",
+    "SizeSearch",
+    "choose_checkpointing",
+    "choose_layouts",
+    "describe",
+    "rank_memory_bytes",
+    "resolved_fsdp_configs",
+    "shard_count",
+    "use_size_search",
+]
 
 # share of a rank's memory one micro-batch's activations may take before checkpointing is chosen
 CHECKPOINT_SHARE = 0.1
 
-SECTIONS = {"actor": "actor_rollout_ref.actor.fsdp_config", "ref": "actor_rollout_ref.ref.fsdp_config",
-            "critic": "critic.model.fsdp_config"}
+SECTIONS = {
+    "actor": "actor_rollout_ref.actor.fsdp_config",
+    "ref": "actor_rollout_ref.ref.fsdp_config",
+    "critic": "critic.model.fsdp_config",
+}
 
 
 @dataclass
@@ -69,7 +84,7 @@ def choose_layouts(cfg: Config) -> dict[str, Layout]:
     """The layout of ``actor``, ``ref`` and ``critic`` (each section's explicit values kept)."""
     world, per_node = cfg.world_size, cfg.trainer.n_gpus_per_node
     open_keys = [key for key in SECTIONS.values() if get_key(cfg, key).fsdp_size is None]
-    chosen, why = (_chosen_size(cfg, open_keys) if open_keys else (per_node, ""))
+    chosen, why = _chosen_size(cfg, open_keys) if open_keys else (per_node, "")
     out = {}
     for name, key in SECTIONS.items():
         fsdp = get_key(cfg, key)
@@ -79,8 +94,9 @@ def choose_layouts(cfg: Config) -> dict[str, Layout]:
         reshard = fsdp.reshard_after_forward if fsdp.reshard_after_forward is not None else shard > 1
         prefetch = bool(fsdp.forward_prefetch)  # null: off (FSDP2 overlaps the next all-gather implicitly)
         if "fsdp_size" not in auto and auto:
-            reason = (f"fsdp_size={size} as set: parameters " + ("freed after the forward (sharded)" if shard > 1 else
-                                                                 "kept from forward to backward (replicated)"))
+            reason = f"fsdp_size={size} as set: parameters " + (
+                "freed after the forward (sharded)" if shard > 1 else "kept from forward to backward (replicated)"
+            )
         else:
             reason = why if auto else ""
         out[name] = Layout(size, reshard, prefetch, reason)
@@ -109,17 +125,24 @@ def _chosen_size(cfg: Config, keys: list[str]) -> tuple[int, str]:
             _chosen[key] = _size_search[0](cfg, keys)
         except (FileNotFoundError, OSError, ValueError) as e:
             per_node = cfg.trainer.n_gpus_per_node
-            _chosen[key] = (per_node, f"the model's size is unknown here ({e}): sharded inside a node "
-                                      f"(fsdp_size={per_node})")
+            _chosen[key] = (
+                per_node,
+                f"the model's size is unknown here ({e}): sharded inside a node (fsdp_size={per_node})",
+            )
     return _chosen[key]
 
 
 def resolved_fsdp_configs(cfg: Config) -> dict[str, FSDPConfig]:
     """The fsdp_config of ``actor``, ``ref`` and ``critic`` with the layout filled in."""
-    return {name: dataclasses.replace(get_key(cfg, SECTIONS[name]), fsdp_size=layout.fsdp_size,
-                                      reshard_after_forward=layout.reshard_after_forward,
-                                      forward_prefetch=layout.forward_prefetch)
-            for name, layout in choose_layouts(cfg).items()}
+    return {
+        name: dataclasses.replace(
+            get_key(cfg, SECTIONS[name]),
+            fsdp_size=layout.fsdp_size,
+            reshard_after_forward=layout.reshard_after_forward,
+            forward_prefetch=layout.forward_prefetch,
+        )
+        for name, layout in choose_layouts(cfg).items()
+    }
 
 
 def describe(cfg: Config) -> list[str]:
@@ -128,17 +151,24 @@ def describe(cfg: Config) -> list[str]:
     chosen: dict[tuple, list[str]] = {}
     for name, layout in choose_layouts(cfg).items():
         if layout.reason and _used(cfg, name):
-            chosen.setdefault((layout.fsdp_size, layout.reshard_after_forward, layout.forward_prefetch,
-                               layout.reason), []).append(name)
-    lines = [f"FSDP layout of {', '.join(names)}: fsdp_size={size}, reshard_after_forward={str(reshard).lower()}, "
-             f"forward_prefetch={str(prefetch).lower()}; {reason} (set {SECTIONS[names[0]]}.* to choose)"
-             for (size, reshard, prefetch, reason), names in chosen.items()]
-    keys = {"actor": "actor_rollout_ref.model.enable_gradient_checkpointing",
-            "critic": "critic.model.enable_gradient_checkpointing"}
+            chosen.setdefault(
+                (layout.fsdp_size, layout.reshard_after_forward, layout.forward_prefetch, layout.reason), []
+            ).append(name)
+    lines = [
+        f"FSDP layout of {', '.join(names)}: fsdp_size={size}, reshard_after_forward={str(reshard).lower()}, "
+        f"forward_prefetch={str(prefetch).lower()}; {reason} (set {SECTIONS[names[0]]}.* to choose)"
+        for (size, reshard, prefetch, reason), names in chosen.items()
+    ]
+    keys = {
+        "actor": "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "critic": "critic.model.enable_gradient_checkpointing",
+    }
     for name, (on, reason) in choose_checkpointing(cfg).items():
         if reason and _used(cfg, name):
-            lines.append(f"activation checkpointing of the {name}: {'on' if on else 'off'}; {reason} "
-                         f"(set {keys[name]} to choose)")
+            lines.append(
+                f"activation checkpointing of the {name}: {'on' if on else 'off'}; {reason} "
+                f"(set {keys[name]} to choose)"
+            )
     return lines
 
 
@@ -153,10 +183,17 @@ def choose_checkpointing(cfg: Config) -> dict[str, tuple[bool, str]]:
     per_rank_rows = max(1, step.rows_per_rank)
     out = {}
     for name, model, section, path, override, trust, vocab in (
-            ("actor", arr.model, arr.actor, arr.model.path, arr.model.override_config, arr.model.trust_remote_code,
-             True),
-            ("critic", critic.model, critic, critic.model.path or arr.model.path, critic.model.override_config,
-             bool(critic.model.trust_remote_code), False)):
+        ("actor", arr.model, arr.actor, arr.model.path, arr.model.override_config, arr.model.trust_remote_code, True),
+        (
+            "critic",
+            critic.model,
+            critic,
+            critic.model.path or arr.model.path,
+            critic.model.override_config,
+            bool(critic.model.trust_remote_code),
+            False,
+        ),
+    ):
         if model.enable_gradient_checkpointing is not None:
             out[name] = (model.enable_gradient_checkpointing, "")
             continue
@@ -166,16 +203,26 @@ def choose_checkpointing(cfg: Config) -> dict[str, tuple[bool, str]]:
             out[name] = (True, f"the model's size is unknown here ({e}): on")
             continue
         # (per rank without sequence parallelism, as first chosen; the memory plan divides by the group)
-        tokens, resp = step.phase(f"update_{name}").micro_tokens(per_rank_rows, step.prompt_len, step.response_len,
-                                                                 sequence_parallel=False)
-        b = DTYPE_BYTES[section.fsdp_config.mixed_precision.param_dtype if name == "actor"
-                       else critic.model.fsdp_config.mixed_precision.param_dtype]
+        tokens, resp = step.phase(f"update_{name}").micro_tokens(
+            per_rank_rows, step.prompt_len, step.response_len, sequence_parallel=False
+        )
+        b = DTYPE_BYTES[
+            section.fsdp_config.mixed_precision.param_dtype
+            if name == "actor"
+            else critic.model.fsdp_config.mixed_precision.param_dtype
+        ]
         act = activation_bytes(shape, tokens, b, checkpointing=False, with_grad=True)
         act += logits_bytes(resp, shape.vocab, b, with_grad=True) if vocab else 0
         small = act <= CHECKPOINT_SHARE * memory
-        out[name] = (not small, f"a micro-batch's activations ({act / GiB:.2f} GiB, {tokens} tokens) "
-                                + (f"fit in {CHECKPOINT_SHARE:.0%} of {memory / GiB:.0f} GiB per rank: off (no recompute)"
-                                   if small else f"exceed {CHECKPOINT_SHARE:.0%} of {memory / GiB:.0f} GiB per rank: on"))
+        out[name] = (
+            not small,
+            f"a micro-batch's activations ({act / GiB:.2f} GiB, {tokens} tokens) "
+            + (
+                f"fit in {CHECKPOINT_SHARE:.0%} of {memory / GiB:.0f} GiB per rank: off (no recompute)"
+                if small
+                else f"exceed {CHECKPOINT_SHARE:.0%} of {memory / GiB:.0f} GiB per rank: on"
+            ),
+        )
     return out
 
 

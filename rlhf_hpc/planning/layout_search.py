@@ -14,6 +14,7 @@ whose memory plan (``rlhf_hpc.planning.memory_plan``) fits wins.
 Every rank and the launching machine plan alike (the same config, model config and hardware figures;
 the ranks check that they agree, rlhf_hpc.ppo.training_models).
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,15 @@ from rlhf_hpc.planning.memory_plan import MemoryPlan, check_plan
 from rlhf_hpc.planning.sizing import GiB
 from rlhf_hpc.planning.time_plan import build_time_plan
 
-__all__ = ["FIT_SHARE", "TIE_SHARE", "Candidate", "candidate_sizes", "margined_peak", "plan_candidates", "search_fsdp_size"]
+__all__ = [
+    "FIT_SHARE",
+    "TIE_SHARE",
+    "Candidate",
+    "candidate_sizes",
+    "margined_peak",
+    "plan_candidates",
+    "search_fsdp_size",
+]
 
 # the share of a rank's memory the plan's estimated bytes may take in a chosen layout: on the CPU
 # measured peaks ran 0.80-1.32x the plan's (BENCHMARKS.md: "Memory plan vs a whole run", "The
@@ -48,17 +57,22 @@ class Candidate:
 
 def candidate_sizes(world: int, per_node: int) -> list[int]:
     """1, the divisors of a node's ranks, and whole nodes: each dividing the world."""
-    return [s for s in range(1, world + 1)
-            if world % s == 0 and ((s <= per_node and per_node % s == 0) or s % per_node == 0)]
+    return [
+        s
+        for s in range(1, world + 1)
+        if world % s == 0 and ((s <= per_node and per_node % s == 0) or s % per_node == 0)
+    ]
 
 
 def margined_peak(plan: MemoryPlan) -> float:
     """GiB of the largest phase with the estimate's margin: what the plan estimates over
     ``FIT_SHARE``; a GPU engine's own reservation (``gpu_memory_utilization`` of the GPU, which it
     sizes itself to) as it is."""
+
     def need(phase) -> float:
         exact = sum(v for k, v in phase.parts.items() if k.startswith("vLLM (")) if plan.device == "cuda" else 0.0
         return exact + (phase.total - exact) / FIT_SHARE
+
     return max(need(p) for p in plan.phases) / GiB
 
 
@@ -110,22 +124,31 @@ def search_fsdp_size(cfg: Config, keys: list[str]) -> tuple[int, str]:
 
     if not fitting:
         best = min(candidates, key=lambda c: c.peak_gib)
-        return best.fsdp_size, (f"no layout fits the memory plan; the smallest peak ({best.peak_gib:.1f} GiB per "
-                                f"rank) is fsdp_size={best.fsdp_size}")
+        return best.fsdp_size, (
+            f"no layout fits the memory plan; the smallest peak ({best.peak_gib:.1f} GiB per "
+            f"rank) is fsdp_size={best.fsdp_size}"
+        )
     if no_time:
         best = fitting[0]
         why = f"the smallest shard group that fits the memory plan (no time plan: {no_time})"
     else:
         fastest = min(c.step_s for c in fitting)
         best = next(c for c in fitting if c.step_s <= fastest * (1 + TIE_SHARE))
-        why = ("the fastest layout the time plan finds that fits the memory plan"
-               + (f", within {TIE_SHARE:.0%} of the fastest with fewer collectives" if best.step_s > fastest else ""))
+        why = "the fastest layout the time plan finds that fits the memory plan" + (
+            f", within {TIE_SHARE:.0%} of the fastest with fewer collectives" if best.step_s > fastest else ""
+        )
     others = "; ".join(text(c) for c in candidates if c is not best)
-    where = ("replicated on every rank (fsdp_size=1)" if best.fsdp_size == 1
-             else f"sharded over {best.fsdp_size} ranks (fsdp_size={best.fsdp_size})")
+    where = (
+        "replicated on every rank (fsdp_size=1)"
+        if best.fsdp_size == 1
+        else f"sharded over {best.fsdp_size} ranks (fsdp_size={best.fsdp_size})"
+    )
     step = f"step {best.step_s:.3g} s, " if best.step_s is not None else ""
-    return best.fsdp_size, (f"{where}: {why} ({step}peak {best.peak_gib:.1f} of {best.capacity_gib:.0f} GiB per rank"
-                            + (f"; {others}" if others else "") + ")")
+    return best.fsdp_size, (
+        f"{where}: {why} ({step}peak {best.peak_gib:.1f} of {best.capacity_gib:.0f} GiB per rank"
+        + (f"; {others}" if others else "")
+        + ")"
+    )
 
 
 use_size_search(search_fsdp_size)  # (rlhf_hpc.planning's __init__ imports this module)

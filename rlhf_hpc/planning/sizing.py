@@ -2,6 +2,7 @@
 of the shape (built on the meta device), bytes per dtype, activations per token and layer, logits,
 the largest micro-batch. Shared by the layout chooser (rlhf_hpc.planning.layout) and the memory plan
 (rlhf_hpc.planning.memory_plan)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,39 +13,112 @@ from rlhf_hpc.distributed.fsdp import decoder_layers, tied_embeddings
 from rlhf_hpc.models.hf import is_tiny, model_config
 from rlhf_hpc.models.lora import apply_lora, is_adapter
 
-__all__ = ["DEFAULT_GPU_MEMORY_GB", "DTYPE_BYTES", "GiB", "KNOWN_MODELS", "LOGITS_CHUNK", "ModelShape", "activation_bytes",
-           "adapter_params", "forward_flops", "layer_activation_bytes", "logits_bytes", "matmul_shape", "model_shape"]
+__all__ = [
+    "DEFAULT_GPU_MEMORY_GB",
+    "DTYPE_BYTES",
+    "GiB",
+    "KNOWN_MODELS",
+    "LOGITS_CHUNK",
+    "ModelShape",
+    "activation_bytes",
+    "adapter_params",
+    "forward_flops",
+    "layer_activation_bytes",
+    "logits_bytes",
+    "matmul_shape",
+    "model_shape",
+]
 
-GiB = 1024 ** 3
+GiB = 1024**3
 DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 # published config.json fields of models the shipped recipes use, for dry runs away from the cluster
 KNOWN_MODELS = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-32b": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
     # NeMo-RL's published GRPO runs (rlhf_hpc.bench.published_runs)
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
-    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                      tie_word_embeddings=False),
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.1-70b": dict(
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-32b": dict(
+        model_type="qwen3",
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
 }
 
 
 @dataclass
 class ModelShape:
     """What the plan needs of a decoder-only model. Parameter counts are exact (meta build)."""
+
     params: int
     layer_params: int  # one decoder layer
     embed_params: int
@@ -79,16 +153,20 @@ def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: b
     """(the model built on the meta device, its config, where the config came from)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # (seconds: only plans)
+
     expanded = Path(path).expanduser()
     if is_tiny(path) or (expanded / "config.json").is_file():
         config, source = model_config(path, override, trust_remote_code), f"config of {path}"
     else:
         key = next((k for k in KNOWN_MODELS if k in Path(path).name.lower()), None)
         if key is None:
-            raise FileNotFoundError(f"no config.json at {path} and no published shape for it: run the dry run "
-                                    f"where the model directory is")
+            raise FileNotFoundError(
+                f"no config.json at {path} and no published shape for it: run the dry run where the model directory is"
+            )
         fields = dict(KNOWN_MODELS[key])
-        config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[fields.pop("model_type", "qwen2")](**fields)
+        config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[fields.pop("model_type", "qwen2")](
+            **fields
+        )
         for k, v in (override or {}).items():
             if k != "attn_implementation":
                 setattr(config, k, v)
@@ -105,12 +183,21 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
     tied = tied_embeddings(model)
     heads = config.num_attention_heads
     return ModelShape(
-        params=count(model), layer_params=max(count(layer) for layer in layers),
+        params=count(model),
+        layer_params=max(count(layer) for layer in layers),
         embed_params=model.get_input_embeddings().weight.numel(),
-        head_params=0 if tied or model.get_output_embeddings() is None else model.get_output_embeddings().weight.numel(),
-        hidden=config.hidden_size, layers=len(layers), intermediate=config.intermediate_size,
-        vocab=config.vocab_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", heads),
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, source=source)
+        head_params=0
+        if tied or model.get_output_embeddings() is None
+        else model.get_output_embeddings().weight.numel(),
+        hidden=config.hidden_size,
+        layers=len(layers),
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", heads),
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        source=source,
+    )
 
 
 def matmul_shape(config, source: str = "") -> ModelShape:
@@ -123,13 +210,30 @@ def matmul_shape(config, source: str = "") -> ModelShape:
     head_dim = getattr(config, "head_dim", None) or h // heads
     per_layer = 2 * h * head_dim * heads + 2 * h * head_dim * kv_heads + 3 * h * inter
     head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
-    return ModelShape(params=layers * per_layer + vocab * h + head, layer_params=per_layer, embed_params=vocab * h,
-                      head_params=head, hidden=h, layers=layers, intermediate=inter, vocab=vocab, heads=heads,
-                      kv_heads=kv_heads, head_dim=head_dim, source=source or "matmul weights of the config")
+    return ModelShape(
+        params=layers * per_layer + vocab * h + head,
+        layer_params=per_layer,
+        embed_params=vocab * h,
+        head_params=head,
+        hidden=h,
+        layers=layers,
+        intermediate=inter,
+        vocab=vocab,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        source=source or "matmul weights of the config",
+    )
 
 
-def forward_flops(s: ModelShape, tokens: float, seq_len: float, head_tokens: float, head_width: int,
-                  square_sum: Optional[float] = None) -> float:
+def forward_flops(
+    s: ModelShape,
+    tokens: float,
+    seq_len: float,
+    head_tokens: float,
+    head_width: int,
+    square_sum: Optional[float] = None,
+) -> float:
     """FLOPs of a forward pass over ``tokens`` tokens in sequences of ``seq_len`` tokens, each attending
     to itself only: 2 x the layers' parameters per token (``s.layer_params``: the plans' exact count,
     biases and norms too; the MFU metric's ``matmul_shape``, matmul weights alone), causal attention
@@ -149,9 +253,18 @@ def adapter_params(path: str, lora_cfg, override: Optional[dict] = None, trust_r
     """Parameters of the LoRA adapter ``lora_cfg`` (a model config with verl's LoRA keys) would add
     to the model at ``path``: exact, PEFT applied to a meta build (where the config is readable;
     else the published shapes ``model_shape`` knows, as a Qwen2)."""
-    key = repr((path, sorted((override or {}).items()), trust_remote_code, lora_cfg.lora_rank, lora_cfg.lora_alpha,
-                lora_cfg.target_modules, getattr(lora_cfg, "exclude_modules", None),
-                getattr(lora_cfg, "lora_adapter_path", None)))
+    key = repr(
+        (
+            path,
+            sorted((override or {}).items()),
+            trust_remote_code,
+            lora_cfg.lora_rank,
+            lora_cfg.lora_alpha,
+            lora_cfg.target_modules,
+            getattr(lora_cfg, "exclude_modules", None),
+            getattr(lora_cfg, "lora_adapter_path", None),
+        )
+    )
     if key not in _adapters:
         model = apply_lora(_meta_model(path, override, trust_remote_code)[0], lora_cfg, seed=0)
         _adapters[key] = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))

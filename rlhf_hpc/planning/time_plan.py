@@ -39,6 +39,7 @@ speculative decoding, preemption when the KV cache fills), stragglers (one slow 
 collective), how the response lengths really spread, Python overhead beyond the per-pass
 constants, a shared file system's load. BENCHMARKS.md holds its error against measured runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,16 @@ from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs
 from rlhf_hpc.planning.memory_plan import MemoryPlan, build_plan, check_plan
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, forward_flops, model_shape
 
-__all__ = ["PhaseTime", "TimeModel", "TimePlan", "Workload", "advice_for", "build_time_plan", "generation_batches",
-           "workload_of"]
+__all__ = [
+    "PhaseTime",
+    "TimeModel",
+    "TimePlan",
+    "Workload",
+    "advice_for",
+    "build_time_plan",
+    "generation_batches",
+    "workload_of",
+]
 
 # Shares of the datasheet peaks that real kernels reach on a GPU (on the CPU the calibration's
 # figures are already what real passes reach: 1.0). Unmeasured by this project on GPUs: set from
@@ -82,6 +91,7 @@ SAMPLER_BYTES_PER_LOGIT = 24
 class Turn:
     """One assistant turn of a step's conversations: the share of rows still open, their context
     before it (tokens), the tool tokens prefilled first, the model's tokens in it (mean, longest)."""
+
     index: int
     rows: float
     context: float
@@ -97,6 +107,7 @@ class Workload:
     length where padding is not removed. Multi-turn: ``turns`` assistant turns per conversation
     (mean), ``tool_tokens`` of the response are the tools' (prefilled, not decoded), ``tool_s``
     seconds of tool calls in the step."""
+
     rows: int
     prompt: float
     response: float
@@ -119,11 +130,21 @@ class Workload:
         model = max(self.response - self.tool_tokens, 1.0)
         per_turn = model / turns
         tool_turn = self.tool_tokens / (turns - 1) if turns > 1 else 0.0
-        longest = max(1, min(self.longest_response, round(max(per_turn, (self.longest_response - self.tool_tokens) / turns))))
+        longest = max(
+            1, min(self.longest_response, round(max(per_turn, (self.longest_response - self.tool_tokens) / turns)))
+        )
         out = []
         for k in range(math.ceil(turns - 1e-9)):
-            out.append(Turn(k, min(1.0, turns - k), self.prompt + k * per_turn + max(k - 1, 0) * tool_turn,
-                            tool_turn if k else 0.0, per_turn, longest))
+            out.append(
+                Turn(
+                    k,
+                    min(1.0, turns - k),
+                    self.prompt + k * per_turn + max(k - 1, 0) * tool_turn,
+                    tool_turn if k else 0.0,
+                    per_turn,
+                    longest,
+                )
+            )
         return out
 
 
@@ -135,24 +156,37 @@ def workload_of(cfg: Config) -> Workload:
     given = [k for k in ("prompt_length", "response_length") if getattr(p, k) is not None]
     prompt = d.max_prompt_length if p.prompt_length is None else p.prompt_length
     response = d.max_response_length if p.response_length is None else p.response_length
-    source = (f"means from plan.{' and plan.'.join(given)}" if given else
-              "the maxima (set plan.prompt_length / plan.response_length to the data's means)")
-    w = Workload(rows, float(prompt), float(response), d.max_response_length,
-                 d.max_prompt_length + d.max_response_length, source)
+    source = (
+        f"means from plan.{' and plan.'.join(given)}"
+        if given
+        else "the maxima (set plan.prompt_length / plan.response_length to the data's means)"
+    )
+    w = Workload(
+        rows, float(prompt), float(response), d.max_response_length, d.max_prompt_length + d.max_response_length, source
+    )
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return w
     w.turns = float(p.assistant_turns or mt.max_assistant_turns or 2)
-    per_tool = p.tool_response_length if p.tool_response_length is not None else math.ceil(mt.max_tool_response_length / 4)
+    per_tool = (
+        p.tool_response_length if p.tool_response_length is not None else math.ceil(mt.max_tool_response_length / 4)
+    )
     # (the response's budget holds the tool turns; the model keeps at least a token a turn)
     w.tool_tokens = max(0.0, min((w.turns - 1) * per_tool, w.response - w.turns))
     w.tool_s = (p.tool_seconds or 0.0) * (math.ceil(w.turns) - 1)
-    turns_from = ("plan.assistant_turns" if p.assistant_turns else "the most allowed" if mt.max_assistant_turns
-                  else "assumed: set plan.assistant_turns")
+    turns_from = (
+        "plan.assistant_turns"
+        if p.assistant_turns
+        else "the most allowed"
+        if mt.max_assistant_turns
+        else "assumed: set plan.assistant_turns"
+    )
     tool_from = "plan.tool_response_length" if p.tool_response_length is not None else "max_tool_response_length / 4"
     seconds_from = "plan.tool_seconds" if p.tool_seconds is not None else "not planned: set plan.tool_seconds"
-    w.source += (f"; {w.turns:g} assistant turns ({turns_from}), tool turns of {per_tool} tokens ({tool_from}), "
-                 f"{p.tool_seconds or 0:g} s a tool turn ({seconds_from})")
+    w.source += (
+        f"; {w.turns:g} assistant turns ({turns_from}), tool turns of {per_tool} tokens ({tool_from}), "
+        f"{p.tool_seconds or 0:g} s a tool turn ({seconds_from})"
+    )
     return w
 
 
@@ -194,60 +228,87 @@ class TimePlan:
         return next((p for p in self.phases if p.name == name), None)
 
     def metrics(self) -> dict[str, float]:
-        """``plan/<phase>_s`` for every phase, ``plan/step_s``, ``plan/tokens_per_s_per_gpu``, ``plan/comm_fraction``."""
+        """``plan/<phase>_s`` for every phase, ``plan/step_s``, ``plan/tokens_per_s_per_gpu``,
+        ``plan/comm_fraction``."""
         out = {f"plan/{p.name}_s": p.seconds for p in self.phases}
-        out.update({"plan/step_s": self.step_s, "plan/tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-                    "plan/comm_fraction": self.comm_share})
+        out.update(
+            {
+                "plan/step_s": self.step_s,
+                "plan/tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "plan/comm_fraction": self.comm_share,
+            }
+        )
         return out
 
     def render(self) -> str:
         w, hw = self.workload, self.hardware
-        lines = [f"# time plan per step on {self.world} x {hw.name} ({hw.source})",
-                 f"# workload: {w.rows} responses of {w.prompt:.0f} + {w.response:.0f} tokens ({w.source})"]
+        lines = [
+            f"# time plan per step on {self.world} x {hw.name} ({hw.source})",
+            f"# workload: {w.rows} responses of {w.prompt:.0f} + {w.response:.0f} tokens ({w.source})",
+        ]
         for p in self.phases:
             parts = ", ".join(f"{k} {v:.3g}" for k, v in p.parts.items() if v > 0)
             every = f"once per {self.save_freq} steps, not in the step; " if p.name == "save_checkpoint" else ""
-            lines.append(f"#   {p.name:<15}{p.seconds:9.3g} s  bound: {p.bound:<18} [{every}alone, s: {parts}"
-                         + (f"; {p.note}" if p.note else "") + "]")
-        lines.append(f"# step {self.step_s:.3g} s: {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
-                     f"({self.tokens_per_s_per_gpu * self.world:,.0f} on {self.world}), communication "
-                     f"{self.comm_share:.0%} of the step")
+            lines.append(
+                f"#   {p.name:<15}{p.seconds:9.3g} s  bound: {p.bound:<18} [{every}alone, s: {parts}"
+                + (f"; {p.note}" if p.note else "")
+                + "]"
+            )
+        lines.append(
+            f"# step {self.step_s:.3g} s: {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+            f"({self.tokens_per_s_per_gpu * self.world:,.0f} on {self.world}), communication "
+            f"{self.comm_share:.0%} of the step"
+        )
         lines += [f"# advice: {a}" for a in self.advice]
         return "\n".join(lines)
 
     def render_measured(self, measured: dict[str, float]) -> Optional[str]:
         """One line: each phase a run timed (``timing_s/<phase>``) against this plan, with the ratio."""
-        rows = [(p.name, p.seconds, measured[f"timing_s/{p.name}"]) for p in self.phases
-                if f"timing_s/{p.name}" in measured]
+        rows = [
+            (p.name, p.seconds, measured[f"timing_s/{p.name}"]) for p in self.phases if f"timing_s/{p.name}" in measured
+        ]
         if "timing_s/step" in measured:
             rows.append(("step", self.step_s, measured["timing_s/step"]))
         if not rows:
             return None
-        return ("time per phase, measured / planned (s): "
-                + ", ".join(f"{n} {m:.3g}/{p:.3g} ({m / p:.2f}x)" if p > 0 else f"{n} {m:.3g}/0" for n, p, m in rows))
+        return "time per phase, measured / planned (s): " + ", ".join(
+            f"{n} {m:.3g}/{p:.3g} ({m / p:.2f}x)" if p > 0 else f"{n} {m:.3g}/0" for n, p, m in rows
+        )
 
 
 # ------------------------------------------------------------------------------------ the model
 class TimeModel:
     """The phases of one step on ``hw`` for ``cfg`` (one method per kind of phase)."""
 
-    def __init__(self, cfg: Config, hw: Optional[Hardware] = None, device_name: Optional[str] = None,
-                 memory: Optional[MemoryPlan] = None):
+    def __init__(
+        self,
+        cfg: Config,
+        hw: Optional[Hardware] = None,
+        device_name: Optional[str] = None,
+        memory: Optional[MemoryPlan] = None,
+    ):
         arr = cfg.actor_rollout_ref
         self.cfg, self.hw = cfg, hw or hardware_of(cfg, device_name)
         self.step = step_shape(cfg)
         self.paged = planned_engine(arr.rollout.name).paged  # (rlhf_hpc.config.engines)
         self.world, self.per_node = cfg.world_size, cfg.trainer.n_gpus_per_node
         self.s = model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
-        self.cs = (model_shape(cfg.critic.model.path, cfg.critic.model.override_config,
-                               bool(cfg.critic.model.trust_remote_code))
-                   if cfg.critic.enable and cfg.critic.model.path and cfg.critic.model.path != arr.model.path else self.s)
+        self.cs = (
+            model_shape(
+                cfg.critic.model.path, cfg.critic.model.override_config, bool(cfg.critic.model.trust_remote_code)
+            )
+            if cfg.critic.enable and cfg.critic.model.path and cfg.critic.model.path != arr.model.path
+            else self.s
+        )
         self.layouts = resolved_fsdp_configs(cfg)
         self.recompute = {n: on for n, (on, _) in choose_checkpointing(cfg).items()}
         self.memory = memory or build_plan(cfg)  # (``memory``: the caller's plan of this same cfg)
         self.lora = lora_enabled(arr.model)
-        self.adapter = adapter_params(arr.model.path, arr.model, arr.model.override_config,
-                                      arr.model.trust_remote_code) if self.lora else 0
+        self.adapter = (
+            adapter_params(arr.model.path, arr.model, arr.model.override_config, arr.model.trust_remote_code)
+            if self.lora
+            else 0
+        )
 
     # ----------------------------------------------------------------------------- resources
     def link(self, group: int, local: Optional[int] = None) -> tuple[float, str]:
@@ -277,20 +338,45 @@ class TimeModel:
         if step.old_log_probs == "pass":  # (else the engine's log-probs, or the on-policy update's forward)
             out.append(self.forward(step.old_log_prob, self.s, self.layouts["actor"], w, rows, self.s.vocab))
         if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            out.append(self.forward(step.ref, self.s, self.layouts["actor" if self.lora else "ref"], w, rows,
-                                    self.s.vocab))
+            out.append(
+                self.forward(step.ref, self.s, self.layouts["actor" if self.lora else "ref"], w, rows, self.s.vocab)
+            )
         if critic.enable:
             out.append(self.forward(step.values, self.cs, self.layouts["critic"], w, rows, 1))
         if any(p.name == "reward_model" for p in self.memory.phases):  # (the plan found its shape)
             rms = model_shape(rm.model.path, rm.model.override_config, rm.model.trust_remote_code)
             out.append(self.forward(step.reward_model, rms, rm.model.fsdp_config, w, rows, 1))
         if critic.enable:
-            out.append(self.update(step.update_critic, self.cs, self.layouts["critic"], w, rows, self.recompute["critic"],
-                                   1, lora_enabled(critic.model) and adapter_params(
-                                       critic.model.path or arr.model.path, critic.model, critic.model.override_config,
-                                       bool(critic.model.trust_remote_code))))
-        out.append(self.update(step.update_actor, self.s, self.layouts["actor"], w, rows, self.recompute["actor"],
-                               self.s.vocab, self.adapter))
+            out.append(
+                self.update(
+                    step.update_critic,
+                    self.cs,
+                    self.layouts["critic"],
+                    w,
+                    rows,
+                    self.recompute["critic"],
+                    1,
+                    lora_enabled(critic.model)
+                    and adapter_params(
+                        critic.model.path or arr.model.path,
+                        critic.model,
+                        critic.model.override_config,
+                        bool(critic.model.trust_remote_code),
+                    ),
+                )
+            )
+        out.append(
+            self.update(
+                step.update_actor,
+                self.s,
+                self.layouts["actor"],
+                w,
+                rows,
+                self.recompute["actor"],
+                self.s.vocab,
+                self.adapter,
+            )
+        )
         if cfg.trainer.save_freq > 0:
             out.append(self.checkpoint())
         return out
@@ -309,8 +395,13 @@ class TimeModel:
         parts = {"engine load": load, where: gather, "overhead": overhead}
         # the reshard overlaps the two
         seconds = (max(gather, load) if hw.overlap_comm else gather + load) + overhead
-        return PhaseTime("update_weights", parts, seconds, seconds - load - overhead,
-                         f"{nbytes / 2**20:,.0f} MiB" + (" (the LoRA adapter)" if self.lora else ""))
+        return PhaseTime(
+            "update_weights",
+            parts,
+            seconds,
+            seconds - load - overhead,
+            f"{nbytes / 2**20:,.0f} MiB" + (" (the LoRA adapter)" if self.lora else ""),
+        )
 
     def generation(self, w: Workload) -> PhaseTime:
         hw, s, rollout = self.hw, self.s, self.cfg.actor_rollout_ref.rollout
@@ -325,6 +416,7 @@ class TimeModel:
         room = self.memory.kv_cache_tokens
         if room is None and self.paged:  # vLLM's CPU build: VLLM_CPU_KVCACHE_SPACE GiB
             import os
+
             room = int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * 2**30 // kv_per_token)
         bw, where = self.link(tp)
         eff = DECODE_BANDWIDTH_EFFICIENCY if self.cfg.trainer.device == "cuda" else 1.0
@@ -344,23 +436,40 @@ class TimeModel:
         for turn in w.turns_open():  # (one generate call per assistant turn: the rows still open)
             if turn.index > 0:  # the tool's answer prefilled; a paged engine keeps the rest cached
                 new = turn.new_tokens if self.paged else turn.context + turn.new_tokens
-                prefill += forward_flops(s, turn.rows * rows * new, turn.context + turn.new_tokens,
-                                         turn.rows * rows, s.vocab) / prefill_rate
+                prefill += (
+                    forward_flops(s, turn.rows * rows * new, turn.context + turn.new_tokens, turn.rows * rows, s.vocab)
+                    / prefill_rate
+                )
             open_rows = max(1, round(turn.rows * rows))
             if self.paged:
-                batch = max(1, int(min(rollout.max_num_seqs, open_rows,
-                                       (room / (turn.context + turn.new_tokens + turn.mean)) if room else open_rows)))
+                batch = max(
+                    1,
+                    int(
+                        min(
+                            rollout.max_num_seqs,
+                            open_rows,
+                            (room / (turn.context + turn.new_tokens + turn.mean)) if room else open_rows,
+                        )
+                    ),
+                )
             else:  # transformers' generate: every row of the call in one batch
                 batch = open_rows
             batches.append(batch)
-            segments = decode_segments(response_lengths(open_rows, turn.mean, turn.longest),
-                                       turn.context + turn.new_tokens, batch, continuous=self.paged)
+            segments = decode_segments(
+                response_lengths(open_rows, turn.mean, turn.longest),
+                turn.context + turn.new_tokens,
+                batch,
+                continuous=self.paged,
+            )
             for seg in segments:
                 b = seg.sequences
                 r = (s.params * rb / tp + seg.context * kv_per_token / tp) / hbm
                 c = forward_flops(s, b, seg.context / b, b, s.vocab) / rate
-                m = (2 * s.layers * (2 * (tp - 1) / tp * b * s.hidden * rb / bw + hw.collective_latency_s)
-                     if tp > 1 else 0.0)
+                m = (
+                    2 * s.layers * (2 * (tp - 1) / tp * b * s.hidden * rb / bw + hw.collective_latency_s)
+                    if tp > 1
+                    else 0.0
+                )
                 x = b * sampler_bytes / hbm
                 read += seg.steps * r
                 compute += seg.steps * c
@@ -372,26 +481,44 @@ class TimeModel:
             # (a request per response; transformers' generate takes a first turn's prompt once for its n)
             requests = open_rows if self.paged or turn.index > 0 else open_rows / rollout.n
             calls += hw.generate_overhead_s + requests * hw.request_overhead_s
-        parts = {"compute": prefill + compute, "memory bandwidth": read + sampler, "overhead": steps * overhead + calls,
-                 where: comm}
+        parts = {
+            "compute": prefill + compute,
+            "memory bandwidth": read + sampler,
+            "overhead": steps * overhead + calls,
+            where: comm,
+        }
         seconds += prefill + steps * overhead + calls
         if w.tool_s > 0:
             parts["tools"] = w.tool_s
             seconds += w.tool_s
-        note = (f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {max(batches)}: {steps} decode steps, {thin} "
-                f"of them under a quarter of the batch (response lengths: {w.response:.0f} mean, {w.longest_response} "
-                f"longest, spread assumed as rlhf_hpc.planning.decode_schedule says)")
+        note = (
+            f"{engines} engine(s) of TP {tp}, {rows:.0f} rows each, batch {max(batches)}: {steps} decode steps, {thin} "
+            f"of them under a quarter of the batch (response lengths: {w.response:.0f} mean, {w.longest_response} "
+            f"longest, spread assumed as rlhf_hpc.planning.decode_schedule says)"
+        )
         if w.turns > 1:
-            note += (f"; {w.turns:.3g} assistant turns per conversation, {w.tool_tokens:.0f} tool tokens of the response"
-                     f" prefilled between them, tools {w.tool_s:.3g} s")
+            note += (
+                f"; {w.turns:.3g} assistant turns per conversation, {w.tool_tokens:.0f} tool tokens of the response"
+                f" prefilled between them, tools {w.tool_s:.3g} s"
+            )
         scale, why = generation_batches(self.cfg, w.gen_batches)
         if why:  # DAPO's dynamic sampling: the step's responses as generated, in generation batches
             parts = {k: v * scale for k, v in parts.items()}
             seconds, comm, note = seconds * scale, comm * scale, f"{note}; x{scale:.3g}: {why}"
         return PhaseTime("gen", parts, seconds, comm, note)
 
-    def pass_costs(self, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, micro: int, head: int,
-                   remove_padding: bool, backward: float, sp: int) -> dict[str, float]:
+    def pass_costs(
+        self,
+        s: ModelShape,
+        fsdp: FSDPConfig,
+        w: Workload,
+        rows: float,
+        micro: int,
+        head: int,
+        remove_padding: bool,
+        backward: float,
+        sp: int,
+    ) -> dict[str, float]:
         """Seconds of ``rows`` rows through ``s`` in ``micro`` micro-batches, forward (x ``backward``
         for the passes of an update: 1 + backward_ratio, one more with recompute): compute, overhead."""
         hw = self.hw
@@ -399,16 +526,23 @@ class TimeModel:
         tokens = rows * length
         dtype = fsdp.mixed_precision.param_dtype
         flops = forward_flops(s, tokens, length, rows * w.response if head > 1 else tokens, head) * backward
-        out = {"compute": flops / (hw.matmul_flops(dtype) * self.efficiency()), "memory bandwidth": 0.0,
-               "overhead": micro * backward * (hw.pass_overhead_s + s.layers * hw.layer_overhead_s)}
+        out = {
+            "compute": flops / (hw.matmul_flops(dtype) * self.efficiency()),
+            "memory bandwidth": 0.0,
+            "overhead": micro * backward * (hw.pass_overhead_s + s.layers * hw.layer_overhead_s),
+        }
         if sp > 1:  # Ulysses: 2 all-to-alls per layer and pass (q/k/v in, the output back)
             bw, where = self.link(sp, local=1)  # (an all-to-all: each rank's own share crosses)
             q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-            out[where] = out.get(where, 0.0) + backward * 2 * s.layers * tokens * (2 * q + 2 * kv) / 2 * DTYPE_BYTES[dtype] * (sp - 1) / sp / bw
+            out[where] = (
+                out.get(where, 0.0)
+                + backward * 2 * s.layers * tokens * (2 * q + 2 * kv) / 2 * DTYPE_BYTES[dtype] * (sp - 1) / sp / bw
+            )
         return out
 
-    def combine(self, name: str, compute: dict[str, float], comm: dict[str, float], serial: dict[str, float],
-                note: str) -> PhaseTime:
+    def combine(
+        self, name: str, compute: dict[str, float], comm: dict[str, float], serial: dict[str, float], note: str
+    ) -> PhaseTime:
         """Compute-side seconds add up; collectives overlap them on a GPU (not on gloo); host transfers add."""
         busy, talk = sum(compute.values()), sum(comm.values())
         shared = max(busy, talk) if self.hw.overlap_comm else busy + talk
@@ -417,8 +551,9 @@ class TimeModel:
             parts[k] = parts.get(k, 0.0) + v
         return PhaseTime(name, parts, shared + sum(serial.values()), shared - busy, note)
 
-    def forward(self, phase: PhaseShape, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, head: int
-                ) -> PhaseTime:
+    def forward(
+        self, phase: PhaseShape, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, head: int
+    ) -> PhaseTime:
         tokens = rows * ((w.prompt + w.response) if phase.remove_padding else w.padded)
         micro = phase.micro_batches(rows, tokens)
         compute = self.pass_costs(s, fsdp, w, rows, micro, head, phase.remove_padding, 1.0, phase.sp)
@@ -428,15 +563,27 @@ class TimeModel:
         gathers = micro if fsdp.reshard_after_forward is not False else 1
         if shards > 1:
             bw, where = self.link(shards)
-            comm[where] = comm.get(where, 0.0) + gathers * (s.params * b * (shards - 1) / shards / bw
-                                                            + (s.layers + 2) * self.hw.collective_latency_s)
+            comm[where] = comm.get(where, 0.0) + gathers * (
+                s.params * b * (shards - 1) / shards / bw + (s.layers + 2) * self.hw.collective_latency_s
+            )
         serial = {}
         if fsdp.param_offload or fsdp.offload_policy:
-            serial["host link"] = gathers * s.params * DTYPE_BYTES[fsdp.model_dtype] / shards / (self.hw.host_link_gb_s * 1e9)
+            serial["host link"] = (
+                gathers * s.params * DTYPE_BYTES[fsdp.model_dtype] / shards / (self.hw.host_link_gb_s * 1e9)
+            )
         return self.combine(phase.name, compute, comm, serial, f"{micro} micro-batch(es)")
 
-    def update(self, phase: PhaseShape, s: ModelShape, fsdp: FSDPConfig, w: Workload, rows: float, recompute: bool,
-               head: int, trainable) -> PhaseTime:
+    def update(
+        self,
+        phase: PhaseShape,
+        s: ModelShape,
+        fsdp: FSDPConfig,
+        w: Workload,
+        rows: float,
+        recompute: bool,
+        head: int,
+        trainable,
+    ) -> PhaseTime:
         hw, world, epochs, sp = self.hw, self.world, phase.epochs, phase.sp
         remove_padding = phase.remove_padding
         mini_rows = max(phase.mini_rows, 1)  # (the runtime's: rlhf_hpc.ops.batching.per_rank_mini_batch)
@@ -460,33 +607,42 @@ class TimeModel:
             comm[where] = comm.get(where, 0.0) + passes * (per_micro + 3 * (s.layers + 2) * hw.collective_latency_s)
         if replicas > 1:  # the gradients' all-reduce across replicas, every micro-batch's backward
             bw, where = self.link(world, local=max(1, self.per_node // shards))  # (strided groups)
-            comm[where] = comm.get(where, 0.0) + passes * (2 * (replicas - 1) / replicas * trained * rb / shards / bw
-                                                           + (s.layers + 2) * hw.collective_latency_s)
+            comm[where] = comm.get(where, 0.0) + passes * (
+                2 * (replicas - 1) / replicas * trained * rb / shards / bw + (s.layers + 2) * hw.collective_latency_s
+            )
         steps = minis * epochs
         serial = {}
         host_params = fsdp.param_offload or fsdp.offload_policy
         if host_params:  # parameters and gradients cross the host link; the step runs on the host
-            serial["host link"] = passes * (2 * s.params * master + trained * master) / shards / (hw.host_link_gb_s * 1e9)
+            serial["host link"] = (
+                passes * (2 * s.params * master + trained * master) / shards / (hw.host_link_gb_s * 1e9)
+            )
             serial["host optimizer"] = steps * trained / shards / hw.host_adam_params_s
         else:
             compute["memory bandwidth"] += steps * trained * ADAM_BYTES / shards / (hw.hbm_gb_s * 1e9)
             if fsdp.optimizer_offload:  # the moments come to the GPU for the update and go back
                 serial["host link"] = 2 * 8 * trained / shards / (hw.host_link_gb_s * 1e9)
-        return self.combine(phase.name, compute, comm, serial,
-                            f"{passes} micro-batch passes, {steps} optimizer steps" + (", recompute" if recompute else ""))
+        return self.combine(
+            phase.name,
+            compute,
+            comm,
+            serial,
+            f"{passes} micro-batch passes, {steps} optimizer steps" + (", recompute" if recompute else ""),
+        )
 
     def checkpoint(self) -> PhaseTime:
         cfg, s = self.cfg, self.s
         afs = self.layouts["actor"]
-        per_rank = ((self.adapter * 12 if self.lora else s.params * (DTYPE_BYTES[afs.model_dtype] + 8))
-                    / self.shards(afs))
+        per_rank = (self.adapter * 12 if self.lora else s.params * (DTYPE_BYTES[afs.model_dtype] + 8)) / self.shards(
+            afs
+        )
         if cfg.critic.enable:
             cfs = self.layouts["critic"]
             per_rank += self.cs.params * (DTYPE_BYTES[cfs.model_dtype] + 8) / self.shards(cfs)
         seconds = per_rank * self.per_node / (self.hw.disk_gb_s * 1e9)
-        return PhaseTime("save_checkpoint", {"disk": seconds}, seconds, 0.0,
-                         f"{per_rank * self.per_node / 2**30:.2f} GiB per node")
-
+        return PhaseTime(
+            "save_checkpoint", {"disk": seconds}, seconds, 0.0, f"{per_rank * self.per_node / 2**30:.2f} GiB per node"
+        )
 
     def plan(self, w: Workload) -> TimePlan:
         return TimePlan(self.hw, self.world, w, self.phases(w), self.cfg.trainer.save_freq)
@@ -499,14 +655,20 @@ class TimeModel:
         # model's tokens, as verl logs it): in the response, prefilled between its assistant turns
         # (verl's num_turns: assistant + tool turns + the prompt, so about twice the assistant turns)
         tool = (metrics.get("tools/tokens_tool", 0.0) + metrics.get("tools/tokens_user", 0.0)) / max(self.step.rows, 1)
-        return self.plan(Workload(self.step.rows,
-                                  metrics.get("prompt_length/mean", d.max_prompt_length),
-                                  metrics.get("response_length/mean", d.max_response_length) + tool,
-                                  min(d.max_response_length,
-                                      int(metrics.get("response_length/max", d.max_response_length) + tool)), padded,
-                                  "this step's lengths", metrics.get("train/num_gen_batches"),
-                                  turns=max(1.0, metrics.get("num_turns/mean", 2.0) / 2), tool_tokens=tool,
-                                  tool_s=metrics.get("timing_s/tools", 0.0)))
+        return self.plan(
+            Workload(
+                self.step.rows,
+                metrics.get("prompt_length/mean", d.max_prompt_length),
+                metrics.get("response_length/mean", d.max_response_length) + tool,
+                min(d.max_response_length, int(metrics.get("response_length/max", d.max_response_length) + tool)),
+                padded,
+                "this step's lengths",
+                metrics.get("train/num_gen_batches"),
+                turns=max(1.0, metrics.get("num_turns/mean", 2.0) / 2),
+                tool_tokens=tool,
+                tool_s=metrics.get("timing_s/tools", 0.0),
+            )
+        )
 
 
 def generation_batches(cfg: Config, measured: Optional[float] = None) -> tuple[float, str]:
@@ -526,15 +688,21 @@ def generation_batches(cfg: Config, measured: Optional[float] = None) -> tuple[f
         batches = float(math.ceil(2 * d.train_batch_size / gen))
         if fg.max_num_gen_batches > 0:
             batches = min(batches, float(fg.max_num_gen_batches))
-        why = (f"{batches:.0f} generation batch(es) of {gen} prompts expected (dynamic sampling; assumed: half the "
-               f"groups keep reward variance" + (f", at most max_num_gen_batches={fg.max_num_gen_batches}"
-                                                 if fg.max_num_gen_batches > 0 else "") + ")")
+        why = (
+            f"{batches:.0f} generation batch(es) of {gen} prompts expected (dynamic sampling; assumed: half the "
+            f"groups keep reward variance"
+            + (f", at most max_num_gen_batches={fg.max_num_gen_batches}" if fg.max_num_gen_batches > 0 else "")
+            + ")"
+        )
     return batches * gen / d.train_batch_size, why
 
 
-def build_time_plan(cfg: Config, workload: Optional[Workload] = None,
-                    advise: Optional[Callable[[Config], object]] = None, memory: Optional[MemoryPlan] = None
-                    ) -> TimePlan:
+def build_time_plan(
+    cfg: Config,
+    workload: Optional[Workload] = None,
+    advise: Optional[Callable[[Config], object]] = None,
+    memory: Optional[MemoryPlan] = None,
+) -> TimePlan:
     """The time plan of ``cfg`` for ``workload`` (default: the dry run's, ``workload_of``), with
     advice (``advice_for``) when ``advise`` is given: the config check a candidate must pass
     (rlhf_hpc.recipe.checks.validate, which raises ConfigError). ``memory``: the memory plan of
@@ -547,8 +715,9 @@ def build_time_plan(cfg: Config, workload: Optional[Workload] = None,
 
 # ------------------------------------------------------------------------------------ advice
 # (the candidate changes: rlhf_hpc.planning.advice)
-def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object], keep: int = 4,
-               min_gain: float = 0.03) -> list[str]:
+def advice_for(
+    cfg: Config, plan: TimePlan, validate: Callable[[Config], object], keep: int = 4, min_gain: float = 0.03
+) -> list[str]:
     """The changes (``candidate_changes``) that ``validate`` accepts, whose memory plan still fits
     and whose step is at least ``min_gain`` faster, best first, each naming its keys; first, when
     communication passes the 20% rule, a line saying whether the plan finds Ulysses (the rule's
@@ -571,19 +740,27 @@ def advice_for(cfg: Config, plan: TimePlan, validate: Callable[[Config], object]
             continue
         gain = 1 - faster.step_s / plan.step_s
         if gain >= min_gain:
-            keys = " ".join(f"{k}={value_text(v)}" for k, v in changes[:1]) + (" (and the ref's and critic's)"
-                                                                          if len(changes) > 1 else "")
-            found.append((gain, is_ulysses, f"{keys}: step {plan.step_s:.3g} -> {faster.step_s:.3g} s (-{gain:.0%}; "
-                                            f"{why}; the memory plan fits, peak {memory.peak / 2**30:.1f} GiB)"))
+            keys = " ".join(f"{k}={value_text(v)}" for k, v in changes[:1]) + (
+                " (and the ref's and critic's)" if len(changes) > 1 else ""
+            )
+            found.append(
+                (
+                    gain,
+                    is_ulysses,
+                    f"{keys}: step {plan.step_s:.3g} -> {faster.step_s:.3g} s (-{gain:.0%}; "
+                    f"{why}; the memory plan fits, peak {memory.peak / 2**30:.1f} GiB)",
+                )
+            )
     found.sort(key=lambda g: -g[0])
     lines = [text for _, _, text in found[:keep]]
     if plan.comm_share > COMM_RULE:
-        rule = (f"communication is {plan.comm_share:.0%} of the step, above the reference design's {COMM_RULE:.0%}: ")
+        rule = f"communication is {plan.comm_share:.0%} of the step, above the reference design's {COMM_RULE:.0%}: "
         if any(u for _, u, _ in found[:keep]):
             rule += "Ulysses sequence parallelism shortens it (below), with the other changes the plan finds faster"
         elif tried_ulysses:
-            rule += (f"the plan finds Ulysses sequence parallelism ({ulysses}=2) no faster here or not fitting"
-                     + ("; what it finds faster is below" if lines else "; no change it tries is faster"))
+            rule += f"the plan finds Ulysses sequence parallelism ({ulysses}=2) no faster here or not fitting" + (
+                "; what it finds faster is below" if lines else "; no change it tries is faster"
+            )
         else:
             rule += "what the plan finds faster is below" if lines else "no change the plan tries is faster"
         lines.insert(0, rule)

@@ -3,6 +3,7 @@
 Batches follow ``rlhf_hpc.ops.batching``'s layout; per-token outputs are ``(B, R)``. The update reads
 ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with the KL loss) from the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,22 +12,29 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rlhf_hpc.ops import algos
-from rlhf_hpc.distributed import sequence_parallel
-from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
 from rlhf_hpc.config.schema import ActorConfig
+from rlhf_hpc.distributed import sequence_parallel
+from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
+from rlhf_hpc.ops import algos
+from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
 from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
 from rlhf_hpc.ppo.optim import optimizer_state_on
 from rlhf_hpc.ppo.rollout_correction import RolloutCorrection
-from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
 from rlhf_hpc.ppo.update import ModelSpec, UpdateSpec, ppo_update
 
 __all__ = ["Actor", "ActorSpec", "per_token_logprobs"]
 
 
-def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0, remove_padding: bool = True,
-                       with_entropy: bool = False, entropy_grad: bool = True, sp: Optional[SequenceParallel] = None,
-                       with_sum_pi_squared: bool = False) -> tuple:
+def per_token_logprobs(
+    model: nn.Module,
+    batch: Batch,
+    temperature: float = 1.0,
+    remove_padding: bool = True,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    sp: Optional[SequenceParallel] = None,
+    with_sum_pi_squared: bool = False,
+) -> tuple:
     """Log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
     Returns (log_probs (B, R), entropy (B, R) or None), zero where ``response_mask`` is 0;
@@ -37,20 +45,32 @@ def per_token_logprobs(model: nn.Module, batch: Batch, temperature: float = 1.0,
     ``sp``: the packed sequence is split over this sequence-parallel group (rlhf_hpc.distributed.sequence_parallel).
     """
     if sp is not None:
-        return sequence_parallel.per_token_logprobs(model, batch, sp, temperature, with_entropy, entropy_grad,
-                                                    with_sum_pi_squared=with_sum_pi_squared)
+        return sequence_parallel.per_token_logprobs(
+            model, batch, sp, temperature, with_entropy, entropy_grad, with_sum_pi_squared=with_sum_pi_squared
+        )
     R = batch["responses"].shape[1]
     mask = batch["response_mask"].bool()
     if remove_padding:
         packed = pack(batch)
         # the head runs only where a logit predicts a response token (not on prompts, not on padding)
         keep = packed.gather_index[mask]
-        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                       use_cache=False, logits_to_keep=keep, **packed.attention_kwargs()).logits[0]  # (n_valid, V)
+        logits = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=keep,
+            **packed.attention_kwargs(),
+        ).logits[0]  # (n_valid, V)
         labels = batch["responses"][mask]
     else:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"], use_cache=False, logits_to_keep=R + 1)
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=R + 1,
+        )
         logits = out.logits[:, :-1][mask]  # (n_valid, V): the logits that predict each response token
         labels = batch["responses"][mask]
     # fp32 one chunk at a time: the (n_valid, V) logits stay in the compute dtype
@@ -68,6 +88,7 @@ class ActorSpec(ModelSpec):
     """``update.ModelSpec`` (a reference: no optimizer) and the actor's own: ``temperature`` of its
     log-probs (the rollout's); ``correction``: verl's rollout correction (the trained actor's; None
     for a reference)."""
+
     temperature: float = 1.0
     correction: Optional[RolloutCorrection] = None
 
@@ -111,9 +132,15 @@ class Actor:
 
     # ------------------------------------------------------------------------------ forward only
     @torch.no_grad()
-    def compute_log_prob(self, batch: Batch, micro_batch_size: int, use_dynamic_bsz: bool = False,
-                         max_token_len: int = 16384, with_entropy: bool = False, with_sum_pi_squared: bool = False
-                         ) -> tuple:
+    def compute_log_prob(
+        self,
+        batch: Batch,
+        micro_batch_size: int,
+        use_dynamic_bsz: bool = False,
+        max_token_len: int = 16384,
+        with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
+    ) -> tuple:
         """(B, R) log-probs (and entropies) for every row of ``batch``, in its row order;
         ``with_sum_pi_squared``: a third (B, R), sum over the vocabulary of pi^2 (``per_token_logprobs``)."""
         self.model.eval()
@@ -125,8 +152,15 @@ class Actor:
         lps, ents, spi2s, kept = [], [], [], []
         for g in groups:
             micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
-            lp, ent, *spi2 = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding, with_entropy,
-                                                sp=self.sp, with_sum_pi_squared=with_sum_pi_squared)
+            lp, ent, *spi2 = per_token_logprobs(
+                self.model,
+                micro,
+                self.temperature,
+                self.remove_padding,
+                with_entropy,
+                sp=self.sp,
+                with_sum_pi_squared=with_sum_pi_squared,
+            )
             if g:
                 lps.append(lp.cpu())
                 ents.append(ent.cpu() if with_entropy else None)
@@ -165,8 +199,15 @@ class Actor:
             # pass; in bypass mode and on-policy, without a gradient, from the first mini-batch)
             sample = in_update is not None and in_update.keeps_pre_update(metrics.n_mini)
             with_entropy = cfg.entropy_coeff != 0 or sample
-            lp, ent = per_token_logprobs(self.model, micro, self.temperature, self.remove_padding,
-                                         with_entropy=with_entropy, entropy_grad=cfg.entropy_coeff != 0, sp=self.sp)
+            lp, ent = per_token_logprobs(
+                self.model,
+                micro,
+                self.temperature,
+                self.remove_padding,
+                with_entropy=with_entropy,
+                entropy_grad=cfg.entropy_coeff != 0,
+                sp=self.sp,
+            )
             mask = micro["response_mask"]
             if sample and weight:
                 in_update.keep_pre_update(micro, lp, sp_rank)
@@ -179,8 +220,9 @@ class Actor:
                 loss = loss - cfg.entropy_coeff * ent_loss
                 metrics.share("actor/entropy", weight * ent_loss)
             if cfg.use_kl_loss:
-                kl_loss = algos.agg_loss(algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type), mask,
-                                         cfg.loss_agg_mode, **kw)
+                kl_loss = algos.agg_loss(
+                    algos.kl_penalty(lp, micro["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **kw
+                )
                 loss = loss + self.kl_loss_coef * kl_loss
                 metrics.share("actor/kl_loss", weight * kl_loss)
             metrics.share("actor/pg_loss", weight * pg_loss)
@@ -188,14 +230,20 @@ class Actor:
                 metrics.token_mean(f"actor/{k}", v, weight * mask.sum())
             return loss
 
-        out = ppo_update(UpdateSpec(self.model, self.optimizer, self.scheduler, cfg, "actor", self.spec.norm_const,
-                                    self.placement), batch, mini_batch_rows, micro_loss, seed)
+        out = ppo_update(
+            UpdateSpec(self.model, self.optimizer, self.scheduler, cfg, "actor", self.spec.norm_const, self.placement),
+            batch,
+            mini_batch_rows,
+            micro_loss,
+            seed,
+        )
         if bypass is not None:  # verl reports the correction of the micro-batches it trained on
             out.update(bypass.update_metrics())
         return out
 
-    def policy_loss(self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float, kw: dict
-                    ) -> tuple[torch.Tensor, dict]:
+    def policy_loss(
+        self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float, kw: dict
+    ) -> tuple[torch.Tensor, dict]:
         """The micro-batch's policy-gradient loss: PPO's clipped ratio against ``old_log_probs``, times
         the rollout correction's IS weights where there are any (decoupled mode: ``rollout_is_weights``
         of the batch). In bypass mode the correction is computed here, current policy against the
@@ -209,7 +257,8 @@ class Actor:
         if bypass is not None:
             is_weights, mask = bypass.micro_batch(micro, lp, mask, weight)
             if bypass.cfg.loss_type == "reinforce":
-                return POLICY_LOSSES["reinforce"](micro["old_log_probs"], lp, micro["advantages"], mask, cfg,
-                                                  is_weights=is_weights, **kw)
+                return POLICY_LOSSES["reinforce"](
+                    micro["old_log_probs"], lp, micro["advantages"], mask, cfg, is_weights=is_weights, **kw
+                )
             is_weights = None  # PPO's ratio is already current / engine: the weights are reported only
         return self.loss_fn(micro["old_log_probs"], lp, micro["advantages"], mask, cfg, is_weights=is_weights, **kw)

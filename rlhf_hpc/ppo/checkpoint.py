@@ -24,6 +24,7 @@ the newest checkpoint's files against its manifest and loads it; damage found ei
 missing, truncated, or of other content; a load that fails on any rank) sends it to the previous
 complete checkpoint, with one line naming the file or component (``resume``).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config
@@ -50,11 +56,36 @@ from rlhf_hpc.models.lora import apply_lora, is_adapter, lora_enabled
 from rlhf_hpc.ppo.checkpoint_manifest import CHECKSUM, gather_manifest, verify_manifest
 from rlhf_hpc.recipe.load import load_resolved
 
-__all__ = ["COMPLETE", "CONTENTS", "CheckpointLoadError", "HF_DIR", "LATEST", "LORA_ADAPTER_DIR", "RESUME_KEYS",
-           "check_resume_compatible", "contents_notes", "model_missing", "saved_contents", "save_hf_model",
-           "check_run_dir", "choose_resume", "export_hf", "find_resume_checkpoint", "full_model_state",
-           "incompatible_keys", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "mark_latest", "resume",
-           "rng_state", "save_checkpoint", "set_rng_state", "step_dir", "verify_checkpoint"]
+__all__ = [
+    "COMPLETE",
+    "CONTENTS",
+    "CheckpointLoadError",
+    "HF_DIR",
+    "LATEST",
+    "LORA_ADAPTER_DIR",
+    "RESUME_KEYS",
+    "check_resume_compatible",
+    "contents_notes",
+    "model_missing",
+    "saved_contents",
+    "save_hf_model",
+    "check_run_dir",
+    "choose_resume",
+    "export_hf",
+    "find_resume_checkpoint",
+    "full_model_state",
+    "incompatible_keys",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "mark_latest",
+    "resume",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+    "step_dir",
+    "verify_checkpoint",
+]
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
@@ -83,9 +114,11 @@ def step_dir(root: Path, step: int) -> Path:
 def rng_state() -> dict[str, Any]:
     """RNG states as tensors and plain Python values (loadable with weights_only=True)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos,
-                                                       has_gauss, cached],
-             "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -109,12 +142,18 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
-                    extra: dict[str, Any], max_to_keep: Optional[int] = None, good: bool = True,
-                    config_text: Optional[str] = None,
-                    after_component: Optional[Callable[[str], None]] = None,
-                    contents: Optional[dict[str, set[str]]] = None,
-                    hf_writer: Optional[Callable[[str, nn.Module, Path], None]] = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
+    extra: dict[str, Any],
+    max_to_keep: Optional[int] = None,
+    good: bool = True,
+    config_text: Optional[str] = None,
+    after_component: Optional[Callable[[str], None]] = None,
+    contents: Optional[dict[str, set[str]]] = None,
+    hf_writer: Optional[Callable[[str, nn.Module, Path], None]] = None,
+) -> Path:
     """Collective: every rank calls it. ``components``: name -> (model, optimizer or None).
     ``extra``: trainer state, plain Python values and tensors only (loaded with weights_only).
     ``good``: whether the stability guard vouches for it (rollbacks only go to good ones).
@@ -133,8 +172,10 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
     for name, (model, optimizer) in components.items():
         parts = contents[name]
         model_sd, optim_sd = _state(model, optimizer)
-        state = {**({"model": model_sd} if "model" in parts else {}),
-                 **({"optimizer": optim_sd} if "optimizer" in parts and optimizer is not None else {})}
+        state = {
+            **({"model": model_sd} if "model" in parts else {}),
+            **({"optimizer": optim_sd} if "optimizer" in parts and optimizer is not None else {}),
+        }
         if state:
             dcp.save(state, checkpoint_id=str(tmp / name))
         if "hf_model" in parts:
@@ -155,10 +196,20 @@ def save_checkpoint(root: str | Path, step: int, components: dict[str, tuple[nn.
     # detect a damaged checkpoint before loading it
     sizes, digests = gather_manifest(tmp)
     if _rank() == 0:
-        _write_atomic(tmp / COMPLETE, json.dumps({"step": step, "world_size": _world(), "good": good,
-                                                  "components": sorted(components), "files": sizes,
-                                                  "contents": {n: sorted(p) for n, p in contents.items()},
-                                                  CHECKSUM: digests}))
+        _write_atomic(
+            tmp / COMPLETE,
+            json.dumps(
+                {
+                    "step": step,
+                    "world_size": _world(),
+                    "good": good,
+                    "components": sorted(components),
+                    "files": sizes,
+                    "contents": {n: sorted(p) for n, p in contents.items()},
+                    CHECKSUM: digests,
+                }
+            ),
+        )
         if final.exists():  # an older save of the same step (e.g. re-run after a rollback)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -194,8 +245,12 @@ def save_hf_model(model: nn.Module, mcfg, out_dir: Path, dtype: str) -> None:
 
 def _write_hf(mcfg, state: dict, out_dir: Path, dtype: str) -> None:
     """The structure of ``mcfg.path``'s model with ``state``'s weights, saved with its tokenizer."""
-    model = materialize(build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
-                                        trust_remote_code=mcfg.trust_remote_code), torch.device("cpu"))
+    model = materialize(
+        build_causal_lm(
+            mcfg.path, torch.float32, "meta", mcfg.override_config, trust_remote_code=mcfg.trust_remote_code
+        ),
+        torch.device("cpu"),
+    )
     model.load_state_dict(state)
     model.to(torch_dtype(dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +262,10 @@ def _save_tokenizer(mcfg, out_dir: Path) -> None:
     tok = mcfg.tokenizer_path or mcfg.path
     if not tok.startswith("tiny://"):
         from transformers import AutoTokenizer  # (a Hugging Face model's: the training path loads no tokenizer class)
-        AutoTokenizer.from_pretrained(local_path(tok), trust_remote_code=mcfg.trust_remote_code).save_pretrained(out_dir)
+
+        AutoTokenizer.from_pretrained(local_path(tok), trust_remote_code=mcfg.trust_remote_code).save_pretrained(
+            out_dir
+        )
 
 
 def list_checkpoints(root: str | Path) -> list[int]:
@@ -255,13 +313,17 @@ def contents_notes(path: str | Path, load: Optional[dict[str, set[str]]] = None)
     ``load_contents``; default model, optimizer, extra) and the checkpoint does not hold: that part
     starts fresh. (No model shards: ``resume`` refuses the checkpoint instead.)"""
     saved, notes = saved_contents(path), []
-    what = {"optimizer": "optimizer state (the optimizer starts fresh)",
-            "extra": "LR schedule or RNG states (the schedule starts over; the RNG is seeded anew)"}
+    what = {
+        "optimizer": "optimizer state (the optimizer starts fresh)",
+        "extra": "LR schedule or RNG states (the schedule starts over; the RNG is seeded anew)",
+    }
     for name, parts in saved.items():
         for part in ("optimizer", "extra"):
             if part in (load or {}).get(name, ALL) and part not in parts:
-                notes.append(f"{path}: the {name}'s checkpoint holds no {what[part]}: it was saved with "
-                             f"{name}.checkpoint.save_contents={sorted(parts)}")
+                notes.append(
+                    f"{path}: the {name}'s checkpoint holds no {what[part]}: it was saved with "
+                    f"{name}.checkpoint.save_contents={sorted(parts)}"
+                )
     return notes
 
 
@@ -269,15 +331,24 @@ def model_missing(path: Path, load: Optional[dict[str, set[str]]]) -> Optional[s
     """Why a resume cannot continue from ``path``: a model to load whose shards it does not hold."""
     for name, parts in saved_contents(path).items():
         if "model" in (load or {}).get(name, ALL) and "model" not in parts:
-            hf = f"; its Hugging Face model {path / name / HF_DIR} can start a new run (model.path)" \
-                if "hf_model" in parts else ""
-            return (f"its {name} holds no model shards (saved with save_contents={sorted(parts)}), so no run can "
-                    f"continue from it{hf}")
+            hf = (
+                f"; its Hugging Face model {path / name / HF_DIR} can start a new run (model.path)"
+                if "hf_model" in parts
+                else ""
+            )
+            return (
+                f"its {name} holds no model shards (saved with save_contents={sorted(parts)}), so no run can "
+                f"continue from it{hf}"
+            )
     return None
 
 
-def load_checkpoint(path: str | Path, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
-                    restore_rng: bool = True, load: Optional[dict[str, set[str]]] = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path,
+    components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
+    restore_rng: bool = True,
+    load: Optional[dict[str, set[str]]] = None,
+) -> dict[str, Any]:
     """Collective: load shards into the (already sharded) models and optimizers, resharding when
     the world size or mesh differs from the one that saved. Returns the ``extra`` dict. A failure
     on any rank raises ``CheckpointLoadError`` on every rank, naming the part (component, extra.pt).
@@ -330,8 +401,13 @@ def _load_component(path: Path, model: nn.Module, optimizer: Optional[torch.opti
     if optimizer is None:
         set_model_state_dict(model, state["model"], options=_options(model))
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=_options(model))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_options(model),
+        )
 
 
 def _load_extra(path: Path, restore_rng: bool) -> dict[str, Any]:
@@ -364,18 +440,34 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
     actor = saved_contents(ckpt_dir).get("actor", ALL)
     if "model" not in actor:  # (save_contents without model: its Hugging Face model is the export)
         if "hf_model" not in actor:
-            raise FileNotFoundError(f"{ckpt_dir}: the actor's checkpoint holds no model (save_contents={sorted(actor)})")
+            raise FileNotFoundError(
+                f"{ckpt_dir}: the actor's checkpoint holds no model (save_contents={sorted(actor)})"
+            )
         shutil.copytree(ckpt_dir / "actor" / HF_DIR, out_dir, dirs_exist_ok=True)
         return out_dir
     cfg = load_resolved(ckpt_dir.parent / "config.yaml", check_files=False)
     mcfg = cfg.actor_rollout_ref.model
     if lora_enabled(mcfg):  # the checkpoint holds the adapter: the base is the run's pretrained model
-        model = apply_lora(build_causal_lm(mcfg.path, torch.float32, "cpu", mcfg.override_config, cfg.trainer.seed,
-                                           trust_remote_code=mcfg.trust_remote_code), mcfg, seed=0)
+        model = apply_lora(
+            build_causal_lm(
+                mcfg.path,
+                torch.float32,
+                "cpu",
+                mcfg.override_config,
+                cfg.trainer.seed,
+                trust_remote_code=mcfg.trust_remote_code,
+            ),
+            mcfg,
+            seed=0,
+        )
         state = {"model": {k: v for k, v in model.state_dict().items() if is_adapter(k)}}
     else:  # the structure, then the checkpoint's weights: the original checkpoint is not read again
-        model = materialize(build_causal_lm(mcfg.path, torch.float32, "meta", mcfg.override_config,
-                                            trust_remote_code=mcfg.trust_remote_code), torch.device("cpu"))
+        model = materialize(
+            build_causal_lm(
+                mcfg.path, torch.float32, "meta", mcfg.override_config, trust_remote_code=mcfg.trust_remote_code
+            ),
+            torch.device("cpu"),
+        )
         state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt_dir / "actor"), no_dist=True)
     model.load_state_dict(state["model"], strict=not lora_enabled(mcfg))
@@ -393,14 +485,30 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16"
 # Keys that must match for a checkpoint to continue the same run; anything else (world size, mesh,
 # micro-batches, learning rate, loggers, Slurm resources, total steps) may change between restarts.
 RESUME_KEYS = (
-    "actor_rollout_ref.model.path", "actor_rollout_ref.model.override_config", "actor_rollout_ref.model.tokenizer_path",
-    "data.tokenizer", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
-    "data.max_prompt_length", "data.max_response_length", "actor_rollout_ref.rollout.n",
-    "critic.enable", "critic.model.path", "critic.model.override_config", "algorithm.adv_estimator",
-    "algorithm.kl_ctrl.type", "reward_model.enable", "reward_model.model.path",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.override_config",
+    "actor_rollout_ref.model.tokenizer_path",
+    "data.tokenizer",
+    "data.train_files",
+    "data.train_batch_size",
+    "data.shuffle",
+    "data.seed",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "actor_rollout_ref.rollout.n",
+    "critic.enable",
+    "critic.model.path",
+    "critic.model.override_config",
+    "algorithm.adv_estimator",
+    "algorithm.kl_ctrl.type",
+    "reward_model.enable",
+    "reward_model.model.path",
     # a LoRA run's checkpoint holds its adapter: another adapter shape cannot load it
-    "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.target_modules",
-    "actor_rollout_ref.model.exclude_modules", "critic.model.lora_rank", "critic.model.target_modules",
+    "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.exclude_modules",
+    "critic.model.lora_rank",
+    "critic.model.target_modules",
 )
 
 
@@ -424,7 +532,7 @@ def _shown(values: dict, key: str) -> str:
     """One side of a changed key as an override writes it (``0``, ``false``, ``null``, ``[]``), its
     sub-keys (a mapping), or ``(absent)`` (a config from before the key)."""
     if key not in values:
-        return str({k[len(key) + 1:]: v for k, v in values.items()}) if values else "(absent)"
+        return str({k[len(key) + 1 :]: v for k, v in values.items()}) if values else "(absent)"
     value = values[key]
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
@@ -435,13 +543,13 @@ def _candidates(root: Path, at_most: Optional[int] = None) -> list[Path]:
     """The complete checkpoints under ``root`` in the order a resume tries them: ``latest`` first,
     then the others newest first; ``at_most``: only those of that step or earlier."""
     latest = latest_checkpoint(root)
-    order = ([latest] if latest else []) + [step_dir(root, s) for s in reversed(list_checkpoints(root))
-                                            if latest is None or step_dir(root, s) != latest]
+    order = ([latest] if latest else []) + [
+        step_dir(root, s) for s in reversed(list_checkpoints(root)) if latest is None or step_dir(root, s) != latest
+    ]
     return [p for p in order if at_most is None or int(p.name.split("_")[-1]) <= at_most]
 
 
-def choose_resume(root: str | Path, log=print, at_most: Optional[int] = None, content: bool = True
-                  ) -> Optional[Path]:
+def choose_resume(root: str | Path, log=print, at_most: Optional[int] = None, content: bool = True) -> Optional[Path]:
     """The newest complete, undamaged checkpoint under ``root``: ``latest`` first; a damaged one
     (a file missing, truncated, or with ``content`` of another checksum than the manifest's) is
     skipped, and the log says so. ``at_most``: only checkpoints of that step or earlier (a rollback
@@ -471,8 +579,11 @@ def check_resume_compatible(path: Path, cfg) -> None:
     except Exception:  # noqa: BLE001 - damaged bytes: the resume's content check names the file and falls back
         return
     if diff:
-        raise ConfigError([f"cannot resume from {path}: the run's config changed in keys that define it"] + diff +
-                          ["use a new trainer.default_local_dir, or trainer.resume_mode=disable to start over"])
+        raise ConfigError(
+            [f"cannot resume from {path}: the run's config changed in keys that define it"]
+            + diff
+            + ["use a new trainer.default_local_dir, or trainer.resume_mode=disable to start over"]
+        )
 
 
 def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
@@ -484,12 +595,16 @@ def check_run_dir(run_dir: str | Path, min_free_gb: float) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"trainer.default_local_dir: cannot write to '{run_dir}' ({e.strerror or e}); choose a "
-                          f"directory you can write, on a filesystem every node sees") from None
+        raise ConfigError(
+            f"trainer.default_local_dir: cannot write to '{run_dir}' ({e.strerror or e}); choose a "
+            f"directory you can write, on a filesystem every node sees"
+        ) from None
     free_gb = shutil.disk_usage(run_dir).free / 2**30
     if free_gb < min_free_gb:
-        raise ConfigError(f"trainer.default_local_dir: only {free_gb:.2f} GB free at '{run_dir}', less than "
-                          f"trainer.min_free_disk_gb={min_free_gb}; checkpoints would not fit")
+        raise ConfigError(
+            f"trainer.default_local_dir: only {free_gb:.2f} GB free at '{run_dir}', less than "
+            f"trainer.min_free_disk_gb={min_free_gb}; checkpoints would not fit"
+        )
 
 
 def find_resume_checkpoint(cfg: Config, run_dir: Path, log=print) -> Optional[Path]:
@@ -516,9 +631,14 @@ def _named_checkpoint(mode: str) -> Path:
     return path
 
 
-def resume(cfg: Config, run_dir: Path, components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
-           log=print, apply: Optional[Callable[[dict], None]] = None,
-           load: Optional[dict[str, set[str]]] = None) -> tuple[Optional[Path], Optional[dict]]:
+def resume(
+    cfg: Config,
+    run_dir: Path,
+    components: dict[str, tuple[nn.Module, Optional[torch.optim.Optimizer]]],
+    log=print,
+    apply: Optional[Callable[[dict], None]] = None,
+    load: Optional[dict[str, set[str]]] = None,
+) -> tuple[Optional[Path], Optional[dict]]:
     """Collective: (checkpoint, its extra) a run continues from, loaded into ``components`` and given
     to ``apply`` (the trainer's own state); (None, None) to start. ``trainer.resume_mode=auto``: the
     newest checkpoint whose files match its manifest and that loads on every rank; one that does
@@ -553,13 +673,20 @@ def resume(cfg: Config, run_dir: Path, components: dict[str, tuple[nn.Module, Op
                 problem, failed = f"loading failed: {e}", path
         log(f"[rlhf-hpc] checkpoint {path} is damaged ({problem}); falling back to the previous one")
     if failed is not None:  # the models hold part of a checkpoint: starting over from them would be wrong
-        raise RuntimeError(f"no checkpoint under {run_dir} loads (the last tried: {failed}); set "
-                           f"trainer.resume_mode=disable to start over, or to a checkpoint's path")
+        raise RuntimeError(
+            f"no checkpoint under {run_dir} loads (the last tried: {failed}); set "
+            f"trainer.resume_mode=disable to start over, or to a checkpoint's path"
+        )
     return None, None
 
 
-def _load_and_apply(path: Path, components, apply: Optional[Callable[[dict], None]],
-                    load: Optional[dict[str, set[str]]] = None, log=print) -> dict:
+def _load_and_apply(
+    path: Path,
+    components,
+    apply: Optional[Callable[[dict], None]],
+    load: Optional[dict[str, set[str]]] = None,
+    log=print,
+) -> dict:
     extra = load_checkpoint(path, components, load=load)
     for note in contents_notes(path, load):
         log(f"[rlhf-hpc] {note}")

@@ -13,6 +13,7 @@ SHA-256: hardware-accelerated (SHA-NI, ARMv8 crypto), 0.9-1 GB/s per core here, 
 speed of most checkpoint filesystems; a user can check a file with ``sha256sum``. Checkpoints
 written before checksums (a manifest of sizes only) are checked by size, as before.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,8 +77,9 @@ def gather_manifest(tmp: Path) -> tuple[dict[str, int], dict[str, str]]:
     return {rel: merged[rel][0] for rel in sorted(merged)}, {rel: merged[rel][1] for rel in sorted(merged)}
 
 
-def check_files(path: Path, meta: dict, rank: int = 0, world: int = 1, content: bool = True
-                ) -> Optional[tuple[int, str]]:
+def check_files(
+    path: Path, meta: dict, rank: int = 0, world: int = 1, content: bool = True
+) -> Optional[tuple[int, str]]:
     """(index in the manifest, what is wrong) of the first of ``rank``'s files (``file_owner``) that
     is missing, of another size, or (``content``) of another SHA-256 than written; None if all match."""
     digests = meta.get(CHECKSUM, {}) if content else {}
@@ -106,7 +108,9 @@ def verify_manifest(path: Path, meta: dict | str, content: bool = True) -> Optio
     seen = [None] * world
     dist.all_gather_object(seen, (path.name, mine))
     if len({name for name, _ in seen}) > 1:
-        raise RuntimeError(f"the ranks see different checkpoints ({sorted({name for name, _ in seen})}): the run "
-                           f"directory must be one filesystem every node sees alike")
+        raise RuntimeError(
+            f"the ranks see different checkpoints ({sorted({name for name, _ in seen})}): the run "
+            f"directory must be one filesystem every node sees alike"
+        )
     problems = sorted(p for _, p in seen if p is not None)
     return problems[0][1] if problems else None

@@ -2,6 +2,7 @@
 
 Reads ``values`` (the old values) and ``returns`` from the batch during the update; shapes (B, R).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,20 +11,29 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rlhf_hpc.ops import algos
-from rlhf_hpc.distributed import sequence_parallel
-from rlhf_hpc.ops.batching import (Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows,
-                                   to_device, unpack_per_token)
 from rlhf_hpc.config.schema import CriticConfig
-from rlhf_hpc.ppo.optim import optimizer_state_on
+from rlhf_hpc.distributed import sequence_parallel
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
+from rlhf_hpc.ops import algos
+from rlhf_hpc.ops.batching import (
+    Batch,
+    dummy_rows,
+    micro_batch_groups,
+    pack,
+    restore_order,
+    select_rows,
+    to_device,
+    unpack_per_token,
+)
+from rlhf_hpc.ppo.optim import optimizer_state_on
 from rlhf_hpc.ppo.update import ModelSpec, UpdateSpec, ppo_update
 
 __all__ = ["Critic", "CriticSpec", "per_token_values"]
 
 
-def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True,
-                     sp: Optional[SequenceParallel] = None) -> torch.Tensor:
+def per_token_values(
+    model: nn.Module, batch: Batch, remove_padding: bool = True, sp: Optional[SequenceParallel] = None
+) -> torch.Tensor:
     """V(s_t) for the state before each response token: (B, R), zero where masked. ``sp``: the
     packed sequence is split over this sequence-parallel group."""
     if sp is not None:
@@ -32,12 +42,17 @@ def per_token_values(model: nn.Module, batch: Batch, remove_padding: bool = True
     mask = batch["response_mask"]
     if remove_padding:
         packed = pack(batch)
-        values = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-                       **packed.attention_kwargs())
+        values = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            **packed.attention_kwargs(),
+        )
         return unpack_per_token(values, packed)
-    values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"])
-    return values[:, -R - 1:-1] * mask.to(values.dtype)
+    values = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )
+    return values[:, -R - 1 : -1] * mask.to(values.dtype)
 
 
 @dataclass(frozen=True)
@@ -83,8 +98,9 @@ class Critic:
         def micro_loss(micro: Batch, kw: dict, metrics, weight: float) -> torch.Tensor:
             v = per_token_values(self.model, micro, self.remove_padding, self.sp)
             mask = micro["response_mask"]
-            loss, clipfrac = algos.value_loss(v, micro["returns"], micro["values"], mask, cfg.cliprange_value,
-                                              cfg.loss_agg_mode, **kw)
+            loss, clipfrac = algos.value_loss(
+                v, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **kw
+            )
             # tensors: read back once per update (metrics.UpdateMetrics), not per micro-batch
             n_tokens = weight * mask.sum()
             metrics.share("critic/vf_loss", weight * loss)
@@ -92,5 +108,10 @@ class Critic:
             metrics.token_mean("critic/vpred_mean", algos.masked_mean(v.detach(), mask), n_tokens)
             return loss
 
-        return ppo_update(UpdateSpec(self.model, self.optimizer, self.scheduler, cfg, "critic", self.spec.norm_const,
-                                     self.placement), batch, mini_batch_rows, micro_loss, seed)
+        return ppo_update(
+            UpdateSpec(self.model, self.optimizer, self.scheduler, cfg, "critic", self.spec.norm_const, self.placement),
+            batch,
+            mini_batch_rows,
+            micro_loss,
+            seed,
+        )

@@ -22,6 +22,7 @@ the reward is refused with dynamic sampling (``recipe/checks.py``).
 Logged: ``train/num_gen_batches`` (verl's name), ``dynamic_sampling/prompts_generated`` and
 ``dynamic_sampling/prompts_kept`` (before the cut to train_batch_size).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,13 @@ def gen_seed(seed: int, step: int, gen_batch: int, dp_rank: int, first: int) -> 
     return zlib.crc32(f"{seed}/{step}/{dp_rank}/gen{gen_batch}".encode()) & 0x7FFFFFFF
 
 
-def group_table(values: torch.Tensor, rows: list[RolloutRow], num_prompts: int, n: int,
-                all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def group_table(
+    values: torch.Tensor,
+    rows: list[RolloutRow],
+    num_prompts: int,
+    n: int,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """(num_prompts, n) float64: the metric of every response of the generation batch, global over
     ranks. ``values[i]`` belongs to this rank's ``rows[i]``; each prompt's responses sit on one rank
     (generation shares are whole prompts), so the sum over ranks places every value once. Collective."""
@@ -68,14 +74,20 @@ def keep_groups(table: torch.Tensor) -> list[bool]:
 class Collected:
     """The step's kept prompts (dataset indices, ``train_batch_size`` of them), this rank's rows of
     them (``prompt_pos``: the position in ``prompts``) and the counts."""
+
     prompts: list[int]
     rows: list[RolloutRow]
     metrics: dict[str, float]
 
 
-def collect_groups(generate_batch: Callable[[int], tuple[list[int], list[RolloutRow]]],
-                   metric_values: Callable[[list[RolloutRow]], torch.Tensor], train_batch_size: int, n: int,
-                   max_num_gen_batches: int, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Collected:
+def collect_groups(
+    generate_batch: Callable[[int], tuple[list[int], list[RolloutRow]]],
+    metric_values: Callable[[list[RolloutRow]], torch.Tensor],
+    train_batch_size: int,
+    n: int,
+    max_num_gen_batches: int,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> Collected:
     """Generation batches until ``train_batch_size`` prompts have signal. ``generate_batch(k)``: the
     k-th batch's prompts (dataset indices) and this rank's rows of it (``prompt_pos``: position in
     that batch); ``metric_values(rows)``: (len(rows),) the filter metric of this rank's rows.
@@ -93,15 +105,22 @@ def collect_groups(generate_batch: Callable[[int], tuple[list[int], list[Rollout
             if keep:
                 new_pos[pos] = len(prompts)
                 prompts.append(batch_prompts[pos])
-        rows += [dataclasses.replace(r, prompt_pos=new_pos[r.prompt_pos]) for r in batch_rows if r.prompt_pos in new_pos]
+        rows += [
+            dataclasses.replace(r, prompt_pos=new_pos[r.prompt_pos]) for r in batch_rows if r.prompt_pos in new_pos
+        ]
         if len(prompts) >= train_batch_size:
             break
         if 0 < max_num_gen_batches <= num_gen_batches:
-            raise ValueError(f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}: "
-                             f"{len(prompts)} of data.train_batch_size={train_batch_size} prompts have responses "
-                             f"that differ in algorithm.filter_groups.metric (verl stops here too): the other groups' "
-                             f"responses all score alike, the prompts too hard or, once the model has learned them, "
-                             f"too easy; use harder data, a larger rollout.n, or max_num_gen_batches=0 (no limit)")
-    metrics = {"train/num_gen_batches": float(num_gen_batches), "dynamic_sampling/prompts_generated": float(generated),
-               "dynamic_sampling/prompts_kept": float(len(prompts))}
+            raise ValueError(
+                f"num_gen_batches={num_gen_batches} >= max_num_gen_batches={max_num_gen_batches}: "
+                f"{len(prompts)} of data.train_batch_size={train_batch_size} prompts have responses "
+                f"that differ in algorithm.filter_groups.metric (verl stops here too): the other groups' "
+                f"responses all score alike, the prompts too hard or, once the model has learned them, "
+                f"too easy; use harder data, a larger rollout.n, or max_num_gen_batches=0 (no limit)"
+            )
+    metrics = {
+        "train/num_gen_batches": float(num_gen_batches),
+        "dynamic_sampling/prompts_generated": float(generated),
+        "dynamic_sampling/prompts_kept": float(len(prompts)),
+    }
     return Collected(prompts[:train_batch_size], [r for r in rows if r.prompt_pos < train_batch_size], metrics)

@@ -20,6 +20,7 @@ configured each hook does nothing. Nothing here replaces module attributes.
   machine is, for the tests of time limits.
 Each fault but ``slow`` fires once: after a rollback or restart the same step runs clean.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,16 @@ from typing import Callable, Optional
 __all__ = ["DEFAULT_RANK", "FaultInjector", "KINDS", "SLOW_STEP_S", "first_attempt", "parse_fault"]
 
 KINDS = ("nan_grad", "lr_x1000", "kill", "kill_in_save", "wrong_weights", "raise", "hang", "slow")
-DEFAULT_RANK = {"nan_grad": None, "lr_x1000": None, "kill": 1, "kill_in_save": 0, "wrong_weights": None, "raise": 1,
-                "hang": 1, "slow": None}
+DEFAULT_RANK = {
+    "nan_grad": None,
+    "lr_x1000": None,
+    "kill": 1,
+    "kill_in_save": 0,
+    "wrong_weights": None,
+    "raise": 1,
+    "hang": 1,
+    "slow": None,
+}
 SLOW_STEP_S = 1.0
 
 
@@ -103,4 +112,5 @@ class FaultInjector:
         def after_component(name: str) -> None:
             if dies:
                 os._exit(17)
+
         return after_component

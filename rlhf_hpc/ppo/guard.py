@@ -17,6 +17,7 @@ the last checkpoint before this step is good; the rollout checks (KL, entropy) s
 (``StabilityGuard.lag``). Every rank sees the same (globally reduced) metrics, so every rank takes
 the same decision.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,16 @@ from rlhf_hpc.config.schema import GuardConfig
 
 __all__ = ["GuardStop", "StabilityGuard", "WATCHED_FINITE", "value_loss_floor"]
 
-WATCHED_FINITE = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "actor/kl_loss",
-                  "actor/entropy", "critic/score/mean", "actor/ref_kl_mean")
+WATCHED_FINITE = (
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "actor/kl_loss",
+    "actor/entropy",
+    "critic/score/mean",
+    "actor/ref_kl_mean",
+)
 
 
 class GuardStop(RuntimeError):
@@ -76,14 +85,16 @@ class StabilityGuard:
         vf = m.get("critic/vf_loss")
         if vf is not None and c.vf_jump_factor is not None:
             if len(self._vf) >= c.window:
-                median = statistics.median(self._vf[-c.window:])
+                median = statistics.median(self._vf[-c.window :])
                 floor = value_loss_floor(m)
                 # a jump only counts when the loss is also worse than a critic that predicts 0
                 # everywhere: small, noisy value losses jump by 10x without anything diverging
                 if vf > c.vf_jump_factor * median and vf > floor:
-                    return (f"critic/vf_loss {vf:.4g} > {c.vf_jump_factor} x the median of the last {c.window} "
-                            f"steps ({median:.4g}) and > {floor:.4g}, the loss of predicting 0 for returns "
-                            f"up to {max(abs(m.get('critic/returns/max', 0.0)), abs(m.get('critic/returns/min', 0.0))):.4g}")
+                    return (
+                        f"critic/vf_loss {vf:.4g} > {c.vf_jump_factor} x the median of the last {c.window} "
+                        f"steps ({median:.4g}) and > {floor:.4g}, the loss of predicting 0 for returns "
+                        f"up to {max(abs(m.get('critic/returns/max', 0.0)), abs(m.get('critic/returns/min', 0.0))):.4g}"
+                    )
             self._vf.append(vf)
         return None
 
@@ -96,20 +107,25 @@ class StabilityGuard:
         if kl is not None and c.kl_rise_threshold is not None:
             self._kl_run = self._kl_run + 1 if kl > c.kl_rise_threshold else 0
             if self._kl_run >= c.kl_rise_steps:
-                return (f"KL {kl:.4g} above trainer.guard.kl_rise_threshold={c.kl_rise_threshold} for "
-                        f"{self._kl_run} steps")
+                return (
+                    f"KL {kl:.4g} above trainer.guard.kl_rise_threshold={c.kl_rise_threshold} for {self._kl_run} steps"
+                )
         entropy = m.get("actor/entropy")
         if entropy is not None and c.entropy_drop is not None and self._entropy:
-            level = statistics.median(self._entropy[-c.window:])
+            level = statistics.median(self._entropy[-c.window :])
             if entropy < c.entropy_drop * level:
-                return (f"actor/entropy {entropy:.4g} < trainer.guard.entropy_drop={c.entropy_drop} x its median "
-                        f"over the last {len(self._entropy[-c.window:])} steps ({level:.4g}): the policy collapsed")
+                return (
+                    f"actor/entropy {entropy:.4g} < trainer.guard.entropy_drop={c.entropy_drop} x its median "
+                    f"over the last {len(self._entropy[-c.window :])} steps ({level:.4g}): the policy collapsed"
+                )
         if kl is not None and c.kl_jump_factor is not None and self._kl:
-            level = statistics.median(self._kl[-c.window:])
+            level = statistics.median(self._kl[-c.window :])
             if kl > max(c.kl_jump_factor * level, c.kl_jump_floor):
-                return (f"KL(actor || reference) {kl:.4g} jumped past trainer.guard.kl_jump_factor={c.kl_jump_factor} "
-                        f"x its median over the last {len(self._kl[-c.window:])} steps ({level:.4g}) and "
-                        f"trainer.guard.kl_jump_floor={c.kl_jump_floor}")
+                return (
+                    f"KL(actor || reference) {kl:.4g} jumped past trainer.guard.kl_jump_factor={c.kl_jump_factor} "
+                    f"x its median over the last {len(self._kl[-c.window :])} steps ({level:.4g}) and "
+                    f"trainer.guard.kl_jump_floor={c.kl_jump_floor}"
+                )
         if entropy is not None:
             self._entropy.append(entropy)
         if kl is not None:
@@ -120,13 +136,17 @@ class StabilityGuard:
         """Count a rollback and tighten the knobs; raises after ``max_rollbacks``."""
         self.rollbacks += 1
         if self.rollbacks > self.cfg.max_rollbacks:
-            raise GuardStop(f"stability guard: {reason}; stopping after {self.cfg.max_rollbacks} rollbacks "
-                            f"(trainer.guard.max_rollbacks). Lower the learning rate or raise the KL coefficient.")
+            raise GuardStop(
+                f"stability guard: {reason}; stopping after {self.cfg.max_rollbacks} rollbacks "
+                f"(trainer.guard.max_rollbacks). Lower the learning rate or raise the KL coefficient."
+            )
         self.lr_scale *= self.cfg.lr_decay
         self.kl_scale *= self.cfg.kl_coef_mult
         self._kl_run, self._vf, self._entropy, self._kl = 0, [], [], []
-        return (f"stability guard tripped: {reason}; rolling back (#{self.rollbacks}), actor LR x{self.lr_scale:g}, "
-                f"KL coefficient x{self.kl_scale:g}")
+        return (
+            f"stability guard tripped: {reason}; rolling back (#{self.rollbacks}), actor LR x{self.lr_scale:g}, "
+            f"KL coefficient x{self.kl_scale:g}"
+        )
 
     def state_dict(self) -> dict:
         return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "kl_scale": self.kl_scale}

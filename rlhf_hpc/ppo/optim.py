@@ -1,4 +1,5 @@
 """AdamW, the learning-rate schedule (warm-up, then constant or cosine), optimizer-state offload."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,15 @@ from torch.distributed.tensor import DTensor
 from rlhf_hpc.config.schema import OptimConfig
 from rlhf_hpc.distributed.comm import collective
 
-__all__ = ["build_lr_scheduler", "build_optimizer", "clip_grad_norm", "lr_multiplier", "move_optimizer_state",
-           "optimizer_state_on", "warmup_steps"]
+__all__ = [
+    "build_lr_scheduler",
+    "build_optimizer",
+    "clip_grad_norm",
+    "lr_multiplier",
+    "move_optimizer_state",
+    "optimizer_state_on",
+    "warmup_steps",
+]
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
@@ -21,8 +29,15 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
     20M-parameter model), else the multi-tensor one."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.dtype in FUSED_DTYPES and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                             weight_decay=optim.weight_decay, fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(
+        params,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
 
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -21,6 +21,7 @@ The trainer calls one method per phase: ``after_old_log_probs`` (3), ``before_ad
 ``after_update`` (8); the actor's update calls ``begin_update``, ``keeps_pre_update``,
 ``keep_pre_update``, ``micro_batch`` and ``update_metrics``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -46,9 +47,15 @@ class RolloutCorrection:
     figure is global); ``log``: where the check's warnings go (the main rank's log); ``anchor``:
     where pi_old comes from (``old_log_prob_source``: pass, update or engine)."""
 
-    def __init__(self, cfg: RolloutCorrectionConfig, engine_check: LogprobCheck,
-                 all_reduce_sum: Reduce = all_reduce_sum, all_reduce_max: Reduce = all_reduce_max,
-                 log: Callable[[str], None] = print, anchor: Optional[str] = None):
+    def __init__(
+        self,
+        cfg: RolloutCorrectionConfig,
+        engine_check: LogprobCheck,
+        all_reduce_sum: Reduce = all_reduce_sum,
+        all_reduce_max: Reduce = all_reduce_max,
+        log: Callable[[str], None] = print,
+        anchor: Optional[str] = None,
+    ):
         self.cfg, self.bypass = cfg, cfg.bypass_mode
         self.anchor = anchor or ("engine" if cfg.bypass_mode else "pass")
         self.on_policy = self.anchor == "update"
@@ -77,8 +84,7 @@ class RolloutCorrection:
         if self.bypass:
             batch["old_log_probs"] = batch["engine_log_probs"].clone()
         elif not self.on_policy:
-            self.check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"], step,
-                              metrics)
+            self.check_engine(batch["engine_log_probs"], batch["old_log_probs"], batch["response_mask"], step, metrics)
 
     def before_advantages(self, batch: dict, metrics: dict) -> None:
         """Phase 6, decoupled mode, over the whole step (global over ranks): IS weights pi_old /
@@ -89,14 +95,22 @@ class RolloutCorrection:
         rc = self.cfg
         if rc.bypass_mode or self.on_policy:
             return
-        weights, mask, corr = rollout_correction(batch["old_log_probs"], batch["engine_log_probs"],
-                                                 batch["response_mask"], rc, self.all_reduce_sum, self.all_reduce_max)
+        weights, mask, corr = rollout_correction(
+            batch["old_log_probs"],
+            batch["engine_log_probs"],
+            batch["response_mask"],
+            rc,
+            self.all_reduce_sum,
+            self.all_reduce_max,
+        )
         if rc.rollout_rs is not None:  # lengths stay those sampled (data_metrics); training sees the rest
             if self.all_reduce_sum(mask.sum().double().reshape(1)).item() == 0:  # (global: every rank stops here)
                 raise ConfigError(
                     f"algorithm.rollout_correction.rollout_rs={rc.rollout_rs} rejected every response token of the "
-                    f"step (rollout_corr/k3_kl {corr['rollout_corr/k3_kl']:.3g}, kl {corr['rollout_corr/kl']:.3g} between "
-                    f"the actor and the engine): loosen rollout_rs_threshold={rc.rollout_rs_threshold}")
+                    f"step (rollout_corr/k3_kl {corr['rollout_corr/k3_kl']:.3g}, "
+                    f"kl {corr['rollout_corr/kl']:.3g} between "
+                    f"the actor and the engine): loosen rollout_rs_threshold={rc.rollout_rs_threshold}"
+                )
             batch["sampled_response_mask"], batch["response_mask"] = batch["response_mask"], mask
         if weights is not None:
             batch["rollout_is_weights"] = weights
@@ -117,16 +131,27 @@ class RolloutCorrection:
         own = rows >= 0  # (with sequence parallelism a rank also computed its group's rows)
         old = torch.zeros_like(batch["engine_log_probs"])
         if int(own.sum()) != old.shape[0]:
-            raise RuntimeError(f"on-policy update: its first mini-batch held {int(own.sum())} of this rank's "
-                               f"{old.shape[0]} rows; pi_old of the others is unknown")
+            raise RuntimeError(
+                f"on-policy update: its first mini-batch held {int(own.sum())} of this rank's "
+                f"{old.shape[0]} rows; pi_old of the others is unknown"
+            )
         old[rows[own]] = lp[own]
         batch["old_log_probs"] = old
         self.check_engine(batch["engine_log_probs"], old, batch["response_mask"], step, metrics)
-        metrics.update(rollout_correction(old, batch["engine_log_probs"], batch["response_mask"], self.cfg,
-                                          self.all_reduce_sum, self.all_reduce_max)[2])
+        metrics.update(
+            rollout_correction(
+                old,
+                batch["engine_log_probs"],
+                batch["response_mask"],
+                self.cfg,
+                self.all_reduce_sum,
+                self.all_reduce_max,
+            )[2]
+        )
 
-    def check_engine(self, engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor, step: int,
-                     metrics: dict) -> None:
+    def check_engine(
+        self, engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor, step: int, metrics: dict
+    ) -> None:
         """The standing rollout/actor log-prob check on the same tokens; raises when the engine is
         broken (rollout.base.LogprobCheck)."""
         metrics.update(logprob_mismatch(engine_lp, actor_lp, mask, self.all_reduce_sum, self.all_reduce_max))
@@ -151,13 +176,16 @@ class RolloutCorrection:
 
     def keep_pre_update(self, micro: Batch, lp: torch.Tensor, sp_rank: int = 0) -> None:
         """A micro-batch of the first mini-batch, for ``after_update`` (host tensors)."""
-        rows = (torch.where(micro["row_owner"] == sp_rank, micro["row_index"], -1).cpu() if self.on_policy
-                else torch.full((lp.shape[0],), -1))
-        self.pre_update.append((micro["engine_log_probs"].cpu(), lp.detach().cpu(), micro["response_mask"].cpu(),
-                                rows))
+        rows = (
+            torch.where(micro["row_owner"] == sp_rank, micro["row_index"], -1).cpu()
+            if self.on_policy
+            else torch.full((lp.shape[0],), -1)
+        )
+        self.pre_update.append((micro["engine_log_probs"].cpu(), lp.detach().cpu(), micro["response_mask"].cpu(), rows))
 
-    def micro_batch(self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float
-                    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def micro_batch(
+        self, micro: Batch, lp: torch.Tensor, mask: torch.Tensor, weight: float
+    ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """Bypass mode: (IS weights or None, mask) of a micro-batch, current policy ``lp`` against the
         engine's log-probs (its ``old_log_probs``); rejected tokens leave the mask. A trained
         micro-batch (``weight`` 1) is kept for ``update_metrics``."""
@@ -165,8 +193,15 @@ class RolloutCorrection:
         if weight:
             self.trained.append((lp.detach().cpu(), micro["old_log_probs"].cpu(), micro["response_mask"].cpu()))
         if self.cfg.rollout_is is not None or self.cfg.rollout_rs is not None:  # (else weights 1, mask as is)
-            is_weights, mask = rollout_correction(lp, micro["old_log_probs"], mask * bool(weight), self.cfg,
-                                                  self.all_reduce_sum, self.all_reduce_max, with_metrics=False)[:2]
+            is_weights, mask = rollout_correction(
+                lp,
+                micro["old_log_probs"],
+                mask * bool(weight),
+                self.cfg,
+                self.all_reduce_sum,
+                self.all_reduce_max,
+                with_metrics=False,
+            )[:2]
         return is_weights, mask
 
     def update_metrics(self) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """A step's rows and batch: the engine's responses as rows, the padded step batch the phases fill
 in (its keys: ``rlhf_hpc.ppo.trainer``), the sampling settings and seeds, and the scores on the
 responses' last tokens."""
+
 from __future__ import annotations
 
 import zlib
@@ -16,17 +17,35 @@ from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.base import Sampling
 
-__all__ = ["make_step_batch", "response_spans", "reward_extra_info", "rollout_rows", "sampling_for", "score_responses",
-           "scores_on_last_token", "step_seed"]
+__all__ = [
+    "make_step_batch",
+    "response_spans",
+    "reward_extra_info",
+    "rollout_rows",
+    "sampling_for",
+    "score_responses",
+    "scores_on_last_token",
+    "step_seed",
+]
 
 
 def rollout_rows(train: list[Example], prompts: list[int], mine: range, responses) -> list[RolloutRow]:
     """This rank's generated responses as rows: ``responses[i]`` answers prompt ``mine[i]`` of the
     step (``prompts`` holds the step's dataset indices)."""
-    return [RolloutRow(prompt_pos=pos, example=prompts[pos], prompt_ids=train[prompts[pos]].prompt_ids,
-                       token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason,
-                       mask=r.mask, num_turns=r.num_turns)
-            for pos, group in zip(mine, responses) for r in group]
+    return [
+        RolloutRow(
+            prompt_pos=pos,
+            example=prompts[pos],
+            prompt_ids=train[prompts[pos]].prompt_ids,
+            token_ids=list(r.token_ids),
+            logprobs=list(r.logprobs),
+            finish_reason=r.finish_reason,
+            mask=r.mask,
+            num_turns=r.num_turns,
+        )
+        for pos, group in zip(mine, responses)
+        for r in group
+    ]
 
 
 def step_seed(seed: int, step: int, dp_rank: int) -> int:
@@ -35,8 +54,9 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
     return zlib.crc32(f"{seed}/{step}/{dp_rank}".encode()) & 0x7FFFFFFF
 
 
-def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False,
-                 greedy: bool = False) -> Sampling:
+def sampling_for(
+    cfg: Config, tokenizer, seed: Optional[int] = None, validation: bool = False, greedy: bool = False
+) -> Sampling:
     """The rollout's sampling (``rollout.*``), validation's (``rollout.val_kwargs``), or ``greedy``:
     one greedy response per prompt (verl's ``do_sample=False`` generation, ReMax's baseline). A
     multi-turn run samples as verl's agent loop, which reads no ``do_sample``: greedy at temperature 0
@@ -45,18 +65,41 @@ def sampling_for(cfg: Config, tokenizer, seed: Optional[int] = None, validation:
     agent = r.multi_turn.enable
     stops = stop_token_ids(tokenizer, cfg.actor_rollout_ref.model.path)
     if greedy:
-        return Sampling(n=1, temperature=0.0, top_p=1.0, top_k=-1, do_sample=False,
-                        max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos,
-                        seed=seed)
+        return Sampling(
+            n=1,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            do_sample=False,
+            max_tokens=cfg.data.max_response_length,
+            stop_token_ids=stops,
+            ignore_eos=r.ignore_eos,
+            seed=seed,
+        )
     if validation:
         v = r.val_kwargs
-        return Sampling(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
-                        do_sample=v.temperature > 0 if agent else v.do_sample,
-                        max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos,
-                        seed=seed)
-    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                    do_sample=r.temperature > 0 if agent else r.do_sample,
-                    max_tokens=cfg.data.max_response_length, stop_token_ids=stops, ignore_eos=r.ignore_eos, seed=seed)
+        return Sampling(
+            n=v.n,
+            temperature=v.temperature,
+            top_p=v.top_p,
+            top_k=v.top_k,
+            do_sample=v.temperature > 0 if agent else v.do_sample,
+            max_tokens=cfg.data.max_response_length,
+            stop_token_ids=stops,
+            ignore_eos=r.ignore_eos,
+            seed=seed,
+        )
+    return Sampling(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        do_sample=r.temperature > 0 if agent else r.do_sample,
+        max_tokens=cfg.data.max_response_length,
+        stop_token_ids=stops,
+        ignore_eos=r.ignore_eos,
+        seed=seed,
+    )
 
 
 def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
@@ -64,21 +107,28 @@ def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
     multi-turn row's tool turns stay in ``attention_mask`` (the model reads them) and leave
     ``response_mask`` (nothing trains on them)."""
     P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
-    batch = make_padded_batch([r.prompt_ids for r in rows], [r.token_ids[:R] for r in rows],
-                              tokenizer.pad_token_id or 0, P, R)
+    batch = make_padded_batch(
+        [r.prompt_ids for r in rows], [r.token_ids[:R] for r in rows], tokenizer.pad_token_id or 0, P, R
+    )
     engine_lp = torch.zeros(len(rows), R)
     for i, r in enumerate(rows):
         lp = r.logprobs[:R]
-        engine_lp[i, :len(lp)] = torch.tensor(lp)
+        engine_lp[i, : len(lp)] = torch.tensor(lp)
         if r.mask is not None:
-            batch["response_mask"][i, :len(lp)] = torch.tensor(r.mask[:R], dtype=batch["response_mask"].dtype)
+            batch["response_mask"][i, : len(lp)] = torch.tensor(r.mask[:R], dtype=batch["response_mask"].dtype)
     batch["engine_log_probs"] = engine_lp
     batch["uid"] = torch.tensor([r.prompt_pos for r in rows])
     return batch
 
 
-def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], rows: list[RolloutRow],
-                    batch: dict, keys: tuple[str, ...] = ()) -> torch.Tensor:
+def score_responses(
+    reward_fn: RewardFunction,
+    tokenizer,
+    train: list[Example],
+    rows: list[RolloutRow],
+    batch: dict,
+    keys: tuple[str, ...] = (),
+) -> torch.Tensor:
     """(B,) rule/custom scores of the decoded responses; with ``keys`` (gdpo's reward keys) also
     ``batch["reward_components"]``, (B, K): those keys of the reward function's dict results."""
     calls = []
@@ -92,7 +142,8 @@ def score_responses(reward_fn: RewardFunction, tokenizer, train: list[Example], 
         return torch.tensor(reward_fn.score_all(calls), dtype=torch.float32)
     results = reward_fn.score_all(calls, keys)
     batch["reward_components"] = torch.tensor([values for _, values in results], dtype=torch.float32).reshape(
-        len(results), len(keys))
+        len(results), len(keys)
+    )
     return torch.tensor([score for score, _ in results], dtype=torch.float32)
 
 

@@ -1,12 +1,12 @@
 """The KL-PPO training loop, SPMD on every rank.
 
 ``PPOTrainer.train_step`` is the algorithm written down: sync weights -> generate -> old/ref
-log-probs and values -> rewards -> KL -> rollout correction and advantages -> critic update ->
-actor update -> metrics; ``train`` adds validation, the guard and checkpoints. Each rank generates for an even share of a step's prompts (``rollout.n`` responses
-each); the responses are then redistributed so every rank trains on ``train_batch_size * n / ranks``
-rows, balanced by token count (``rlhf_hpc.distributed.rows``). Everything global (normalisation,
-whitening, group statistics, KL controller, metrics) goes through all-reduces, so every rank takes
-the same decisions.
+log-probs and values -> rewards -> KL -> rollout correction and advantages -> critic update -> actor
+update -> metrics; ``train`` adds validation, the guard and checkpoints. Each rank generates for an
+even share of a step's prompts (``rollout.n`` responses each); the responses are then redistributed
+so every rank trains on ``train_batch_size * n / ranks`` rows, balanced by token count
+(``rlhf_hpc.distributed.rows``). Everything global (normalisation, whitening, group statistics, KL
+controller, metrics) goes through all-reduces, so every rank takes the same decisions.
 
 The step batch (one dict of tensors, rows = this rank's responses):
 
@@ -24,6 +24,7 @@ The step batch (one dict of tensors, rows = this rank's responses):
     rollout_is_weights                        (B, R)  rollout correction's IS weights (rollout_is set)
     sampled_response_mask                     (B, R)  the mask as sampled, when rollout_rs rejected tokens
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,42 +35,54 @@ from typing import Optional
 
 import torch
 
-from rlhf_hpc.ops import algos
-from rlhf_hpc.ops.estimators import ADV_ESTIMATORS, AdvantageInputs, compute_advantages
-from rlhf_hpc.ops.pf_ppo import pf_ppo_indices
-from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.data.dataset import StatefulSampler, load_examples
-from rlhf_hpc.distributed.process_group import (DistContext, all_reduce_max, all_reduce_sum, build_rollout_tp_group,
-                                                device_memory_gb)
+from rlhf_hpc.distributed.fsdp import describe_gradient_reduction
+from rlhf_hpc.distributed.process_group import (
+    DistContext,
+    all_reduce_max,
+    all_reduce_sum,
+    build_rollout_tp_group,
+    device_memory_gb,
+)
 from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows, resample_rows
-from rlhf_hpc.ppo.training_models import build_training_models
-from rlhf_hpc.ppo.faults import FaultInjector
-from rlhf_hpc.ppo.generation import Generator
 from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
-from rlhf_hpc.planning.layout import describe as describe_layouts
-from rlhf_hpc.planning.memory_plan import check_plan, oom_message
-from rlhf_hpc.ppo.guard import GuardStop, StabilityGuard
-from rlhf_hpc.ops.batching import select_rows
-from rlhf_hpc.ppo.step_batch import (make_step_batch, response_spans, rollout_rows, sampling_for, score_responses,
-                                     scores_on_last_token, step_seed)
-from rlhf_hpc.ppo.step_metrics import data_metrics, perf_metrics, reduce_stats, time_model
-from rlhf_hpc.ppo.validation import run_validation
 from rlhf_hpc.models.hf import model_config, torch_dtype
-from rlhf_hpc.distributed.fsdp import describe_gradient_reduction
+from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.observability.profiling import StepProfiler
 from rlhf_hpc.observability.startup import StartupClock
-from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
+from rlhf_hpc.observability.tracking import Tracker
+from rlhf_hpc.ops import algos
+from rlhf_hpc.ops.batching import select_rows
+from rlhf_hpc.ops.estimators import ADV_ESTIMATORS, AdvantageInputs, compute_advantages
+from rlhf_hpc.ops.pf_ppo import pf_ppo_indices
+from rlhf_hpc.ops.step_shape import step_shape
+from rlhf_hpc.planning.layout import describe as describe_layouts
+from rlhf_hpc.planning.memory_plan import check_plan, oom_message
+from rlhf_hpc.ppo import checkpoint as ckpt
+from rlhf_hpc.ppo.dynamic_sampling import collect_groups, gen_seed
+from rlhf_hpc.ppo.faults import FaultInjector
+from rlhf_hpc.ppo.generation import Generator
+from rlhf_hpc.ppo.guard import GuardStop, StabilityGuard
+from rlhf_hpc.ppo.step_batch import (
+    make_step_batch,
+    response_spans,
+    rollout_rows,
+    sampling_for,
+    score_responses,
+    scores_on_last_token,
+    step_seed,
+)
+from rlhf_hpc.ppo.step_metrics import data_metrics, perf_metrics, reduce_stats, time_model
+from rlhf_hpc.ppo.training_models import build_training_models
+from rlhf_hpc.ppo.validation import run_validation
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rewards.overlong import overlong_metrics, overlong_reward
-from rlhf_hpc.ppo.dynamic_sampling import collect_groups, gen_seed
 from rlhf_hpc.rewards.reward_model import build_reward_model
 from rlhf_hpc.rollout.factory import make_engine
-from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
-from rlhf_hpc.observability.tracking import Tracker
+from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 
 __all__ = ["PPOTrainer", "fit", "out_of_memory_report"]
@@ -95,13 +108,19 @@ class PPOTrainer:
         self.clock = clock or StartupClock()
         self.run_dir = Path(tr.default_local_dir).expanduser()
         torch.manual_seed(tr.seed)
-        self.tokenizer = load_tokenizer(tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template)
+        self.tokenizer = load_tokenizer(
+            tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template
+        )
         tools = run_tools(cfg)  # (a multi-turn run's prompts show the model its tools)
         schemas = tool_schemas(tools) or None
-        self.train_set = load_examples(cfg.data.train_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed,
-                                       tools=schemas)
-        self.val_set = (load_examples(cfg.data.val_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed + 1,
-                                      tools=schemas) if cfg.data.val_files else [])
+        self.train_set = load_examples(
+            cfg.data.train_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed, tools=schemas
+        )
+        self.val_set = (
+            load_examples(cfg.data.val_files, self.tokenizer, cfg.data, split_seed=cfg.data.seed + 1, tools=schemas)
+            if cfg.data.val_files
+            else []
+        )
         self.sampler = StatefulSampler(len(self.train_set), cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.total_steps = tr.total_training_steps or self.sampler.batches_per_epoch * tr.total_epochs
         self.shape = step_shape(cfg)  # rows per rank, mini/micro-batches per phase (as the plans see them)
@@ -130,11 +149,17 @@ class PPOTrainer:
         # each trained model's checkpoint.save_contents / load_contents (verl's)
         sections = {"actor": arr.actor.checkpoint, "critic": cfg.critic.checkpoint}
         self.save_contents = {n: set(c.save_contents) for n, c in sections.items()}
-        self.load_contents = {n: set(c.load_contents if c.load_contents is not None else c.save_contents)
-                              for n, c in sections.items()}
-        self.resumed_from, extra = ckpt.resume(cfg, self.run_dir, self.models.checkpoint_components(),
-                                               print if ctx.is_main else (lambda *_: None), self.load_state_dict,
-                                               load=self.load_contents)
+        self.load_contents = {
+            n: set(c.load_contents if c.load_contents is not None else c.save_contents) for n, c in sections.items()
+        }
+        self.resumed_from, extra = ckpt.resume(
+            cfg,
+            self.run_dir,
+            self.models.checkpoint_components(),
+            print if ctx.is_main else (lambda *_: None),
+            self.load_state_dict,
+            load=self.load_contents,
+        )
         if self.resumed_from is not None:
             self.step, wandb_id, mlflow_id = extra["global_step"], extra.get("wandb_run_id"), extra.get("mlflow_run_id")
             if "guard" in extra:
@@ -149,8 +174,10 @@ class PPOTrainer:
         self.say_layout()
         if self.reward_model is not None and self.val_set and self.val_set[0].reward_style == "model":
             self.val_set = []  # as verl: validation scores with rules only, and these rows have none
-            self.tracker.log_line("[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "
-                                  "(verl validates rule-scored data only)")
+            self.tracker.log_line(
+                "[rlhf-hpc] validation skipped: data.val_files rows have reward_model.style=model "
+                "(verl validates rule-scored data only)"
+            )
         if self.resumed_from is not None:
             self.tracker.log_line(f"[rlhf-hpc] resumed from {self.resumed_from} (step {self.step})")
         self.stopper = StopCheck(self.run_dir, cfg.launcher.time_margin_s, all_reduce_max)
@@ -176,9 +203,14 @@ class PPOTrainer:
     # -------------------------------------------------------------------------- resumable state
     def state_dict(self, step: int) -> dict:
         """Everything a resumed run needs besides the models and optimizers (the checkpoint's extra)."""
-        out = {"global_step": step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-               "wandb_run_id": self.tracker.wandb_id, "mlflow_run_id": self.tracker.mlflow_id,
-               "guard": self.guard.state_dict()}
+        out = {
+            "global_step": step,
+            "sampler": self.sampler.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "wandb_run_id": self.tracker.wandb_id,
+            "mlflow_run_id": self.tracker.mlflow_id,
+            "guard": self.guard.state_dict(),
+        }
         for name, part in (("actor", self.models.actor), ("critic", self.models.critic)):
             if part is not None and "extra" in self.save_contents[name]:  # (a model's "extra": its LR schedule)
                 out[f"{name}_scheduler"] = part.scheduler.state_dict()
@@ -201,11 +233,20 @@ class PPOTrainer:
 
     def save(self, at_step: int) -> None:
         arr = self.cfg.actor_rollout_ref
-        ckpt.save_checkpoint(self.run_dir, at_step, self.models.checkpoint_components(), self.state_dict(at_step),
-                             self.cfg.trainer.max_ckpt_to_keep, good=True, config_text=self.config_text,
-                             after_component=self.faults.checkpoint_hook(at_step), contents=self.save_contents,
-                             hf_writer=lambda name, model, out: ckpt.save_hf_model(
-                                 model, arr.model, out, arr.actor.fsdp_config.mixed_precision.param_dtype))
+        ckpt.save_checkpoint(
+            self.run_dir,
+            at_step,
+            self.models.checkpoint_components(),
+            self.state_dict(at_step),
+            self.cfg.trainer.max_ckpt_to_keep,
+            good=True,
+            config_text=self.config_text,
+            after_component=self.faults.checkpoint_hook(at_step),
+            contents=self.save_contents,
+            hf_writer=lambda name, model, out: ckpt.save_hf_model(
+                model, arr.model, out, arr.actor.fsdp_config.mixed_precision.param_dtype
+            ),
+        )
 
     def apply_guard_scales(self) -> None:
         """The guard's LR and KL scales on the actor: its schedule's base LRs and KL-loss coefficient."""
@@ -218,14 +259,21 @@ class PPOTrainer:
         # (a check on the rollouts judges the previous update: the checkpoint saved after it is not good)
         target = ckpt.choose_resume(self.run_dir, self.tracker.log_line, at_most=at_step - 1 - self.guard.lag)
         if target is None:
-            raise GuardStop(f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
-                            f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)")
-        lacking = {n: sorted({"model", "optimizer"} - parts) for n, parts in ckpt.saved_contents(target).items()
-                   if not {"model", "optimizer"} <= parts}
+            raise GuardStop(
+                f"stability guard tripped at step {at_step} ({reason}) with no good checkpoint to go "
+                f"back to; set trainer.save_freq (and keep trainer.guard.initial_checkpoint=true)"
+            )
+        lacking = {
+            n: sorted({"model", "optimizer"} - parts)
+            for n, parts in ckpt.saved_contents(target).items()
+            if not {"model", "optimizer"} <= parts
+        }
         if lacking:  # (checkpoint.save_contents without them: the dry run warned)
-            raise GuardStop(f"stability guard tripped at step {at_step} ({reason}), and {target} cannot be rolled back "
-                            f"to: it holds no {'; no '.join(f'{n} {p}' for n, ps in lacking.items() for p in ps)} "
-                            f"state (checkpoint.save_contents)")
+            raise GuardStop(
+                f"stability guard tripped at step {at_step} ({reason}), and {target} cannot be rolled back "
+                f"to: it holds no {'; no '.join(f'{n} {p}' for n, ps in lacking.items() for p in ps)} "
+                f"state (checkpoint.save_contents)"
+            )
         extra = self.restore(target)
         ckpt.mark_latest(self.run_dir, target)
         # the reward's KL coefficient as saved, times the rollbacks' scale since that checkpoint
@@ -260,8 +308,9 @@ class PPOTrainer:
             # the plan checked by this run. GPU: at its second step (the first has no optimizer state
             # yet). CPU: at its first, as peak RSS only ratchets up (malloc keeps freed heap): later
             # steps show every phase at the first step's peak
-            if plan is not None and step >= min(first_step + (2 if self.ctx.device.type == "cuda" else 1),
-                                                self.total_steps):
+            if plan is not None and step >= min(
+                first_step + (2 if self.ctx.device.type == "cuda" else 1), self.total_steps
+            ):
                 line, plan = plan.render_measured(metrics), None  # once
                 if line:
                     self.tracker.log_line(f"[rlhf-hpc] {line}")
@@ -269,8 +318,10 @@ class PPOTrainer:
                 timed = True
                 line = self.step_plan.render_measured(metrics)
                 if line:
-                    self.tracker.log_line(f"[rlhf-hpc] {line} (plan on {self.step_plan.hardware.name}; "
-                                          f"every step logs plan/<phase>_s beside timing_s/<phase>)")
+                    self.tracker.log_line(
+                        f"[rlhf-hpc] {line} (plan on {self.step_plan.hardware.name}; "
+                        f"every step logs plan/<phase>_s beside timing_s/<phase>)"
+                    )
             # 10. validation
             if self.val_set and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == self.total_steps):
                 t0 = time.perf_counter()
@@ -280,8 +331,9 @@ class PPOTrainer:
             reason = self.guard.check(metrics)
             metrics["guard/rollbacks"] = float(self.guard.rollbacks)
             if reason is not None:
-                self.tracker.log({**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(self.guard.rollbacks + 1)},
-                                 step)
+                self.tracker.log(
+                    {**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(self.guard.rollbacks + 1)}, step
+                )
                 self.step = self.roll_back(step, reason)
                 continue
             # 12. checkpoint
@@ -305,8 +357,17 @@ class PPOTrainer:
     def run_validation(self) -> dict[str, float]:
         """The validation's metrics; its generations (``trainer.log_val_generations``) go to the tracker."""
         generations: list[dict] = []
-        metrics = run_validation(self.cfg, self.ctx, self.models, self.rollout, self.val_set, self.tokenizer,
-                                 self.reward_fn, generations=generations, generate=self.generator)
+        metrics = run_validation(
+            self.cfg,
+            self.ctx,
+            self.models,
+            self.rollout,
+            self.val_set,
+            self.tokenizer,
+            self.reward_fn,
+            generations=generations,
+            generate=self.generator,
+        )
         self.generator.discard_metrics()
         self.tracker.log_generations(generations, self.step)
         return metrics
@@ -333,27 +394,41 @@ class PPOTrainer:
             with timer("update_weights"):
                 models.free_gradients()  # then the engine empties PyTorch's cache before waking
                 self.rollout.resume()
-                synced = sync_weights_to_rollout(models.actor.model, self.rollout, torch_dtype(arr.rollout.dtype),
-                                                 arr.rollout.update_weights_bucket_mb,
-                                                 transform=self.faults.weights_transform(step))
+                synced = sync_weights_to_rollout(
+                    models.actor.model,
+                    self.rollout,
+                    torch_dtype(arr.rollout.dtype),
+                    arr.rollout.update_weights_bucket_mb,
+                    transform=self.faults.weights_transform(step),
+                )
                 metrics["rollout/weight_sync_mib"] = synced["rollout/weight_sync_mib"]
             # 2. rollout: an even share of the step's prompts on each rank, n responses each; with DAPO's
             # dynamic sampling, generation batches until enough groups have signal (generate_filtered)
-            batch, rows, prompts = (self.generate_filtered(step, timer, metrics) if self.filter_groups
-                                    else self.generate(step, timer, metrics))
+            batch, rows, prompts = (
+                self.generate_filtered(step, timer, metrics)
+                if self.filter_groups
+                else self.generate(step, timer, metrics)
+            )
             # 3. old log-probs (the PPO anchor), reference log-probs, values
             entropy = self.log_probs_and_values(batch, step, timer, metrics)
             # 4. rewards: a score per response, on its last valid token
             with timer("reward"):
-                batch["token_scores"] = scores_on_last_token(self.score(batch, rows, timer, metrics),
-                                                             batch["response_mask"])
+                batch["token_scores"] = scores_on_last_token(
+                    self.score(batch, rows, timer, metrics), batch["response_mask"]
+                )
                 if self.greedy_baseline:
                     batch["reward_baselines"] = self.baseline_scores(batch, rows, len(prompts), timer, metrics)
             # 5. KL: in the reward (controller) and/or as a loss in the actor update
             if cfg.algorithm.use_kl_in_reward:
                 batch["token_rewards"], kl_metrics = algos.apply_kl_to_rewards(
-                    batch["token_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
-                    self.kl_ctrl, cfg.algorithm.kl_penalty, all_reduce=all_reduce_sum)
+                    batch["token_scores"],
+                    batch["old_log_probs"],
+                    batch["ref_log_prob"],
+                    batch["response_mask"],
+                    self.kl_ctrl,
+                    cfg.algorithm.kl_penalty,
+                    all_reduce=all_reduce_sum,
+                )
                 metrics.update(kl_metrics)
             else:
                 batch["token_rewards"] = batch["token_scores"]
@@ -362,17 +437,31 @@ class PPOTrainer:
             # the step's rows then resampled by their scores
             with timer("adv"):
                 models.actor.correction.before_advantages(batch, metrics)
-                batch["advantages"], batch["returns"] = compute_advantages(cfg.algorithm, AdvantageInputs(
-                    batch["token_rewards"], batch["response_mask"].float(), batch["uid"], num_groups=len(prompts),
-                    values=batch.get("values"), all_reduce=all_reduce_sum, all_reduce_max=all_reduce_max,
-                    reward_baselines=batch.get("reward_baselines"), old_log_probs=batch.get("old_log_probs"),
-                    sum_pi_squared=batch.get("sum_pi_squared"), rollout_is_weights=batch.get("rollout_is_weights"),
-                    reward_components=batch.get("reward_components")))
+                batch["advantages"], batch["returns"] = compute_advantages(
+                    cfg.algorithm,
+                    AdvantageInputs(
+                        batch["token_rewards"],
+                        batch["response_mask"].float(),
+                        batch["uid"],
+                        num_groups=len(prompts),
+                        values=batch.get("values"),
+                        all_reduce=all_reduce_sum,
+                        all_reduce_max=all_reduce_max,
+                        reward_baselines=batch.get("reward_baselines"),
+                        old_log_probs=batch.get("old_log_probs"),
+                        sum_pi_squared=batch.get("sum_pi_squared"),
+                        rollout_is_weights=batch.get("rollout_is_weights"),
+                        reward_components=batch.get("reward_components"),
+                    ),
+                )
                 if cfg.algorithm.use_pf_ppo:  # PF-PPO: the rows resampled by their scores, over all ranks
                     pf, gen = cfg.algorithm.pf_ppo, torch.Generator().manual_seed(step_seed(cfg.trainer.seed, step, -1))
-                    batch = resample_rows(batch, lambda scores: pf_ppo_indices(scores, pf.reweight_method,
-                                                                               pf.weight_pow, gen),
-                                          self.ctx.world_size, self.ctx.rank)
+                    batch = resample_rows(
+                        batch,
+                        lambda scores: pf_ppo_indices(scores, pf.reweight_method, pf.weight_pow, gen),
+                        self.ctx.world_size,
+                        self.ctx.rank,
+                    )
             # 7. critic, then 8. actor
             self.update(batch, step, timer, metrics)
         # 9. metrics (global over ranks)
@@ -397,19 +486,22 @@ class PPOTrainer:
         prompts = self.sampler.next_batch()
         mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
         with timer("gen"):
-            responses = self.generator([self.train_set[prompts[p]] for p in mine],
-                                       sampling_for(cfg, self.tokenizer, seed=step_seed(tr.seed, step,
-                                                                                        self.rollout.dp_rank)))
+            responses = self.generator(
+                [self.train_set[prompts[p]] for p in mine],
+                sampling_for(cfg, self.tokenizer, seed=step_seed(tr.seed, step, self.rollout.dp_rank)),
+            )
         if self.greedy_baseline:  # verl's "gen_max": the greedy response to each of this rank's prompts
             with timer("gen_max"):
-                greedy = self.generator([self.train_set[prompts[p]] for p in mine],
-                                        sampling_for(cfg, self.tokenizer, greedy=True))
+                greedy = self.generator(
+                    [self.train_set[prompts[p]] for p in mine], sampling_for(cfg, self.tokenizer, greedy=True)
+                )
             self.greedy_rows = rollout_rows(self.train_set, prompts, mine, greedy)
         metrics.update(self.generator.metrics())
         self.rollout.release()
         self.faults.after_generation(step)
-        rows, balance = redistribute_rows(rollout_rows(self.train_set, prompts, mine, responses), ctx.world_size,
-                                          ctx.rank, tr.balance_batch)
+        rows, balance = redistribute_rows(
+            rollout_rows(self.train_set, prompts, mine, responses), ctx.world_size, ctx.rank, tr.balance_batch
+        )
         metrics.update(balance)
         metrics.update(coverage([r.prompt_pos for r in rows], len(prompts)))
         return make_step_batch(cfg, self.tokenizer, rows), rows, prompts
@@ -427,8 +519,9 @@ class PPOTrainer:
             mine = prompt_share(len(prompts), ctx.world_size, ctx.rank)
             seed = gen_seed(tr.seed, step, k, self.rollout.dp_rank, step_seed(tr.seed, step, self.rollout.dp_rank))
             with timer("gen"):
-                responses = self.generator([self.train_set[prompts[p]] for p in mine],
-                                           sampling_for(cfg, self.tokenizer, seed=seed))
+                responses = self.generator(
+                    [self.train_set[prompts[p]] for p in mine], sampling_for(cfg, self.tokenizer, seed=seed)
+                )
             return prompts, rollout_rows(self.train_set, prompts, mine, responses)
 
         def metric_values(rows: list[RolloutRow]) -> torch.Tensor:
@@ -441,8 +534,14 @@ class PPOTrainer:
                     scores = self.shape_overlong(scores, batch, None)
             return scores
 
-        collected = collect_groups(generate_batch, metric_values, cfg.data.train_batch_size,
-                                   cfg.actor_rollout_ref.rollout.n, fg.max_num_gen_batches, all_reduce_sum)
+        collected = collect_groups(
+            generate_batch,
+            metric_values,
+            cfg.data.train_batch_size,
+            cfg.actor_rollout_ref.rollout.n,
+            fg.max_num_gen_batches,
+            all_reduce_sum,
+        )
         metrics.update(self.generator.metrics())
         self.rollout.release()
         self.faults.after_generation(step)
@@ -457,8 +556,7 @@ class PPOTrainer:
         ``rewards/overlong.py``), logged where ``overlong_buffer.log`` and ``metrics`` say so (collective)."""
         ob = self.cfg.reward_model.overlong_buffer
         # (the whole response, tool turns included, as verl's dapo manager measures it)
-        penalty = overlong_reward(response_spans(batch), self.cfg.data.max_response_length, ob.len,
-                                  ob.penalty_factor)
+        penalty = overlong_reward(response_spans(batch), self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
         if ob.log and metrics is not None:
             metrics.update(overlong_metrics(penalty, all_reduce_sum))
         return scores + penalty
@@ -472,38 +570,47 @@ class PPOTrainer:
         if models.actor.correction.anchor == "pass":  # (else the engine's, or the on-policy update's forward)
             with timer("old_log_prob"):
                 batch["old_log_probs"], entropy, *sum_pi_squared = models.actor.compute_log_prob(
-                    batch, shape.old_log_prob.micro_rows, shape.old_log_prob.dynamic, shape.old_log_prob.token_budget,
-                    with_entropy=True, with_sum_pi_squared=self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared)
+                    batch,
+                    shape.old_log_prob.micro_rows,
+                    shape.old_log_prob.dynamic,
+                    shape.old_log_prob.token_budget,
+                    with_entropy=True,
+                    with_sum_pi_squared=self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
+                )
                 if sum_pi_squared:  # (the Optimal Token Baseline's: estimators with needs_sum_pi_squared)
                     batch["sum_pi_squared"] = sum_pi_squared[0]
         models.actor.correction.after_old_log_probs(batch, step, metrics)  # bypass: the engine's; else its check
         if models.ref is not None:
             with timer("ref"):
                 batch["ref_log_prob"], _ = models.ref.compute_log_prob(
-                    batch, shape.ref.micro_rows, shape.ref.dynamic, shape.ref.token_budget)
+                    batch, shape.ref.micro_rows, shape.ref.dynamic, shape.ref.token_budget
+                )
         if models.critic is not None:
             with timer("values"):
                 batch["values"] = models.critic.compute_values(batch, shape.values.micro_rows)
         return entropy
 
-    def score(self, batch: dict, rows: list[RolloutRow], timer: Timer, metrics: dict,
-              log_overlong: bool = True) -> torch.Tensor:
+    def score(
+        self, batch: dict, rows: list[RolloutRow], timer: Timer, metrics: dict, log_overlong: bool = True
+    ) -> torch.Tensor:
         """(B,) a score per response: the reward model's where there is one (it replaces the rule or
         custom score, as verl's naive and dapo reward managers), else the reward function's (the dapo
         manager's overlong shaping added; logged, a collective, where ``log_overlong``)."""
         if self.reward_model is None:
             alg = self.cfg.algorithm
-            keys = tuple(alg.gdpo_reward_keys or ()) if ADV_ESTIMATORS[alg.adv_estimator].needs_reward_components else ()
+            keys = (
+                tuple(alg.gdpo_reward_keys or ()) if ADV_ESTIMATORS[alg.adv_estimator].needs_reward_components else ()
+            )
             scores = score_responses(self.reward_fn, self.tokenizer, self.train_set, rows, batch, keys)
-            return (self.shape_overlong(scores, batch, metrics if log_overlong else None) if self.overlong
-                    else scores)
+            return self.shape_overlong(scores, batch, metrics if log_overlong else None) if self.overlong else scores
         with timer("reward_model"):
             scores = self.reward_model.score(batch, [self.train_set[r.example].messages for r in rows])
         metrics.update(reduce_stats({"reward_model/score": scores}))
         return scores
 
-    def baseline_scores(self, batch: dict, rows: list[RolloutRow], num_prompts: int, timer: Timer,
-                        metrics: dict) -> torch.Tensor:
+    def baseline_scores(
+        self, batch: dict, rows: list[RolloutRow], num_prompts: int, timer: Timer, metrics: dict
+    ) -> torch.Tensor:
         """(B,) the score of the greedy response to each row's prompt (``batch["uid"]``): this rank
         scores the greedy responses to the prompts it generated for (as the sampled ones: reward
         model or reward function), and the scores of all prompts are summed over ranks. Logs
@@ -511,7 +618,9 @@ class PPOTrainer:
         greedy, self.greedy_rows = self.greedy_rows, None
         table = torch.zeros(num_prompts, dtype=torch.float64)
         if greedy:
-            scores = self.score(make_step_batch(self.cfg, self.tokenizer, greedy), greedy, timer, {}, log_overlong=False)
+            scores = self.score(
+                make_step_batch(self.cfg, self.tokenizer, greedy), greedy, timer, {}, log_overlong=False
+            )
             table[torch.tensor([r.prompt_pos for r in greedy], dtype=torch.long)] = scores.double()
         elif self.reward_model is not None:  # no prompt here: the reward model's collectives still need this rank
             self.score(select_rows(batch, [0]), rows[:1], timer, {})

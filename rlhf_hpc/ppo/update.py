@@ -1,6 +1,7 @@
 """The update loop the actor and the critic share: epochs x mini-batches x micro-batches with
 gradient accumulation, losses normalised by the counts of the whole global mini-batch, gradient
 clipping, one optimizer step per mini-batch, one scheduler step per call."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,13 +10,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc.ops import algos
 from rlhf_hpc.distributed import sequence_parallel
+from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
+from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
+from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, select_rows, to_device
 from rlhf_hpc.ops.metrics import UpdateMetrics
 from rlhf_hpc.ppo.optim import clip_grad_norm
-from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
-from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
 
 __all__ = ["MicroLoss", "ModelSpec", "Placement", "UpdateSpec", "ppo_update"]
 
@@ -33,6 +34,7 @@ class Placement:
     computes (with parameter offload its parameters live on the host, so it is not their device);
     ``sp``: the sequence-parallel group (None without Ulysses): its ranks compute their rows
     together, each a slice of the sequence."""
+
     dp_size: int = 1
     all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     sync_max: Optional[Callable[[int], int]] = None
@@ -46,6 +48,7 @@ class ModelSpec:
     ``remove_padding``: rows packed into one sequence; ``optimizer``/``scheduler`` (None: forward
     only), ``optimizer_offload``: the optimizer state on the host between updates; ``norm_const``:
     the losses' constant for ``seq-mean-token-sum-norm``; ``placement``: its ranks and device."""
+
     remove_padding: bool = True
     optimizer: Optional[torch.optim.Optimizer] = None
     scheduler: Any = None
@@ -61,6 +64,7 @@ class UpdateSpec:
     ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu, grad_clip); ``prefix``
     of its metrics (``actor``, ``critic``); ``norm_const`` of the losses' ``seq-mean-token-sum-norm``
     and where it runs."""
+
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -70,8 +74,9 @@ class UpdateSpec:
     placement: Placement = Placement()
 
 
-def ppo_update(spec: UpdateSpec, batch: Batch, mini_batch_rows: int, micro_loss: MicroLoss,
-               seed: int) -> dict[str, float]:
+def ppo_update(
+    spec: UpdateSpec, batch: Batch, mini_batch_rows: int, micro_loss: MicroLoss, seed: int
+) -> dict[str, float]:
     """Run the update of ``spec``. ``batch`` lives on the host; each micro-batch moves to the
     placement's device for its forward/backward. Returns metrics that are the same on every rank.
     With a sequence-parallel group, each mini-batch is the group's rows, computed by all its ranks,
@@ -88,13 +93,18 @@ def ppo_update(spec: UpdateSpec, batch: Batch, mini_batch_rows: int, micro_loss:
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=gen) if cfg.shuffle else torch.arange(B)
         for start in range(0, B, mini_batch_rows):
-            mini = select_rows(batch, order[start:start + mini_batch_rows])
+            mini = select_rows(batch, order[start : start + mini_batch_rows])
             # counted on this rank's own rows: a row the sp group shares counts once
             tokens, seqs = algos.global_batch_counts(mini["response_mask"], all_reduce=all_reduce)
             if sp is not None:
                 mini = sequence_parallel.gather_rows(mini, sp)[0]
-            groups = micro_batch_groups(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                        cfg.ppo_max_token_len_per_gpu * sp_size, sync_max)
+            groups = micro_batch_groups(
+                mini,
+                cfg.ppo_micro_batch_size_per_gpu,
+                cfg.use_dynamic_bsz,
+                cfg.ppo_max_token_len_per_gpu * sp_size,
+                sync_max,
+            )
             kw = dict(global_tokens=tokens, global_seqs=seqs, norm_const=norm_const)
             optimizer.zero_grad(set_to_none=True)
             metrics.new_mini_batch()
@@ -126,4 +136,3 @@ def ppo_update(spec: UpdateSpec, batch: Batch, mini_batch_rows: int, micro_loss:
     out[f"{prefix}/grad_norm_nonfinite"] = float(nonfinite)
     out[f"{prefix}/lr"] = lr
     return out
-

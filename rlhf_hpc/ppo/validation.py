@@ -1,6 +1,7 @@
 """Generation on the validation set (``data.val_files``) and its mean score per data source; with
 ``trainer.log_val_generations=N``, N of its (prompt, response, score) rows, chosen as verl chooses
 them (``select_val_generations``)."""
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -32,15 +33,24 @@ def select_val_generations(inputs: list[str], n: int, count: int) -> list[tuple[
     ``numpy.random.RandomState(42)``, the first ``count``. It depends on the prompts only, not on
     the responses, so every rank knows which rows to keep before generating."""
     import numpy as np
+
     rows = [(i, j) for i in range(len(inputs)) for j in range(n)]
     rows.sort(key=lambda r: inputs[r[0]])  # (stable, as verl's sort of (input, output, score) by input)
     np.random.RandomState(VAL_GENERATIONS_SEED).shuffle(rows)
     return rows[:count]
 
 
-def run_validation(cfg: Config, ctx: DistContext, models: TrainingModels, rollout, val: list[Example], tokenizer,
-                   reward_fn: RewardFunction, generations: Optional[list[dict]] = None,
-                   generate: Optional[Callable] = None) -> dict[str, float]:
+def run_validation(
+    cfg: Config,
+    ctx: DistContext,
+    models: TrainingModels,
+    rollout,
+    val: list[Example],
+    tokenizer,
+    reward_fn: RewardFunction,
+    generations: Optional[list[dict]] = None,
+    generate: Optional[Callable] = None,
+) -> dict[str, float]:
     """Generate for the whole validation set (``rollout.val_kwargs``; greedy by default) and report
     the mean score per data source as ``val-core/<data_source>/reward/mean@<n>``. As in verl,
     ``data.val_batch_size`` only sets how many prompts go to the engine at once (all at once when
@@ -61,35 +71,45 @@ def run_validation(cfg: Config, ctx: DistContext, models: TrainingModels, rollou
         wanted = {row: k for k, row in enumerate(select_val_generations(inputs, n, count))}
     kept: dict[int, dict] = {}
     rollout.resume()
-    sync_weights_to_rollout(models.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb)
+    sync_weights_to_rollout(
+        models.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb
+    )
     sources = sorted({e.data_source for e in val})
     sums = torch.zeros(len(sources), 2, dtype=torch.float64)
     chunk = cfg.data.val_batch_size or len(val)
     for c, start in enumerate(range(0, len(val), chunk)):
-        part = val[start:start + chunk]
+        part = val[start : start + chunk]
         share = prompt_share(len(part), ctx.world_size, ctx.rank)
         mine = [part[i] for i in share]
-        sampling = sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, rollout.dp_rank),
-                                validation=True)
+        sampling = sampling_for(
+            cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, rollout.dp_rank), validation=True
+        )
         outs = generate(mine, sampling)
         for pos, ex, group in zip(share, mine, outs):
             for j, r in enumerate(group):
                 text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
-                score = reward_fn(ex.data_source, text, ex.ground_truth, reward_extra_info(ex.extra_info, r.num_turns),
-                                  row=ex.index)
+                score = reward_fn(
+                    ex.data_source, text, ex.ground_truth, reward_extra_info(ex.extra_info, r.num_turns), row=ex.index
+                )
                 sums[sources.index(ex.data_source)] += torch.tensor([score, 1.0], dtype=torch.float64)
                 k = wanted.get((start + pos, j))
                 if k is not None:
-                    kept[k] = {"input": tokenizer.decode(ex.prompt_ids, skip_special_tokens=True), "output": text,
-                               "score": float(score), "data_source": ex.data_source}
+                    kept[k] = {
+                        "input": tokenizer.decode(ex.prompt_ids, skip_special_tokens=True),
+                        "output": text,
+                        "score": float(score),
+                        "data_source": ex.data_source,
+                    }
     rollout.release()
     sums = all_reduce_sum(sums)
     if count > 0:
         for k, row in sorted(_gather_to_all(kept).items()):
             if ctx.is_main:
                 generations.append(row)
-    return {f"val-core/{s}/reward/mean@{n}": (sums[i, 0] / max(sums[i, 1].item(), 1.0)).item()
-            for i, s in enumerate(sources)}
+    return {
+        f"val-core/{s}/reward/mean@{n}": (sums[i, 0] / max(sums[i, 1].item(), 1.0)).item()
+        for i, s in enumerate(sources)
+    }
 
 
 def _gather_to_all(kept: dict[int, dict]) -> dict[int, dict]:

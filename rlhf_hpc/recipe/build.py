@@ -3,6 +3,7 @@
 Unknown keys (with the closest valid one) and wrong types (the expected type and the value given)
 are collected with their exact dotted key, so one ``ConfigError`` lists every problem.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -157,8 +158,7 @@ def _unknown_key_message(key: str) -> str:
     parent, _, leaf = key.rpartition(".")
     known = all_keys() + _all_sections()
     siblings = [k.rpartition(".")[2] for k in known if k.rpartition(".")[0] == parent]
-    match = [f"{parent}.{m}" if parent else m
-             for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)]
+    match = [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)]
     if not match:
         # e.g. actor_rollout_ref.actor.lr -> actor_rollout_ref.actor.optim.lr: same leaf name,
         # prefer the candidate sharing the longest prefix with what was written
@@ -168,8 +168,12 @@ def _unknown_key_message(key: str) -> str:
         close = difflib.get_close_matches(leaf, list(leaves), n=3, cutoff=0.75)
         cands = [k for name in close for k in leaves[name]]
         if cands:
-            match = [max(cands, key=lambda c: (len(os.path.commonprefix([c, key])),
-                                              difflib.SequenceMatcher(None, c, key).ratio()))]
+            match = [
+                max(
+                    cands,
+                    key=lambda c: (len(os.path.commonprefix([c, key])), difflib.SequenceMatcher(None, c, key).ratio()),
+                )
+            ]
     hint = f"; did you mean '{match[0]}'?" if match else ""
     where = f"section '{parent}'" if parent else "the top level"
     return f"unknown key '{key}' in {where}{hint}"

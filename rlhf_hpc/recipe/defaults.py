@@ -3,6 +3,7 @@ others when left unset (critic batch sizes, clip ratios, log-prob micro-batches 
 config is explicit. The layout keys left at null are chosen later, from the model
 (``rlhf_hpc.planning.layout``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,11 @@ def copy_deprecated_keys(cfg: Config) -> list[str]:
 
 def deprecated_key_warnings(cfg: Config) -> list[str]:
     """One line per deprecated key that is set, naming the key that stays."""
-    return [f"{old} is deprecated: set {new} instead (its value was copied there)"
-            for old, new in DEPRECATED_KEYS.items() if get_key(cfg, old) is not None]
+    return [
+        f"{old} is deprecated: set {new} instead (its value was copied there)"
+        for old, new in DEPRECATED_KEYS.items()
+        if get_key(cfg, old) is not None
+    ]
 
 
 def _interpolate(cfg: Config, errors: list[str]) -> None:
@@ -58,12 +62,12 @@ def _interpolate(cfg: Config, errors: list[str]) -> None:
                 val = get_key(cfg, ref)
             except AttributeError:
                 if depth == 0:  # reported once, at the key that holds the bad reference
-                    errors.append(f"{where}: '${{{ref}}}' refers to an unknown key"
-                                  f"{did_you_mean(ref, all_keys())}")
+                    errors.append(f"{where}: '${{{ref}}}' refers to an unknown key{did_you_mean(ref, all_keys())}")
                 return m.group(0)
             if isinstance(val, str) and depth < 10:
                 return resolve_str(val, where, depth + 1)
             return str(val)
+
         return _INTERP.sub(sub, s)
 
     def walk(node: Any, prefix: str) -> None:
@@ -76,6 +80,7 @@ def _interpolate(cfg: Config, errors: list[str]) -> None:
                 setattr(node, f.name, resolve_str(val, key))
             elif isinstance(val, list) and any(isinstance(v, str) and "${" in v for v in val):
                 setattr(node, f.name, [resolve_str(v, key) if isinstance(v, str) else v for v in val])
+
     walk(cfg, "")
 
 
@@ -103,9 +108,14 @@ def resolve(cfg: Config) -> Config:
         critic.model.tokenizer_path = arr.model.tokenizer_path
     # keys verl interpolates from the actor's (or another key) when they are left unset
     for section, key, source in (
-            (critic, "ppo_mini_batch_size", actor), (critic, "ppo_epochs", actor), (critic, "use_dynamic_bsz", actor),
-            (critic, "shuffle", actor), (critic, "loss_agg_mode", actor),
-            (critic.model, "trust_remote_code", arr.model), (critic.model, "external_lib", arr.model)):
+        (critic, "ppo_mini_batch_size", actor),
+        (critic, "ppo_epochs", actor),
+        (critic, "use_dynamic_bsz", actor),
+        (critic, "shuffle", actor),
+        (critic, "loss_agg_mode", actor),
+        (critic.model, "trust_remote_code", arr.model),
+        (critic.model, "external_lib", arr.model),
+    ):
         if getattr(section, key) is None:
             setattr(section, key, getattr(source, key))
     if critic.forward_max_token_len_per_gpu is None:
@@ -114,8 +124,9 @@ def resolve(cfg: Config) -> Config:
     # (adapter off), so it is the actor's
     ref_fsdp = arr.ref.fsdp_config
     if ref_fsdp.model_dtype is None:
-        ref_fsdp.model_dtype = (actor.fsdp_config.model_dtype if lora_enabled(arr.model)
-                                else ref_fsdp.mixed_precision.param_dtype)
+        ref_fsdp.model_dtype = (
+            actor.fsdp_config.model_dtype if lora_enabled(arr.model) else ref_fsdp.mixed_precision.param_dtype
+        )
     for trained in (actor.fsdp_config, critic.model.fsdp_config):
         if trained.model_dtype is None:
             trained.model_dtype = "float32"  # a trained model's master weights
@@ -125,10 +136,12 @@ def resolve(cfg: Config) -> Config:
     # (refused by reward_model_problems)
     rm = cfg.reward_model
     if rm.enable:
-        for section, key, value in ((rm, "use_dynamic_bsz", critic.use_dynamic_bsz),
-                                    (rm, "forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu),
-                                    (rm.model, "external_lib", arr.model.external_lib),
-                                    (rm.model.fsdp_config, "model_dtype", rm.model.fsdp_config.mixed_precision.param_dtype)):
+        for section, key, value in (
+            (rm, "use_dynamic_bsz", critic.use_dynamic_bsz),
+            (rm, "forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu),
+            (rm.model, "external_lib", arr.model.external_lib),
+            (rm.model.fsdp_config, "model_dtype", rm.model.fsdp_config.mixed_precision.param_dtype),
+        ):
             if getattr(section, key) is None:
                 setattr(section, key, value)
     for section in (arr.rollout, arr.ref):

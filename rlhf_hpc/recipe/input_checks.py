@@ -7,6 +7,7 @@ rows; the training files together at least one batch) and the data lengths the t
 Cheap on a login node: a parquet file's rows are counted from its footer (no row is read), once per
 file version. A file that is not on this machine is ``missing_files``' business (a warning at a dry
 run); one that is here is judged here."""
+
 from __future__ import annotations
 
 import functools
@@ -33,32 +34,49 @@ def plan_problems(cfg: Config) -> list[str]:
     multi-turn keys (``plan.assistant_turns``, ``tool_response_length``, ``tool_seconds``) only with
     multi-turn, each in its range."""
     out = []
-    for name, limit_key in (("prompt_length", "data.max_prompt_length"),
-                            ("response_length", "data.max_response_length")):
+    for name, limit_key in (
+        ("prompt_length", "data.max_prompt_length"),
+        ("response_length", "data.max_response_length"),
+    ):
         value, limit = getattr(cfg.plan, name), get_key(cfg, limit_key)
         what = name.split("_")[0]
         if value is None:
             continue
         if value <= 0:
-            out.append(f"plan.{name}={value}: the data's mean {what} length in tokens must be > 0; to plan with "
-                       f"the maximum ({limit_key}={limit}) leave plan.{name} unset (null)")
+            out.append(
+                f"plan.{name}={value}: the data's mean {what} length in tokens must be > 0; to plan with "
+                f"the maximum ({limit_key}={limit}) leave plan.{name} unset (null)"
+            )
         elif limit > 0 and value > limit:
-            out.append(f"plan.{name}={value} is larger than {limit_key}={limit}: a mean cannot pass the maximum; "
-                       f"set plan.{name} <= {limit} (or null: plan with the maximum), or raise {limit_key}")
+            out.append(
+                f"plan.{name}={value} is larger than {limit_key}={limit}: a mean cannot pass the maximum; "
+                f"set plan.{name} <= {limit} (or null: plan with the maximum), or raise {limit_key}"
+            )
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     turn_keys = {k: getattr(cfg.plan, k) for k in ("assistant_turns", "tool_response_length", "tool_seconds")}
     if not mt.enable:
-        out += [f"plan.{k}={v}: planned for multi-turn runs only; set actor_rollout_ref.rollout.multi_turn.enable=true "
-                f"or leave plan.{k} unset (null)" for k, v in turn_keys.items() if v is not None]
+        out += [
+            f"plan.{k}={v}: planned for multi-turn runs only; set actor_rollout_ref.rollout.multi_turn.enable=true "
+            f"or leave plan.{k} unset (null)"
+            for k, v in turn_keys.items()
+            if v is not None
+        ]
         return out
     turns = turn_keys["assistant_turns"]
     if turns is not None and (turns < 1 or (mt.max_assistant_turns and turns > mt.max_assistant_turns)):
-        out.append(f"plan.assistant_turns={turns}: the mean assistant turns of a conversation is at least 1"
-                   + (f" and at most multi_turn.max_assistant_turns={mt.max_assistant_turns}" if mt.max_assistant_turns
-                      else ""))
+        out.append(
+            f"plan.assistant_turns={turns}: the mean assistant turns of a conversation is at least 1"
+            + (
+                f" and at most multi_turn.max_assistant_turns={mt.max_assistant_turns}"
+                if mt.max_assistant_turns
+                else ""
+            )
+        )
     if turn_keys["tool_response_length"] is not None and turn_keys["tool_response_length"] <= 0:
-        out.append(f"plan.tool_response_length={turn_keys['tool_response_length']}: the mean tokens of a tool turn "
-                   f"must be > 0 (null: multi_turn.max_tool_response_length characters / 4)")
+        out.append(
+            f"plan.tool_response_length={turn_keys['tool_response_length']}: the mean tokens of a tool turn "
+            f"must be > 0 (null: multi_turn.max_tool_response_length characters / 4)"
+        )
     if turn_keys["tool_seconds"] is not None and turn_keys["tool_seconds"] < 0:
         out.append(f"plan.tool_seconds={turn_keys['tool_seconds']}: seconds cannot be negative")
     return out
@@ -69,6 +87,7 @@ def _footer_rows(path: str, mtime_ns: int, size: int) -> int:
     """Rows of a parquet file from its footer; (mtime_ns, size) key the cache: validation runs
     again for each candidate the time plan's advice tries."""
     import pyarrow.parquet as pq  # (only configs naming data files need pyarrow)
+
     return pq.ParquetFile(path).metadata.num_rows
 
 
@@ -88,8 +107,12 @@ def _file_rows(key: str, path: str) -> tuple[Optional[int], Optional[str]]:
         return None, None  # missing_files: an error at a launch, a warning at a dry run
     if p.is_dir():
         inside = sorted(f.name for f in p.glob("*.parquet") if f.is_file())
-        hint = (f"it holds {', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''}: name one, or list them "
-                f"({key}=[{p / inside[0]}, ...])" if inside else f"{PREPARE} as <dir>/train.parquet, <dir>/test.parquet")
+        hint = (
+            f"it holds {', '.join(inside[:4])}{', ...' if len(inside) > 4 else ''}: name one, or list them "
+            f"({key}=[{p / inside[0]}, ...])"
+            if inside
+            else f"{PREPARE} as <dir>/train.parquet, <dir>/test.parquet"
+        )
         return None, f"{key}: '{path}' is a directory; a data file is one parquet file in verl's format ({hint})"
     if not p.is_file():
         return None, f"{key}: '{path}' is not a regular file; expected a parquet file in verl's format"
@@ -98,8 +121,10 @@ def _file_rows(key: str, path: str) -> tuple[Optional[int], Optional[str]]:
     try:
         rows = parquet_rows(str(p))
     except Exception as e:  # pyarrow raises several types (ArrowInvalid, OSError, ...) for a file that is not parquet
-        return None, (f"{key}: '{path}' is not a readable parquet file ({type(e).__name__}: {str(e)[:160]}); data "
-                      f"files are parquet in verl's format ({PREPARE})")
+        return None, (
+            f"{key}: '{path}' is not a readable parquet file ({type(e).__name__}: {str(e)[:160]}); data "
+            f"files are parquet in verl's format ({PREPARE})"
+        )
     if rows == 0:
         return 0, f"{key}: '{path}' has no rows ({PREPARE})"
     return rows, None
@@ -119,8 +144,12 @@ def data_file_problems(cfg: Config) -> list[str]:
     for key in ("data.train_files", "data.val_files"):
         counts[key] = []
         for i, path in _paths(get_key(cfg, key)):
-            rows, problem = ((None, None) if d.custom_cls.path else  # (read by its class: the ranks count them)
-                             _file_rows(key if i < 0 else f"{key}[{i}]", path))
+            rows, problem = (
+                (None, None)
+                if d.custom_cls.path
+                # (read by its class: the ranks count them)
+                else _file_rows(key if i < 0 else f"{key}[{i}]", path)
+            )
             counts[key].append(rows)
             if problem:
                 out.append(problem)
@@ -129,8 +158,10 @@ def data_file_problems(cfg: Config) -> list[str]:
     if cfg.algorithm.filter_groups.enable and (d.gen_batch_size or 0) > need:
         need, need_key = d.gen_batch_size, "data.gen_batch_size"
     if train and None not in train and 0 < sum(train) < need:
-        out.append(f"data.train_files: {sum(train)} rows in all, fewer than {need_key}={need} prompts a step "
-                   f"takes, so not one batch (rows counted in the files, before the data.max_prompt_length "
-                   f"filter, which can only lower the count; the ranks count again after it); lower {need_key} "
-                   f"or add rows")
+        out.append(
+            f"data.train_files: {sum(train)} rows in all, fewer than {need_key}={need} prompts a step "
+            f"takes, so not one batch (rows counted in the files, before the data.max_prompt_length "
+            f"filter, which can only lower the count; the ranks count again after it); lower {need_key} "
+            f"or add rows"
+        )
     return out

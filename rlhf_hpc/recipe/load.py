@@ -18,6 +18,7 @@ The pipeline, in order:
 
 Every problem becomes one line of a ``ConfigError``; the CLI prints them without a traceback.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,16 +27,23 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.errors import ConfigError, did_you_mean
+from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.tree import deep_merge, dump_yaml, flatten, parse_yaml, to_dict
 from rlhf_hpc.recipe.build import all_keys, build
-from rlhf_hpc.recipe.defaults import resolve
 from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.defaults import resolve
 from rlhf_hpc.recipe.verl_compat import drop_out_of_scope_keys
 
-__all__ = ["apply_overrides", "list_recipes", "load_config", "load_recipe_tree", "load_resolved", "parse_override",
-           "write_resolved"]
+__all__ = [
+    "apply_overrides",
+    "list_recipes",
+    "load_config",
+    "load_recipe_tree",
+    "load_resolved",
+    "parse_override",
+    "write_resolved",
+]
 
 RECIPE_META_KEYS = ("base", "description")
 RECIPE_FILE = "recipe.yaml"  # in a run directory, beside config.yaml
@@ -75,12 +83,13 @@ def find_recipe(name: str, relative_to: Optional[Path] = None) -> Path:
             return c.resolve()
     known = list(list_recipes())
     hint = did_you_mean(name, known)
-    raise ConfigError(f"recipe '{name}' not found{hint}; available recipes: {', '.join(known) or 'none'}"
-                      f" (or give a path to a .yaml file)")
+    raise ConfigError(
+        f"recipe '{name}' not found{hint}; available recipes: {', '.join(known) or 'none'}"
+        f" (or give a path to a .yaml file)"
+    )
 
 
-def load_recipe_tree(name: str, relative_to: Optional[Path] = None,
-                     _chain: tuple[Path, ...] = ()) -> dict:
+def load_recipe_tree(name: str, relative_to: Optional[Path] = None, _chain: tuple[Path, ...] = ()) -> dict:
     """The recipe's mapping with all its bases merged in (bases first)."""
     path = find_recipe(name, relative_to)
     if path in _chain:
@@ -93,8 +102,9 @@ def load_recipe_tree(name: str, relative_to: Optional[Path] = None,
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"recipe {path}: expected a mapping of config keys at the top level, "
-                          f"got {type(data).__name__}")
+        raise ConfigError(
+            f"recipe {path}: expected a mapping of config keys at the top level, got {type(data).__name__}"
+        )
     bases = data.pop("base", None) or []
     data.pop("description", None)
     if isinstance(bases, str):
@@ -105,11 +115,15 @@ def load_recipe_tree(name: str, relative_to: Optional[Path] = None,
     return deep_merge(merged, data)
 
 
-OVERRIDE_ALIASES = {"cluster": "launcher.cluster", "trainer.profile_steps": "global_profiler.steps",
-                    # verl's names of keys this project has under its own
-                    "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
-                    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
-                        "actor_rollout_ref.rollout.update_weights_bucket_mb"}
+OVERRIDE_ALIASES = {
+    "cluster": "launcher.cluster",
+    "trainer.profile_steps": "global_profiler.steps",
+    # verl's names of keys this project has under its own
+    "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": (
+        "actor_rollout_ref.rollout.update_weights_bucket_mb"
+    ),
+}
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -128,8 +142,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = parse_yaml(raw)
     except yaml.YAMLError:
-        raise ConfigError(f"override {key}: value '{raw}' is not valid YAML "
-                          f"(quote strings with special characters)") from None
+        raise ConfigError(
+            f"override {key}: value '{raw}' is not valid YAML (quote strings with special characters)"
+        ) from None
     return OVERRIDE_ALIASES.get(key, key), value
 
 
@@ -168,8 +183,10 @@ def apply_cluster_profile(tree: dict) -> dict:
     path = cluster_profiles_dir() / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in cluster_profiles_dir().glob("*.yaml"))
-        raise ConfigError(f"launcher.cluster_profile: no profile '{name}'{did_you_mean(name, known)}; available: "
-                          f"{', '.join(known) or 'none'} (files in {cluster_profiles_dir()})")
+        raise ConfigError(
+            f"launcher.cluster_profile: no profile '{name}'{did_you_mean(name, known)}; available: "
+            f"{', '.join(known) or 'none'} (files in {cluster_profiles_dir()})"
+        )
     cluster_profile = parse_yaml(path.read_text()) or {}
     if not isinstance(cluster_profile, dict):
         raise ConfigError(f"{path}: expected a mapping of launcher keys")
@@ -182,8 +199,9 @@ def apply_cluster_profile(tree: dict) -> dict:
     return deep_merge({"launcher": cluster_profile, **({"hardware": hardware} if hardware else {})}, tree)
 
 
-def load_config(recipe: Optional[str], overrides: Iterable[str] = (), check_files: bool = True
-                ) -> tuple[Config, list[str]]:
+def load_config(
+    recipe: Optional[str], overrides: Iterable[str] = (), check_files: bool = True
+) -> tuple[Config, list[str]]:
     """Recipe name/path (None: the defaults alone, which are verl's) + overrides -> (resolved,
     validated Config, warnings)."""
     written = load_recipe_tree(recipe) if recipe else {}
@@ -228,6 +246,8 @@ def write_resolved(cfg: Config, run_dir: str | Path) -> Path:
     os.replace(tmp, target)
     tree = getattr(cfg, "recipe_tree", None)
     if tree is not None:  # what the recipe chose, for advice that leaves it alone
-        (run_dir / RECIPE_FILE).write_text("# the recipe as its files wrote it (bases merged), before overrides and "
-                                           "defaults; config.yaml is what runs\n" + dump_yaml(tree))
+        (run_dir / RECIPE_FILE).write_text(
+            "# the recipe as its files wrote it (bases merged), before overrides and "
+            "defaults; config.yaml is what runs\n" + dump_yaml(tree)
+        )
     return target

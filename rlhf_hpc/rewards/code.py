@@ -9,6 +9,7 @@ response's last python code block (as prime_code extracts it). Every case runs i
 verl's continuous one: the share of the first MAX_CASES cases passed (all passed: 1.0). A program
 that hangs, crashes or breaks a limit fails its case; the run goes on.
 """
+
 from __future__ import annotations
 
 import ast
@@ -22,8 +23,16 @@ from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
 from rlhf_hpc.rewards.synthetic import CODE_SOURCE
 from rlhf_hpc.tools.code_runner import run_code
 
-__all__ = ["CODE_SOURCES", "MAX_CASES", "code_score", "configure_code_reward", "extract_program",
-           "function_program", "outputs_match", "parse_test_cases"]
+__all__ = [
+    "CODE_SOURCES",
+    "MAX_CASES",
+    "code_score",
+    "configure_code_reward",
+    "extract_program",
+    "function_program",
+    "outputs_match",
+    "parse_test_cases",
+]
 
 # verl 0.9.1's data_sources scored by running code (verl/utils/reward_score/__init__.py), and the
 # built-in programming task (synthetic://code)
@@ -55,28 +64,37 @@ def parse_test_cases(ground_truth: Any) -> dict:
         cases = json.loads(ground_truth)
     except ValueError:
         cases = ast.literal_eval(ground_truth)  # a dict that went through str(): single quotes
-    if not isinstance(cases, dict) or not {"inputs", "outputs"} <= set(cases) \
-            or len(cases["inputs"]) != len(cases["outputs"]):
-        raise ValueError("expected test cases {\"inputs\": [...], \"outputs\": [...]} of equal length "
-                         f"(verl's code format), got {str(ground_truth)[:200]!r}")
+    if (
+        not isinstance(cases, dict)
+        or not {"inputs", "outputs"} <= set(cases)
+        or len(cases["inputs"]) != len(cases["outputs"])
+    ):
+        raise ValueError(
+            'expected test cases {"inputs": [...], "outputs": [...]} of equal length '
+            f"(verl's code format), got {str(ground_truth)[:200]!r}"
+        )
     return cases
 
 
 # call-based problems (LeetCode style) use these names without importing them
-PRELUDE = ("from typing import *\nfrom collections import *\nfrom itertools import *\nfrom functools import *\n"
-           "from heapq import *\nfrom bisect import *\nfrom math import *\nimport collections, itertools, functools, "
-           "heapq, bisect, math, string, re, sys\n")
+PRELUDE = (
+    "from typing import *\nfrom collections import *\nfrom itertools import *\nfrom functools import *\n"
+    "from heapq import *\nfrom bisect import *\nfrom math import *\nimport collections, itertools, functools, "
+    "heapq, bisect, math, string, re, sys\n"
+)
 
 
 def function_program(source: str, fn_name: str) -> str:
     """A program that defines ``source``, calls ``fn_name`` (or ``Solution().fn_name``) with the
     arguments on stdin (one JSON value a line) and prints the result as JSON."""
-    return (f"import json, sys\nSOURCE = {PRELUDE + source!r}\nNAME = {fn_name!r}\n"
-            "space = {'__name__': '__solution__'}\n"
-            "exec(compile(SOURCE, 'solution.py', 'exec'), space)\n"
-            "target = space[NAME] if NAME in space else getattr(space['Solution'](), NAME)\n"
-            "args = [json.loads(line) for line in sys.stdin.read().split('\\n') if line.strip()]\n"
-            "print(json.dumps(target(*args)))\n")
+    return (
+        f"import json, sys\nSOURCE = {PRELUDE + source!r}\nNAME = {fn_name!r}\n"
+        "space = {'__name__': '__solution__'}\n"
+        "exec(compile(SOURCE, 'solution.py', 'exec'), space)\n"
+        "target = space[NAME] if NAME in space else getattr(space['Solution'](), NAME)\n"
+        "args = [json.loads(line) for line in sys.stdin.read().split('\\n') if line.strip()]\n"
+        "print(json.dumps(target(*args)))\n"
+    )
 
 
 def outputs_match(actual: str, expected: str) -> bool:

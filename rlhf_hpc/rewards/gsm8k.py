@@ -6,6 +6,7 @@ Numbers are compared as numbers a person would read alike: ``#### $18``, ``#### 
 reference's regex, which compares strings (``18.00`` != ``18``) and needs a digit right after
 ``#### `` (``#### $18`` finds nothing); see the README's table of differences.
 """
+
 from __future__ import annotations
 
 import re
@@ -43,8 +44,9 @@ def extract_answer(text: str, method: str = "strict") -> Optional[str]:
     return canonical_number(found[-1]) if found else None
 
 
-def gsm8k_score(response: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
-                score: float = 1.0) -> float:
+def gsm8k_score(
+    response: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
     answer = extract_answer(response, method)
     if answer is None:
         return 0.0

@@ -2,12 +2,13 @@
 checks the model's last answer with the GSM8K rule (strict: the last ``#### N``) against the row's
 ``interaction_kwargs.ground_truth``; right ends the conversation, wrong asks the model to try again.
 Its texts and scores are verl's."""
+
 from __future__ import annotations
 
 from typing import Any
 
-from rlhf_hpc.tools.interaction import Interaction, UserTurn, last_assistant_text
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
+from rlhf_hpc.tools.interaction import Interaction, UserTurn, last_assistant_text
 
 __all__ = ["Gsm8kInteraction"]
 

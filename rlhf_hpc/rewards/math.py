@@ -1,4 +1,5 @@
 """Math answers in ``\\boxed{...}``: the last boxed expression, normalised, equal to the ground truth."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -21,7 +22,7 @@ def last_boxed(text: str) -> Optional[str]:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j]
+                return text[i + 1 : j]
     return None
 
 

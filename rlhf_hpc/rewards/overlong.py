@@ -12,6 +12,7 @@ With ``overlong_buffer.log`` the step logs, as verl's ``reward_extra_info`` keys
 ``reward/overlong_reward/mean`` (the mean penalty) and ``reward/overlong/mean`` (the fraction of
 responses penalised), global over ranks.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -28,12 +29,14 @@ def overlong_reward(lengths: torch.Tensor, max_resp_len: int, buffer_len: int, p
     return torch.clamp(-exceed_len / buffer_len * penalty_factor, max=0.0)
 
 
-def overlong_metrics(penalty: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]
-                     ) -> dict[str, float]:
+def overlong_metrics(penalty: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
     """``reward/overlong_reward/mean`` and ``reward/overlong/mean`` over every rank's responses
     (``all_reduce``: a sum over ranks; collective)."""
-    sums = all_reduce(torch.tensor([float(penalty.sum()), float((penalty < 0).sum()), float(penalty.numel())],
-                                   dtype=torch.float64))
+    sums = all_reduce(
+        torch.tensor([float(penalty.sum()), float((penalty < 0).sum()), float(penalty.numel())], dtype=torch.float64)
+    )
     count: Optional[float] = float(sums[2]) or None
-    return {"reward/overlong_reward/mean": float(sums[0]) / count if count else 0.0,
-            "reward/overlong/mean": float(sums[1]) / count if count else 0.0}
+    return {
+        "reward/overlong_reward/mean": float(sums[0]) / count if count else 0.0,
+        "reward/overlong/mean": float(sums[1]) / count if count else 0.0,
+    }

@@ -2,6 +2,7 @@
 strict-box form (the last ``\\boxed{...}`` of the response's last 100 characters, equal to the ground
 truth as a string) scores 1 or -1, and a wrong answer is lifted by 0.05 per turn after the first two
 (``num_turns``, the agent loop's), to at most -0.6: it encourages calling the code tool."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -18,14 +19,14 @@ def last_boxed_string(text: str) -> Optional[str]:
     for i in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if text[i] == "}" and depth == 0:
-            return text[start:i + 1]
+            return text[start : i + 1]
     return None
 
 
 def strict_box(response: str, ground_truth: str) -> tuple[float, Optional[str]]:
     """verl's ``math_dapo.compute_score(..., strict_box_verify=True)``: (1.0 or -1.0, the boxed answer)."""
     boxed = last_boxed_string(response[-300:][-100:])
-    pred = boxed[len("\\boxed{"):-1] if boxed is not None else None
+    pred = boxed[len("\\boxed{") : -1] if boxed is not None else None
     return (1.0 if pred == ground_truth else -1.0), pred
 
 

@@ -16,6 +16,7 @@ model's chat template (cut on the right to ``reward_model.max_length``), as verl
 model whose tokenizer differs from the actor's (vocabulary or chat template) is re-encoded for
 even with ``input_tokenizer`` unset: its own tokens are the only ones it can read.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -23,13 +24,20 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from rlhf_hpc.ops.batching import (Batch, dummy_rows, micro_batch_groups, position_ids_from_mask, restore_order,
-                                   select_rows, to_device)
 from rlhf_hpc.config.schema import RewardModelConfig
-from rlhf_hpc.models.hf import attn_implementation, build_token_scorer, import_external_libs, is_tiny, torch_dtype
 from rlhf_hpc.distributed.loading import build_sharded
 from rlhf_hpc.distributed.process_group import all_reduce_max_int
+from rlhf_hpc.models.hf import attn_implementation, build_token_scorer, import_external_libs, is_tiny, torch_dtype
 from rlhf_hpc.models.tokenizer import load_tokenizer
+from rlhf_hpc.ops.batching import (
+    Batch,
+    dummy_rows,
+    micro_batch_groups,
+    position_ids_from_mask,
+    restore_order,
+    select_rows,
+    to_device,
+)
 
 __all__ = ["RewardModel", "build_reward_model", "needs_reencoding"]
 
@@ -45,8 +53,9 @@ def last_token_scores(model: nn.Module, batch: Batch, remove_padding: bool) -> t
         pos = torch.cat([torch.arange(int(n)) for n in lengths.tolist()]).unsqueeze(0).to(ids.device)
         scores = model(input_ids=ids, position_ids=pos, attention_mask=None)[0]  # (N,)
         return scores[torch.cumsum(lengths, 0) - 1]
-    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"])  # (B, L)
+    scores = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )  # (B, L)
     last = (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)
     return scores[torch.arange(mask.shape[0], device=mask.device), last]
 
@@ -59,9 +68,16 @@ class RewardModel:
     ranks, so every rank runs the same number of micro-batches (each forward is a collective).
     """
 
-    def __init__(self, model: nn.Module, cfg: RewardModelConfig, tokenizer=None, input_tokenizer=None,
-                 max_length: Optional[int] = None, sync_max: Optional[Callable[[int], int]] = None,
-                 device: torch.device = torch.device("cpu")):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: RewardModelConfig,
+        tokenizer=None,
+        input_tokenizer=None,
+        max_length: Optional[int] = None,
+        sync_max: Optional[Callable[[int], int]] = None,
+        device: torch.device = torch.device("cpu"),
+    ):
         self.model, self.cfg, self.device, self.sync_max = model, cfg, device, sync_max
         self.tokenizer, self.input_tokenizer, self.max_length = tokenizer, input_tokenizer, max_length
 
@@ -77,14 +93,15 @@ class RewardModel:
             text = src.decode(batch["responses"][i, :n].tolist())
             if src.eos_token:
                 text = text.replace(src.eos_token, "")
-            rendered = dst.apply_chat_template([*chat, {"role": "assistant", "content": text}],
-                                               add_generation_prompt=False, tokenize=False)
+            rendered = dst.apply_chat_template(
+                [*chat, {"role": "assistant", "content": text}], add_generation_prompt=False, tokenize=False
+            )
             rows.append(dst(rendered, add_special_tokens=False)["input_ids"][:max_length])
         L = max(len(r) for r in rows)
         ids = torch.full((len(rows), L), dst.pad_token_id or 0, dtype=torch.long)
         mask = torch.zeros(len(rows), L, dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r, dtype=torch.long), 1
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1
         return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
 
     @torch.no_grad()
@@ -97,8 +114,13 @@ class RewardModel:
         else:
             rm_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
         cfg = self.cfg
-        groups = micro_batch_groups(rm_batch, cfg.micro_batch_size_per_gpu or len(rm_batch["input_ids"]),
-                                    bool(cfg.use_dynamic_bsz), cfg.forward_max_token_len_per_gpu or 0, self.sync_max)
+        groups = micro_batch_groups(
+            rm_batch,
+            cfg.micro_batch_size_per_gpu or len(rm_batch["input_ids"]),
+            bool(cfg.use_dynamic_bsz),
+            cfg.forward_max_token_len_per_gpu or 0,
+            self.sync_max,
+        )
         outs, kept = [], []
         for g in groups:
             micro = to_device(select_rows(rm_batch, g) if g else dummy_rows(rm_batch), self.device)
@@ -112,8 +134,9 @@ class RewardModel:
 def needs_reencoding(rm_tokenizer, actor_tokenizer) -> bool:
     """Whether the reward model cannot read the actor's token ids as they are: another vocabulary,
     or another chat template around the same conversation."""
-    return (rm_tokenizer.get_vocab() != actor_tokenizer.get_vocab()
-            or getattr(rm_tokenizer, "chat_template", None) != getattr(actor_tokenizer, "chat_template", None))
+    return rm_tokenizer.get_vocab() != actor_tokenizer.get_vocab() or getattr(
+        rm_tokenizer, "chat_template", None
+    ) != getattr(actor_tokenizer, "chat_template", None)
 
 
 def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
@@ -125,10 +148,22 @@ def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
     m = rm.model
     import_external_libs(m.external_lib)
     attn = attn_implementation(ctx.device, m.override_config)
-    model = build_sharded(lambda device: build_token_scorer(m.path, torch_dtype(m.fsdp_config.model_dtype),
-                                                            m.override_config, cfg.trainer.seed + 2,
-                                                            m.trust_remote_code, attn, device),
-                          m.fsdp_config, ctx, False, not is_tiny(m.path), frozen=True)  # inference only
+    model = build_sharded(
+        lambda device: build_token_scorer(
+            m.path,
+            torch_dtype(m.fsdp_config.model_dtype),
+            m.override_config,
+            cfg.trainer.seed + 2,
+            m.trust_remote_code,
+            attn,
+            device,
+        ),
+        m.fsdp_config,
+        ctx,
+        False,
+        not is_tiny(m.path),
+        frozen=True,
+    )  # inference only
     try:
         tokenizer = load_tokenizer("tiny://chars" if m.path.startswith("tiny://") else m.path, m.trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError):  # (what transformers raises for missing files varies)
@@ -138,10 +173,18 @@ def build_reward_model(cfg, ctx, input_tokenizer) -> RewardModel:
     comparable = tokenizer is not None and input_tokenizer is not None
     reencode = m.input_tokenizer is not None or (comparable and needs_reencoding(tokenizer, input_tokenizer))
     if reencode and m.input_tokenizer is None and ctx.is_main:
-        print("[rlhf-hpc] the reward model's tokenizer differs from the actor's (vocabulary or chat template): each "
-              "conversation is re-encoded through the reward model's chat template, as verl does by default "
-              "(reward_model.model.input_tokenizer)", flush=True)
-    return RewardModel(model, rm, tokenizer=tokenizer if reencode else None,
-                       input_tokenizer=input_tokenizer if reencode else None,
-                       max_length=rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length,
-                       sync_max=lambda k: all_reduce_max_int(k, ctx.device), device=ctx.device)
+        print(
+            "[rlhf-hpc] the reward model's tokenizer differs from the actor's (vocabulary or chat template): each "
+            "conversation is re-encoded through the reward model's chat template, as verl does by default "
+            "(reward_model.model.input_tokenizer)",
+            flush=True,
+        )
+    return RewardModel(
+        model,
+        rm,
+        tokenizer=tokenizer if reencode else None,
+        input_tokenizer=input_tokenizer if reencode else None,
+        max_length=rm.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length,
+        sync_max=lambda k: all_reduce_max_int(k, ctx.device),
+        device=ctx.device,
+    )

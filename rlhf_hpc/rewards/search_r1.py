@@ -2,6 +2,7 @@
 ``searchR1_``): the last ``<answer>...</answer>`` of the response, normalised (lower case, no
 punctuation or articles, single spaces), equal to one of ``ground_truth["target"]``: 1, else 0;
 a right answer among more than 10 answer tags (a response spraying them) scores a quarter."""
+
 from __future__ import annotations
 
 import re

@@ -1,4 +1,5 @@
 """Scores of the built-in tasks (rlhf_hpc.data.synthetic builds their rows)."""
+
 from __future__ import annotations
 
 import re

@@ -23,6 +23,7 @@ entropy. The ranks of a tensor-parallel vLLM group generate together (the engine
 they go through the same number of turns with the same sampling: the open count and the budget are
 agreed over the group each turn.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,8 @@ from rlhf_hpc.models.tokenizer import tool_template_problems, tool_turn_ids, tur
 from rlhf_hpc.rollout.base import Response, RolloutEngine, Sampling
 from rlhf_hpc.tools.call_runner import CallRunner
 from rlhf_hpc.tools.interaction import Interaction, UserTurn
-from rlhf_hpc.tools.tool_calls import TOOL_CALL_FORMATS, ToolCall
 from rlhf_hpc.tools.tool import Tool, ToolOutput
+from rlhf_hpc.tools.tool_calls import TOOL_CALL_FORMATS, ToolCall
 
 __all__ = ["AgentLoop", "Conversation", "truncate_tool_text"]
 
@@ -84,9 +85,17 @@ class AgentLoop:
     """``generate(examples, sampling)`` as an engine's, the prompts' rows given (their messages and
     ``extra_info.tools_kwargs``); ``take_metrics()`` the counts since the last call."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, tools: dict[str, Tool], tool_schemas: list[dict],
-                 cfg: MultiTurnConfig, max_response_length: int, template_kwargs: Optional[dict] = None,
-                 interactions: Optional[dict[str, Interaction]] = None):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        tools: dict[str, Tool],
+        tool_schemas: list[dict],
+        cfg: MultiTurnConfig,
+        max_response_length: int,
+        template_kwargs: Optional[dict] = None,
+        interactions: Optional[dict[str, Interaction]] = None,
+    ):
         self.engine, self.tokenizer, self.tools, self.cfg = engine, tokenizer, tools, cfg
         self.interactions = dict(interactions or {})
         self.schemas = tool_schemas
@@ -108,11 +117,16 @@ class AgentLoop:
     def generate(self, prompt_ids: list[list[int]], examples: list, sampling: Sampling) -> list[list[Response]]:
         """For each prompt (its row in ``examples``), ``sampling.n`` conversations."""
         # the template's end of turn among the stop tokens: a turn that stops on another one is off template
-        self.other_stops = set(sampling.stop_token_ids) - {self.turn_end} if self.turn_end in \
-            sampling.stop_token_ids else set()
-        convs = [Conversation(list(p), list(ex.messages), dict(ex.extra_info.get("tools_kwargs") or {}),
-                              self._interaction_kwargs(ex))
-                 for p, ex in zip(prompt_ids, examples) for _ in range(sampling.n)]
+        self.other_stops = (
+            set(sampling.stop_token_ids) - {self.turn_end} if self.turn_end in sampling.stop_token_ids else set()
+        )
+        convs = [
+            Conversation(
+                list(p), list(ex.messages), dict(ex.extra_info.get("tools_kwargs") or {}), self._interaction_kwargs(ex)
+            )
+            for p, ex in zip(prompt_ids, examples)
+            for _ in range(sampling.n)
+        ]
         turn = 0
         while True:
             open_ = [c for c in convs if not c.done]
@@ -120,9 +134,12 @@ class AgentLoop:
             active, budget = self._agree(len(open_), budget)
             if not active:
                 break
-            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=max(budget, 1),
-                                                seed=None if sampling.seed is None else
-                                                (sampling.seed + 7919 * turn) & 0x7FFFFFFF)
+            turn_sampling = dataclasses.replace(
+                sampling,
+                n=1,
+                max_tokens=max(budget, 1),
+                seed=None if sampling.seed is None else (sampling.seed + 7919 * turn) & 0x7FFFFFFF,
+            )
             outs = self.engine.generate([c.prompt_ids + c.token_ids for c in open_], turn_sampling)
             pending: list[tuple[Conversation, list[ToolCall]]] = []
             asking: list[Conversation] = []  # answered by their interaction
@@ -148,16 +165,28 @@ class AgentLoop:
             if self.cfg.tokenization_sanity_check_mode != "disable" and not self._tokens_match(c):
                 self._count("tokenization_mismatches")
         n = sampling.n
-        return [[Response(c.token_ids, c.logprobs, c.finish_reason, mask=c.mask,
-                          num_turns=c.assistant_turns + c.user_turns + 1) for c in convs[i * n:(i + 1) * n]]
-                for i in range(len(prompt_ids))]
+        return [
+            [
+                Response(
+                    c.token_ids,
+                    c.logprobs,
+                    c.finish_reason,
+                    mask=c.mask,
+                    num_turns=c.assistant_turns + c.user_turns + 1,
+                )
+                for c in convs[i * n : (i + 1) * n]
+            ]
+            for i in range(len(prompt_ids))
+        ]
 
     def _interaction_kwargs(self, ex) -> dict:
         """The row's ``extra_info.interaction_kwargs``; with interactions, its ``name`` must be one of them (verl)."""
         kwargs = dict(ex.extra_info.get("interaction_kwargs") or {})
         if self.interactions and kwargs.get("name") not in self.interactions:
-            raise ValueError(f"row {ex.index}: extra_info.interaction_kwargs.name={kwargs.get('name')!r} is not an "
-                             f"interaction of multi_turn.interaction_config_path ({', '.join(self.interactions)})")
+            raise ValueError(
+                f"row {ex.index}: extra_info.interaction_kwargs.name={kwargs.get('name')!r} is not an "
+                f"interaction of multi_turn.interaction_config_path ({', '.join(self.interactions)})"
+            )
         return kwargs
 
     def _agree(self, active: int, budget: int) -> tuple[int, int]:
@@ -174,8 +203,9 @@ class AgentLoop:
         ids, lps = list(r.token_ids[:room]), list(r.logprobs[:room])
         c.add(ids, lps)
         c.assistant_turns += 1
-        text = self.tokenizer.decode(ids[:-1] if r.finish_reason == "stop" and len(ids) == len(r.token_ids)
-                                     else ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(
+            ids[:-1] if r.finish_reason == "stop" and len(ids) == len(r.token_ids) else ids, skip_special_tokens=False
+        )
         c.messages.append({"role": "assistant", "content": text})
         if r.finish_reason != "stop" or len(r.token_ids) > room or len(c.token_ids) >= self.R:
             c.done, c.finish_reason = True, "length"
@@ -186,8 +216,9 @@ class AgentLoop:
             c.done = c.off_template_stop = True
             self._count("off_template_stops")
             return []
-        if (self.cfg.max_assistant_turns and c.assistant_turns >= self.cfg.max_assistant_turns) or \
-                (self.cfg.max_user_turns and c.user_turns >= self.cfg.max_user_turns):
+        if (self.cfg.max_assistant_turns and c.assistant_turns >= self.cfg.max_assistant_turns) or (
+            self.cfg.max_user_turns and c.user_turns >= self.cfg.max_user_turns
+        ):
             c.done = True
             return []
         parsed = self.parse(text)
@@ -196,12 +227,18 @@ class AgentLoop:
             c.done = not self.interactions  # (else the interaction answers, and says whether it ends here)
             return []
         self._count("dropped_calls", max(0, len(parsed.calls) - self.cfg.max_parallel_calls))
-        return parsed.calls[:self.cfg.max_parallel_calls]
+        return parsed.calls[: self.cfg.max_parallel_calls]
 
     def _tool_turn(self, c: Conversation, outputs: list[ToolOutput]) -> None:
-        messages = [{"role": "tool", "content": truncate_tool_text(o.text, self.cfg.max_tool_response_length,
-                                                                  self.cfg.tool_response_truncate_side)}
-                    for o in outputs]
+        messages = [
+            {
+                "role": "tool",
+                "content": truncate_tool_text(
+                    o.text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side
+                ),
+            }
+            for o in outputs
+        ]
         ids = tool_turn_ids(self.tokenizer, messages, self.template_kwargs)
         if len(c.token_ids) + len(ids) >= self.R:  # no room left for the model's next turn (verl: terminated)
             c.done, c.finish_reason = True, "length"
@@ -228,26 +265,32 @@ class AgentLoop:
         c.done = reply.done
 
     # ------------------------------------------------------------------------------- tools
-    def _run_calls(self, pending: list[tuple[Conversation, list[ToolCall]]], asking: list[Conversation]
-                   ) -> tuple[list[list[ToolOutput]], list[Optional[UserTurn]]]:
+    def _run_calls(
+        self, pending: list[tuple[Conversation, list[ToolCall]]], asking: list[Conversation]
+    ) -> tuple[list[list[ToolOutput]], list[Optional[UserTurn]]]:
         """Every tool call and interaction of this turn at once, each within ``tool_timeout_s``: the
         tools' answers (an error text where one failed), the interactions' (None where one failed)."""
         flat = [(c, call) for c, calls in pending for call in calls]
         jobs = [lambda c=c, call=call: self._call(call, c.tools_kwargs) for c, call in flat]
         jobs += [lambda c=c: self._ask(c) for c in asking]
         results = self.runner.run(jobs, self.cfg.tool_timeout_s)
-        answers = iter(results[:len(flat)])
-        replies = [self._counted_reply(r) for r in results[len(flat):]]
+        answers = iter(results[: len(flat)])
+        replies = [self._counted_reply(r) for r in results[len(flat) :]]
         return [[self._counted(next(answers)) for _ in calls] for _, calls in pending], replies
 
     def _ask(self, c: Conversation):
         """The conversation's interaction's answer, or the exception it raised."""
         try:
-            reply = self.interactions[c.interaction_kwargs["name"]].respond(list(c.messages), dict(c.interaction_kwargs))
+            reply = self.interactions[c.interaction_kwargs["name"]].respond(
+                list(c.messages), dict(c.interaction_kwargs)
+            )
         except Exception as e:  # noqa: BLE001 - whatever an interaction raises ends its conversation, counted
             return e
-        return reply if isinstance(reply, UserTurn) else TypeError(f"respond returned {type(reply).__name__}, "
-                                                                  f"not a UserTurn")
+        return (
+            reply
+            if isinstance(reply, UserTurn)
+            else TypeError(f"respond returned {type(reply).__name__}, not a UserTurn")
+        )
 
     def _counted_reply(self, reply) -> Optional[UserTurn]:
         self._count("interaction_turns")
@@ -260,8 +303,9 @@ class AgentLoop:
     def _counted(self, answer: Optional[ToolOutput]) -> ToolOutput:
         """The call's answer (None: none in time), counted in the metrics."""
         if answer is None:
-            answer = ToolOutput(f"Error when executing tool: no answer within {self.cfg.tool_timeout_s:g} s",
-                                status="timeout")
+            answer = ToolOutput(
+                f"Error when executing tool: no answer within {self.cfg.tool_timeout_s:g} s", status="timeout"
+            )
         self._count("tool_calls")
         self._count({"ok": "tool_ok", "error": "tool_errors", "timeout": "tool_timeouts"}[answer.status])
         self._count("tool_reward", answer.reward)
@@ -270,8 +314,10 @@ class AgentLoop:
     def _call(self, call: ToolCall, tools_kwargs: dict) -> ToolOutput:
         tool = self.tools.get(call.name)
         if tool is None:
-            return ToolOutput(f"Error when executing tool: no tool named {call.name!r} (tools: "
-                              f"{', '.join(self.tools) or 'none'})", status="error")
+            return ToolOutput(
+                f"Error when executing tool: no tool named {call.name!r} (tools: {', '.join(self.tools) or 'none'})",
+                status="error",
+            )
         try:
             out = tool.execute(call.arguments, dict((tools_kwargs.get(call.name) or {}).get("create_kwargs") or {}))
         except Exception as e:  # noqa: BLE001 - whatever a tool raises is the model's error message
@@ -285,12 +331,16 @@ class AgentLoop:
         template's closing text; one that stopped on another stop token is counted apart, in
         ``off_template_stops``, and compared without it)."""
         ours = c.prompt_ids + (c.token_ids[:-1] if c.off_template_stop else c.token_ids)
-        rendered = self.tokenizer.apply_chat_template(c.messages, tools=self.schemas or None, tokenize=False,
-                                                      add_generation_prompt=c.messages[-1]["role"] != "assistant",
-                                                      **self.template_kwargs)
+        rendered = self.tokenizer.apply_chat_template(
+            c.messages,
+            tools=self.schemas or None,
+            tokenize=False,
+            add_generation_prompt=c.messages[-1]["role"] != "assistant",
+            **self.template_kwargs,
+        )
         whole = self.tokenizer.encode(rendered, add_special_tokens=False)
         if self.cfg.tokenization_sanity_check_mode == "strict":
-            return whole[:len(ours)] == ours
+            return whole[: len(ours)] == ours
         text = "".join(self.tokenizer.decode(ours, skip_special_tokens=False).split())
         return "".join(rendered.split()).startswith(text)
 
@@ -302,15 +352,33 @@ class AgentLoop:
         """The step's figures, summed over ranks with the reducers (collective then): verl's
         ``num_turns/*``, ``tools/*`` counts, tokens by source, ``interaction/*`` (turns, errors, mean
         turn score; with an interaction config), ``timing_s/tools`` (the slowest rank)."""
-        keys = ("tool_calls", "tool_ok", "tool_errors", "tool_timeouts", "tool_reward", "malformed_calls",
-                "dropped_calls", "tokens_model", "tokens_tool", "tokens_user", "tokenization_mismatches",
-                "off_template_stops", "stuck_calls",
-                "interaction_turns", "interaction_errors", "interaction_score")
+        keys = (
+            "tool_calls",
+            "tool_ok",
+            "tool_errors",
+            "tool_timeouts",
+            "tool_reward",
+            "malformed_calls",
+            "dropped_calls",
+            "tokens_model",
+            "tokens_tool",
+            "tokens_user",
+            "tokenization_mismatches",
+            "off_template_stops",
+            "stuck_calls",
+            "interaction_turns",
+            "interaction_errors",
+            "interaction_score",
+        )
         self.counts["stuck_calls"] = float(self.runner.stuck())  # (a count now, not a sum over the step)
-        sums = torch.tensor([self.counts.get(k, 0.0) for k in keys] + [float(sum(self.turns)), float(len(self.turns))],
-                            dtype=torch.float64)
-        peak = torch.tensor([float(max(self.turns, default=0)), -float(min(self.turns, default=0)),
-                             self.tool_seconds], dtype=torch.float64)
+        sums = torch.tensor(
+            [self.counts.get(k, 0.0) for k in keys] + [float(sum(self.turns)), float(len(self.turns))],
+            dtype=torch.float64,
+        )
+        peak = torch.tensor(
+            [float(max(self.turns, default=0)), -float(min(self.turns, default=0)), self.tool_seconds],
+            dtype=torch.float64,
+        )
         if all_reduce_sum is not None:
             sums, peak = all_reduce_sum(sums), all_reduce_max(peak)
         self.counts, self.turns, self.tool_seconds = {}, [], 0.0
@@ -319,10 +387,20 @@ class AgentLoop:
         out["tools/tool_reward"] = sums[keys.index("tool_reward")].item() / max(sums[0].item(), 1.0)
         if self.interactions:
             turns = sums[keys.index("interaction_turns")].item()
-            out.update({"interaction/turns": turns, "interaction/errors": sums[keys.index("interaction_errors")].item(),
-                        "interaction/score": sums[keys.index("interaction_score")].item() /
-                        max(turns - sums[keys.index("interaction_errors")].item(), 1.0)})
-        out.update({"num_turns/mean": sums[-2].item() / rows, "num_turns/max": peak[0].item(),
-                    "num_turns/min": -peak[1].item(), "timing_s/tools": peak[2].item()})
+            out.update(
+                {
+                    "interaction/turns": turns,
+                    "interaction/errors": sums[keys.index("interaction_errors")].item(),
+                    "interaction/score": sums[keys.index("interaction_score")].item()
+                    / max(turns - sums[keys.index("interaction_errors")].item(), 1.0),
+                }
+            )
+        out.update(
+            {
+                "num_turns/mean": sums[-2].item() / rows,
+                "num_turns/max": peak[0].item(),
+                "num_turns/min": -peak[1].item(),
+                "timing_s/tools": peak[2].item(),
+            }
+        )
         return out
-

@@ -1,4 +1,5 @@
 """The rollout interface: token ids in, sampled responses with per-token log-probs out."""
+
 from __future__ import annotations
 
 import math
@@ -7,13 +8,21 @@ from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 
-__all__ = ["ENGINE_ACTOR_KL_LIMIT", "LogprobCheck", "Response", "RolloutEngine", "Sampling", "covered",
-           "logprob_mismatch"]
+__all__ = [
+    "ENGINE_ACTOR_KL_LIMIT",
+    "LogprobCheck",
+    "Response",
+    "RolloutEngine",
+    "Sampling",
+    "covered",
+    "logprob_mismatch",
+]
 
 
 @dataclass
 class Sampling:
     """How to sample. ``temperature == 0`` or ``do_sample=False`` is greedy decoding."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -35,6 +44,7 @@ class Sampling:
 class Response:
     """One sampled response. ``logprobs[i]`` is log p(token_ids[i]) after temperature/top-k/top-p
     (what the sampler used); a stop/EOS token that ended the response is its last token."""
+
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens)
@@ -87,9 +97,13 @@ class RolloutEngine(Protocol):
 K3_LOG_RATIO_CAP = 20.0
 
 
-def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                     all_reduce_sum: Optional[Callable] = None, all_reduce_max: Optional[Callable] = None
-                     ) -> dict[str, float]:
+def logprob_mismatch(
+    engine_logprobs: torch.Tensor,
+    actor_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    all_reduce_sum: Optional[Callable] = None,
+    all_reduce_max: Optional[Callable] = None,
+) -> dict[str, float]:
     """Standing check of the weight sync on the same sampled tokens, (B, R) each ->
     ``rollout/logprob_diff_max`` and ``_mean`` of |engine - actor|, and two estimates of
     KL(engine || actor) (the engine sampled the tokens): ``rollout/engine_actor_kl``, the mean of
@@ -101,14 +115,20 @@ def logprob_mismatch(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor
     signed = (engine_logprobs.double() - actor_logprobs.double())[mask]
     r = (-signed).clamp(max=K3_LOG_RATIO_CAP)  # (a finite estimate for any engine, however broken)
     k3 = torch.expm1(r) - r
-    sums = torch.stack([signed.abs().sum(), signed.sum(), torch.tensor(float(signed.numel()), dtype=torch.float64),
-                        k3.sum()])
+    sums = torch.stack(
+        [signed.abs().sum(), signed.sum(), torch.tensor(float(signed.numel()), dtype=torch.float64), k3.sum()]
+    )
     peak = signed.abs().max().reshape(1) if signed.numel() else torch.zeros(1, dtype=torch.float64)
     if all_reduce_sum is not None:
         sums, peak = all_reduce_sum(sums), all_reduce_max(peak)
     n = max(sums[2].item(), 1.0)
-    return {"rollout/logprob_diff_max": peak.item(), "rollout/logprob_diff_mean": sums[0].item() / n,
-            "rollout/engine_actor_kl": sums[1].item() / n, "rollout/engine_actor_k3_kl": sums[3].item() / n}
+    return {
+        "rollout/logprob_diff_max": peak.item(),
+        "rollout/logprob_diff_mean": sums[0].item() / n,
+        "rollout/engine_actor_kl": sums[1].item() / n,
+        "rollout/engine_actor_k3_kl": sums[3].item() / n,
+    }
+
 
 # rollout/engine_actor_kl (mean engine - actor log-prob of the engine's own samples, an estimate of
 # KL(engine || actor)) above which the engine is taken to be broken, by the coarser precision of the
@@ -128,8 +148,11 @@ class LogprobCheck:
     ``patience`` steps in a row do. Every rank sees the same (all-reduced) metric and stops alike."""
 
     def __init__(self, engine_dtype: str, actor_dtype: str, patience: int = LOGPROB_CHECK_PATIENCE):
-        coarse = "float32" if engine_dtype == actor_dtype == "float32" else (
-            actor_dtype if engine_dtype == "float32" else engine_dtype)
+        coarse = (
+            "float32"
+            if engine_dtype == actor_dtype == "float32"
+            else (actor_dtype if engine_dtype == "float32" else engine_dtype)
+        )
         self.limit = ENGINE_ACTOR_KL_LIMIT[coarse]
         self.precision = coarse
         self.patience = patience
@@ -147,13 +170,15 @@ class LogprobCheck:
             self.strikes = 0
             return None
         self.strikes += 1
-        message = (f"step {step}: {key} = {value:.3g} (|diff| mean "
-                   f"{metrics['rollout/logprob_diff_mean']:.3g}, max {metrics['rollout/logprob_diff_max']:.3g}) "
-                   f"exceeds {self.limit:g}, the limit for a "
-                   f"{self.precision} run ({self.strikes}/{self.patience} steps in a row): the rollout engine "
-                   f"samples from a different distribution than the actor scores. Likely causes: the weight "
-                   f"sync (name mapping, dtype), ranks of a tensor-parallel group sampling apart, "
-                   f"actor_rollout_ref.rollout.temperature not applied to the engine's log-probs")
+        message = (
+            f"step {step}: {key} = {value:.3g} (|diff| mean "
+            f"{metrics['rollout/logprob_diff_mean']:.3g}, max {metrics['rollout/logprob_diff_max']:.3g}) "
+            f"exceeds {self.limit:g}, the limit for a "
+            f"{self.precision} run ({self.strikes}/{self.patience} steps in a row): the rollout engine "
+            f"samples from a different distribution than the actor scores. Likely causes: the weight "
+            f"sync (name mapping, dtype), ranks of a tensor-parallel group sampling apart, "
+            f"actor_rollout_ref.rollout.temperature not applied to the engine's log-probs"
+        )
         if self.strikes >= self.patience:
             raise RuntimeError(f"stopping: {message}")
         return message
@@ -163,16 +188,20 @@ def check_weight(name: str, tensor: torch.Tensor, spec: dict[str, tuple[int, ...
     """Loud failure for a name the engine does not know or a shape it does not expect."""
     if name not in spec:
         import difflib
+
         close = difflib.get_close_matches(name, list(spec), n=1)
         hint = f" (closest engine parameter: '{close[0]}')" if close else ""
         raise ValueError(f"weight sync: the engine has no parameter '{name}'{hint}; check the name mapping")
     if tuple(tensor.shape) != tuple(spec[name]):
-        raise ValueError(f"weight sync: parameter '{name}' has shape {tuple(tensor.shape)} but the engine "
-                         f"expects {tuple(spec[name])}")
+        raise ValueError(
+            f"weight sync: parameter '{name}' has shape {tuple(tensor.shape)} but the engine "
+            f"expects {tuple(spec[name])}"
+        )
 
 
-def covered(named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict[str, tuple[int, ...]]
-            ) -> Iterator[tuple[str, torch.Tensor]]:
+def covered(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict[str, tuple[int, ...]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainer's side of every sync's completeness check: ``named_tensors`` passed through, each
     name checked against ``spec`` (unknown, wrong shape, twice) as it arrives; once they are all
     through, a name of ``spec`` that never came fails, named. Raising mid-sync stops the run: an
@@ -186,6 +215,8 @@ def covered(named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict[str, t
         yield name, tensor
     missing = [n for n in spec if n not in seen]
     if missing:
-        raise ValueError(f"weight sync: {len(missing)} engine parameter(s) received nothing: "
-                         f"{', '.join(repr(n) for n in missing[:4])}{', ...' if len(missing) > 4 else ''} "
-                         f"(they would keep their previous values)")
+        raise ValueError(
+            f"weight sync: {len(missing)} engine parameter(s) received nothing: "
+            f"{', '.join(repr(n) for n in missing[:4])}{', ...' if len(missing) > 4 else ''} "
+            f"(they would keep their previous values)"
+        )

@@ -1,5 +1,6 @@
 """The engine ``actor_rollout_ref.rollout.name`` asks for, built from its entry in
 ``rlhf_hpc.config.engines.ENGINES`` (rlhf_hpc.rollout.base is the interface the engines share)."""
+
 from __future__ import annotations
 
 import importlib
@@ -26,17 +27,24 @@ def resolve_engine(name: str, device: torch.device) -> EngineSpec:
     if name == AUTO:
         spec = next(ENGINES[n] for n in AUTO_ORDER if installed(ENGINES[n]) and not (n == "vllm" and cpu_vllm))
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"[rlhf-hpc] actor_rollout_ref.rollout.name=auto: using the {spec.name} engine"
-                  + (f" ({cpu_vllm} is vLLM's CPU build)" if cpu_vllm else ""), flush=True)
+            print(
+                f"[rlhf-hpc] actor_rollout_ref.rollout.name=auto: using the {spec.name} engine"
+                + (f" ({cpu_vllm} is vLLM's CPU build)" if cpu_vllm else ""),
+                flush=True,
+            )
         return spec
     spec = ENGINES[name]
     if not installed(spec):
-        raise RuntimeError(f"actor_rollout_ref.rollout.name={name} but its package ({spec.package}) is not installed "
-                           f"here: {PACKAGES[spec.package][3]}, or set actor_rollout_ref.rollout.name to one of "
-                           f"{', '.join(n for n in ENGINES if installed(ENGINES[n]))}")
+        raise RuntimeError(
+            f"actor_rollout_ref.rollout.name={name} but its package ({spec.package}) is not installed "
+            f"here: {PACKAGES[spec.package][3]}, or set actor_rollout_ref.rollout.name to one of "
+            f"{', '.join(n for n in ENGINES if installed(ENGINES[n]))}"
+        )
     if name == "vllm" and cpu_vllm:
-        raise RuntimeError(f"actor_rollout_ref.rollout.name=vllm on a GPU, but {cpu_vllm} is vLLM's CPU build: "
-                           f"install the GPU build (bash env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf")
+        raise RuntimeError(
+            f"actor_rollout_ref.rollout.name=vllm on a GPU, but {cpu_vllm} is vLLM's CPU build: "
+            f"install the GPU build (bash env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf"
+        )
     return spec
 
 

@@ -4,6 +4,7 @@ For machines without vLLM and for debugging. It keeps its own inference copy of 
 rollout dtype (as vLLM does); that copy starts with random weights and must receive the actor's
 weights through ``update_weights`` before the first ``generate``.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -33,8 +34,12 @@ class HFEngine:
         if is_tiny(model_path):
             self.model = build_causal_lm(model_path, dtype, device, mcfg.override_config, seed=cfg.trainer.seed)
         else:
-            self.model = materialize(build_causal_lm(model_path, dtype, "meta", mcfg.override_config,
-                                                     trust_remote_code=mcfg.trust_remote_code), device)
+            self.model = materialize(
+                build_causal_lm(
+                    model_path, dtype, "meta", mcfg.override_config, trust_remote_code=mcfg.trust_remote_code
+                ),
+                device,
+            )
         self.model.eval().requires_grad_(False)
         self._params = dict(self.model.named_parameters())
         self._spec = {k: tuple(v.shape) for k, v in self._params.items()}
@@ -74,16 +79,26 @@ class HFEngine:
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
         stops = [] if sampling.ignore_eos else list(sampling.stop_token_ids)
-        kwargs = dict(max_new_tokens=sampling.max_tokens, eos_token_id=stops or None, pad_token_id=pad,
-                      output_scores=True, return_dict_in_generate=True, use_cache=True)
+        kwargs = dict(
+            max_new_tokens=sampling.max_tokens,
+            eos_token_id=stops or None,
+            pad_token_id=pad,
+            output_scores=True,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
         if sampling.greedy:
             kwargs.update(do_sample=False)
         else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k if sampling.top_k > 0 else None)
+            kwargs.update(
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else None,
+            )
         self._calls += 1
         # sampling draws from the global RNG: fork it, so generation neither disturbs nor depends on
         # the trainer's stream, and one seed replays the same rollouts
@@ -95,8 +110,13 @@ class HFEngine:
         new = new_dev.cpu()
         # scores are the processed logits the sampler drew from (after temperature/top-k/top-p);
         # one step at a time: a (rows, steps, vocab) stack would be the size of all the scores again
-        picked = torch.stack([torch.log_softmax(s.float(), -1).gather(-1, new_dev[:, t:t + 1]).squeeze(-1)
-                              for t, s in enumerate(out.scores)], 1).cpu()
+        picked = torch.stack(
+            [
+                torch.log_softmax(s.float(), -1).gather(-1, new_dev[:, t : t + 1]).squeeze(-1)
+                for t, s in enumerate(out.scores)
+            ],
+            1,
+        ).cpu()
         del out
         results = []
         for i in range(len(prompts)):
@@ -107,4 +127,4 @@ class HFEngine:
                     end, reason = j + 1, "stop"
                     break
             results.append(Response(token_ids=toks[:end], logprobs=lps[:end], finish_reason=reason))
-        return [results[i * sampling.n:(i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
+        return [results[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]

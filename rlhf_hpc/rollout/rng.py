@@ -10,6 +10,7 @@ the generation state is swapped in around each generation and the training state
         engine.generate(...)
     # generation state saved for next time, training state back: training draws are unaffected
 """
+
 from __future__ import annotations
 
 import contextlib

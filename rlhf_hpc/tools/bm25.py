@@ -3,6 +3,7 @@
 ``local_index`` and ``python -m rlhf_hpc.tools.retrieval_server``. In memory and pure Python, for
 corpora up to a few hundred thousand passages; Search-R1's 21M-passage Wikipedia wants a dense or
 Lucene retrieval service (the search tool's ``retrieval_service_url``)."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ def read_corpus(path: str) -> list[dict]:
         except ValueError as e:
             raise ValueError(f"{path}, line {n}: not JSON ({e})") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
-            raise ValueError(f"{path}, line {n}: expected {{\"id\": ..., \"contents\": \"title\\ntext\"}}")
+            raise ValueError(f'{path}, line {n}: expected {{"id": ..., "contents": "title\\ntext"}}')
         docs.append(doc)
     if not docs:
         raise ValueError(f"{path}: no passages")

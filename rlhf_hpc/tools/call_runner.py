@@ -4,6 +4,7 @@ would keep the rank from ever exiting (at the end of the run, or on a preemption
 requeue). A daemon thread does not. A Python thread cannot be killed, so an abandoned call runs on;
 it frees its slot and is counted as stuck while it runs. The code tool's programs never get stuck
 this way: the sandbox kills their process tree at its time limit."""
+
 from __future__ import annotations
 
 import threading

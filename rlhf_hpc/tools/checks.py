@@ -1,6 +1,7 @@
 """The dry run's checks of the ``sandbox`` and ``reward_model.sandbox_fusion`` keys, for a run that
 executes code (a code reward's rows, a code tool): the limits, whether a sandbox runs programs on
 this machine (with the fix where none does), and what bounds a program's memory here."""
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,15 @@ def sandbox_problems(cfg: Config) -> tuple[list[str], list[str], list[str]]:
     prints its own line). ``notes``: where programs run here and what bounds their memory."""
     sb, fusion = cfg.sandbox, cfg.reward_model.sandbox_fusion
     errors, warnings = [], []
-    for key, value, least in (("timeout_s", sb.timeout_s, 0.1), ("memory_mb", sb.memory_mb, MIN_MEMORY_MB),
-                              ("process_memory_mb", sb.process_memory_mb, MIN_MEMORY_MB),
-                              ("max_processes", sb.max_processes, 1), ("max_file_mb", sb.max_file_mb, 1),
-                              ("max_output_kb", sb.max_output_kb, 1), ("max_parallel", sb.max_parallel, 1)):
+    for key, value, least in (
+        ("timeout_s", sb.timeout_s, 0.1),
+        ("memory_mb", sb.memory_mb, MIN_MEMORY_MB),
+        ("process_memory_mb", sb.process_memory_mb, MIN_MEMORY_MB),
+        ("max_processes", sb.max_processes, 1),
+        ("max_file_mb", sb.max_file_mb, 1),
+        ("max_output_kb", sb.max_output_kb, 1),
+        ("max_parallel", sb.max_parallel, 1),
+    ):
         if value < least:
             errors.append(f"sandbox.{key}={value}: must be at least {least:g}")
     if sb.memory_bound not in MEMORY_BOUNDS:
@@ -35,8 +41,10 @@ def sandbox_problems(cfg: Config) -> tuple[list[str], list[str], list[str]]:
         if url.scheme not in ("http", "https") or not url.netloc:
             errors.append(f"reward_model.sandbox_fusion.url={fusion.url}: expected http(s)://host[:port]/run_code")
         if fusion.max_concurrent < 1 or fusion.memory_limit_mb < MIN_MEMORY_MB:
-            errors.append(f"reward_model.sandbox_fusion.max_concurrent={fusion.max_concurrent} / memory_limit_mb="
-                          f"{fusion.memory_limit_mb}: must be >= 1 / >= {MIN_MEMORY_MB}")
+            errors.append(
+                f"reward_model.sandbox_fusion.max_concurrent={fusion.max_concurrent} / memory_limit_mb="
+                f"{fusion.memory_limit_mb}: must be >= 1 / >= {MIN_MEMORY_MB}"
+            )
         return errors, warnings, []  # programs run on the service: the sandbox here is not used
     if errors:
         return errors, warnings, []  # the probe would run under limits already refused
@@ -47,13 +55,23 @@ def sandbox_problems(cfg: Config) -> tuple[list[str], list[str], list[str]]:
     except SandboxUnavailable as e:
         return [f"{e} (checked on this machine)"], warnings, []
     if backend.weak:
-        warnings.append(f"sandbox.backend={sb.backend}: {backend.note}; the time, memory, process, file and "
-                        f"output limits hold, but a program can read what you can and reach the network")
+        warnings.append(
+            f"sandbox.backend={sb.backend}: {backend.note}; the time, memory, process, file and "
+            f"output limits hold, but a program can read what you can and reach the network"
+        )
     if mode == "userns" and os.geteuid() == 0:
-        held = ("" if memory_bound(sb, backend.tmpfs).kind == "cgroup"
-                else ", nor does the rlimits memory bound (processes x memory)")
-        warnings.append("the sandbox runs as root in a user namespace (privileged bwrap failed here): "
-                        f"sandbox.max_processes does not hold for root{held}; a fork bomb is stopped at "
-                        "sandbox.timeout_s only")
-    return errors, warnings, [f"{describe(sb, backend, mode)} (this machine; each rank prints its own at its first "
-                              f"program)"]
+        held = (
+            ""
+            if memory_bound(sb, backend.tmpfs).kind == "cgroup"
+            else ", nor does the rlimits memory bound (processes x memory)"
+        )
+        warnings.append(
+            "the sandbox runs as root in a user namespace (privileged bwrap failed here): "
+            f"sandbox.max_processes does not hold for root{held}; a fork bomb is stopped at "
+            "sandbox.timeout_s only"
+        )
+    return (
+        errors,
+        warnings,
+        [f"{describe(sb, backend, mode)} (this machine; each rank prints its own at its first program)"],
+    )

@@ -1,6 +1,7 @@
 """The code-interpreter tool (verl's ``SandboxFusionTool``, ReTool's ``code_interpreter``): the
 model's program runs in the sandbox on the node (rlhf_hpc/tools/sandbox.py), or on a SandboxFusion
 service where the tool's ``sandbox_fusion_url`` is set; the model reads back its output or the error."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,17 +23,22 @@ class CodeInterpreterTool(Tool):
     service; null or absent: the sandbox here), ``default_timeout`` (s) and ``memory_limit_mb``
     (default: the run's ``sandbox`` limits), ``default_language`` (python only)."""
 
-    def __init__(self, config: dict, schema: dict, sandbox: SandboxConfig = None,
-                 sandbox_fusion: SandboxFusionConfig = None):
+    def __init__(
+        self, config: dict, schema: dict, sandbox: SandboxConfig = None, sandbox_fusion: SandboxFusionConfig = None
+    ):
         super().__init__(config, schema)
         language = self.config.get("default_language", LANGUAGE)
         if language != LANGUAGE:
             raise ValueError(f"tool {self.name}: default_language={language!r}; only python runs here")
         base = sandbox or SandboxConfig()
-        self.sandbox = dataclasses.replace(base, timeout_s=float(self.config.get("default_timeout", base.timeout_s)),
-                                           memory_mb=int(self.config.get("memory_limit_mb", base.memory_mb)))
-        self.fusion = dataclasses.replace(sandbox_fusion or SandboxFusionConfig(),
-                                          url=self.config.get("sandbox_fusion_url") or None)
+        self.sandbox = dataclasses.replace(
+            base,
+            timeout_s=float(self.config.get("default_timeout", base.timeout_s)),
+            memory_mb=int(self.config.get("memory_limit_mb", base.memory_mb)),
+        )
+        self.fusion = dataclasses.replace(
+            sandbox_fusion or SandboxFusionConfig(), url=self.config.get("sandbox_fusion_url") or None
+        )
 
     def program(self, code: str) -> str:
         """The program that runs for the call's ``code``."""
@@ -54,6 +60,7 @@ class ReToolCodeInterpreterTool(CodeInterpreterTool):
     """ReTool's code tool (verl-recipe ``recipe.retool.retool.CustomSandboxFusionTool``): the code of
     the call's first ```` ```python ```` block where it has one, and its last line printed unless it
     is a print already (as ReTool writes it: any last line, an assignment too)."""
+
     BLOCK = re.compile(r"```python(.*?)```", re.DOTALL)
 
     def program(self, code: str) -> str:

@@ -11,6 +11,7 @@ conversations at once: ``respond`` gets everything about its conversation as arg
 per-instance state is the conversation's messages and its row's ``interaction_kwargs``) and must not
 keep per-call state on ``self``. A call that raises or runs past ``multi_turn.tool_timeout_s``
 ends the conversation there, counted in ``interaction/errors``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = ["Interaction", "UserTurn", "last_assistant_text"]
 class UserTurn:
     """verl's ``generate_response`` result: ``(should_terminate_sequence, response_content,
     current_turn_score, _)``."""
+
     text: str
     done: bool = False
     score: float = 0.0

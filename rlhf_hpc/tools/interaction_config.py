@@ -6,6 +6,7 @@ its GSM8K interaction), a name of that registry, or the dotted path of the user'
 implementing ``rlhf_hpc.tools.interaction.Interaction``. ``name`` (what rows give in
 ``extra_info.interaction_kwargs.name``) defaults as verl's: the class's name without
 "Interaction", lower-cased."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,8 +18,14 @@ from rlhf_hpc.config.registry import Registry
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.tools.interaction import Interaction
 
-__all__ = ["INTERACTION_CLASSES", "InteractionEntry", "InteractionSpec", "build_interactions",
-           "read_interaction_config", "run_interactions"]
+__all__ = [
+    "INTERACTION_CLASSES",
+    "InteractionEntry",
+    "InteractionSpec",
+    "build_interactions",
+    "read_interaction_config",
+    "run_interactions",
+]
 
 KEY = "actor_rollout_ref.rollout.multi_turn.interaction_config_path"
 
@@ -31,8 +38,14 @@ class InteractionSpec:
 
 
 INTERACTION_CLASSES: Registry[InteractionSpec] = Registry("interaction class", f"{KEY}: class_name")
-INTERACTION_CLASSES.register("gsm8k", InteractionSpec("gsm8k", "rlhf_hpc.rewards.gsm8k_interaction:Gsm8kInteraction",
-                                                      "verl.interactions.gsm8k_interaction.Gsm8kInteraction"))
+INTERACTION_CLASSES.register(
+    "gsm8k",
+    InteractionSpec(
+        "gsm8k",
+        "rlhf_hpc.rewards.gsm8k_interaction:Gsm8kInteraction",
+        "verl.interactions.gsm8k_interaction.Gsm8kInteraction",
+    ),
+)
 
 
 @dataclass
@@ -45,7 +58,7 @@ class InteractionEntry:
 def default_name(class_name: str) -> str:
     """verl's: the class's own name, "Interaction" dropped from its end, lower-cased."""
     simple = class_name.replace(":", ".").rsplit(".", 1)[-1]
-    return (simple[:-len("Interaction")] if simple.endswith("Interaction") else simple).lower()
+    return (simple[: -len("Interaction")] if simple.endswith("Interaction") else simple).lower()
 
 
 def read_interaction_config(path: str) -> list[InteractionEntry]:

@@ -1,5 +1,6 @@
 """The ``lookup`` tool of the built-in tool task (``synthetic://lookup``): a key's code, a digit the
 prompt does not hold and the model cannot compute; only the tool knows it."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,9 +9,14 @@ from rlhf_hpc.tools.tool import Tool, ToolOutput
 
 __all__ = ["LOOKUP_SCHEMA", "LookupTool", "lookup_code"]
 
-LOOKUP_SCHEMA = {"type": "function", "function": {
-    "name": "lookup", "description": "the code of a key",
-    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}
+LOOKUP_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "the code of a key",
+        "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]},
+    },
+}
 
 
 def lookup_code(key: str) -> int:

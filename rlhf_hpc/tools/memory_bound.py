@@ -14,6 +14,7 @@ per process and setting, and ``program_cgroup``, the cgroup of one run.
 
 The seccomp filter is loaded under both bounds where the architecture has one.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,17 @@ from typing import Optional
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.tools.sandbox_launcher import SECCOMP_ARCHES
 
-__all__ = ["MEMORY_BOUNDS", "MemoryBound", "ProgramCgroup", "SandboxUnavailable", "cgroup_mounts", "cgroup_parent",
-           "memory_bound", "own_cgroups", "program_cgroup"]
+__all__ = [
+    "MEMORY_BOUNDS",
+    "MemoryBound",
+    "ProgramCgroup",
+    "SandboxUnavailable",
+    "cgroup_mounts",
+    "cgroup_parent",
+    "memory_bound",
+    "own_cgroups",
+    "program_cgroup",
+]
 
 MEMORY_BOUNDS = ("auto", "cgroup", "rlimits")
 MB = 1024 * 1024
@@ -44,6 +54,7 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class CgroupParent:
     """A cgroup programs' cgroups are made in: ``version`` 1 or 2, its directory."""
+
     version: int
     path: Path
 
@@ -54,6 +65,7 @@ class MemoryBound:
     ``process_mb``: each process's address space; ``tasks``: processes and threads at once;
     ``tmpfs``: the private tmpfs mounts of ``max_file_mb`` each counted in the total (rlimits);
     ``seccomp``: the launcher loads the filter (the architecture has one); ``why_no_cgroup``."""
+
     kind: str
     parent: Optional[CgroupParent]
     process_mb: int
@@ -64,16 +76,23 @@ class MemoryBound:
 
     def line(self, cfg: SandboxConfig) -> str:
         """What holds a program's memory here, in one line (the dry run's and the first program's)."""
-        filt = ("memfd, SysV shared memory and nested user namespaces refused (seccomp)" if self.seccomp else
-                f"no seccomp filter on {os.uname().machine}: memfd and SysV shared memory are not bounded")
+        filt = (
+            "memfd, SysV shared memory and nested user namespaces refused (seccomp)"
+            if self.seccomp
+            else f"no seccomp filter on {os.uname().machine}: memfd and SysV shared memory are not bounded"
+        )
         if self.kind == "cgroup":
-            return (f"memory bound: a cgroup v{self.parent.version} per program under {self.parent.path} "
-                    f"(sandbox.memory_mb={cfg.memory_mb} MB for all its processes, shared memory and tmpfs); {filt}")
+            return (
+                f"memory bound: a cgroup v{self.parent.version} per program under {self.parent.path} "
+                f"(sandbox.memory_mb={cfg.memory_mb} MB for all its processes, shared memory and tmpfs); {filt}"
+            )
         tmpfs = f" + {self.tmpfs} tmpfs x {cfg.max_file_mb} MB" if self.tmpfs else ""
         why = f"no cgroup here: {self.why_no_cgroup}" if self.why_no_cgroup else "sandbox.memory_bound=rlimits"
-        return (f"memory bound: rlimits ({why}): {self.tasks} processes or threads x "
-                f"{self.process_mb} MB (sandbox.process_memory_mb){tmpfs} <= sandbox.memory_mb={cfg.memory_mb} MB; "
-                f"{filt}")
+        return (
+            f"memory bound: rlimits ({why}): {self.tasks} processes or threads x "
+            f"{self.process_mb} MB (sandbox.process_memory_mb){tmpfs} <= sandbox.memory_mb={cfg.memory_mb} MB; "
+            f"{filt}"
+        )
 
 
 # ------------------------------------------------------------------ finding a cgroup to make programs' cgroups in
@@ -210,8 +229,7 @@ class ProgramCgroup:
                 raise
 
     def wrap(self, argv: list[str]) -> list[str]:
-        return ["/bin/sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", str(self.path / "cgroup.procs"),
-                *argv]
+        return ["/bin/sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", str(self.path / "cgroup.procs"), *argv]
 
     def read_oom_kills(self) -> int:
         name = "memory.events" if self.version == 2 else "memory.oom_control"
@@ -283,8 +301,15 @@ def memory_bound(cfg: SandboxConfig, tmpfs: int) -> MemoryBound:
     """The bound programs run under here with ``cfg``, for a backend with ``tmpfs`` private tmpfs
     mounts; raises SandboxUnavailable where ``cfg`` asks for one this machine cannot give, or
     where rlimits cannot hold even one process within memory_mb."""
-    key = (cfg.memory_bound, cfg.cgroup_parent, cfg.memory_mb, cfg.process_memory_mb, cfg.max_processes,
-           cfg.max_file_mb, tmpfs)
+    key = (
+        cfg.memory_bound,
+        cfg.cgroup_parent,
+        cfg.memory_mb,
+        cfg.process_memory_mb,
+        cfg.max_processes,
+        cfg.max_file_mb,
+        tmpfs,
+    )
     with _lock:
         if key not in _bounds:
             _bounds[key] = find_bound(cfg, tmpfs)
@@ -304,7 +329,8 @@ def find_bound(cfg: SandboxConfig, tmpfs: int) -> MemoryBound:
             raise SandboxUnavailable(
                 f"sandbox.memory_bound=cgroup: no cgroup for programs can be made here ({why}). Fixes: "
                 f"sandbox.cgroup_parent=<a cgroup you may write, with the memory controller for its children>, "
-                f"or sandbox.memory_bound=auto (rlimits where no cgroup is)")
+                f"or sandbox.memory_bound=auto (rlimits where no cgroup is)"
+            )
     room = cfg.memory_mb - tmpfs * cfg.max_file_mb
     tasks = min(cfg.max_processes, room // cfg.process_memory_mb) if room > 0 else 0
     if tasks < 1:
@@ -313,5 +339,6 @@ def find_bound(cfg: SandboxConfig, tmpfs: int) -> MemoryBound:
             f"hold {tmpfs} tmpfs of "
             f"sandbox.max_file_mb={cfg.max_file_mb} and one process of sandbox.process_memory_mb="
             f"{cfg.process_memory_mb}; raise memory_mb to at least {tmpfs * cfg.max_file_mb + cfg.process_memory_mb}, "
-            f"or lower process_memory_mb or max_file_mb")
+            f"or lower process_memory_mb or max_file_mb"
+        )
     return MemoryBound("rlimits", None, cfg.process_memory_mb, tasks, tmpfs, seccomp, why)

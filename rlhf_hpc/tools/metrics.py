@@ -1,5 +1,6 @@
 """What the sandboxed programs of this process did since the metrics were last taken: one count per
 outcome, for the trainer's step metrics (``sandbox/timeouts``, ...)."""
+
 from __future__ import annotations
 
 import threading

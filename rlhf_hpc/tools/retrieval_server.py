@@ -7,6 +7,7 @@ search tool's ``retrieval_service_url`` (verl's search tool config names ``http:
 ``{"result": [[{"document": {"id", "contents"}, "score": s}, ...] per query]}`` (without scores:
 the documents alone), as Search-R1's ``retrieval_server.py``. One index serves every rank of a node
 (or of the job) instead of one per rank."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ __all__ = ["main", "serve"]
 
 def serve(index: Bm25Index, host: str, port: int) -> ThreadingHTTPServer:
     """The server, bound (port 0: a free one, ``server.server_address``); ``serve_forever()`` runs it."""
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
             if self.path.rstrip("/") != "/retrieve":
@@ -47,12 +49,13 @@ def serve(index: Bm25Index, host: str, port: int) -> ThreadingHTTPServer:
 
         def log_message(self, *args):  # (quiet: one line a request would flood a job's log)
             pass
+
     return ThreadingHTTPServer((host, port), Handler)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.tools.retrieval_server", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--corpus", required=True, help="JSONL passages: {\"id\", \"contents\": \"title\\ntext\"}")
+    ap.add_argument("--corpus", required=True, help='JSONL passages: {"id", "contents": "title\\ntext"}')
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)

@@ -11,6 +11,7 @@ Whatever the program does comes back as a status and an error string for the mod
 ``SANDBOX_METRICS``, and never raises; only a sandbox that cannot run here at all raises
 ``SandboxUnavailable``, naming the fix.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,17 @@ from rlhf_hpc.tools.backends import AUTO_ORDER, SANDBOX_BACKENDS, SandboxBackend
 from rlhf_hpc.tools.memory_bound import MemoryBound, SandboxUnavailable, memory_bound, program_cgroup
 from rlhf_hpc.tools.metrics import SANDBOX_METRICS
 
-__all__ = ["GRACE_S", "SandboxResult", "SandboxUnavailable", "classify", "describe", "run_in_sandbox", "run_with",
-           "sandbox_backend", "userns_note"]
+__all__ = [
+    "GRACE_S",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "classify",
+    "describe",
+    "run_in_sandbox",
+    "run_with",
+    "sandbox_backend",
+    "userns_note",
+]
 
 Program = Union[str, dict[str, str]]  # a program, or its files by relative path (main.py runs)
 GRACE_S = 2.0  # after the kill: how long the pipes may take to close
@@ -45,6 +55,7 @@ PROBE_PROGRAM = "print(6 * 7)"
 class SandboxResult:
     """``status``: one of rlhf_hpc.tools.metrics.STATUSES; ``error``: what the model is told when it
     is not ok ("" when it is); stdout and stderr at most ``max_output_kb`` each."""
+
     status: str
     exit_code: Optional[int]
     stdout: str
@@ -65,13 +76,20 @@ _probe_lock = threading.Lock()
 
 def userns_note() -> str:
     """Why unprivileged user namespaces may be off on this machine ("" where nothing says so)."""
-    settings = (("/proc/sys/user/max_user_namespaces", "0",
-                 "user namespaces are disabled (user.max_user_namespaces=0)"),
-                ("/proc/sys/kernel/unprivileged_userns_clone", "0",
-                 "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone=0)"),
-                ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1",
-                 "AppArmor restricts unprivileged user namespaces (Ubuntu 24.04's default, "
-                 "kernel.apparmor_restrict_unprivileged_userns=1) unless a profile allows bwrap"))
+    settings = (
+        ("/proc/sys/user/max_user_namespaces", "0", "user namespaces are disabled (user.max_user_namespaces=0)"),
+        (
+            "/proc/sys/kernel/unprivileged_userns_clone",
+            "0",
+            "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone=0)",
+        ),
+        (
+            "/proc/sys/kernel/apparmor_restrict_unprivileged_userns",
+            "1",
+            "AppArmor restricts unprivileged user namespaces (Ubuntu 24.04's default, "
+            "kernel.apparmor_restrict_unprivileged_userns=1) unless a profile allows bwrap",
+        ),
+    )
     notes = []
     for path, off, note in settings:
         try:
@@ -85,14 +103,26 @@ def userns_note() -> str:
 def probe(backend: SandboxBackend, mode: str, cfg: SandboxConfig) -> Optional[str]:
     """None when a small program runs in ``backend`` (``mode``) here and prints what it should;
     else what went wrong. Once per process and setting."""
-    key = (backend.name, mode, interpreter(cfg), bwrap_binary(), cfg.apptainer_image, tuple(cfg.ro_binds),
-           cfg.memory_mb, cfg.max_file_mb, memory_bound(cfg, backend.tmpfs))
+    key = (
+        backend.name,
+        mode,
+        interpreter(cfg),
+        bwrap_binary(),
+        cfg.apptainer_image,
+        tuple(cfg.ro_binds),
+        cfg.memory_mb,
+        cfg.max_file_mb,
+        memory_bound(cfg, backend.tmpfs),
+    )
     with _probe_lock:
         if key not in _probed:
             # a slow node's first start (page cache cold) must not read as "no sandbox"
             result = run_with(backend, mode, replace(cfg, timeout_s=max(cfg.timeout_s, 30.0)), PROBE_PROGRAM, b"")
-            _probed[key] = None if result.ok and result.stdout.strip() == "42" else (
-                f"{result.status}: {(result.stderr or result.error).strip()[-500:]}")
+            _probed[key] = (
+                None
+                if result.ok and result.stdout.strip() == "42"
+                else (f"{result.status}: {(result.stderr or result.error).strip()[-500:]}")
+            )
         return _probed[key]
 
 
@@ -114,11 +144,13 @@ def sandbox_backend(cfg: SandboxConfig) -> tuple[SandboxBackend, str]:
             reasons.append(f"{name} ({mode}): {why}")
     note = userns_note()
     raise SandboxUnavailable(
-        f"sandbox.backend={cfg.backend}: no sandbox runs programs on this machine: " + "; ".join(reasons)
+        f"sandbox.backend={cfg.backend}: no sandbox runs programs on this machine: "
+        + "; ".join(reasons)
         + (f". Here {note}" if note else "")
         + ". Fixes: where the site has Apptainer, sandbox.backend=apptainer with sandbox.apptainer_image=<a .sif "
-          "with python3>; or reward_model.sandbox_fusion.url=<your SandboxFusion service>/run_code; or, knowing "
-          "that a program then sees your files and the network, sandbox.backend=rlimit (limits only)")
+        "with python3>; or reward_model.sandbox_fusion.url=<your SandboxFusion service>/run_code; or, knowing "
+        "that a program then sees your files and the network, sandbox.backend=rlimit (limits only)"
+    )
 
 
 # ------------------------------------------------------------------ one run
@@ -141,8 +173,9 @@ def describe(cfg: SandboxConfig, backend: SandboxBackend, mode: str) -> str:
 _announced: set[str] = set()
 
 
-def run_in_sandbox(program: Program, stdin: Union[str, bytes] = b"",
-                   cfg: Optional[SandboxConfig] = None) -> SandboxResult:
+def run_in_sandbox(
+    program: Program, stdin: Union[str, bytes] = b"", cfg: Optional[SandboxConfig] = None
+) -> SandboxResult:
     """Run ``program`` (source of main.py, or {relative path: source} with a main.py) with ``stdin``
     under ``cfg``'s limits in the backend that works here; its outcome is counted in SANDBOX_METRICS.
     The first program of each setting prints where it runs and its memory bound (a job's nodes may
@@ -173,15 +206,16 @@ def stage_files(stage: Path, program: Program) -> None:
     shutil.copyfile(sandbox_launcher.__file__, stage / "launcher.py")
 
 
-def run_with(backend: SandboxBackend, mode: str, cfg: SandboxConfig, program: Program,
-             stdin: bytes) -> SandboxResult:
+def run_with(backend: SandboxBackend, mode: str, cfg: SandboxConfig, program: Program, stdin: bytes) -> SandboxResult:
     """One run in ``backend`` (``mode``), not counted: ``run_in_sandbox`` is the entry point. Under a
     cgroup bound the run has a cgroup of its own; a program the kernel killed at its limit reads as
     ``memory``."""
     bound = memory_bound(cfg, backend.tmpfs)
     cgroup = program_cgroup(bound, cfg)
-    with tempfile.TemporaryDirectory(prefix="rlhf-hpc-sandbox-", ignore_cleanup_errors=True) as tmp, \
-            contextlib.ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="rlhf-hpc-sandbox-", ignore_cleanup_errors=True) as tmp,
+        contextlib.ExitStack() as stack,
+    ):
         stage = Path(tmp)
         (stage / "files").mkdir()
         stage_files(stage, program)
@@ -190,16 +224,29 @@ def run_with(backend: SandboxBackend, mode: str, cfg: SandboxConfig, program: Pr
             if cgroup is not None:
                 stack.enter_context(cgroup)  # on the way out: what is left of the program, then the cgroup
             launch = backend.command(cfg, stage, mode, bound)  # asks the interpreter for its prefixes
-            proc = subprocess.Popen(cgroup.wrap(launch.argv) if cgroup is not None else launch.argv,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=launch.env, cwd=launch.cwd, start_new_session=True)
+            proc = subprocess.Popen(
+                cgroup.wrap(launch.argv) if cgroup is not None else launch.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=launch.env,
+                cwd=launch.cwd,
+                start_new_session=True,
+            )
         except (OSError, subprocess.SubprocessError) as e:  # no interpreter there, no bwrap binary, no cgroup
             return SandboxResult("sandbox_error", None, "", "", 0.0, backend.name, f"SandboxError: {e}")
         out, err, stopped = communicate(proc, stdin, start + cfg.timeout_s, cfg.max_output_kb * 1024)
         seconds = time.monotonic() - start
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
-    status, error = classify(proc.returncode, stderr, stopped, cfg, translate_signals=backend.signal_as_exit,
-                             bound=bound, oom_killed=bool(cgroup and cgroup.oom_kills))
+    status, error = classify(
+        proc.returncode,
+        stderr,
+        stopped,
+        cfg,
+        translate_signals=backend.signal_as_exit,
+        bound=bound,
+        oom_killed=bool(cgroup and cgroup.oom_kills),
+    )
     return SandboxResult(status, proc.returncode, stdout, stderr, seconds, backend.name, error)
 
 
@@ -218,8 +265,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
             pass  # already gone
 
 
-def communicate(proc: subprocess.Popen, stdin: bytes, deadline: float,
-                max_bytes: int) -> tuple[bytes, bytes, Optional[str]]:
+def communicate(
+    proc: subprocess.Popen, stdin: bytes, deadline: float, max_bytes: int
+) -> tuple[bytes, bytes, Optional[str]]:
     """Feed ``stdin``, keep at most ``max_bytes`` of each stream, kill the tree at ``deadline`` or at
     the first byte beyond ``max_bytes``. Returns (stdout, stderr, "timeout" / "output_limit" / None)."""
     sel = selectors.DefaultSelector()
@@ -245,7 +293,7 @@ def communicate(proc: subprocess.Popen, stdin: bytes, deadline: float,
         for key, _ in sel.select(timeout=max(0.0, min(wait, 0.5))):
             if key.fileobj is proc.stdin:
                 try:
-                    sent += os.write(proc.stdin.fileno(), stdin[sent:sent + 65536])
+                    sent += os.write(proc.stdin.fileno(), stdin[sent : sent + 65536])
                 except BlockingIOError:
                     continue  # the pipe filled meanwhile: wait for room
                 except BrokenPipeError:
@@ -286,21 +334,28 @@ STDERR_SIGNS = (
 SIGNAL_STATUS = {signal.SIGXCPU: "timeout", signal.SIGXFSZ: "file_limit"}
 
 
-def classify(rc: int, stderr: str, stopped: Optional[str], cfg: SandboxConfig, translate_signals: bool,
-             bound: Optional[MemoryBound] = None, oom_killed: bool = False) -> tuple[str, str]:
+def classify(
+    rc: int,
+    stderr: str,
+    stopped: Optional[str],
+    cfg: SandboxConfig,
+    translate_signals: bool,
+    bound: Optional[MemoryBound] = None,
+    oom_killed: bool = False,
+) -> tuple[str, str]:
     """(status, error string for the model) of a finished run. ``translate_signals``: the backend
     reports a program's death by signal N as exit code 128 + N (bwrap, apptainer); ``oom_killed``:
     the kernel killed a process of the program at its cgroup's limit."""
     tasks = bound.tasks if bound is not None else cfg.max_processes
-    per_process = (f" ({bound.process_mb} MB per process)" if bound is not None and bound.kind == "rlimits"
-                   else "")
-    limits = {"timeout": f"TimeoutError: the program ran longer than {cfg.timeout_s:g} s and was stopped",
-              "output_limit": f"OutputLimitError: the program wrote more than {cfg.max_output_kb} KB to one "
-                              f"stream and was stopped",
-              "memory": f"MemoryError: the program needed more than {cfg.memory_mb} MB{per_process}",
-              "process_limit": f"ProcessLimitError: the program tried to run more than {tasks} "
-                               f"processes or threads",
-              "file_limit": f"FileLimitError: the program wrote more than {cfg.max_file_mb} MB"}
+    per_process = f" ({bound.process_mb} MB per process)" if bound is not None and bound.kind == "rlimits" else ""
+    limits = {
+        "timeout": f"TimeoutError: the program ran longer than {cfg.timeout_s:g} s and was stopped",
+        "output_limit": f"OutputLimitError: the program wrote more than {cfg.max_output_kb} KB to one "
+        f"stream and was stopped",
+        "memory": f"MemoryError: the program needed more than {cfg.memory_mb} MB{per_process}",
+        "process_limit": f"ProcessLimitError: the program tried to run more than {tasks} processes or threads",
+        "file_limit": f"FileLimitError: the program wrote more than {cfg.max_file_mb} MB",
+    }
     tail = stderr[-2000:]
     if stopped:
         return stopped, limits[stopped]

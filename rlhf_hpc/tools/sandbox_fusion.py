@@ -1,6 +1,7 @@
 """The user's own SandboxFusion service (``reward_model.sandbox_fusion.url``, its run_code endpoint):
 a program and its stdin POSTed as verl sends them, the reply read into a ``SandboxResult`` like a
 local run's. Plain urllib: no client package."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ _requests_lock = threading.Lock()
 def fusion_request(program: str, stdin: str, cfg: SandboxConfig, fusion: SandboxFusionConfig) -> dict:
     """The body verl POSTs (verl/utils/reward_score/sandbox_fusion/utils.py: call_sandbox_api)."""
     timeout = max(1, int(-(-cfg.timeout_s // 1)))
-    return {"compile_timeout": timeout, "run_timeout": timeout, "code": program, "stdin": stdin,
-            "memory_limit_MB": fusion.memory_limit_mb, "language": "python", "files": {}, "fetch_files": []}
+    return {
+        "compile_timeout": timeout,
+        "run_timeout": timeout,
+        "code": program,
+        "stdin": stdin,
+        "memory_limit_MB": fusion.memory_limit_mb,
+        "language": "python",
+        "files": {},
+        "fetch_files": [],
+    }
 
 
 def fusion_result(reply: dict, seconds: float, cfg: SandboxConfig) -> SandboxResult:
@@ -45,8 +54,10 @@ def fusion_result(reply: dict, seconds: float, cfg: SandboxConfig) -> SandboxRes
         return SandboxResult(status, rc, stdout[:limit], stderr[:limit], seconds, "sandbox_fusion", error)
 
     if reply.get("status") not in ("Success", "Failed"):  # SandboxError: the service's own failure
-        return result("sandbox_error", f"SandboxError: SandboxFusion replied {reply.get('status')!r}: "
-                                       f"{reply.get('message', '')}".strip())
+        return result(
+            "sandbox_error",
+            f"SandboxError: SandboxFusion replied {reply.get('status')!r}: {reply.get('message', '')}".strip(),
+        )
     if run.get("status") == "TimeLimitExceeded" or compiled.get("status") == "TimeLimitExceeded":
         return result(*classify(0, "", "timeout", cfg, translate_signals=False))
     if max(len(stdout), len(stderr)) > limit:
@@ -58,16 +69,16 @@ def fusion_result(reply: dict, seconds: float, cfg: SandboxConfig) -> SandboxRes
     return result(*classify(code, stderr, None, cfg, translate_signals=False))
 
 
-def run_in_sandbox_fusion(program: str, stdin: Union[str, bytes], cfg: SandboxConfig,
-                          fusion: SandboxFusionConfig) -> SandboxResult:
+def run_in_sandbox_fusion(
+    program: str, stdin: Union[str, bytes], cfg: SandboxConfig, fusion: SandboxFusionConfig
+) -> SandboxResult:
     """Run ``program`` on the service; at most ``max_concurrent`` requests at once in this process.
     A service that cannot be reached is a ``sandbox_error`` result, counted like any other."""
     text = stdin.decode(errors="replace") if isinstance(stdin, bytes) else stdin
     body = json.dumps(fusion_request(program, text, cfg, fusion)).encode()
     timeout = 2 * max(1, int(-(-cfg.timeout_s // 1))) + API_SLACK_S
     with _requests_lock:
-        gate = _requests.setdefault(fusion.max_concurrent,
-                                    threading.BoundedSemaphore(max(1, fusion.max_concurrent)))
+        gate = _requests.setdefault(fusion.max_concurrent, threading.BoundedSemaphore(max(1, fusion.max_concurrent)))
     start = time.monotonic()
     error = ""
     with gate:
@@ -85,8 +96,15 @@ def run_in_sandbox_fusion(program: str, stdin: Union[str, bytes], cfg: SandboxCo
                     continue
             except (urllib.error.URLError, OSError, ValueError) as e:  # unreachable, timed out, not JSON
                 error = f"{type(e).__name__}: {e}"
-            result = SandboxResult("sandbox_error", None, "", "", time.monotonic() - start, "sandbox_fusion",
-                                   f"SandboxError: SandboxFusion at {fusion.url} failed: {error}")
+            result = SandboxResult(
+                "sandbox_error",
+                None,
+                "",
+                "",
+                time.monotonic() - start,
+                "sandbox_fusion",
+                f"SandboxError: SandboxFusion at {fusion.url} failed: {error}",
+            )
             break
     SANDBOX_METRICS.record(result.status, result.seconds)
     return result

@@ -9,6 +9,7 @@ null), ``seccomp`` (load SECCOMP_DENIED's filter). Stands alone: it imports noth
 since inside the sandbox there is none. A failure before the program starts exits with
 LAUNCH_FAILED and a line naming this launcher.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,10 +32,30 @@ LAUNCH_FAILED = 125  # as env(1) and docker do for "the command could not be sta
 # and the C library falls back to clone (what container runtimes do).
 # machine -> (AUDIT_ARCH_*, {syscall: number}); x86_64's x32 numbers (bit 30) are refused whole
 SECCOMP_ARCHES = {
-    "x86_64": (0xC000003E, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "msgget": 68,
-                            "unshare": 272, "clone": 56, "clone3": 435}),
-    "aarch64": (0xC00000B7, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "msgget": 186,
-                             "unshare": 97, "clone": 220, "clone3": 435}),
+    "x86_64": (
+        0xC000003E,
+        {
+            "memfd_create": 319,
+            "memfd_secret": 447,
+            "shmget": 29,
+            "msgget": 68,
+            "unshare": 272,
+            "clone": 56,
+            "clone3": 435,
+        },
+    ),
+    "aarch64": (
+        0xC00000B7,
+        {
+            "memfd_create": 279,
+            "memfd_secret": 447,
+            "shmget": 194,
+            "msgget": 186,
+            "unshare": 97,
+            "clone": 220,
+            "clone3": 435,
+        },
+    ),
 }
 SECCOMP_DENIED = ("memfd_create", "memfd_secret", "shmget", "msgget", "unshare")
 CLONE_NEWUSER = 0x10000000
@@ -54,21 +75,25 @@ def seccomp_filter(machine: str) -> bytes:
     n = len(denied)
     at_clone3, at_clone, at_allow = 4 + n, 5 + n, 6 + n
     at_flags, at_deny, at_nosys = at_allow + 1, at_allow + 5, at_allow + 6
-    prog = [(ld_w_abs, 0, 0, 4),                                    # A = seccomp_data.arch
-            (jeq_k, 0, at_deny - 2, audit_arch),                    # another architecture: deny
-            (ld_w_abs, 0, 0, 0)]                                    # A = seccomp_data.nr
+    prog = [
+        (ld_w_abs, 0, 0, 4),  # A = seccomp_data.arch
+        (jeq_k, 0, at_deny - 2, audit_arch),  # another architecture: deny
+        (ld_w_abs, 0, 0, 0),
+    ]  # A = seccomp_data.nr
     prog.append((jge_k, at_deny - 4, 0, X32_BIT) if machine == "x86_64" else (jeq_k, 0, 0, 0))
     for i, number in enumerate(denied):
         prog.append((jeq_k, at_deny - (5 + i), 0, number))
     prog.append((jeq_k, at_nosys - (at_clone3 + 1), 0, nr["clone3"]))
     prog.append((jeq_k, at_flags - (at_clone + 1), 0, nr["clone"]))
     prog.append((ret_k, 0, 0, allow))
-    prog += [(ld_w_abs, 0, 0, 16),                                  # A = low word of args[0] (the flags)
-             (and_k, 0, 0, CLONE_NEWUSER),
-             (jeq_k, 0, 1, 0),                                      # no new user namespace: allow
-             (ret_k, 0, 0, allow),
-             (ret_k, 0, 0, deny),
-             (ret_k, 0, 0, nosys)]
+    prog += [
+        (ld_w_abs, 0, 0, 16),  # A = low word of args[0] (the flags)
+        (and_k, 0, 0, CLONE_NEWUSER),
+        (jeq_k, 0, 1, 0),  # no new user namespace: allow
+        (ret_k, 0, 0, allow),
+        (ret_k, 0, 0, deny),
+        (ret_k, 0, 0, nosys),
+    ]
     assert len(prog) == at_nosys + 1
     return b"".join(struct.pack("HBBI", *ins) for ins in prog)
 

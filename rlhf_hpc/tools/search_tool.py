@@ -4,6 +4,7 @@ gives a ``query_list`` and reads back the top passages of each query, formatted 
 a retrieval service with Search-R1's API, e.g. ``python -m rlhf_hpc.tools.retrieval_server`` or
 Search-R1's own) or ``local_index`` (not verl's: a JSONL passage corpus, searched by BM25 in each
 rank), one of them; ``topk`` (3) and ``timeout`` (s, 30) as verl's."""
+
 from __future__ import annotations
 
 import json
@@ -36,11 +37,13 @@ class SearchTool(Tool):
     def config_problems(cls, config: dict) -> list[str]:
         url, index = config.get("retrieval_service_url"), config.get("local_index")
         if bool(url) == bool(index):
-            return ["the search tool needs one of config.retrieval_service_url (a retrieval service with Search-R1's "
-                    "API: python -m rlhf_hpc.tools.retrieval_server --corpus FILE serves one) and config.local_index "
-                    "(a JSONL passage corpus searched in each rank)"]
+            return [
+                "the search tool needs one of config.retrieval_service_url (a retrieval service with Search-R1's "
+                "API: python -m rlhf_hpc.tools.retrieval_server --corpus FILE serves one) and config.local_index "
+                "(a JSONL passage corpus searched in each rank)"
+            ]
         if index and not Path(index).expanduser().is_file():
-            return [f"config.local_index={index}: no such file (a JSONL passage corpus: {{\"id\", \"contents\"}} a line)"]
+            return [f'config.local_index={index}: no such file (a JSONL passage corpus: {{"id", "contents"}} a line)']
         return []
 
     def __init__(self, config: dict, schema: dict):
@@ -56,8 +59,10 @@ class SearchTool(Tool):
     def execute(self, arguments: dict[str, Any], create_kwargs: dict[str, Any]) -> ToolOutput:
         queries = arguments.get("query_list")
         if not queries or not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-            return ToolOutput(json.dumps({"result": "Error: 'query_list' is missing, empty, or not a list in "
-                                                   "parameters."}), status="error")
+            return ToolOutput(
+                json.dumps({"result": "Error: 'query_list' is missing, empty, or not a list in parameters."}),
+                status="error",
+            )
         if self.index is not None:
             return ToolOutput(format_passages(self.index.retrieve(queries, self.topk)))
         try:

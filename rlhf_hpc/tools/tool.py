@@ -6,6 +6,7 @@ and called from worker threads, several calls at once: ``execute`` must not keep
 ``self``. ``create_kwargs`` are the row's ``extra_info.tools_kwargs.<tool name>.create_kwargs``
 (verl's per-row arguments, e.g. the GSM8K tool's ``ground_truth``). A call that raises, or runs past
 ``multi_turn.tool_timeout_s``, answers the model with an error text; the run goes on."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ TOOL_STATUSES = ("ok", "error", "timeout")
 class ToolOutput:
     """What the model reads back (``text``), the call's reward (verl's tool reward: logged, not added
     to the score) and its outcome, one of ``TOOL_STATUSES`` (counted in the step's metrics)."""
+
     text: str
     reward: float = 0.0
     status: str = "ok"

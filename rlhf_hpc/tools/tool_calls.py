@@ -1,6 +1,7 @@
 """Tool calls in a model's turn, by ``multi_turn.format`` (``TOOL_CALL_FORMATS``): the text of the
 turn -> the calls it makes. ``hermes`` is Qwen2.5's and verl's default: ``<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>`` blocks."""
+
 from __future__ import annotations
 
 import json
@@ -22,12 +23,14 @@ class ToolCall:
 @dataclass(frozen=True)
 class ParsedCalls:
     """The well-formed calls of a turn; ``malformed``: blocks that were not (skipped, as verl)."""
+
     calls: list[ToolCall]
     malformed: int = 0
 
 
-TOOL_CALL_FORMATS: Registry[Callable[[str], ParsedCalls]] = Registry("tool-call format",
-                                                                     "actor_rollout_ref.rollout.multi_turn.format")
+TOOL_CALL_FORMATS: Registry[Callable[[str], ParsedCalls]] = Registry(
+    "tool-call format", "actor_rollout_ref.rollout.multi_turn.format"
+)
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
