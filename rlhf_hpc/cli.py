@@ -37,6 +37,9 @@ usage: python launch.py [recipe=NAME] [key.path=value ...] [sweep.key.path=[v1,v
        python launch.py status|logs|cancel RUN_DIR
        python launch.py compare RUN_DIR [RUN_DIR ...] [--metrics a,b] [--out DIR]
        python launch.py export RUN_DIR/global_step_N --out DIR [--dtype bfloat16|float32]
+       python launch.py prepare [recipe=NAME] [key.path=value ...]
+       python launch.py calibrate [--ranks N] [--out FILE]
+       python launch.py gpu-check OUT_DIR [--cpu-smoke] [--budget-s S] [--only TEXT]
        python launch.py --help
 
   recipe=NAME      a recipe in recipes/ (NAME.yaml) or a path to a YAML file; without it the
@@ -226,6 +229,16 @@ def run(argv: list[str]) -> int:
         return run(preflight_args(argv[1:]))
     if argv and argv[0] == "plan":
         return print_layout_table(argv[1:])
+    if argv and argv[0] == "calibrate":
+        # (imports the measuring code only for this command: a run starts it as a subprocess)
+        from rlhf_hpc.hardware_checks.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
+    if argv and argv[0] == "gpu-check":
+        # (imports the GPU check's cases, vLLM among them where installed, only for this command)
+        from rlhf_hpc.hardware_checks.gpu_check import main as gpu_check_main
+
+        return gpu_check_main(argv[1:])
     recipe, overrides, sweeps, flags = parse_args(argv)
     if flags["help"]:
         print(help_text())

@@ -90,7 +90,7 @@ def test_a_bad_default_calibration_file_is_refused_at_the_dry_run(capsys, own_ca
     assert rc == 2
     (line,) = [ln for ln in err.splitlines() if "hardware.calibration" in ln]
     assert f"hardware.calibration (null: the default file): {own_cache}" in line and says in line
-    assert f"write it again with python -m rlhf_hpc.bench.calibrate --out {own_cache}, or delete it" in line
+    assert f"write it again with python launch.py calibrate --out {own_cache}, or delete it" in line
 
 
 def test_a_bad_named_calibration_file_is_refused_naming_the_key(capsys, tmp_path):
@@ -100,7 +100,7 @@ def test_a_bad_named_calibration_file_is_refused_naming_the_key(capsys, tmp_path
     assert rc == 2
     assert (
         f"hardware.calibration: {named}: 'cast_gb_s' is 0 (a number); a rate the plan divides by must be a "
-        f"number > 0; write it again with python -m rlhf_hpc.bench.calibrate --out {named}\n"
+        f"number > 0; write it again with python launch.py calibrate --out {named}\n"
     ) in err
     rc, err = dry_run(capsys, f"hardware.calibration={tmp_path}")
     assert rc == 2 and f"hardware.calibration: no file {tmp_path} (a directory)" in err
@@ -115,7 +115,7 @@ def test_a_good_calibration_file_is_read_with_zero_overheads_and_null_rates(caps
     assert "2026-01-02 calibration" in hw.name and str(own_cache) in hw.source
     assert launch(["recipe=tiny_klppo", "--dry-run"]) == 0
     assert (
-        f"# time plan per step on 2 x CPU rank (2026-01-02 calibration) (measured by rlhf_hpc.bench.calibrate: "
+        f"# time plan per step on 2 x CPU rank (2026-01-02 calibration) (measured by launch.py calibrate: "
         f"{own_cache})" in capsys.readouterr().out
     )
 

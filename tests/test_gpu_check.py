@@ -1,4 +1,4 @@
-"""The GPU readiness script (``python -m rlhf_hpc.bench.gpu_check``) on tiny shapes on the CPU, as
+"""The GPU readiness script (``python -m rlhf_hpc.hardware_checks.gpu_check``) on tiny shapes on the CPU, as
 the GPU machine will see it: no vLLM, flash-attn, W&B or submitit importable; and its colocated
 engine's cases with vLLM importable, as on a cluster's GPU node. Plus the FLOP formula its MFU (and
 the trainer's ``perf/mfu/actor``) divides by, against torch's FLOP counter.
@@ -23,9 +23,9 @@ BOOT = (
     "import sys, runpy\n"
     f"for name in {ABSENT!r}:\n"
     "    sys.modules[name] = None\n"
-    "sys.argv = ['gpu_check'] + sys.argv[1:]\n"
-    "runpy.run_module('rlhf_hpc.bench.gpu_check', run_name='__main__')\n"
-)
+    "sys.argv = ['launch.py', 'gpu-check'] + sys.argv[1:]\n"
+    "runpy.run_path('launch.py', run_name='__main__')\n"
+)  # the command the docs give: launch.py gpu-check OUT_DIR --cpu-smoke
 
 
 def run_check(out_dir, *args: str) -> subprocess.CompletedProcess:
@@ -183,7 +183,7 @@ def test_the_colocated_engine_cases_run_vllm_where_it_is_installed(tmp_path):
         [
             sys.executable,
             "-m",
-            "rlhf_hpc.bench.gpu_check",
+            "rlhf_hpc.hardware_checks.gpu_check",
             str(tmp_path),
             "--cpu-smoke",
             "--only",

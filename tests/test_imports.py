@@ -6,13 +6,14 @@ placed inside a function until the day that function runs."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
 
 PACKAGE = REPO / "rlhf_hpc"
 # The layers, bottom first: a module imports only from its own layer and the ones before it (each
-# folder of rlhf_hpc/ is a layer; cli, worker, preflight and bench sit on top). docs/architecture.md
+# folder of rlhf_hpc/ is a layer; cli, worker, preflight and hardware_checks sit on top). docs/architecture.md
 # says what each holds.
 LAYERS = (
     "config",
@@ -30,7 +31,7 @@ LAYERS = (
     "ppo",
     "top",
 )
-TOP = ("cli", "worker", "preflight", "bench")
+TOP = ("cli", "worker", "preflight", "hardware_checks")
 
 
 def module_name(path: Path) -> str:
@@ -149,6 +150,7 @@ def defined_names(path: Path) -> set[str]:
 def test_every_imported_project_name_exists():
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     sources = list(PACKAGE.rglob("*.py")) + list((REPO / "tests").glob("*.py")) + [REPO / "launch.py"]
+    sources += list((REPO / "benchmarks").glob("*.py"))
     defined = {m: defined_names(p) for m, p in files.items()}
     missing = []
     for path in sources:
@@ -397,6 +399,7 @@ def test_a_name_imported_from_a_module_is_in_its_all():
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     surface = {m: declared_all(p) for m, p in files.items()}
     sources = list(PACKAGE.rglob("*.py")) + list((REPO / "tests").glob("*.py")) + [REPO / "launch.py"]
+    sources += list((REPO / "benchmarks").glob("*.py"))
     outside = []
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -415,3 +418,14 @@ def test_a_name_imported_from_a_module_is_in_its_all():
                     and not a.name.startswith("_")
                 ]  # a test may reach a private helper
     assert outside == []
+
+
+def test_every_document_names_the_layers_in_one_order():
+    """Where a README or a page of docs/ writes the layers as a chain (`config` -> `ops` -> ...), it is
+    LAYERS' order, whole."""
+    chains = []
+    for path in [REPO / "README.md", PACKAGE / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for m in re.finditer(r"`\w+`(?:\s*->\s*`\w+`)+", path.read_text()):
+            chains.append((path.relative_to(REPO), re.findall(r"`(\w+)`", m.group(0))))
+    assert len(chains) >= 2
+    assert [(p, names) for p, names in chains if names != list(LAYERS[:-1])] == []

@@ -1,6 +1,6 @@
 """The per-GPU memory plan: shapes from the config alone, what each phase holds, refusals that name
 the keys, and the launcher printing it at --dry-run and refusing before anything starts.
-(The estimator against measured peaks: python -m rlhf_hpc.bench.memory_plan_check, BENCHMARKS.md.)"""
+(The estimator against measured peaks: python -m benchmarks.memory_plan_check, BENCHMARKS.md.)"""
 
 from __future__ import annotations
 

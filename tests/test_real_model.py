@@ -342,7 +342,7 @@ def test_a_fresh_machine_calibrates_at_its_first_run_and_plans_the_real_grpo_ste
     assert "[rlhf-hpc] no calibration file for this CPU: measuring it once" in out.stdout
     assert "[rlhf-hpc] calibrated this CPU in " in out.stdout and calibration.is_file()
     assert json.loads(calibration.read_text())["measured"]["ranks"] == 2
-    assert "calibration) (measured by rlhf_hpc.bench.calibrate: " + str(calibration) in out.stdout  # the plan read it
+    assert "calibration) (measured by launch.py calibrate: " + str(calibration) in out.stdout  # the plan read it
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     ratios = [r["plan/step_s"] / r["timing_s/step"] for r in rows]
     # planned / measured, steps 2-4, on one VM: 0.94-1.07 where the calibration read bf16 at 0.112-0.124

@@ -46,7 +46,7 @@ FAST = [
 
 # ------------------------------------------------------------------------------- the codes
 def test_exit_codes_are_one_table_in_the_code_and_the_readme():
-    readme = (REPO / "README.md").read_text().split("\n## Reliability\n")[1].split("\n## ")[0]
+    readme = (REPO / "docs" / "reliability.md").read_text().split("\n## Reliability\n")[1].split("\n## ")[0]
     rows = dict(re.findall(r"^ *\| (\d+) \| ([^|]+?) \|", readme, flags=re.M))
     assert {int(k): v for k, v in rows.items()} == {k: name for k, (name, _) in EXIT_CODES.items()}
     assert "| 128 + N |" in readme  # stopped by signal N

@@ -1,7 +1,7 @@
 """The time plan: hardware presets and the CPU calibration file, the phases' formulas and bounds,
 the advice it computes, the dry run and ``launch.py plan`` printing it, and the calibration bench
 writing what the plan reads. (The plan against measured CPU runs and published GPU runs:
-python -m rlhf_hpc.bench.time_plan_check / rlhf_hpc.bench.published_runs, BENCHMARKS.md.)"""
+python -m benchmarks.time_plan_check / benchmarks.published_runs, BENCHMARKS.md.)"""
 
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path)
 def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
     out = tmp_path / "cpu.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf_hpc.bench.calibrate", "--skip-vllm", "--out", str(out)],
+        [sys.executable, "launch.py", "calibrate", "--skip-vllm", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -315,12 +315,12 @@ def test_the_nominal_cpu_computes_bf16_by_the_cpus_flags():
 
 
 def test_the_plan_holds_to_published_h100_runs():
-    # NeMo-RL's published GRPO runs (rlhf_hpc.bench.published_runs): the GPU constants were set from
+    # NeMo-RL's published GRPO runs (benchmarks.published_runs): the GPU constants were set from
     # the per-phase runs; the held-out ones were compared after. The issue's bar: median 0.85-1.15,
     # every run 0.7-1.4 (one outlier named with its reason)
     import statistics
 
-    from rlhf_hpc.bench.published_runs import PUBLISHED_RUNS, plan_of_run
+    from benchmarks.published_runs import PUBLISHED_RUNS, plan_of_run
 
     ratios = {run.name: plan_of_run(run)[1]["step"] / run.step_s for run in PUBLISHED_RUNS}
     assert len(ratios) >= 6 and sum(run.held_out for run in PUBLISHED_RUNS) >= 2

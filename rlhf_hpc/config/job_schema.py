@@ -77,7 +77,7 @@ class HardwareConfig:
     inter_node_gb_s: Optional[float] = None
     host_link_gb_s: Optional[float] = None
     disk_gb_s: Optional[float] = None
-    # the CPU calibration file (python -m rlhf_hpc.bench.calibrate); null: ~/.cache/rlhf-hpc/calibration/cpu.json
+    # the CPU calibration file (python launch.py calibrate); null: ~/.cache/rlhf-hpc/calibration/cpu.json
     calibration: Optional[str] = None
     # a local CPU run on a machine without that default file measures the machine first (about a
     # minute, once: rlhf_hpc/launch/first_calibration.py); false: plan with the nominal figures

@@ -5,7 +5,7 @@ prompt's key, read the code back, end with ``#### <code>``.
 
 - ``call_share``: the share of taught conversations that call the tool; the others answer a random
   digit at once. Below 1 the model starts out mostly guessing, and RL has the calling to learn
-  (``recipes/tiny_lookup_grpo.yaml``, the README's tool demo).
+  (``recipes/tiny_lookup_grpo.yaml``, docs/agentic.md's tool demo).
 - ``fresh_codes``: each taught conversation's tool answer is a fresh random digit, so only copying
   the tool's answer fits the data: no key's code is learned, and the real tool's codes are read, not
   recalled. Without it the tool answers the key's true code, which a model taught on a few keys

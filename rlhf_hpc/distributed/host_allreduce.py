@@ -6,7 +6,7 @@ gradient every mini-batch. gloo moves it through the kernel's socket buffers in 
 threads, which on a machine with one core per rank compete with the backward for the cores
 (78 MB on 2 ranks: 87 ms). Here each rank copies its share into a mapped ``/dev/shm`` file, each
 rank sums one slice of every rank's copy, and each copies the sums back: 30 ms for the same 78 MB,
-in the rank's own thread (``python -m rlhf_hpc.bench.host_allreduce``).
+in the rank's own thread (``python -m benchmarks.host_allreduce``).
 
 Layout of the mapping: ``(2, N, capacity)`` bytes. Tensors are streamed through it in buckets of
 ``capacity`` bytes; bucket k uses half ``k % 2`` (counting across calls), so a rank can fill the

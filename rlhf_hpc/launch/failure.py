@@ -1,4 +1,4 @@
-"""How a run ends: its exit code (one table, ``EXIT_CODES``, the same as README "Reliability"), the
+"""How a run ends: its exit code (one table, ``EXIT_CODES``, the same as docs/reliability.md), the
 record of what went wrong (``FAILURE`` in the run directory) and the one line a launcher prints for
 it: what happened, on which rank and host, the last complete checkpoint and the command that
 resumes.
@@ -59,7 +59,7 @@ HUNG_RANK = 5
 RUN_DIR_UNWRITABLE = 6
 REQUEUE = 85
 # the codes of a launch (launch.py, a Slurm node's task): (name, meaning); 128 + N: stopped by signal N
-# (interrupted_code). README "Reliability" has the same table.
+# (interrupted_code). docs/reliability.md has the same table.
 EXIT_CODES: dict[int, tuple[str, str]] = {
     OK: ("done", "the run finished"),
     FAILED: ("error", "a rank failed with an unexpected error (a bug: the traceback is in that rank's output)"),

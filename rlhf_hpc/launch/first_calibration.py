@@ -1,10 +1,10 @@
 """The first local CPU run on a machine measures the machine before it plans.
 
 The nominal CPU figures (``planning/hardware.uncalibrated_cpu``) are an order of magnitude: on the
-VMs this project runs on they put the README's real GRPO step 2-2.6x too slow, and the layout
+VMs this project runs on they put the quick start's real GRPO step 2-2.6x too slow, and the layout
 chooser decides by that plan. So a local CPU run that would plan with them, because the default
 calibration file does not exist, first runs the calibration bench once (``python -m
-rlhf_hpc.bench.calibrate``, about a minute; it writes the file atomically), and the run, its
+rlhf_hpc.hardware_checks.calibrate``, about a minute; it writes the file atomically), and the run, its
 layout and its plans, is resolved again with the measured figures. ``hardware.first_run_calibration
 =false`` skips it; Slurm jobs are planned where they are submitted, away from the nodes that run
 them, so they never calibrate the login node's CPU.
@@ -56,7 +56,7 @@ def calibrate_first_run(cfg) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
     ranks = max(1, cfg.trainer.n_gpus_per_node)
-    cmd = [sys.executable, "-m", "rlhf_hpc.bench.calibrate", "--ranks", str(ranks), "--out", str(out)]
+    cmd = [sys.executable, "-m", "rlhf_hpc.hardware_checks.calibrate", "--ranks", str(ranks), "--out", str(out)]
     if importlib.util.find_spec("vllm") is None:  # the engine's figures keep their defaults
         cmd.append("--skip-vllm")
     print(

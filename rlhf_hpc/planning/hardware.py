@@ -1,6 +1,6 @@
 """What a node's hardware can do, for the time plan (rlhf_hpc.planning.time_plan): the figures of
 common GPUs from their public datasheets, and the CPU's as this project's calibration bench
-measured them on the machine it runs on (``python -m rlhf_hpc.bench.calibrate``).
+measured them on the machine it runs on (``python launch.py calibrate``).
 
 A run names its hardware with ``hardware.preset`` (a cluster profile may set it: ``hardware: h100_sxm``
 in slurm/clusters/<site>.yaml); any figure can be given instead or on top (``hardware.hbm_gb_s=...``).
@@ -354,7 +354,7 @@ register_hardware(
 )
 
 # a CPU without a calibration file: the order of magnitude of one modern core (a decoder pass at
-# ~50 GFLOP/s in fp32, no native bf16), to be replaced by what `python -m rlhf_hpc.bench.calibrate` measures
+# ~50 GFLOP/s in fp32, no native bf16), to be replaced by what `python launch.py calibrate` measures
 UNCALIBRATED_CPU = Hardware(
     "CPU (uncalibrated)",
     0.01,
@@ -376,7 +376,7 @@ UNCALIBRATED_CPU = Hardware(
     collective_latency_s=1e-4,
     engine_load_gb_s=1.0,
     overlap_comm=False,
-    source="nominal figures: no calibration file (run python -m rlhf_hpc.bench.calibrate)",
+    source="nominal figures: no calibration file (run python launch.py calibrate)",
 )
 
 
@@ -478,15 +478,14 @@ def read_calibration(path: Optional[str] = None) -> Hardware:
     file and the key, and how to write it again)."""
     p = Path(path).expanduser() if path else calibration_path()
     key = "hardware.calibration" + ("" if path else " (null: the default file)")
-    fix = f"write it again with python -m rlhf_hpc.bench.calibrate --out {p}" + (
+    fix = f"write it again with python launch.py calibrate --out {p}" + (
         "" if path else ", or delete it (the CPU plan then uses nominal figures)"
     )
     if not p.is_file():
         if path:
             raise ConfigError(
                 f"hardware.calibration: no file {p}"
-                f"{' (a directory)' if p.is_dir() else ''}; write it with python -m "
-                f"rlhf_hpc.bench.calibrate --out {p}"
+                f"{' (a directory)' if p.is_dir() else ''}; write it with python launch.py calibrate --out {p}"
             )
         return uncalibrated_cpu()
     try:
@@ -500,7 +499,7 @@ def read_calibration(path: Optional[str] = None) -> Hardware:
         UNCALIBRATED_CPU,
         **{k: v for k, v in figures.items() if k != "measured"},
         name=f"CPU rank ({figures.get('measured', {}).get('date', 'calibrated')} calibration)",
-        source=f"measured by rlhf_hpc.bench.calibrate: {p}",
+        source=f"measured by launch.py calibrate: {p}",
     )
 
 

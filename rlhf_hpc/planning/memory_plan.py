@@ -14,8 +14,8 @@ Phases of one colocated step (one rank = one GPU):
   unsharded group FSDP is computing, activations of one micro-batch, the logits.
 
 Estimates (bytes per token per decoder layer, logits) follow what the code keeps alive; they are
-checked on CPU against measured peaks (``python -m rlhf_hpc.bench.memory_plan_check``, BENCHMARKS.md)
-and on a GPU against ``torch.cuda.max_memory_allocated`` (``rlhf_hpc.bench.gpu_check``).
+checked on CPU against measured peaks (``python -m benchmarks.memory_plan_check``, BENCHMARKS.md)
+and on a GPU against ``torch.cuda.max_memory_allocated`` (``rlhf_hpc.hardware_checks.gpu_check``).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ KNOWN_MODELS = {
         vocab_size=152064,
         tie_word_embeddings=False,
     ),
-    # NeMo-RL's published GRPO runs (rlhf_hpc.bench.published_runs)
+    # NeMo-RL's published GRPO runs (benchmarks.published_runs)
     "llama-3.1-8b": dict(
         model_type="llama",
         hidden_size=4096,

@@ -72,7 +72,7 @@ __all__ = [
 # Shares of the datasheet peaks that real kernels reach on a GPU (on the CPU the calibration's
 # figures are already what real passes reach: 1.0). Unmeasured by this project on GPUs: set from
 # the per-phase times of NeMo-RL v0.3's published H100 GRPO runs (8B on 8 GPUs, 70B and Qwen3-32B
-# on 64; rlhf_hpc.bench.published_runs), which imply 0.30-0.45 of the bf16 peak for their training
+# on 64; benchmarks.published_runs), which imply 0.30-0.45 of the bf16 peak for their training
 # and log-prob passes (``Hardware.train_efficiency``, 0.4; prefill alike) and ~0.55 of HBM bandwidth
 # for vLLM's decode (weights and KV cache read each step; the sampler beside it). NCCL's bus
 # bandwidth reaches ~80% of the link's (nccl-tests on DGX H100).

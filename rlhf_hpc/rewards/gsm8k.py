@@ -4,7 +4,7 @@ characters, equal to the ground truth -> 1.0, else ``format_score``; no answer f
 Numbers are compared as numbers a person would read alike: ``#### $18``, ``#### 1,234``,
 ``#### 18.00``, ``18.`` at the end of a sentence all mean what they say. This differs from the
 reference's regex, which compares strings (``18.00`` != ``18``) and needs a digit right after
-``#### `` (``#### $18`` finds nothing); see the README's table of differences.
+``#### `` (``#### $18`` finds nothing); see docs/from-verl.md's table of differences.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The time plan against published GPU runs (no GPU needed: the plan is arithmetic on the recipe,
 the model's published shape and the H100 preset).
 
-    python -m rlhf_hpc.bench.published_runs
+    python -m benchmarks.published_runs
 
 The runs are NVIDIA NeMo-RL's synchronous, colocated GRPO runs of dense models on DGX H100 nodes
 with their setups published: the v0.3 blog (per phase) and the performance summary of its docs

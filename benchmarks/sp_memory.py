@@ -1,7 +1,7 @@
 """Activation memory per rank of one long row's forward + backward, without and with Ulysses
 sequence parallelism (sp=1 vs sp=2), on CPU with gloo.
 
-    python -m rlhf_hpc.bench.sp_memory [--tokens 4096] [--hidden 512] [--layers 4]
+    python -m benchmarks.sp_memory [--tokens 4096] [--hidden 512] [--layers 4]
 
 Each case is a fresh 2-rank torchrun (OMP_NUM_THREADS=1; glibc told to return freed blocks with
 MALLOC_MMAP_THRESHOLD_=65536). A rank builds a Qwen2 (8 query / 2 KV heads, vocabulary 8192,
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                         "--standalone",
                         "--nproc-per-node=2",
                         "-m",
-                        "rlhf_hpc.bench.sp_memory",
+                        "benchmarks.sp_memory",
                         "--tokens",
                         str(args.tokens),
                         "--hidden",

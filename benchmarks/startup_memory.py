@@ -1,6 +1,6 @@
 """Host memory of one node while the training models are built from a pretrained checkpoint.
 
-    python -m rlhf_hpc.bench.startup_memory --model DIR [--ranks 1 2 4] [--before TREE] [--json OUT]
+    python -m benchmarks.startup_memory --model DIR [--ranks 1 2 4] [--before TREE] [--json OUT]
 
 For each rank count, ``torchrun --nproc-per-node=N`` runs ``build_training_models`` (actor, reference and
 critic of the recipe, from ``--model``, fp32 master weights) and exits; nothing else (no rollout
@@ -121,7 +121,7 @@ def run(model: str, ranks: int, tree: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.bench.startup_memory", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.startup_memory", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--model", required=True, help="a Hugging Face model directory (e.g. python -m rlhf_hpc.models.real_model)"
     )

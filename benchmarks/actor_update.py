@@ -2,7 +2,7 @@
 fp32 vs bf16 compute, side by side in one run, on a ~20M-parameter Qwen2-shaped model and a skewed
 response-length distribution (most responses short, a few long: what RL rollouts look like).
 
-    python -m rlhf_hpc.bench.actor_update [--rows 16] [--reps 2] [--json OUT.json]
+    python -m benchmarks.actor_update [--rows 16] [--reps 2] [--json OUT.json]
 
 Tokens/s counts valid tokens (prompt + response) per second of ``Actor.update_policy`` wall time:
 the padded variant computes on padding too, which is exactly the waste packing removes.

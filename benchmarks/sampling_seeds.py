@@ -1,6 +1,6 @@
 """vLLM sampling with a seed per request against one seeded generation RNG for the whole batch.
 
-    python -m rlhf_hpc.bench.sampling_seeds [--model DIR] [--prompts 64] [--n 4] [--tokens 32] [--reps 3]
+    python -m benchmarks.sampling_seeds [--model DIR] [--prompts 64] [--n 4] [--tokens 32] [--reps 3]
 
 The engine used to give every request its own seed (``SamplingParams(seed=...)``): vLLM then draws
 each seeded request's noise with its own generator, one small kernel per request and decode step
@@ -24,7 +24,7 @@ __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlhf_hpc.bench.sampling_seeds", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sampling_seeds", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a Hugging Face model directory (default: python -m rlhf_hpc.models.real_model)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=4)

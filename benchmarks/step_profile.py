@@ -1,6 +1,6 @@
 """Where one training step's time goes, per phase, from a torch.profiler trace of rank 0.
 
-    python -m rlhf_hpc.bench.step_profile [--step 3] [--rank R] [--repo CHECKOUT] [key=value ...]
+    python -m benchmarks.step_profile [--step 3] [--rank R] [--repo CHECKOUT] [key=value ...]
 
 Runs the ``ppo_step`` workload with ``trainer.profile_steps=[STEP]`` (the trainer's own profiler
 seam) and splits each phase's wall time (the trainer's ``phase/*`` ranges) into kinds of work:
@@ -19,7 +19,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from rlhf_hpc.bench.ppo_step import REPO, run
+from benchmarks.ppo_step import REPO, run
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 

@@ -1,12 +1,12 @@
-"""The README's real GRPO job (``smollm2_add_grpo``: SmolLM2-135M-Instruct learns single-digit
+"""The quick start's real GRPO job (``smollm2_add_grpo``: SmolLM2-135M-Instruct learns single-digit
 addition, 16 prompts x 4 responses, 32 new tokens, 2 CPU ranks, bf16), step by step, and side by
 side with TRL's ``GRPOTrainer`` on the same job in one invocation:
 
-    python -m rlhf_hpc.bench.trl_ppo_step --setup ../trl-venv     # TRL 1.12 in its own venv, once
-    python -m rlhf_hpc.bench.grpo_step [--steps 8] [--vs-trl ../trl-venv] [--before ../before]
+    python -m benchmarks.trl_ppo_step --setup ../trl-venv     # TRL 1.12 in its own venv, once
+    python -m benchmarks.grpo_step [--steps 8] [--vs-trl ../trl-venv] [--before ../before]
 
 The project runs ``launch.py recipe=smollm2_add_grpo`` (no validation, no checkpoints) and reads its
-per-phase timers; TRL runs ``rlhf_hpc/bench/trl_grpo_step.py`` on the same prompts in the project's
+per-phase timers; TRL runs ``benchmarks/trl_grpo_step.py`` on the same prompts in the project's
 sampler order (checked: TRL's chat template gives the token ids the project trains on), with the
 settings matched there. ``--before DIR``: a checkout of an earlier commit runs the same job first
 (its own ``launch.py`` and package, this venv). Each phase is the median over the steps after the

@@ -1,4 +1,4 @@
-"""The GPU readiness check's cases (``rlhf_hpc.bench.gpu_check`` runs them in order, each timed
+"""The GPU readiness check's cases (``rlhf_hpc.hardware_checks.gpu_check`` runs them in order, each timed
 against its estimate)."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.bench.gpu_check_setup import (
+from rlhf_hpc.distributed.process_group import DistContext
+from rlhf_hpc.hardware_checks.gpu_check_setup import (
     Models,
     Shape,
     Workload,
@@ -29,7 +30,6 @@ from rlhf_hpc.bench.gpu_check_setup import (
     timed,
     used_memory_gib,
 )
-from rlhf_hpc.distributed.process_group import DistContext
 from rlhf_hpc.observability.perf import peak_flops
 from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.ops import policy_losses

@@ -1,7 +1,7 @@
 """Weight sync of a LoRA actor into vLLM: the adapter alone against the merged full weights, side by
 side on the same actor and engine (one process, CPU).
 
-    python -m rlhf_hpc.bench.lora_sync [--model DIR|tiny://...] [--rank 8] [--reps 5]
+    python -m benchmarks.lora_sync [--model DIR|tiny://...] [--rank 8] [--reps 5]
 
 The actor is the model with a PEFT adapter (``target_modules: all-linear``, lora_B randomised so
 the adapter changes the model); the engine is vLLM's CPU build with LoRA enabled. Per method: the

@@ -1,6 +1,6 @@
 """Averaging a replicated model's gradient across the ranks of one machine: gloo against shared memory.
 
-    python -m rlhf_hpc.bench.host_allreduce [--nproc 2] [--reps 10]
+    python -m benchmarks.host_allreduce [--nproc 2] [--reps 10]
 
 Re-launches itself under torchrun (gloo, one thread per rank). The gradient is the ``ppo_step``
 workload's actor (19.5M fp32 parameters, 78 MB, one tensor per parameter). Four ways, each the
@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.bench.ppo_step import MODEL
+from benchmarks.ppo_step import MODEL
 from rlhf_hpc.distributed.host_allreduce import SharedMemoryAllReduce
 from rlhf_hpc.models.hf import build_causal_lm
 
@@ -43,7 +43,7 @@ def relaunch(args) -> None:
         "--standalone",
         f"--nproc-per-node={args.nproc}",
         "-m",
-        "rlhf_hpc.bench.host_allreduce",
+        "benchmarks.host_allreduce",
         "--worker",
         "--reps",
         str(args.reps),

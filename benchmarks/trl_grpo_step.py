@@ -1,8 +1,8 @@
-"""The README's real GRPO job (``smollm2_add_grpo``) run by TRL's ``GRPOTrainer``, for
-``rlhf_hpc.bench.grpo_step --vs-trl VENV``, which writes the workload and runs this script on 2
-ranks in TRL's own virtual environment (made by ``python -m rlhf_hpc.bench.trl_ppo_step --setup VENV``):
+"""The quick start's real GRPO job (``smollm2_add_grpo``) run by TRL's ``GRPOTrainer``, for
+``benchmarks.grpo_step --vs-trl VENV``, which writes the workload and runs this script on 2
+ranks in TRL's own virtual environment (made by ``python -m benchmarks.trl_ppo_step --setup VENV``):
 
-    VENV/bin/python -m torch.distributed.run --nproc-per-node 2 rlhf_hpc/bench/trl_grpo_step.py WORKDIR
+    VENV/bin/python -m torch.distributed.run --nproc-per-node 2 benchmarks/trl_grpo_step.py WORKDIR
 
 ``WORKDIR/workload.json`` holds the model directory, the prompts in this project's sampler order
 (each step's 16, as chat messages), their ground truths and the settings. Matched to the project's

@@ -1,15 +1,15 @@
 """Seconds per KL-PPO step, per phase, on a fixed CPU workload: the real trainer (``launch.py``), run
 for a few steps, timed by its own ``timing_s/*`` metrics.
 
-    python -m rlhf_hpc.bench.ppo_step [--steps 8] [--repeat N] [--vs-trl VENV] [--before CHECKOUT]
+    python -m benchmarks.ppo_step [--steps 8] [--repeat N] [--vs-trl VENV] [--before CHECKOUT]
         [--variant LABEL:k=v,k=v] [--demo] [--bf16] [key=value ...]
 
 Side by side in one run (columns take turns when repeated): TRL's ``PPOTrainer`` on the same work
-(``--vs-trl``, from its own virtual environment: ``python -m rlhf_hpc.bench.trl_ppo_step --setup
+(``--vs-trl``, from its own virtual environment: ``python -m benchmarks.trl_ppo_step --setup
 VENV``), an older checkout of this project (``--before``, e.g. a git worktree), this checkout, and
 variants of its configuration.
 
-The workload (issue #19, also what ``rlhf_hpc/bench/trl_ppo_step.py`` runs through TRL): a
+The workload (issue #19, also what ``benchmarks/trl_ppo_step.py`` runs through TRL): a
 Qwen2-shaped model of hidden 512, 4 layers, 8 heads / 2 KV heads, intermediate 1408, vocabulary
 8000, untied embeddings (19.5M parameters), random weights; 64 prompts of 26 tokens per step
 (``synthetic://copy``), exactly 32 new tokens each (EOS ignored); 1 PPO epoch of 4 mini-batches for
@@ -184,7 +184,7 @@ def main() -> None:
         metavar="VENV",
         type=Path,
         help="also run TRL's PPOTrainer on the same work from this virtual environment (create it with "
-        "python -m rlhf_hpc.bench.trl_ppo_step --setup VENV) and print both side by side",
+        "python -m benchmarks.trl_ppo_step --setup VENV) and print both side by side",
     )
     ap.add_argument(
         "--variant",

@@ -1,7 +1,7 @@
 """Measures this machine's CPU figures for the time plan (rlhf_hpc.planning.hardware, preset ``cpu``)
 and writes them, atomically, where the plan reads them (``~/.cache/rlhf-hpc/calibration/cpu.json``, or ``--out``).
 
-    python -m rlhf_hpc.bench.calibrate [--ranks 2] [--out PATH] [--skip-vllm]
+    python -m rlhf_hpc.hardware_checks.calibrate [--ranks 2] [--out PATH] [--skip-vllm]
 
 Re-launches itself under torchrun (gloo), one thread per rank, every rank measuring at once (as a
 run's ranks share the machine):
@@ -55,7 +55,7 @@ from rlhf_hpc.rollout.base import Sampling
 from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 
-__all__: list[str] = []  # a script: nothing here is imported elsewhere
+__all__ = ["main"]  # launch.py calibrate
 
 BENCH_MODEL = (
     "tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
         "--standalone",
         f"--nproc-per-node={args.ranks}",
         "-m",
-        "rlhf_hpc.bench.calibrate",
+        "rlhf_hpc.hardware_checks.calibrate",
         "--worker",
         "--out",
         str(out),

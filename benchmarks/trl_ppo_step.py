@@ -1,10 +1,10 @@
-"""The same PPO workload as ``rlhf_hpc.bench.ppo_step``, run by TRL's ``PPOTrainer`` for comparison.
+"""The same PPO workload as ``benchmarks.ppo_step``, run by TRL's ``PPOTrainer`` for comparison.
 
 TRL is never a dependency of this project: ``--setup VENV`` creates a virtual environment with
-TRL (and the CPU torch wheel) beside it; ``rlhf_hpc.bench.ppo_step --vs-trl VENV`` then runs both
+TRL (and the CPU torch wheel) beside it; ``benchmarks.ppo_step --vs-trl VENV`` then runs both
 trainers side by side. Run alone, this script is what each of the 2 ranks executes there:
 
-    VENV/bin/python -m torch.distributed.run --nproc-per-node 2 rlhf_hpc/bench/trl_ppo_step.py WORKDIR
+    VENV/bin/python -m torch.distributed.run --nproc-per-node 2 benchmarks/trl_ppo_step.py WORKDIR
 
 ``WORKDIR`` holds ``workload.json`` (model shape, prompts, batch sizes), written by ppo_step. TRL's
 loop has no phase timers; its three phases are timed by wrapping the functions its loop calls

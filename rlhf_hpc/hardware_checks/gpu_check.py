@@ -1,6 +1,6 @@
 """GPU readiness check: the GPU code paths measured on one device, in one command, in minutes.
 
-    python -m rlhf_hpc.bench.gpu_check OUT_DIR [--budget-s 480] [--cpu-smoke] [--only TEXT]
+    python -m rlhf_hpc.hardware_checks.gpu_check OUT_DIR [--budget-s 480] [--cpu-smoke] [--only TEXT]
 
 On one GPU (world size 1: alone, or under ``torchrun --nproc-per-node=1``; NCCL) it builds
 random-weight models with the real shapes of Qwen2.5-0.5B and -7B (configs in code, no downloads;
@@ -60,7 +60,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf_hpc.bench.gpu_check_cases import (
+from rlhf_hpc.hardware_checks.gpu_check_cases import (
     UPDATE_MODES,
     actor_update_case,
     attention_case,
@@ -72,7 +72,7 @@ from rlhf_hpc.bench.gpu_check_cases import (
     update_step_case,
     update_step_estimate_s,
 )
-from rlhf_hpc.bench.gpu_check_setup import (
+from rlhf_hpc.hardware_checks.gpu_check_setup import (
     GPU_WORK,
     PLAN_LAYERS,
     QWEN25_0_5B,
@@ -89,7 +89,7 @@ from rlhf_hpc.bench.gpu_check_setup import (
 )
 from rlhf_hpc.planning.sizing import model_shape
 
-__all__: list[str] = []  # a script: python -m rlhf_hpc.bench.gpu_check
+__all__ = ["main"]  # launch.py gpu-check, or python -m rlhf_hpc.hardware_checks.gpu_check
 
 START = time.monotonic()
 # what the engine cases check only where vLLM is installed (elsewhere they run the hf engine)

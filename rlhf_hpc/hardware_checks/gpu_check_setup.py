@@ -1,4 +1,4 @@
-"""The GPU readiness check's shapes, workloads and measuring helpers (``rlhf_hpc.bench.gpu_check``)."""
+"""The GPU readiness check's shapes, workloads and measuring helpers (``rlhf_hpc.hardware_checks.gpu_check``)."""
 
 from __future__ import annotations
 

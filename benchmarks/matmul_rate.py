@@ -1,7 +1,7 @@
 """How fast one host core multiplies the matrices of the issue-19 workload, fp32 against bf16: the
 floor under any trainer's step on the CPU.
 
-    python -m rlhf_hpc.bench.matmul_rate [--tokens 464] [--threads 1]
+    python -m benchmarks.matmul_rate [--tokens 464] [--threads 1]
 
 The shapes are one micro-batch of the ``ppo_step`` workload (8 rows x 58 tokens = 464 tokens per
 rank) through the Qwen2-shaped model of hidden 512, intermediate 1408, 2 KV heads of 64, vocabulary
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rlhf_hpc.bench.ppo_step import model_shape
+from benchmarks.ppo_step import model_shape
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 

@@ -2,11 +2,11 @@
 step's ``plan/<phase>_s`` (planned with that step's lengths, on this machine's calibration) beside
 its ``timing_s/<phase>``; the median over steps after the first two, and the error per phase.
 
-    python -m rlhf_hpc.bench.calibrate          # first: this machine's figures
-    python -m rlhf_hpc.bench.time_plan_check [--only demo,bench,smollm2] [--steps 8]
+    python launch.py calibrate          # first: this machine's figures
+    python -m benchmarks.time_plan_check [--only demo,bench,smollm2] [--steps 8]
 
   demo      recipe tiny_klppo as it is (0.3M parameters, overhead-bound)
-  bench     the 19.5M-parameter workload of rlhf_hpc.bench.ppo_step (64 prompts x 32 new tokens)
+  bench     the 19.5M-parameter workload of benchmarks.ppo_step (64 prompts x 32 new tokens)
   smollm2   recipe smollm2_add_klppo (SmolLM2-135M-Instruct, bf16; needs the model in
             ~/.cache/rlhf-hpc/models, ../shared/notes/real-models.md), fewer steps
 """
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlhf_hpc.bench.ppo_step import REPO, WORKLOAD
+from benchmarks.ppo_step import REPO, WORKLOAD
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 

@@ -3,7 +3,7 @@ full fp32 upcast (what the actor did first), fp32 chunks recomputed in backward 
 checkpointing (what it did next), and ``algos.token_logprobs_chunked`` (fp32 chunks, the gradient
 written out: ``algos._TokenLogProbs``).
 
-    python -m rlhf_hpc.bench.logprob_memory [--tokens 8192] [--vocab 32000]
+    python -m benchmarks.logprob_memory [--tokens 8192] [--vocab 32000]
 
 Each variant runs in a fresh process (peak resident memory, VmHWM, reset just before; glibc told to
 return freed blocks with MALLOC_MMAP_THRESHOLD_=65536). The logits are bf16, as a bf16 model's head
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             [
                 sys.executable,
                 "-m",
-                "rlhf_hpc.bench.logprob_memory",
+                "benchmarks.logprob_memory",
                 "--variant",
                 variant,
                 "--tokens",

@@ -1,6 +1,6 @@
 """The memory plan's training-phase estimate against measured peaks on CPU.
 
-    python -m rlhf_hpc.bench.memory_plan_check [--json OUT.json]
+    python -m benchmarks.memory_plan_check [--json OUT.json]
 
 For each case a fresh process (1 rank, gloo, FSDP2 over a 1-rank mesh, fp32) builds the actor,
 its AdamW optimizer and runs two ``Actor.update_policy`` steps (the second with the optimizer state
@@ -141,7 +141,7 @@ def run_case(name: str) -> dict:
         MASTER_PORT=str(port),
     )
     out = subprocess.run(
-        [sys.executable, "-m", "rlhf_hpc.bench.memory_plan_check", "--case", name],
+        [sys.executable, "-m", "benchmarks.memory_plan_check", "--case", name],
         env=env,
         capture_output=True,
         text=True,

@@ -1,6 +1,6 @@
 """Weight sync FSDP2 actor -> rollout engine, four ways, side by side; then vllm vs hf generation.
 
-    python -m rlhf_hpc.bench.weight_sync [--nproc 4] [--skip-generate]
+    python -m benchmarks.weight_sync [--nproc 4] [--skip-generate]
 
 Re-launches itself under torchrun (gloo, CPU) with MALLOC_MMAP_THRESHOLD_=65536 so freed memory
 goes back to the OS and the peak resident memory (VmHWM) of each rank measures what a method
@@ -51,7 +51,7 @@ def relaunch(args) -> None:
         "--standalone",
         f"--nproc-per-node={args.nproc}",
         "-m",
-        "rlhf_hpc.bench.weight_sync",
+        "benchmarks.weight_sync",
         "--worker",
     ] + (["--skip-generate"] if args.skip_generate else [])
     sys.exit(subprocess.call(cmd, env=env))

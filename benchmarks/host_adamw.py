@@ -2,7 +2,7 @@
 optimizer lives on the CPU: FSDP2 CPUOffloadPolicy, i.e. ``param_offload``). Parameters per
 second, and what that means for one optimizer step of a 7B model's shard on 8 GPUs.
 
-    python -m rlhf_hpc.bench.host_adamw [--params-m 50]
+    python -m benchmarks.host_adamw [--params-m 50]
 """
 
 from __future__ import annotations
