@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -169,3 +170,44 @@ def wandb_history_so_far(wandb_file: Path) -> list[dict]:
         return wandb_history(wandb_file)
     except DecodeError:
         return []
+
+
+# The fast tier (`-m "not slow"`) starts nothing: a test outside `slow` whose setup or body starts a
+# process (torchrun, launch.py, sbatch, bwrap, an engine's workers) fails, naming what it started.
+STARTS = ("subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.system", "os.exec", "os.spawn")
+started: list[str] = []
+
+
+def _record_start(event: str, args: tuple) -> None:
+    if event in STARTS:
+        started.append(f"{event}: {str(args[0] if args else '')[:120]}")
+
+
+sys.addaudithook(_record_start)
+_mp_start = multiprocessing.process.BaseProcess.start
+
+
+def _recorded_mp_start(self):  # multiprocessing's spawn and forkserver raise no audit event
+    started.append(f"multiprocessing: {self.name}")
+    return _mp_start(self)
+
+
+multiprocessing.process.BaseProcess.start = _recorded_mp_start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _starts_nothing_unless_slow(item, "its setup (a fixture)"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _starts_nothing_unless_slow(item, "it"))
+
+
+def _starts_nothing_unless_slow(item, who: str):
+    started.clear()
+    result = yield
+    if started and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{who} started {started[0]} ({len(started)} in all): mark the test slow (tests/README.md)")
+    return result

@@ -81,3 +81,21 @@ def test_the_console_line_shows_validation_scores_and_no_step_time_for_a_validat
         )
     finally:
         tracker.close()
+
+
+def test_a_finished_run_ends_on_one_line_saying_where_it_is_and_what_comes_next(tmp_path):
+    from rlhf_hpc.observability.run_summary import run_summary
+
+    run = tmp_path / "run"
+    last = {"critic/score/mean": 0.612, "actor/pg_loss": 0.1}
+    val = {"val-core/synthetic/copy/reward/mean@1": 0.65, "val-aux/x/mean": 1.0}
+    line = run_summary(60, 60, last, val, 3725.2, run, run / "global_step_60")
+    assert "\n" not in line and line.startswith("[rlhf-hpc] done: 60/60 steps in 1h02m05s; last score 0.612 ")
+    assert "validation val-core/synthetic/copy/reward/mean@1 0.65;" in line and "val-aux" not in line
+    assert f"checkpoint {run}/global_step_60, metrics {run}/metrics.jsonl" in line
+    assert f"python launch.py compare {run} OTHER_RUN_DIR --out DIR" in line
+    assert f"python launch.py export {run}/global_step_60 --out DIR" in line and "resumes from it" in line
+    # nothing saved, no validation: it says so instead of pointing at nothing
+    bare = run_summary(4, 4, {}, {}, 42.0, run, None)
+    assert bare.startswith("[rlhf-hpc] done: 4/4 steps in 42s; metrics ") and "launch.py export" not in bare
+    assert "no checkpoint to export or resume from (trainer.save_freq)" in bare and "validation" not in bare

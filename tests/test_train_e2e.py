@@ -143,6 +143,12 @@ def test_checkpoints_and_console(demo_run):
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "60"
     assert (run / "config.yaml").is_file()
     assert "step 60/60 | score" in stdout and "ETA" in stdout
+    # the run ends on one line: what it did, where it is, what comes next
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("[rlhf-hpc] done: 60/60 steps in ") and "last score " in last, last
+    assert "validation val-core/synthetic/copy/reward/mean@1 " in last, last
+    assert f"checkpoint {run}/global_step_60, metrics {run}/metrics.jsonl" in last, last
+    assert f"python launch.py export {run}/global_step_60 --out DIR" in last and f"compare {run} " in last, last
     # the tiny models are replicated (rlhf_hpc.planning.layout_search), and the plan says why, once
     assert stdout.count("FSDP layout of actor, ref, critic: fsdp_size=1, reshard_after_forward=false") == 1
     assert "# FSDP layout of actor, ref, critic" in stdout

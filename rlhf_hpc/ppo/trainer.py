@@ -52,7 +52,8 @@ from rlhf_hpc.models.hf import model_config, torch_dtype
 from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.observability.profiling import StepProfiler
-from rlhf_hpc.observability.startup import StartupClock
+from rlhf_hpc.observability.run_summary import run_summary
+from rlhf_hpc.observability.startup import StartupClock, process_started
 from rlhf_hpc.observability.tracking import Tracker
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import select_rows
@@ -107,6 +108,7 @@ class PPOTrainer:
         self.cfg, self.ctx = cfg, ctx
         self.clock = clock or StartupClock()
         self.run_dir = Path(tr.default_local_dir).expanduser()
+        self.last_saved: Optional[int] = None  # the step of the last checkpoint this process wrote
         torch.manual_seed(tr.seed)
         self.tokenizer = load_tokenizer(
             tokenizer_path(cfg), arr.model.trust_remote_code, arr.model.custom_chat_template
@@ -233,6 +235,7 @@ class PPOTrainer:
 
     def save(self, at_step: int) -> None:
         arr = self.cfg.actor_rollout_ref
+        self.last_saved = at_step
         ckpt.save_checkpoint(
             self.run_dir,
             at_step,
@@ -299,6 +302,7 @@ class PPOTrainer:
         plan = check_plan(cfg, device_memory_gb(self.ctx.device))[0] if self.ctx.is_main else None
         first_step = self.step
         timed = False  # the time plan's line: once, at the run's second step (its first warms up)
+        metrics, validation = {}, {}  # the last step's, the last validation's (for the closing line)
         while self.step < self.total_steps:
             self.step += 1
             step = self.step
@@ -325,7 +329,8 @@ class PPOTrainer:
             # 10. validation
             if self.val_set and tr.test_freq > 0 and (step % tr.test_freq == 0 or step == self.total_steps):
                 t0 = time.perf_counter()
-                metrics.update(self.run_validation())
+                validation = self.run_validation()
+                metrics.update(validation)
                 metrics["timing_s/testing"] = time.perf_counter() - t0
             # 11. the stability guard: a divergent step is logged, then undone
             reason = self.guard.check(metrics)
@@ -351,6 +356,18 @@ class PPOTrainer:
                     self.stopper.mark_stopped()
                 self.tracker.log_line(f"[rlhf-hpc] stopping after step {step}: {self.stopper.reason}; checkpoint saved")
                 break
+        if self.step == self.total_steps:  # 13. the run's closing line
+            self.tracker.log_line(
+                run_summary(
+                    self.step,
+                    self.total_steps,
+                    metrics,
+                    validation,
+                    time.clock_gettime(time.CLOCK_BOOTTIME) - process_started(),
+                    self.run_dir,
+                    None if self.last_saved is None else ckpt.step_dir(self.run_dir, self.last_saved),
+                )
+            )
         self.tracker.close()
         self.rollout.close()
 
