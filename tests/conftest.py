@@ -173,41 +173,59 @@ def wandb_history_so_far(wandb_file: Path) -> list[dict]:
 
 
 # The fast tier (`-m "not slow"`) starts nothing: a test outside `slow` whose setup or body starts a
-# process (torchrun, launch.py, sbatch, bwrap, an engine's workers) fails, naming what it started.
+# process (torchrun, launch.py, sbatch, bwrap, an engine's workers) is stopped there and fails, naming
+# what it started.
 STARTS = ("subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.system", "os.exec", "os.spawn")
-started: list[str] = []
+fast_test: list[str] = []  # the node id of the running test when it is not marked slow
 
 
-def _record_start(event: str, args: tuple) -> None:
+class StartsAProcess(RuntimeError):
+    pass
+
+
+refused: list[str] = []  # what a fast test tried to start (whether or not the code under test caught it)
+
+
+def _refuse_start(what: str) -> None:
+    if fast_test:
+        refused.append(what[:160])
+        raise StartsAProcess(f"{fast_test[0]} is not marked slow and starts {what[:160]}: mark it slow")
+
+
+def _audit(event: str, args: tuple) -> None:
     if event in STARTS:
-        started.append(f"{event}: {str(args[0] if args else '')[:120]}")
+        _refuse_start(f"{event} {args[0] if args else ''}")
 
 
-sys.addaudithook(_record_start)
+sys.addaudithook(_audit)
 _mp_start = multiprocessing.process.BaseProcess.start
 
 
-def _recorded_mp_start(self):  # multiprocessing's spawn and forkserver raise no audit event
-    started.append(f"multiprocessing: {self.name}")
+def _checked_mp_start(self):  # multiprocessing's spawn and forkserver raise no audit event
+    _refuse_start(f"multiprocessing {self.name}")
     return _mp_start(self)
 
 
-multiprocessing.process.BaseProcess.start = _recorded_mp_start
+multiprocessing.process.BaseProcess.start = _checked_mp_start
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    return (yield from _starts_nothing_unless_slow(item, "its setup (a fixture)"))
+    return (yield from _fast_unless_slow(item))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    return (yield from _starts_nothing_unless_slow(item, "it"))
+    return (yield from _fast_unless_slow(item))
 
 
-def _starts_nothing_unless_slow(item, who: str):
-    started.clear()
-    result = yield
-    if started and item.get_closest_marker("slow") is None:
-        pytest.fail(f"{who} started {started[0]} ({len(started)} in all): mark the test slow (tests/README.md)")
+def _fast_unless_slow(item):
+    fast_test[:] = [] if item.get_closest_marker("slow") else [item.nodeid]
+    refused.clear()
+    try:
+        result = yield
+    finally:
+        fast_test.clear()
+    if refused:  # the code under test caught the refusal: the test still fails
+        pytest.fail(f"{item.nodeid} is not marked slow and starts {refused[0]}: mark it slow (tests/README.md)")
     return result

@@ -269,6 +269,7 @@ def model_tokens_logprob_diff(model, prompt: list[int], r) -> float:
     return (actor[keep] - torch.tensor(r.logprobs)[keep]).abs().max().item()
 
 
+@pytest.mark.slow
 def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_trained(taught):
     engine, model, tok = taught
     agent = loop(engine, tok, {"lookup": tool_model.LookupTool({}, tool_model.SCHEMA)}, [tool_model.SCHEMA])
@@ -313,6 +314,7 @@ def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_t
     assert agent.take_metrics()["tools/tool_calls"] == 0  # taken: counting starts again
 
 
+@pytest.mark.slow
 def test_tools_that_fail_time_out_or_are_unknown_answer_with_an_error_and_the_loop_goes_on(taught):
     engine, _, tok = taught
     sampling = Sampling(n=1, temperature=0.0, do_sample=False, max_tokens=96, stop_token_ids=[tok.eos_token_id])
@@ -372,6 +374,7 @@ def test_tools_that_fail_time_out_or_are_unknown_answer_with_an_error_and_the_lo
     assert agent.take_metrics()["tools/tool_errors"] == 2
 
 
+@pytest.mark.slow
 def test_a_tool_that_never_returns_does_not_hold_the_process_at_exit():
     """A thread pool's workers are joined at exit: a hung tool would keep a rank (and its requeue)
     from ever ending. The runner's calls are abandoned at their time limit, and the process exits."""
@@ -388,6 +391,7 @@ def test_a_tool_that_never_returns_does_not_hold_the_process_at_exit():
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_the_budget_and_the_turn_limits_end_a_conversation(taught):
     engine, _, tok = taught
     sampling = Sampling(n=1, temperature=0.0, do_sample=False, max_tokens=96, stop_token_ids=[tok.eos_token_id])
@@ -405,6 +409,7 @@ def test_the_budget_and_the_turn_limits_end_a_conversation(taught):
     assert len(r.token_ids) == call and r.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_the_code_interpreter_answers_with_the_output_or_the_sandboxs_verdict():
     from rlhf_hpc.config.sandbox_schema import SandboxConfig
     from rlhf_hpc.tools.sandbox import SandboxUnavailable, sandbox_backend
@@ -492,6 +497,7 @@ def interaction_rows(tok, keys):
     return prompts, examples
 
 
+@pytest.mark.slow
 def test_an_interaction_answers_the_models_turn_as_the_user_and_its_tokens_are_not_trained(taught):
     engine, model, tok = taught
     tools = {"lookup": tool_model.LookupTool({}, tool_model.SCHEMA)}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.data.synthetic import CODE_TASKS, synthetic_rows
 from rlhf_hpc.observability.tracking import read_metrics
@@ -46,6 +48,7 @@ def code_turns(right_share: float):
     return turns
 
 
+@pytest.mark.slow
 def test_the_taught_programs_are_what_the_cases_check():
     from rlhf_hpc.rewards import rule_score
 
@@ -65,6 +68,7 @@ def test_the_taught_programs_are_what_the_cases_check():
         assert rule_score(row["data_source"], wrong(row, rng)[0]["content"], truth, {}) < 1.0
 
 
+@pytest.mark.slow
 def test_grpo_on_the_programming_set_runs_every_program_in_the_sandbox(shared_dir, tmp_path):
     engine_available("vllm")
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_hpc.observability.compare import compare, load_run, series
 from rlhf_hpc.recipe.load import load_config, write_resolved
-from tests.conftest import run_launch, wandb_run_record
+from tests.conftest import launch_here, run_launch, wandb_run_record
 
 KL_KEY = "algorithm.kl_ctrl.kl_coef"
 
@@ -46,6 +46,7 @@ def two_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_compare_plots_one_panel_per_metric_and_one_line_per_run(two_runs, tmp_path):
     fig, table, keys = compare(two_runs, out=tmp_path)
     assert keys == [KL_KEY, "trainer.logger"]
@@ -74,8 +75,9 @@ def test_compare_plots_one_panel_per_metric_and_one_line_per_run(two_runs, tmp_p
     assert (tmp_path / "compare.csv").read_text().startswith("run,differs,steps,")
 
 
+@pytest.mark.slow
 def test_compare_command_prints_the_table(two_runs, tmp_path):
-    out = run_launch(
+    out = launch_here(
         "compare", *map(str, two_runs), "--metrics", "critic/score/mean,critic/vf_loss", "--out", str(tmp_path)
     )
     assert out.returncode == 0, out.stderr
@@ -97,14 +99,16 @@ def test_requeued_and_running_runs_are_read_in_step_order(tmp_path):
     assert series(load_run(run), "critic/score/mean") == ([1, 2, 3, 4], [0.1, 0.25, 0.35, 0.4])
 
 
+@pytest.mark.slow
 def test_bad_input_names_the_problem(two_runs, tmp_path):
-    out = run_launch("compare", str(two_runs[0]), str(tmp_path))
+    out = launch_here("compare", str(two_runs[0]), str(tmp_path))
     assert out.returncode == 2 and f"{tmp_path} is not a run directory (no config.yaml or metrics.jsonl)" in out.stderr
-    out = run_launch("compare", *map(str, two_runs), "--metrics", "critic/score/men", "--out", str(tmp_path))
+    out = launch_here("compare", *map(str, two_runs), "--metrics", "critic/score/men", "--out", str(tmp_path))
     assert out.returncode == 2
     assert "no run has the metric(s): critic/score/men (did you mean critic/score/mean?)" in out.stderr
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_group_tags_and_flat_config(two_runs):
     (wandb_file,) = (two_runs[0] / "wandb").glob("offline-run-*/run-*.wandb")
     run = wandb_run_record(wandb_file)

@@ -339,6 +339,7 @@ def test_greedy_sampling_with_several_responses_runs_with_a_warning():
     ]
 
 
+@pytest.mark.slow
 def test_vllm_engine_generates_a_greedy_response_once_and_repeats_it():
     """vLLM refuses n > 1 with greedy sampling: the engine asks for one and repeats it n times."""
     import contextlib

@@ -213,6 +213,7 @@ def test_gsm8k_reference_answers_score_one_and_perturbed_zero(shared_dir):
         assert gsm8k_score(perturbed, truth) == 0.0
 
 
+@pytest.mark.slow
 def test_prepare_cli_and_loading_with_the_real_qwen2_tokenizer(shared_dir, tmp_path):
     out = subprocess.run(
         [

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, require
 
 SETUP = REPO / "env" / "setup.sh"
@@ -17,6 +19,7 @@ def _running_in_setup_venv() -> bool:
     return (Path(sys.prefix) / ".rlhf-hpc-setup").is_file()
 
 
+@pytest.mark.slow
 def test_second_run_is_a_fast_no_op():
     require(
         "a venv built by env/setup.sh",
@@ -43,6 +46,7 @@ def test_cpu_venv_has_no_cuda_torch_and_no_vllm_breakers():
         assert importlib.util.find_spec(name) is None, f"{name} breaks 'import vllm' on CPU"
 
 
+@pytest.mark.slow
 def test_unknown_profile_is_refused(tmp_path):
     env = dict(os.environ, RLHF_HPC_VENV=str(tmp_path / "venv"))
     out = subprocess.run(["bash", str(SETUP), "tpu"], env=env, capture_output=True, text=True, timeout=60)
@@ -80,6 +84,7 @@ def _plan(tmp_path: Path, driver: str | None, profile: str = "gpu", **env_vars: 
     return out
 
 
+@pytest.mark.slow
 def test_a_driver_of_r580_or_newer_gets_the_cuda13_build(tmp_path):
     """PyPI's vLLM 0.33.0 and torch 2.14.0 (their CUDA 13 builds: env/README.md), then FlashInfer's kernels."""
     for driver in ("580.95.05", "590.44.01"):
@@ -91,6 +96,7 @@ def test_a_driver_of_r580_or_newer_gets_the_cuda13_build(tmp_path):
         assert "download.pytorch.org" not in out.stdout and "minor-version" not in out.stdout
 
 
+@pytest.mark.slow
 def test_drivers_r525_to_r579_get_the_newest_vllm_with_a_cuda12_build(tmp_path):
     """vLLM 0.33 has no CUDA 12 build: 0.26.0+cu129 from vLLM's per-release index, torch 2.11.0 from
     PyTorch's cu129 index (no +cu128 asset exists, so no release URL of one is ever named)."""
@@ -115,6 +121,7 @@ def test_drivers_r525_to_r579_get_the_newest_vllm_with_a_cuda12_build(tmp_path):
     assert "plan: pip install /mirror/vllm-0.26.0+cu129-cp38-abi3-x.whl torch==2.11.0" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_driver_older_than_r525_stops_with_the_fix(tmp_path):
     out = _plan(tmp_path, "470.256.02")
     assert out.returncode == 1 and "plan:" not in out.stdout
@@ -122,6 +129,7 @@ def test_a_driver_older_than_r525_stops_with_the_fix(tmp_path):
     assert "Ask the site for driver R525+" in out.stderr
 
 
+@pytest.mark.slow
 def test_no_driver_stops_unless_the_build_is_named(tmp_path):
     out = _plan(tmp_path, None)
     assert out.returncode == 1 and "nvidia-smi not found" in out.stderr and "RLHF_HPC_CUDA=12.9" in out.stderr
@@ -136,6 +144,7 @@ def test_no_driver_stops_unless_the_build_is_named(tmp_path):
     assert out.returncode == 1 and "RLHF_HPC_CUDA='12.4': use 12.9 or 13.0" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_python_older_than_3_11_is_refused_by_name(tmp_path):
     """vLLM needs 3.11: said before pip runs, for both profiles, naming the interpreter's version."""
     fake = tmp_path / "python3.10"
@@ -147,6 +156,7 @@ def test_a_python_older_than_3_11_is_refused_by_name(tmp_path):
         assert f"{fake} is Python 3.10.14; rlhf-hpc needs Python 3.11 or newer" in out.stderr
 
 
+@pytest.mark.slow
 def test_flash_attn_is_opt_in(tmp_path):
     out = _plan(tmp_path, "580.95.05")
     assert "flash-attn: not installed (set RLHF_HPC_FLASH_ATTN=1" in out.stdout and "varlen" in out.stdout
@@ -155,6 +165,7 @@ def test_flash_attn_is_opt_in(tmp_path):
     assert "plan: pip install --no-build-isolation 'flash-attn>=2.7'" in out.stdout
 
 
+@pytest.mark.slow
 def test_auto_profile_follows_the_driver(tmp_path):
     out = _plan(tmp_path, "570.133.20", profile="auto")
     assert out.returncode == 0 and "auto-detected profile: gpu" in out.stdout and "(cu129)" in out.stdout

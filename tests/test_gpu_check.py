@@ -48,6 +48,7 @@ def smoke(tmp_path_factory):
     return proc, out, json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_case_without_optional_packages(smoke):
     proc, out, data = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -86,6 +87,7 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert all(f"not checked: {w}" in proc.stdout for w in data["not_checked"])
 
 
+@pytest.mark.slow
 def test_smoke_figures_are_measurements(smoke):
     _, _, data = smoke
     by = {(c["model"], c["case"]): c for c in data["cases"]}
@@ -130,6 +132,7 @@ def test_smoke_figures_are_measurements(smoke):
     assert attn["max_abs_diff"] < 2e-2  # bf16: the dense block-diagonal mask is per-sequence attention
 
 
+@pytest.mark.slow
 def test_smoke_prints_the_table_last_and_writes_it(smoke):
     proc, out, data = smoke
     lines = proc.stdout.strip().splitlines()
@@ -140,6 +143,7 @@ def test_smoke_prints_the_table_last_and_writes_it(smoke):
     assert (out / "gpu_check.md").read_text().strip().splitlines() == table
 
 
+@pytest.mark.slow
 def test_budget_skips_cases_and_says_so(tmp_path):
     proc = run_check(tmp_path, "--budget-s", "0")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -173,6 +177,7 @@ def test_model_flops_match_torch_flop_counter():
     assert b - a == 2 * cfg.num_hidden_layers * cfg.hidden_size * (80**2 - 30**2 - 50**2)
 
 
+@pytest.mark.slow
 def test_the_colocated_engine_cases_run_vllm_where_it_is_installed(tmp_path):
     """The three engine cases with vLLM importable (its CPU build here; on a GPU the same code sleeps
     and wakes the engine): the trainer's loop with its in-place reloads, LoRA's adapter-only second

@@ -53,6 +53,7 @@ def test_cpu_ranks_get_the_settings_unless_the_user_chose(monkeypatch):
     assert describe_malloc_settings({}) == "the C library's defaults (this rank was not started by the launcher)"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc: Linux only")
 def test_freed_buffers_are_reused_without_page_faults():
     """glibc's defaults return the freed 64 MiB to the kernel each round and fault it in again

@@ -11,11 +11,11 @@ import yaml
 
 from rlhf_hpc.distributed.host_allocator import malloc_tunables
 from rlhf_hpc.recipe.load import load_resolved
-from tests.conftest import REPO, run_launch
+from tests.conftest import REPO, launch_here, run_launch
 
 
 def test_help_lists_recipes_and_main_keys():
-    out = run_launch("--help")
+    out = launch_here("--help")
     assert out.returncode == 0, out.stderr
     for name in ("tiny_klppo", "qwen7b_klppo", "qwen7b_klppo_4node", "qwen05b_klppo"):
         assert f"\n  {name} " in out.stdout
@@ -23,7 +23,7 @@ def test_help_lists_recipes_and_main_keys():
 
 
 def test_dry_run_prints_resolved_config_and_command_and_runs_nothing(tmp_path):
-    out = run_launch("recipe=qwen7b_klppo", "--dry-run", f"trainer.default_local_dir={tmp_path}/run", "cluster=local")
+    out = launch_here("recipe=qwen7b_klppo", "--dry-run", f"trainer.default_local_dir={tmp_path}/run", "cluster=local")
     assert out.returncode == 0, out.stderr
     config_text, _, command = out.stdout.partition("# command (cluster=local)\n")
     cfg = yaml.safe_load(config_text)
@@ -38,7 +38,7 @@ def test_dry_run_prints_resolved_config_and_command_and_runs_nothing(tmp_path):
 
 
 def test_user_error_exits_non_zero_without_traceback():
-    out = run_launch("recipe=tiny_klppo", "actor_rollout_ref.actor.lr=1e-6", "--dry-run")
+    out = launch_here("recipe=tiny_klppo", "actor_rollout_ref.actor.lr=1e-6", "--dry-run")
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert (
@@ -47,9 +47,10 @@ def test_user_error_exits_non_zero_without_traceback():
     ) in out.stderr
 
 
+@pytest.mark.slow
 def test_no_recipe_means_the_defaults_and_bad_arguments():
     # as verl: its defaults (ppo_trainer.yaml's, which are this project's) are enough to start from
-    out = run_launch("--dry-run", "cluster=local")
+    out = launch_here("--dry-run", "cluster=local")
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout.partition("# command (cluster=local)\n")[0])
     assert cfg["trainer"]["recipe"] is None and cfg["data"]["train_batch_size"] == 1024
@@ -60,6 +61,7 @@ def test_no_recipe_means_the_defaults_and_bad_arguments():
     assert out.returncode == 2 and "unknown option '--dryrun'" in out.stderr
 
 
+@pytest.mark.slow
 def test_real_launch_checks_files_first(tmp_path):
     out = run_launch(
         "recipe=tiny_klppo", f"data.train_files={tmp_path}/missing.parquet", f"trainer.default_local_dir={tmp_path}/run"
@@ -69,6 +71,7 @@ def test_real_launch_checks_files_first(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_slurm_without_sbatch_is_a_clear_error(tmp_path):
     out = run_launch(
         "recipe=tiny_klppo", "cluster=slurm", f"trainer.default_local_dir={tmp_path}/run", env={"PATH": str(tmp_path)}
@@ -78,12 +81,14 @@ def test_slurm_without_sbatch_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_auto_cluster_picks_local_without_sbatch(tmp_path):
     out = run_launch("recipe=tiny_klppo", "cluster=auto", "--dry-run", env={"PATH": str(tmp_path)})  # no sbatch
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout.partition("# command")[0])["launcher"]["cluster"] == "local"
 
 
+@pytest.mark.slow
 def test_auto_cluster_picks_slurm_where_sbatch_exists(tmp_path):
     fake = tmp_path / "sbatch"
     fake.write_text("#!/bin/sh\nexit 0\n")
@@ -134,8 +139,9 @@ def test_local_launch_brings_up_a_gloo_group_of_the_configured_size(tmp_path):
     assert not list(run_dir.glob("global_step_*"))  # save_freq=-1: no checkpoint
 
 
+@pytest.mark.slow
 def test_worker_refuses_a_group_of_the_wrong_size(tmp_path):
-    out = run_launch("recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path}", "--dry-run")
+    out = launch_here("recipe=tiny_klppo", f"trainer.default_local_dir={tmp_path}", "--dry-run")
     assert out.returncode == 0
     (tmp_path / "config.yaml").write_text(out.stdout.partition("# command")[0].partition("\n")[2])
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -160,6 +166,7 @@ def test_worker_refuses_a_group_of_the_wrong_size(tmp_path):
     assert "torchrun started 1 ranks but trainer.nnodes x trainer.n_gpus_per_node = 2" in proc.stderr
 
 
+@pytest.mark.slow
 def test_user_error_found_by_the_workers_is_one_line_for_the_job(tmp_path):
     # the launching machine checks columns; only the workers (with the tokenizer) see a prompt's length
     import pyarrow as pa

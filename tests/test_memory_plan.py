@@ -9,7 +9,7 @@ import pytest
 from rlhf_hpc.planning.memory_plan import build_plan, check_plan
 from rlhf_hpc.planning.sizing import GiB, layer_activation_bytes, logits_bytes, model_shape
 from rlhf_hpc.recipe.load import load_config
-from tests.conftest import run_launch
+from tests.conftest import launch_here, run_launch
 
 
 def plan_of(recipe: str, *overrides: str):
@@ -130,10 +130,10 @@ def test_cpu_runs_get_a_plan_but_no_refusal():
 
 
 def test_dry_run_prints_the_plan_and_refuses_an_impossible_one(tmp_path):
-    ok = run_launch("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/a")
+    ok = launch_here("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/a")
     assert ok.returncode == 0, ok.stderr
     assert "# memory plan per GPU: 80 GiB" in ok.stdout and "# OK   update_actor" in ok.stdout
-    bad = run_launch(
+    bad = launch_here(
         "recipe=qwen7b_klppo",
         "--dry-run",
         "cluster=local",
@@ -145,6 +145,7 @@ def test_dry_run_prints_the_plan_and_refuses_an_impossible_one(tmp_path):
     assert "error: invalid configuration: memory plan: phase gen needs" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_launch_is_refused_before_anything_starts(tmp_path):
     run = tmp_path / "run"
     out = run_launch(

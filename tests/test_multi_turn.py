@@ -155,6 +155,7 @@ def test_verls_gsm8k_multi_turn_command_line_dry_runs_with_its_tool_config(tmp_p
     assert "with multi_turn.enable it is the agent loop there" in err
 
 
+@pytest.mark.slow
 def test_the_code_interpreter_config_dry_runs_and_checks_the_sandbox(tmp_path, capsys):
     (tmp_path / "code.yaml").write_text(yaml.safe_dump(CODE_TOOL_CONFIG))
     args = verl_args(tmp_path) + [f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'code.yaml'}"]
@@ -196,6 +197,7 @@ def test_the_dry_runs_time_plan_has_the_turns_and_the_tools(tmp_path, capsys):
     assert rc == 2 and "plan.tool_seconds=1.0: planned for multi-turn runs only" in err, err
 
 
+@pytest.mark.slow
 def test_verls_gsm8k_interaction_command_line_dry_runs_with_its_interaction_config(shared_dir, tmp_path, capsys):
     import subprocess
     import sys
@@ -336,6 +338,7 @@ def tool_runs(tmp_path_factory):
     return read_metrics(data / "full"), read_metrics(data / "resumed"), data
 
 
+@pytest.mark.slow
 def test_tools_answer_and_only_the_models_tokens_are_trained(tool_runs):
     full, _, _ = tool_runs
     assert [m["training/global_step"] for m in full] == [1, 2, 3]
@@ -355,6 +358,7 @@ def test_tools_answer_and_only_the_models_tokens_are_trained(tool_runs):
     assert "val-core/synthetic/lookup/reward/mean@1" in full[1]
 
 
+@pytest.mark.slow
 def test_a_resume_replays_the_agent_loop_exactly(tool_runs):
     full, resumed, _ = tool_runs
     last = resumed[-1]
@@ -371,6 +375,7 @@ def test_a_resume_replays_the_agent_loop_exactly(tool_runs):
         assert last[key] == full[2][key], key
 
 
+@pytest.mark.slow
 def test_an_interaction_answers_as_the_user_through_the_trainer(tool_runs, tmp_path):
     """The taught model with its tool and a user who checks its answer (a user's own interaction,
     tests/tool_model.CodeCheckInteraction): right ends the conversation, wrong asks again."""
@@ -402,6 +407,7 @@ def test_an_interaction_answers_as_the_user_through_the_trainer(tool_runs, tmp_p
     assert m["rollout/logprob_diff_max"] < 1e-3 and m["tools/tokenization_mismatches"] <= rows // 8
 
 
+@pytest.mark.slow
 def test_prepare_writes_verls_multi_turn_gsm8k_rows_and_the_prompts_show_the_tool(shared_dir, tmp_path):
     import subprocess
     import sys
@@ -536,6 +542,7 @@ def verl_gsm8k_runs(shared_dir, tmp_path_factory):
     return read_metrics(home / "full"), read_metrics(home / "resumed")
 
 
+@pytest.mark.slow
 def test_verls_gsm8k_multi_turn_command_line_runs_on_cpu_with_a_small_model(verl_gsm8k_runs):
     full, resumed = verl_gsm8k_runs
     assert [m["training/global_step"] for m in full] == [1, 2]
@@ -561,6 +568,7 @@ def test_verls_gsm8k_multi_turn_command_line_runs_on_cpu_with_a_small_model(verl
 
 
 # ------------------------------------------------------------------------ RL learns the tool's use
+@pytest.mark.slow
 def test_rl_teaches_the_model_to_call_the_tool_whose_answer_it_needs(tmp_path):
     """The tool demo (recipe tiny_lookup_grpo) with its starting model, in 20 steps: a model that
     can call the tool and copy any code it answers (the codes it was taught on were random), but

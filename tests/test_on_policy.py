@@ -56,6 +56,7 @@ def test_the_source_of_pi_old_follows_what_reads_it(recipe, overrides, source):
     assert old_log_prob_source(cfg) == source
 
 
+@pytest.mark.slow
 def test_the_plans_drop_the_pass_that_does_not_run(smollm):
     for overrides, runs in (([], False), ([f"{ACTOR}ppo_epochs=2"], True)):
         cfg, _ = load_config("smollm2_add_grpo", [f"actor_rollout_ref.model.path={smollm}", *overrides])

@@ -86,6 +86,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_draw_the_rows_one_process_draws():
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(_port(), out), nprocs=2)

@@ -33,6 +33,7 @@ def vllm():
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
 
 
+@pytest.mark.slow
 def test_a_healthy_allocation_passes_every_check(vllm, tmp_path):
     out = run_launch(
         "preflight",
@@ -60,6 +61,7 @@ def test_a_healthy_allocation_passes_every_check(vllm, tmp_path):
     assert "4 rows x 40 tokens" in micro and "x;" in micro  # tiny_klppo: 4 per GPU, 32 + 8 tokens; a ratio
 
 
+@pytest.mark.slow
 def test_a_broken_weight_sync_fails_with_its_cause_and_key(vllm, tmp_path):
     # the fault seam's wrong_weights@0: the preflight's sync sends every tensor x1.5
     out = run_launch(
@@ -79,6 +81,7 @@ def test_a_broken_weight_sync_fails_with_its_cause_and_key(vllm, tmp_path):
     assert report[-2] == lines[-1] and report[-1].startswith("preflight failed: generation")
 
 
+@pytest.mark.slow
 def test_the_dry_run_shows_the_preflight_job(tmp_path):
     out = run_launch(
         "preflight",

@@ -29,7 +29,7 @@ from rlhf_hpc.observability.perf import Timer
 from rlhf_hpc.observability.profiling import HINT_STEPS, CommHint, StepProfiler
 from rlhf_hpc.observability.tracking import Tracker, config_hash, mlflow_metric_name, mlflow_tracking_uri, read_metrics
 from rlhf_hpc.recipe.load import load_config, load_resolved
-from tests.conftest import REPO, run_launch
+from tests.conftest import REPO, launch_here, run_launch
 
 NSYS_GOLDEN = REPO / "tests" / "golden" / "qwen7b_klppo_nsys.sbatch"
 TRACED_STEP = 2
@@ -106,6 +106,7 @@ def profiler_comm(trace: dict) -> tuple[int, float]:
     return len(top), _union_s(gloo + [(e["ts"], e["ts"] + e["dur"]) for e in ops])
 
 
+@pytest.mark.slow
 def test_chosen_step_is_traced_on_every_rank_with_the_loop_phases(run):
     run_dir, _, _ = run
     traces = run_dir / "profile"
@@ -123,6 +124,7 @@ def test_chosen_step_is_traced_on_every_rank_with_the_loop_phases(run):
         assert any(n.startswith("FSDP::all_gather") for n in names) and "gloo:all_gather" in names
 
 
+@pytest.mark.slow
 def test_comm_meter_agrees_with_the_profiler_on_the_traced_step(run):
     run_dir, _, _ = run
     for rank in (0, 1):
@@ -139,6 +141,7 @@ def test_comm_meter_agrees_with_the_profiler_on_the_traced_step(run):
         assert meter["by_phase_s"]["train"] > 0 and meter["by_phase_s"]["weight_sync"] > 0
 
 
+@pytest.mark.slow
 def test_every_step_logs_the_comm_fraction_and_its_split(run):
     run_dir, _, _ = run
     records = read_metrics(run_dir)
@@ -152,6 +155,7 @@ def test_every_step_logs_the_comm_fraction_and_its_split(run):
     assert records[TRACED_STEP - 1]["timing_s/comm"] == pytest.approx(meter["comm_s"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_console_hint_follows_the_logged_fractions(run):
     run_dir, first, _ = run
     records = read_metrics(run_dir)[:3]
@@ -163,6 +167,7 @@ def test_console_hint_follows_the_logged_fractions(run):
     assert first.count("[rlhf-hpc] communication took") <= 1
 
 
+@pytest.mark.slow
 def test_meter_counts_hsdp_replicate_all_reduces(tmp_path):
     """4 ranks on a (2, 2) HSDP mesh: FSDP2's replicate all-reduce (timed through its all-reduce
     hook) is counted like every other collective. Time is compared on the 2-rank run above only:
@@ -194,6 +199,7 @@ def test_meter_counts_hsdp_replicate_all_reduces(tmp_path):
 
 
 # ------------------------------------------------------------------------------ MLflow
+@pytest.mark.slow
 def test_mlflow_run_read_back_continues_across_the_resume(run):
     run_dir, _, second = run
     assert "resumed from" in second
@@ -220,6 +226,7 @@ def test_mlflow_run_read_back_continues_across_the_resume(run):
         assert [m.value for m in history] == pytest.approx([r[key] for r in jsonl], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_compare_reads_mlflow_only_runs(run, tmp_path):
     run_dir, _, _ = run
     run_id = (run_dir / "mlflow_run_id").read_text()
@@ -253,6 +260,7 @@ def test_compare_reads_mlflow_only_runs(run, tmp_path):
     assert out.returncode == 2 and "mlflow:0123456789abcdef: no such run at" in out.stderr
 
 
+@pytest.mark.slow
 def test_mlflow_tracking_uri_from_the_environment(tmp_path, monkeypatch):
     store = tmp_path / "server_store"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
@@ -387,7 +395,7 @@ def test_profiler_keys_are_checked():
 
 
 def test_nsys_sbatch_matches_the_golden_file(tmp_path):
-    out = run_launch(
+    out = launch_here(
         "recipe=qwen7b_klppo",
         "cluster=slurm",
         "launcher.cluster_profile=example-gpu",

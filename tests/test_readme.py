@@ -154,6 +154,7 @@ def run_page_commands(commands: list[str], home: Path, monkeypatch) -> None:
             assert proc.stdout.strip(), cmd
 
 
+@pytest.mark.slow
 def test_each_pages_commands_run_in_order_as_dry_runs(tmp_path, monkeypatch):
     require("../shared", SHARED.is_dir(), f"{SHARED} is missing (the GSM8K preparations read it)")
     for page in PAGES:

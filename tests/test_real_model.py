@@ -45,6 +45,7 @@ def gsm8k(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.slow
 def test_the_prepared_checkpoint_is_a_tied_chatml_llama(smollm):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -66,6 +67,7 @@ def test_the_prepared_checkpoint_is_a_tied_chatml_llama(smollm):
     assert "12 + 7" in tok.decode(out[0, ids.shape[1] :])  # a language model, not random weights
 
 
+@pytest.mark.slow
 def test_gsm8k_prompts_are_the_chat_template(smollm, gsm8k):
     from transformers import AutoTokenizer
 

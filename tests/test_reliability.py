@@ -411,6 +411,7 @@ def test_checkpoint_state_is_loaded_without_arbitrary_code(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     run = tmp_path / "run"
     cfg, _ = load_config("tiny_klppo", [f"trainer.default_local_dir={run}"])
@@ -438,6 +439,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     assert "data.max_response_length: 8 -> 12" in out.stderr
 
 
+@pytest.mark.slow
 def test_unwritable_or_full_run_directory_is_refused_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -647,6 +649,7 @@ def _different(value):
     return value + "?size=8" if value.startswith("synthetic://") else value + "-other"
 
 
+@pytest.mark.slow
 def test_run_files_are_not_world_writable(uninterrupted):
     for path in [uninterrupted, *uninterrupted.rglob("*")]:
         assert not path.stat().st_mode & 0o002, path

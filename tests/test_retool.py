@@ -171,6 +171,7 @@ def retool_args(root: Path) -> list[str]:
     return shlex.split(text)
 
 
+@pytest.mark.slow
 def test_retools_command_line_dry_runs_and_what_is_not_here_is_refused(shared_dir, tmp_path, capsys):
     from rlhf_hpc.cli import main as cli_main
 
@@ -246,6 +247,7 @@ def product_turns(row: dict, rng) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 def test_retools_command_line_runs_on_cpu_with_a_small_model(shared_dir, tmp_path):
     """As written, with the model swapped for the tiny Qwen2 on the real Qwen2 tokenizer taught
     ReTool's conversation (call code_interpreter with a python block, answer in \\boxed{}), sized for

@@ -365,6 +365,7 @@ def _two_rank_worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_holding_halves_give_the_whole_batchs_numbers():
     old, rollout, mask = batch(3, rows=13)
     with mp.Manager() as manager:

@@ -230,6 +230,7 @@ def test_host_shards_get_a_cpu_backend_beside_nccl():
     assert process_group_backend(cpu, cfg) == "gloo"
 
 
+@pytest.mark.slow
 def test_vllm_version_check_accepts_the_installed_build():
     from tests.conftest import require
 

@@ -99,6 +99,7 @@ def hold_lock(run: Path, job_id: str = "", env: dict | None = None) -> subproces
     return proc
 
 
+@pytest.mark.slow
 def test_the_lock_refuses_a_live_holder_and_takes_over_what_is_stale(tmp_path):
     run = tmp_path / "run"
     holder = hold_lock(run)
@@ -158,6 +159,7 @@ BEAT = (
 )
 
 
+@pytest.mark.slow
 def test_the_watchdog_tells_a_lost_a_crashed_a_terminated_and_a_hung_rank_apart(tmp_path):
     """Four beating processes: SIGKILL (lost), SIGSEGV (crashed), SIGTERM (ended by torchrun or a
     user: not the cause) and SIGSTOP (hung: its count stops moving)."""

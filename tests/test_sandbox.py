@@ -74,6 +74,7 @@ def leftover_sandbox_processes(wait_s: float = 2.0) -> list[str]:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_probe_finds_bwrap_here(mode):
     """The wheel's static bwrap creates its namespaces on this machine: as root without a user
     namespace (the program then runs under a fresh uid), otherwise in one."""
@@ -81,6 +82,7 @@ def test_the_probe_finds_bwrap_here(mode):
     assert mode == ("privileged" if os.geteuid() == 0 else "userns")
 
 
+@pytest.mark.slow
 def test_a_correct_program_reads_stdin_and_sees_nothing_of_the_host(mode):
     program = (
         "import os, sys\nprint(sum(int(x) for x in sys.stdin.read().split()))\n"
@@ -125,6 +127,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_program_is_contained_reported_and_counted(name, mode):
     if "fork" in name and mode == "userns" and os.geteuid() == 0:
@@ -150,6 +153,7 @@ def test_a_hostile_program_is_contained_reported_and_counted(name, mode):
     assert leftover_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_the_process_limit_holds(mode):
     if mode == "userns" and os.geteuid() == 0:
         pytest.skip("root in a user namespace: the process limit does not hold for root")
@@ -164,6 +168,7 @@ def test_the_process_limit_holds(mode):
     assert leftover_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_writes_to_home_and_the_run_directory_reach_nothing(tmp_path, mode):
     run_dir, home = tmp_path / "run", Path.home()
     run_dir.mkdir()
@@ -183,6 +188,7 @@ def test_writes_to_home_and_the_run_directory_reach_nothing(tmp_path, mode):
     assert r.ok and r.stdout.strip() == "/sandbox/x"
 
 
+@pytest.mark.slow
 def test_a_socket_reaches_nothing(mode):
     """A server listening on the host's loopback is unreachable from inside (no network namespace
     of the host's), and so is the internet."""
@@ -199,6 +205,7 @@ def test_a_socket_reaches_nothing(mode):
     assert r.ok and "connected" not in r.stdout and r.stdout.count("Error") == 2, r
 
 
+@pytest.mark.slow
 def test_another_users_files_are_out_of_reach(tmp_path, mode):
     secret = tmp_path / "secret"
     secret.write_text("password")
@@ -215,6 +222,7 @@ def test_another_users_files_are_out_of_reach(tmp_path, mode):
         assert r.ok and r.stdout.split() == ["PermissionError"], r
 
 
+@pytest.mark.slow
 def test_a_child_that_leaves_the_session_dies_with_the_program(mode):
     program = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')"
     r = run_in_sandbox(program, "", LIMITS)
@@ -222,6 +230,7 @@ def test_a_child_that_leaves_the_session_dies_with_the_program(mode):
     assert leftover_sandbox_processes() == []
 
 
+@pytest.mark.slow
 def test_the_unprivileged_path_as_an_ordinary_user(tmp_path, mode):
     """The cluster case: bwrap run by an ordinary user (a user namespace), where the process limit
     counts the program's processes only. Run as nobody with the system's interpreter (root's is under
@@ -256,6 +265,7 @@ def test_the_unprivileged_path_as_an_ordinary_user(tmp_path, mode):
     assert json.loads(out.stdout.splitlines()[-1]) == ["userns", "rlimits", "process_limit", "15\n"]
 
 
+@pytest.mark.slow
 def test_metrics_count_each_outcome(mode):
     SANDBOX_METRICS.take_metrics()
     run_in_sandbox("print(1)", "", LIMITS)
@@ -267,6 +277,7 @@ def test_metrics_count_each_outcome(mode):
 
 
 # ------------------------------------------------------------------ the rlimit-only mode: chosen, never found
+@pytest.mark.slow
 def test_the_rlimit_mode_is_refused_unless_chosen(monkeypatch, tmp_path):
     """A machine without bwrap or Apptainer (the wheel's bwrap hidden, an empty PATH): auto refuses
     and names the fixes; chosen by name, the weak mode runs, with a warning at the dry run."""
@@ -292,6 +303,7 @@ def test_the_rlimit_mode_is_refused_unless_chosen(monkeypatch, tmp_path):
     assert r.status == "memory"
 
 
+@pytest.mark.slow
 def test_the_dry_run_check(mode):
     cfg = Config()
     cfg.sandbox = LIMITS
@@ -313,6 +325,7 @@ def test_the_dry_run_check(mode):
         sandbox_backend(replace(LIMITS, backend="docker"))
 
 
+@pytest.mark.slow
 def test_the_apptainer_command(tmp_path):
     """Where user namespaces are off: the command (Apptainer is not installed here, so it is built,
     not run) isolates as bwrap does and carries the same launcher and limits."""
@@ -346,6 +359,7 @@ def small_limits():
     configure_code_reward(SandboxConfig(), SandboxFusionConfig())
 
 
+@pytest.mark.slow
 def test_the_code_reward_runs_the_last_python_block_against_the_cases(small_limits, mode):
     assert extract_program("```python\nx = 1\n```\ntext\n```python\ny = 2\n```") == "\ny = 2\n"
     assert extract_program("print(1)") == "print(1)"  # a bare program, as prime_code takes it
@@ -368,6 +382,7 @@ def test_the_code_reward_runs_the_last_python_block_against_the_cases(small_limi
     assert rule_score("taco", solution.replace("return [seen[target - x], i]", "return [i]"), str(calls), {}) == 0.0
 
 
+@pytest.mark.slow
 def test_the_built_in_programming_set_is_scored_by_running_the_programs(small_limits, mode):
     """synthetic://code: every kind of problem, a right program passes all 3 cases in the sandbox and
     one off by one passes none."""
@@ -467,6 +482,7 @@ def fusion_url():
     server.server_close()
 
 
+@pytest.mark.slow
 def test_with_a_sandbox_fusion_url_code_runs_on_that_service(fusion_url):
     fusion = SandboxFusionConfig(url=fusion_url, max_concurrent=2, memory_limit_mb=512)
     configure_code_reward(replace(LIMITS, timeout_s=1), fusion)
@@ -495,6 +511,7 @@ def test_with_a_sandbox_fusion_url_code_runs_on_that_service(fusion_url):
 
 
 # ------------------------------------------------------------------- wired into the trainer's parts
+@pytest.mark.slow
 def test_the_step_sums_the_sandbox_outcomes_and_scores_rows_in_parallel(small_limits, mode):
     """``ppo.step_metrics.sandbox_metrics`` reports what the code reward ran since the last step (summed
     over ranks; one process here) and nothing for a step without programs; ``RewardFunction.score_all``
@@ -516,6 +533,7 @@ def test_the_step_sums_the_sandbox_outcomes_and_scores_rows_in_parallel(small_li
     assert sandbox_metrics() == {}
 
 
+@pytest.mark.slow
 def test_a_code_dataset_is_refused_at_the_dry_run_where_no_sandbox_runs(tmp_path, capsys, monkeypatch):
     """Rows scored by running code need a sandbox on the nodes: the dry run probes it and names the
     key and the fixes (here: Apptainer asked for, not installed); rows of other sources do not."""

@@ -213,6 +213,7 @@ def held_mb(stdout: str) -> int:
     return max([int(line.split()[1]) for line in stdout.splitlines() if line.startswith("held ")], default=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("how", list(HOSTILE))
 def test_a_program_holds_at_most_memory_mb_however_it_allocates(how, setting, measuring_parent, baselines):
@@ -277,6 +278,7 @@ def test_a_bound_that_cannot_hold_is_refused_in_one_line(tmp_path):
     assert errors == ["sandbox.memory_bound=cgroups: expected one of auto, cgroup, rlimits"]
 
 
+@pytest.mark.slow
 def test_the_dry_run_and_the_first_program_say_which_bound_holds(capsys):
     """auto takes a cgroup where this process may make one (root here), else rlimits; the dry run's
     note and the first program's line say which, with the figures."""

@@ -86,6 +86,7 @@ def test_bm25_ranks_the_passages_that_hold_the_query():
     assert index.search("zebra", 3) == []
 
 
+@pytest.mark.slow
 def test_a_local_index_and_the_retrieval_service_answer_alike_in_verls_text(corpus, tmp_path):
     local = SearchTool({"local_index": str(corpus), "topk": 2}, SCHEMA)
     out = local.execute({"query_list": ["highest mountain", "capital of Germany"]}, {})
@@ -177,6 +178,7 @@ VERL_SEARCH = """
 """
 
 
+@pytest.mark.slow
 def test_verls_search_command_line_dry_runs_on_prepared_search_r1_rows(tmp_path, capsys):
     import shlex
     import textwrap

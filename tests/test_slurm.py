@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_hpc.observability.tracking import read_metrics
-from tests.conftest import REPO, require, run_launch
+from tests.conftest import REPO, launch_here, require, run_launch
 
 TINY = [
     "recipe=tiny_klppo",
@@ -75,6 +75,7 @@ def deterministic(records: dict, steps) -> dict:
 
 
 # ----------------------------------------------------------------------------- no daemons needed
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "golden,args",
     [
@@ -107,7 +108,7 @@ def test_dry_run_sbatch_matches_the_golden_file(tmp_path, golden, args):
 
 
 def test_unknown_profile_is_refused():
-    out = run_launch(*TINY, "launcher.cluster_profile=locl", "--dry-run")
+    out = launch_here(*TINY, "launcher.cluster_profile=locl", "--dry-run")
     assert out.returncode == 2
     assert (
         "launcher.cluster_profile: no profile 'locl' (did you mean 'local'?); available: example-gpu, local"
@@ -116,6 +117,7 @@ def test_unknown_profile_is_refused():
 
 
 # ----------------------------------------------------------------------------- real Slurm jobs
+@pytest.mark.slow
 def test_submitted_job_completes(slurm, tmp_path):
     run = tmp_path / "run"
     out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=4", "trainer.save_freq=2")
@@ -126,7 +128,7 @@ def test_submitted_job_completes(slurm, tmp_path):
     assert raw_steps(run) == [1, 2, 3, 4]
     # the starting point (trainer.guard.initial_checkpoint), then every trainer.save_freq steps
     assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_0", "global_step_2", "global_step_4"]
-    status = run_launch("status", str(run))
+    status = launch_here("status", str(run))
     assert status.stdout.strip() == f"{job}\tCOMPLETED"
     logs = run_launch("logs", str(run))
     assert "step 4/4 | score" in logs.stdout
@@ -137,6 +139,7 @@ def test_submitted_job_completes(slurm, tmp_path):
     assert f"warnings, by rank: {run}/logs/libraries.rank0.log, {run}/logs/libraries.rank1.log" in logs.stdout
 
 
+@pytest.mark.slow
 def test_preflight_through_slurm_checks_a_sharded_layout(slurm, tmp_path):
     """``launch.py preflight`` submitted like a run: the job's log has every check, the shard
     dimension's bandwidth among them (fsdp_size=2), and the hf engine's sleep/wake is skipped."""
@@ -159,6 +162,7 @@ def test_preflight_through_slurm_checks_a_sharded_layout(slurm, tmp_path):
     assert "OK   generation" in report and "OK   actor micro-batch" in report
 
 
+@pytest.mark.slow
 def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_path):
     steps = 12
     common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=100", "actor_rollout_ref.rollout.name=vllm"]
@@ -193,6 +197,7 @@ def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_pat
     assert deterministic(b, range(1, steps + 1)) == deterministic(a, range(1, steps + 1))
 
 
+@pytest.mark.slow
 def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm, tmp_path):
     run = tmp_path / "run"
     # every step takes at least 1 s (trainer.inject_fault=slow@1): 40 steps cannot fit in the 40 s a
@@ -223,6 +228,7 @@ def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm
     assert log.count("resumed from") >= 1  # at least two allocations
 
 
+@pytest.mark.slow
 def test_max_requeues_bounds_the_preemption_loop(slurm, tmp_path):
     # two preemptions, one requeue allowed: the second stop saves and ends the job, not requeued
     run = tmp_path / "run"
@@ -259,6 +265,7 @@ def test_max_requeues_bounds_the_preemption_loop(slurm, tmp_path):
     assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -281,7 +288,7 @@ def test_bad_requests_are_refused_before_submission(slurm, tmp_path, override, m
 
 def test_the_steps_restate_the_jobs_cpus(tmp_path):
     """Both job scripts give srun the job's --cpus-per-task (Slurm 22.05-23.11 steps do not inherit it)."""
-    out = run_launch(*TINY, "--dry-run", f"trainer.default_local_dir={tmp_path}/run")
+    out = launch_here(*TINY, "--dry-run", f"trainer.default_local_dir={tmp_path}/run")
     assert out.returncode == 0, out.stderr
     (srun,) = [line for line in out.stdout.splitlines() if line.startswith("srun ")]
     assert "--cpus-per-task=2" in srun.split()  # slurm/clusters/local.yaml: cpus_per_task 2
@@ -303,6 +310,7 @@ def test_a_step_with_fewer_cpus_than_asked_is_said():
     assert step_cpu_warning(64, 64, "64") is None and step_cpu_warning(None, 1, None) is None
 
 
+@pytest.mark.slow
 def test_plain_sbatch_runs_the_same_job(slurm, tmp_path):
     run = tmp_path / "run"
     out = subprocess.run(

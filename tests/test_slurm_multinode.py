@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rlhf_hpc.observability.tracking import read_metrics
 from tests.conftest import REPO, require, run_launch, seed_args
 from tests.test_slurm import TINY, deterministic, job_ids, raw_steps, slurm_up, state, wait_done
@@ -127,6 +129,7 @@ def wait_for_steps(run: Path, n: int, job: str, timeout: float = 300) -> None:
 
 
 # --------------------------------------------------------------------------------- 2-node jobs
+@pytest.mark.slow
 def test_two_node_job_spans_two_hosts_and_equals_a_one_node_run(tmp_path, tmp_path_factory):
     need_nodes(2)
     one_node = start_one_node_run(tmp_path / "one_node")
@@ -155,6 +158,7 @@ def test_two_node_job_spans_two_hosts_and_equals_a_one_node_run(tmp_path, tmp_pa
     )[:5]
 
 
+@pytest.mark.slow
 def test_plain_sbatch_two_nodes(tmp_path):
     need_nodes(2)
     run = tmp_path / "run"
@@ -194,6 +198,7 @@ def test_plain_sbatch_two_nodes(tmp_path):
 
 
 # --------------------------------------------------------------------------------- failures
+@pytest.mark.slow
 def test_usr2_preemption_stops_both_nodes_at_one_step_and_resumes(tmp_path, tmp_path_factory):
     need_nodes(2)
     run = tmp_path / "run"
@@ -229,6 +234,7 @@ def test_usr2_preemption_stops_both_nodes_at_one_step_and_resumes(tmp_path, tmp_
     assert deterministic(got, range(1, STEPS + 1)) == deterministic(want, range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_node_dies_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
     nodes = need_nodes(2)
     run = tmp_path / "run"
@@ -275,6 +281,7 @@ def test_a_node_dies_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
 
 
 # --------------------------------------------------------------------------------- sharing nodes
+@pytest.mark.slow
 def test_two_jobs_on_one_node_do_not_collide(tmp_path):
     nodes = need_nodes(2)
     runs, jobs = [tmp_path / "a", tmp_path / "b"], []
@@ -301,6 +308,7 @@ def test_two_jobs_on_one_node_do_not_collide(tmp_path):
     assert len({p for p, _ in ports}) == 2 and len({i for _, i in ports}) == 2
 
 
+@pytest.mark.slow
 def test_sweep_is_one_array_job_spread_over_the_nodes(tmp_path):
     need_nodes(2)
     out = run_launch(
@@ -364,6 +372,7 @@ TINY_4NODE = [
 ]
 
 
+@pytest.mark.slow
 def test_four_node_recipe_runs_two_steps_on_four_nodes(tmp_path):
     need_nodes(4)
     run = tmp_path / "run"

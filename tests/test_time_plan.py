@@ -20,7 +20,7 @@ from rlhf_hpc.planning.sizing import forward_flops, model_shape
 from rlhf_hpc.planning.time_plan import TimeModel, Workload, build_time_plan
 from rlhf_hpc.recipe.checks import validate
 from rlhf_hpc.recipe.load import load_config
-from tests.conftest import REPO, run_launch
+from tests.conftest import REPO, launch_here
 
 
 def plan_of(recipe: str, *overrides: str, advise: bool = False):
@@ -241,7 +241,7 @@ def test_advice_names_keys_whose_plan_fits_and_is_faster():
 
 
 def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path):
-    out = run_launch("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/a")
+    out = launch_here("recipe=qwen7b_klppo", "--dry-run", "cluster=local", f"trainer.default_local_dir={tmp_path}/a")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("# time plan per step on 8 x H100 SXM"))
@@ -258,7 +258,7 @@ def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path)
     ]
     assert all("bound:" in line for line in lines[start + 2 : start + 10])
     assert any(line.startswith("# step ") and "tokens/s per GPU" in line for line in lines)
-    table = run_launch(
+    table = launch_here(
         "plan",
         "recipe=qwen7b_klppo",
         "plan.response_length=300",
@@ -274,6 +274,7 @@ def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path)
     assert all("hbm_gb=24 | does not fit: memory plan: phase" in r for r in rows[3:])
 
 
+@pytest.mark.slow
 def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
     out = tmp_path / "cpu.json"
     proc = subprocess.run(

@@ -43,6 +43,7 @@ def test_wandb_mode_is_offline_when_the_service_does_not_answer(tmp_path):
         assert wandb_mode(env)[0] == "online"
 
 
+@pytest.mark.slow
 def test_tracker_goes_offline_by_itself_and_logs_each_row_once(tmp_path, monkeypatch, capsys):
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(key, raising=False)

@@ -145,6 +145,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.slow
 def test_the_tracker_writes_the_rows_and_each_backend_its_table(tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
@@ -235,6 +236,7 @@ def _launch(run, *extra):
     return out
 
 
+@pytest.mark.slow
 def test_a_run_logs_its_generations_and_val_only_evaluates_its_checkpoint(tmp_path):
     """Two training steps validated before training and at step 2 (3 generations each), then
     ``trainer.val_only=true`` on the same run directory: it resumes the step-2 checkpoint, adds one

@@ -18,7 +18,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.tree import to_dict
 from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.recipe.load import load_config
-from tests.conftest import run_launch
+from tests.conftest import launch_here, run_launch
 
 # Command lines written the way verl's examples/ppo_trainer and examples/grpo_trainer scripts are
 # (FSDP + vLLM, GSM8K), with `python3 -m verl.trainer.main_ppo` replaced by `launch.py`.
@@ -76,7 +76,7 @@ def verl_args(text: str, home: str) -> list[str]:
     "script", [VERL_PPO, VERL_GRPO, VERL_GRPO_SEQ_BALANCE], ids=["ppo", "grpo", "grpo_seq_balance"]
 )
 def test_verl_example_command_lines_dry_run_unchanged(script, tmp_path):
-    out = run_launch(*verl_args(script, str(tmp_path)), "cluster=local", "--dry-run")
+    out = launch_here(*verl_args(script, str(tmp_path)), "cluster=local", "--dry-run")
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout.partition("# command (cluster=local)\n")[0])
     assert cfg["trainer"]["recipe"] is None  # no recipe: verl's defaults are the base
@@ -405,6 +405,7 @@ def bad_parquet(path, n=7473):
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+@pytest.mark.slow
 def test_bad_row_is_reported_in_one_line_before_anything_starts(tmp_path):
     bad_parquet(tmp_path / "train.parquet")
     out = run_launch(
