@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from rlhf_hpc.data.synthetic import addition_rows
+from rlhf_hpc.data.synthetic_tasks import addition_rows
 from rlhf_hpc.models.real_model import prepare
 
 __all__: list[str] = []  # a script: nothing here is imported elsewhere

@@ -21,11 +21,11 @@ from rlhf_hpc.observability.tracking import wandb_sync_command
 from rlhf_hpc.planning.memory_plan import check_plan
 from rlhf_hpc.planning.time_plan import build_time_plan
 from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.config_checks import validate
 from rlhf_hpc.recipe.load import list_recipes, load_config, parse_override, write_resolved
 from rlhf_hpc.rewards.code import CODE_SOURCES
-from rlhf_hpc.tools.checks import sandbox_problems
 from rlhf_hpc.tools.interaction_config import run_interactions
+from rlhf_hpc.tools.sandbox_checks import sandbox_problems
 from rlhf_hpc.tools.tool_config import run_tools
 
 __all__ = ["main"]

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
-from rlhf_hpc.data.synthetic import CODE_TASKS, synthetic_rows
+from rlhf_hpc.data.synthetic_tasks import CODE_TASKS, synthetic_rows
 from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.tools.sandbox import SandboxUnavailable, sandbox_backend
 from tests import tool_model

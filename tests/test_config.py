@@ -11,7 +11,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.tree import flatten, to_dict
 from rlhf_hpc.recipe.build import build
-from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.config_checks import validate
 from rlhf_hpc.recipe.defaults import resolve
 from rlhf_hpc.recipe.load import (
     apply_overrides,

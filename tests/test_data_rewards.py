@@ -13,13 +13,13 @@ import pytest
 from rlhf_hpc.config.schema import DataConfig
 from rlhf_hpc.data.dataset import DataError, StatefulSampler, load_examples
 from rlhf_hpc.data.prepare import gsm8k_rows
-from rlhf_hpc.data.synthetic import synthetic_rows
+from rlhf_hpc.data.synthetic_tasks import synthetic_rows
 from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
 from rlhf_hpc.recipe.load import load_config
 from rlhf_hpc.rewards import RewardFunction, rule_score
 from rlhf_hpc.rewards.gsm8k import extract_answer, gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score, last_boxed
-from rlhf_hpc.rewards.synthetic import copy_score
+from rlhf_hpc.rewards.synthetic_scores import copy_score
 from tests.conftest import REPO
 
 TOK = build_tiny_tokenizer()

@@ -429,3 +429,13 @@ def test_every_document_names_the_layers_in_one_order():
             chains.append((path.relative_to(REPO), re.findall(r"`(\w+)`", m.group(0))))
     assert len(chains) >= 2
     assert [(p, names) for p, names in chains if names != list(LAYERS[:-1])] == []
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file's name says what it holds and which layer (``ops/rollout_corr_helper.py`` beside
+    ``ppo/rollout_correction.py``, not two ``rollout_correction.py``)."""
+    names: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {n: paths for n, paths in names.items() if len(paths) > 1} == {}

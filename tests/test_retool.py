@@ -18,10 +18,10 @@ import yaml
 
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.config.schema import CustomRewardFunctionConfig
-from rlhf_hpc.data.retool import ANSWER_FORMAT, retool_rows
+from rlhf_hpc.data.retool_dataset import ANSWER_FORMAT, retool_rows
 from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.rewards import RewardFunction
-from rlhf_hpc.rewards.retool import compute_score
+from rlhf_hpc.rewards.retool_reward import compute_score
 from rlhf_hpc.tools.code_interpreter import ReToolCodeInterpreterTool
 from rlhf_hpc.tools.sandbox import SandboxUnavailable, sandbox_backend
 from rlhf_hpc.tools.tool_config import read_tool_config, tool_schemas
@@ -202,7 +202,7 @@ def test_retools_command_line_dry_runs_and_what_is_not_here_is_refused(shared_di
         assert (
             "data.custom_cls.path=recipe/retool/retool.py (data.custom_cls.name=CustomRLHFDataset) is ReTool's dataset"
             in out.err
-            and "its equivalent here runs (rlhf_hpc.data.retool:retool_rows)" in out.err
+            and "its equivalent here runs (rlhf_hpc.data.retool_dataset:retool_rows)" in out.err
         )
         assert (
             "custom_reward_function.path=recipe/retool/retool.py (custom_reward_function.name=compute_score) is "

@@ -26,7 +26,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import RolloutCorrectionConfig
 from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.ops import algos, estimators, policy_losses
-from rlhf_hpc.ops.rollout_correction import RS_OPTIONS, parse_rejection, rollout_correction
+from rlhf_hpc.ops.rollout_corr_helper import RS_OPTIONS, parse_rejection, rollout_correction
 from rlhf_hpc.recipe.load import load_config
 from tests.conftest import run_launch
 

@@ -1,5 +1,5 @@
 """The rollout correction as the actor's object (``rlhf_hpc.ppo.rollout_correction.RolloutCorrection``):
-one call per phase of the trainer, each giving what ``rlhf_hpc.ops.rollout_correction`` gives on
+one call per phase of the trainer, each giving what ``rlhf_hpc.ops.rollout_corr_helper`` gives on
 the same tensors; and the guard's scales applied through ``Actor.scale``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import ActorConfig, RolloutCorrectionConfig
-from rlhf_hpc.ops.rollout_correction import rollout_correction
+from rlhf_hpc.ops.rollout_corr_helper import rollout_correction
 from rlhf_hpc.ppo.actor import Actor, ActorSpec
 from rlhf_hpc.ppo.optim import build_lr_scheduler, build_optimizer
 from rlhf_hpc.ppo.rollout_correction import RolloutCorrection

@@ -26,11 +26,11 @@ from rlhf_hpc.config.schema import Config
 from rlhf_hpc.rewards import rule_score
 from rlhf_hpc.rewards.code import code_score, configure_code_reward, extract_program
 from rlhf_hpc.tools.backends import FRESH_UID_BASE, SANDBOX_BACKENDS, bwrap_binary, interpreter, interpreter_prefixes
-from rlhf_hpc.tools.checks import sandbox_problems
 from rlhf_hpc.tools.memory_bound import memory_bound
-from rlhf_hpc.tools.metrics import SANDBOX_METRICS
 from rlhf_hpc.tools.sandbox import GRACE_S, SandboxUnavailable, run_in_sandbox, sandbox_backend
+from rlhf_hpc.tools.sandbox_checks import sandbox_problems
 from rlhf_hpc.tools.sandbox_fusion import run_in_sandbox_fusion
+from rlhf_hpc.tools.sandbox_metrics import SANDBOX_METRICS
 from tests.conftest import require
 
 # where no cgroup bounds a program (an ordinary user): rlimits, (256 - 3 x 8) // 112 = 2 processes
@@ -386,7 +386,7 @@ def test_the_code_reward_runs_the_last_python_block_against_the_cases(small_limi
 def test_the_built_in_programming_set_is_scored_by_running_the_programs(small_limits, mode):
     """synthetic://code: every kind of problem, a right program passes all 3 cases in the sandbox and
     one off by one passes none."""
-    from rlhf_hpc.data.synthetic import CODE_TASKS, synthetic_rows
+    from rlhf_hpc.data.synthetic_tasks import CODE_TASKS, synthetic_rows
 
     expressions = {
         "prints n + {k}": "n + {k}",

@@ -27,9 +27,9 @@ import pytest
 from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.tools.backends import SANDBOX_BACKENDS, limits_of
-from rlhf_hpc.tools.checks import sandbox_problems
 from rlhf_hpc.tools.memory_bound import SandboxUnavailable, cgroup_mounts, memory_bound, own_cgroups
 from rlhf_hpc.tools.sandbox import describe, run_in_sandbox, sandbox_backend
+from rlhf_hpc.tools.sandbox_checks import sandbox_problems
 from tests.conftest import require
 
 REPO = Path(__file__).resolve().parent.parent

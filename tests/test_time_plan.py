@@ -18,7 +18,7 @@ from rlhf_hpc.planning.hardware import PRESETS, UNCALIBRATED_CPU, hardware_of, r
 from rlhf_hpc.planning.memory_plan import build_plan
 from rlhf_hpc.planning.sizing import forward_flops, model_shape
 from rlhf_hpc.planning.time_plan import TimeModel, Workload, build_time_plan
-from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.config_checks import validate
 from rlhf_hpc.recipe.load import load_config
 from tests.conftest import REPO, launch_here
 

@@ -5,12 +5,15 @@ own class is named)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
-from rlhf_hpc.data.synthetic import lookup_question as question
-from rlhf_hpc.data.synthetic import lookup_rows
+from rlhf_hpc.data.synthetic_tasks import lookup_question as question
+from rlhf_hpc.data.synthetic_tasks import lookup_rows
 from rlhf_hpc.data.tool_warm_start import lookup_call as call_text
 from rlhf_hpc.data.tool_warm_start import teach as teach_task
 from rlhf_hpc.tools.interaction import Interaction, UserTurn, last_assistant_text
@@ -46,12 +49,51 @@ LOOKUP_CHECK_SAMPLES = 64
 KEYS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 
 
+# taught models, by the hash of the code that teaches them and its arguments (a fresh machine teaches
+# each once; RLHF_HPC_TEST_CACHE moves the folder)
+CACHE = Path(os.environ.get("RLHF_HPC_TEST_CACHE", "~/.cache/rlhf-hpc/test-models")).expanduser()
+TEACHING_CODE = [
+    Path(__file__),
+    *(Path(__file__).parent.parent / "rlhf_hpc" / p for p in ("data/tool_warm_start.py", "data/synthetic_tasks.py")),
+    *(Path(__file__).parent.parent / "rlhf_hpc" / "models" / p for p in ("hf.py", "tokenizer.py")),
+]
+
+
+def cached_model(out_dir: Path, name: str, args: dict, build) -> Path:
+    """``build(dir)``'s model copied into ``out_dir``; built once per hash of the teaching code, the
+    arguments, torch's version and the thread count (the floating-point path), then read from
+    ``CACHE``."""
+    import torch
+
+    key = hashlib.sha256()
+    for path in TEACHING_CODE:
+        key.update(path.read_bytes())
+    key.update(json.dumps([name, args, torch.__version__, torch.get_num_threads()], sort_keys=True).encode())
+    done = CACHE / f"{name}-{key.hexdigest()[:16]}"
+    if not (done / "config.json").is_file():
+        tmp = CACHE / f".tmp-{done.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build(tmp)
+        try:
+            os.replace(tmp, done)  # atomic: a concurrent run's copy, if first, is kept
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(done, out_dir, dirs_exist_ok=True)
+    return Path(out_dir)
+
+
 def teach(out_dir: Path, steps: int = 200, min_rate: Optional[float] = MIN_LOOKUP_RATE) -> Path:
-    """The lookup model on ``KEYS``. The teaching checks its model: of ``LOOKUP_CHECK_SAMPLES``
-    conversations sampled at temperature 1 (the question, the call, the tool's answer, the answer),
-    at least ``min_rate`` call the tool with the question's key and answer the tool's code back; else
-    it teaches again from the start with half as many steps more, twice at most, then fails with the
-    rates it reached (how well 200 steps teach depends on the seed and the floating-point path)."""
+    """The lookup model on ``KEYS`` (taught once per machine: ``cached_model``). The teaching
+    checks its model: of ``LOOKUP_CHECK_SAMPLES`` conversations sampled at temperature 1 (the
+    question, the call, the tool's answer, the answer), at least ``min_rate`` call the tool with
+    the question's key and answer the tool's code back; else it teaches again from the start
+    with half as many steps more, twice at most, then fails with the rates it reached (how well
+    200 steps teach depends on the seed and the floating-point path)."""
+    args = {"keys": KEYS, "steps": steps, "min_rate": min_rate, "seed": seed_base()}
+    return cached_model(out_dir, "lookup", args, lambda d: _teach_lookup(d, steps, min_rate))
+
+
+def _teach_lookup(out_dir: Path, steps: int, min_rate: Optional[float]) -> Path:
     tried = []
     for more in range(3):
         path = teach_task(out_dir, keys=KEYS, steps=steps + more * steps // 2, seed=seed_base())

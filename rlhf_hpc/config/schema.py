@@ -154,7 +154,7 @@ class ModelConfig:
 @dataclass
 class PolicyLossConfig:
     """verl's ``actor_rollout_ref.actor.policy_loss`` (its keys and defaults). A key only one loss
-    reads is refused when set while another loss is selected (rlhf_hpc/recipe/checks.py)."""
+    reads is refused when set while another loss is selected (rlhf_hpc/recipe/config_checks.py)."""
 
     loss_mode: str = "vanilla"  # a name in rlhf_hpc.ops.policy_losses.POLICY_LOSSES
     clip_cov_ratio: float = 0.0002  # clip_cov: share of the valid tokens whose gradient it may drop
@@ -370,7 +370,7 @@ class KLControlConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """verl's ``algorithm.rollout_correction``: the engine samples from its own distribution
-    (pi_rollout: its kernels, its precision), the actor trains another (rlhf_hpc.ops.rollout_correction).
+    (pi_rollout: its kernels, its precision), the actor trains another (rlhf_hpc.ops.rollout_corr_helper).
 
     ``rollout_is``: importance sampling, ``token`` or ``sequence`` weights pi_old / pi_rollout
     capped at ``rollout_is_threshold`` (or zeroed outside its ``"lower_upper"`` window: IcePop),

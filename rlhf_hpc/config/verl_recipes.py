@@ -24,13 +24,13 @@ VERL_RECIPE_CODE = (
     VerlRecipeCode(
         "retool/retool.py",
         "compute_score",
-        "rlhf_hpc.rewards.retool:compute_score",
+        "rlhf_hpc.rewards.retool_reward:compute_score",
         "ReTool's reward (\\boxed{} strict, -1 wrong, less negative the more turns)",
     ),
     VerlRecipeCode(
         "retool/retool.py",
         "CustomRLHFDataset",
-        "rlhf_hpc.data.retool:retool_rows",
+        "rlhf_hpc.data.retool_dataset:retool_rows",
         "ReTool's dataset (DAPO-Math-17k and AIME directories, its answer format appended)",
     ),
 )

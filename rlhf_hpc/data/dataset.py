@@ -17,7 +17,7 @@ import torch
 from rlhf_hpc.config.plugin_class import import_entry
 from rlhf_hpc.config.schema import CustomClsConfig, DataConfig
 from rlhf_hpc.config.verl_recipes import verl_recipe_code
-from rlhf_hpc.data.synthetic import synthetic_rows
+from rlhf_hpc.data.synthetic_tasks import synthetic_rows
 
 __all__ = [
     "DataError",

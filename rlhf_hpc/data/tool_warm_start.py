@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from rlhf_hpc.data.synthetic import LOOKUP_KEYS, lookup_question
+from rlhf_hpc.data.synthetic_tasks import LOOKUP_KEYS, lookup_question
 from rlhf_hpc.models.hf import build_causal_lm
 from rlhf_hpc.models.tokenizer import build_tiny_tokenizer
 from rlhf_hpc.tools.lookup_tool import LOOKUP_SCHEMA, lookup_code

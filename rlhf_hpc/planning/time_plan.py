@@ -705,7 +705,7 @@ def build_time_plan(
 ) -> TimePlan:
     """The time plan of ``cfg`` for ``workload`` (default: the dry run's, ``workload_of``), with
     advice (``advice_for``) when ``advise`` is given: the config check a candidate must pass
-    (rlhf_hpc.recipe.checks.validate, which raises ConfigError). ``memory``: the memory plan of
+    (rlhf_hpc.recipe.config_checks.validate, which raises ConfigError). ``memory``: the memory plan of
     ``cfg`` where the caller has it (else built here)."""
     plan = TimeModel(cfg, memory=memory).plan(workload or workload_of(cfg))
     if advise is not None:

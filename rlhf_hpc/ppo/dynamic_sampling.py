@@ -17,7 +17,7 @@ batch taken (``StatefulSampler.next_prompts``), so a resumed run draws the same 
 The metric per response: ``acc`` and ``score``: the reward function's score (verl's reward manager
 reports a float score as ``acc``); ``seq_reward``: the score after the dapo manager's overlong
 shaping (verl: ``token_level_scores`` summed); ``seq_final_reward``: the same here, as the KL in
-the reward is refused with dynamic sampling (``recipe/checks.py``).
+the reward is refused with dynamic sampling (``recipe/config_checks.py``).
 
 Logged: ``train/num_gen_batches`` (verl's name), ``dynamic_sampling/prompts_generated`` and
 ``dynamic_sampling/prompts_kept`` (before the cut to train_batch_size).

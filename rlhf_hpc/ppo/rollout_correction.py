@@ -1,7 +1,7 @@
 """verl's rollout correction for a run, as one object the actor owns (``Actor.correction``).
 
 The engine samples from pi_rollout; the actor trains pi_old. ``algorithm.rollout_correction``
-corrects the mismatch in one of two modes (the tensor math: ``rlhf_hpc.ops.rollout_correction``):
+corrects the mismatch in one of two modes (the tensor math: ``rlhf_hpc.ops.rollout_corr_helper``):
 
 - decoupled (the default): the old-log-prob pass computes pi_old; ``before_advantages`` adds IS
   weights pi_old / pi_rollout (``rollout_is_weights``, into the actor's loss) and drops rejected
@@ -32,7 +32,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config, RolloutCorrectionConfig
 from rlhf_hpc.distributed.process_group import all_reduce_max, all_reduce_sum
 from rlhf_hpc.ops.batching import Batch
-from rlhf_hpc.ops.rollout_correction import rollout_correction
+from rlhf_hpc.ops.rollout_corr_helper import rollout_correction
 from rlhf_hpc.ops.step_shape import old_log_prob_source
 from rlhf_hpc.rollout.base import LogprobCheck, logprob_mismatch
 

@@ -14,7 +14,7 @@ from rlhf_hpc.distributed.process_group import DistContext, all_reduce_max, all_
 from rlhf_hpc.observability.perf import Timer, memory_metrics, model_flops, peak_flops
 from rlhf_hpc.ops import algos
 from rlhf_hpc.planning.time_plan import TimeModel
-from rlhf_hpc.tools.metrics import METRIC_NAMES, SANDBOX_METRICS
+from rlhf_hpc.tools.sandbox_metrics import METRIC_NAMES, SANDBOX_METRICS
 
 __all__ = ["data_metrics", "perf_metrics", "reduce_stats", "sandbox_metrics", "time_model"]
 
@@ -41,7 +41,7 @@ def reduce_stats(values: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def sandbox_metrics() -> dict[str, float]:
     """The programs the ranks ran in the sandbox since the last step (a code reward's; the counts of
-    ``rlhf_hpc.tools.metrics``), summed over ranks: ``sandbox/runs``, one count per outcome
+    ``rlhf_hpc.tools.sandbox_metrics``), summed over ranks: ``sandbox/runs``, one count per outcome
     (``sandbox/timeouts``, ...), ``sandbox/seconds_mean``/``_max``. Nothing when none ran."""
     mine = SANDBOX_METRICS.take_metrics()
     runs = mine.get("sandbox/runs", 0.0)

@@ -15,7 +15,7 @@ from rlhf_hpc.distributed.fsdp import finish_gradient_sync, set_gradient_sync
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, select_rows, to_device
-from rlhf_hpc.ops.metrics import UpdateMetrics
+from rlhf_hpc.ops.metric_reduce import UpdateMetrics
 from rlhf_hpc.ppo.optim import clip_grad_norm
 
 __all__ = ["MicroLoss", "ModelSpec", "Placement", "UpdateSpec", "ppo_update"]

@@ -1,5 +1,5 @@
 """The algorithm's keys checked together: estimator, policy loss, clip ratios, DAPO, the rollout
-correction's thresholds; names looked up in their registries. Part of ``recipe.checks.validate``."""
+correction's thresholds; names looked up in their registries. Part of ``recipe.config_checks.validate``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rlhf_hpc.config.trackers import TRACKERS
 from rlhf_hpc.config.tree import get_key
 from rlhf_hpc.ops.estimators import ADV_ESTIMATORS
 from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
-from rlhf_hpc.ops.rollout_correction import parse_is_threshold, parse_rejection
+from rlhf_hpc.ops.rollout_corr_helper import parse_is_threshold, parse_rejection
 
 __all__ = ["algorithm_problems", "algorithm_warnings", "rollout_correction_problems"]
 

@@ -25,7 +25,7 @@ __all__ = ["DEPRECATED_KEYS", "copy_deprecated_keys", "deprecated_key_warnings",
 _INTERP = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 
 # deprecated keys -> the key that stays: still accepted, copied onto it when that one is unset
-# (``copy_deprecated_keys``), each named in a warning (``deprecated_key_warnings``, rlhf_hpc.recipe.checks)
+# (``copy_deprecated_keys``), each named in a warning (``deprecated_key_warnings``, rlhf_hpc.recipe.config_checks)
 DEPRECATED_KEYS = {"trainer.gpu_memory_gb": "hardware.hbm_gb", "trainer.peak_tflops": "hardware.bf16_tflops"}
 
 

@@ -13,7 +13,7 @@ The pipeline, in order:
 4. ``resolve`` (``recipe/defaults.py``): ``${a.b}`` interpolation, then values that default to
    another key (critic batch sizes, clip ratios, FSDP shard size ...) are filled in, so the written
    config is explicit.
-5. ``validate`` (``recipe/checks.py``): cross-field checks by topic (batch divisibility, meshes,
+5. ``validate`` (``recipe/config_checks.py``): cross-field checks by topic (batch divisibility, meshes,
    tensor parallel size, files); verl keys of features not here: ``recipe/verl_compat.py``.
 
 Every problem becomes one line of a ``ConfigError``; the CLI prints them without a traceback.
@@ -31,7 +31,7 @@ from rlhf_hpc.config.errors import ConfigError, did_you_mean
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.config.tree import deep_merge, dump_yaml, flatten, parse_yaml, to_dict
 from rlhf_hpc.recipe.build import all_keys, build
-from rlhf_hpc.recipe.checks import validate
+from rlhf_hpc.recipe.config_checks import validate
 from rlhf_hpc.recipe.defaults import resolve
 from rlhf_hpc.recipe.verl_compat import drop_out_of_scope_keys
 

@@ -1,6 +1,6 @@
 """Checks of the models a config names, by topic: LoRA keys (and the adapter against the model),
 sequence parallelism against the models' heads, architectures, the model directories' weights and
-tokenizers, the reward model's keys (``recipe.checks.validate`` collects them)."""
+tokenizers, the reward model's keys (``recipe.config_checks.validate`` collects them)."""
 
 from __future__ import annotations
 

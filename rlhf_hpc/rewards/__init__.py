@@ -18,7 +18,14 @@ from rlhf_hpc.rewards.code import CODE_SOURCES, code_score, configure_code_rewar
 from rlhf_hpc.rewards.gsm8k import gsm8k_score
 from rlhf_hpc.rewards.math import boxed_score
 from rlhf_hpc.rewards.search_r1 import search_r1_score
-from rlhf_hpc.rewards.synthetic import ADD_SOURCE, COPY_SOURCE, LOOKUP_SOURCE, addition_score, copy_score, lookup_score
+from rlhf_hpc.rewards.synthetic_scores import (
+    ADD_SOURCE,
+    COPY_SOURCE,
+    LOOKUP_SOURCE,
+    addition_score,
+    copy_score,
+    lookup_score,
+)
 
 __all__ = ["RULE_REWARDS", "RewardFunction", "RuleReward", "register_rule_reward", "rule_score"]
 

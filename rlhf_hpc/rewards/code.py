@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
-from rlhf_hpc.rewards.synthetic import CODE_SOURCE
+from rlhf_hpc.rewards.synthetic_scores import CODE_SOURCE
 from rlhf_hpc.tools.code_runner import run_code
 
 __all__ = [

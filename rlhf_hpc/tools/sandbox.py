@@ -32,7 +32,7 @@ from rlhf_hpc.config.sandbox_schema import SandboxConfig
 from rlhf_hpc.tools import sandbox_launcher
 from rlhf_hpc.tools.backends import AUTO_ORDER, SANDBOX_BACKENDS, SandboxBackend, bwrap_binary, interpreter
 from rlhf_hpc.tools.memory_bound import MemoryBound, SandboxUnavailable, memory_bound, program_cgroup
-from rlhf_hpc.tools.metrics import SANDBOX_METRICS
+from rlhf_hpc.tools.sandbox_metrics import SANDBOX_METRICS
 
 __all__ = [
     "GRACE_S",
@@ -53,7 +53,7 @@ PROBE_PROGRAM = "print(6 * 7)"
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """``status``: one of rlhf_hpc.tools.metrics.STATUSES; ``error``: what the model is told when it
+    """``status``: one of rlhf_hpc.tools.sandbox_metrics.STATUSES; ``error``: what the model is told when it
     is not ok ("" when it is); stdout and stderr at most ``max_output_kb`` each."""
 
     status: str

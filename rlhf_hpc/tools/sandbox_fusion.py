@@ -12,8 +12,8 @@ import urllib.request
 from typing import Union
 
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
-from rlhf_hpc.tools.metrics import SANDBOX_METRICS
 from rlhf_hpc.tools.sandbox import SandboxResult, classify
+from rlhf_hpc.tools.sandbox_metrics import SANDBOX_METRICS
 
 __all__ = ["fusion_request", "fusion_result", "run_in_sandbox_fusion"]
 

@@ -32,8 +32,8 @@ import json
 import random
 from urllib.parse import parse_qsl, urlparse
 
-from rlhf_hpc.rewards.synthetic import ADD_SOURCE, CODE_SOURCE, LOOKUP_SOURCE
-from rlhf_hpc.rewards.synthetic import COPY_SOURCE as DATA_SOURCE
+from rlhf_hpc.rewards.synthetic_scores import ADD_SOURCE, CODE_SOURCE, LOOKUP_SOURCE
+from rlhf_hpc.rewards.synthetic_scores import COPY_SOURCE as DATA_SOURCE
 from rlhf_hpc.tools.lookup_tool import lookup_code
 
 __all__ = [

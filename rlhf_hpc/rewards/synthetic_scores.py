@@ -1,4 +1,4 @@
-"""Scores of the built-in tasks (rlhf_hpc.data.synthetic builds their rows)."""
+"""Scores of the built-in tasks (rlhf_hpc.data.synthetic_tasks builds their rows)."""
 
 from __future__ import annotations
 
