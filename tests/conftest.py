@@ -229,3 +229,62 @@ def _fast_unless_slow(item):
     if refused:  # the code under test caught the refusal: the test still fails
         pytest.fail(f"{item.nodeid} is not marked slow and starts {refused[0]}: mark it slow (tests/README.md)")
     return result
+
+
+# Two workers (pytest-xdist, setup.cfg's addopts) share this machine's cores:
+# - each test file runs on one worker (its module fixtures built once), and the Slurm files on one
+#   worker together (one cluster);
+# - a test marked `exclusive` (it asserts on wall time or on another job's timing) runs while the
+#   other worker runs nothing: a readers-writer lock over the two workers (a turnstile in front, so
+#   an exclusive test is not starved);
+# - the CPU calibration the plans read (~/.cache/rlhf-hpc/calibration/cpu.json) is measured once, by
+#   the first slow test that finds it missing, alone.
+SAME_WORKER = {"test_slurm": "slurm", "test_slurm_multinode": "slurm"}
+LOCKS = Path(os.environ.get("RLHF_HPC_TEST_LOCKS", f"/tmp/rlhf-hpc-tests-{os.getuid()}"))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        stem = Path(str(item.fspath)).stem
+        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(stem, stem)))
+
+
+@contextlib.contextmanager
+def cpu_share(exclusive: bool):
+    """Held while a test runs: shared by ordinary tests, alone by exclusive ones (a no-op without xdist)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import fcntl
+
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    with open(LOCKS / "turnstile", "a") as turnstile, open(LOCKS / "cpu", "a") as cpu:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(cpu, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(cpu, fcntl.LOCK_UN)
+
+
+def calibrate_once() -> None:
+    """What a local run's first launch would do on a machine without the calibration file, alone."""
+    from rlhf_hpc.planning.hardware import calibration_path
+
+    if calibration_path().is_file():
+        return
+    with cpu_share(exclusive=True):
+        if not calibration_path().is_file():  # the other worker may have measured it meanwhile
+            subprocess.run([sys.executable, str(REPO / "launch.py"), "calibrate"], cwd=REPO, check=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("slow"):
+        calibrate_once()
+    with cpu_share(exclusive=item.get_closest_marker("exclusive") is not None):
+        return (yield)

@@ -314,6 +314,7 @@ def test_the_model_calls_the_tool_reads_its_answer_and_only_its_own_tokens_are_t
     assert agent.take_metrics()["tools/tool_calls"] == 0  # taken: counting starts again
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_tools_that_fail_time_out_or_are_unknown_answer_with_an_error_and_the_loop_goes_on(taught):
     engine, _, tok = taught

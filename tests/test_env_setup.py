@@ -19,6 +19,7 @@ def _running_in_setup_venv() -> bool:
     return (Path(sys.prefix) / ".rlhf-hpc-setup").is_file()
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_second_run_is_a_fast_no_op():
     require(

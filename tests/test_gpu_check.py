@@ -143,6 +143,7 @@ def test_smoke_prints_the_table_last_and_writes_it(smoke):
     assert (out / "gpu_check.md").read_text().strip().splitlines() == table
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_budget_skips_cases_and_says_so(tmp_path):
     proc = run_check(tmp_path, "--budget-s", "0")

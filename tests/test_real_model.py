@@ -313,6 +313,7 @@ def test_lora_grpo_on_the_real_tied_model_syncs_the_adapter_alone(smollm, tmp_pa
     assert rows[1]["actor/kl_loss"] > 0
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_fresh_machine_calibrates_at_its_first_run_and_plans_the_real_grpo_step_within_30_percent(smollm, tmp_path):
     """The README's real GRPO run on a machine without a calibration file (issue #41, 4.): the

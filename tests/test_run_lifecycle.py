@@ -159,6 +159,7 @@ BEAT = (
 )
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_the_watchdog_tells_a_lost_a_crashed_a_terminated_and_a_hung_rank_apart(tmp_path):
     """Four beating processes: SIGKILL (lost), SIGSEGV (crashed), SIGTERM (ended by torchrun or a

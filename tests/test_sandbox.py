@@ -127,6 +127,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_program_is_contained_reported_and_counted(name, mode):
@@ -511,6 +512,7 @@ def test_with_a_sandbox_fusion_url_code_runs_on_that_service(fusion_url):
 
 
 # ------------------------------------------------------------------- wired into the trainer's parts
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_the_step_sums_the_sandbox_outcomes_and_scores_rows_in_parallel(small_limits, mode):
     """``ppo.step_metrics.sandbox_metrics`` reports what the code reward ran since the last step (summed

@@ -281,6 +281,7 @@ def test_a_node_dies_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
 
 
 # --------------------------------------------------------------------------------- sharing nodes
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_two_jobs_on_one_node_do_not_collide(tmp_path):
     nodes = need_nodes(2)

@@ -416,6 +416,7 @@ def test_bad_row_is_reported_in_one_line_before_anything_starts(tmp_path):
     assert out.stdout == "" and not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
+@pytest.mark.exclusive
 def test_data_check_takes_well_under_a_second_for_gsm8k_size(tmp_path):
     import time
 
