@@ -233,7 +233,7 @@ def _fast_unless_slow(item):
 
 # Two workers (pytest-xdist, setup.cfg's addopts) share this machine's cores:
 # - each test file runs on one worker (its module fixtures built once), and the Slurm files on one
-#   worker together (one cluster);
+#   worker together, first (one cluster, the longest group);
 # - a test marked `exclusive` (it asserts on wall time or on another job's timing) runs while the
 #   other worker runs nothing: a readers-writer lock over the two workers (a turnstile in front, so
 #   an exclusive test is not starved);
@@ -243,10 +243,21 @@ SAME_WORKER = {"test_slurm": "slurm", "test_slurm_multinode": "slurm"}
 LOCKS = Path(os.environ.get("RLHF_HPC_TEST_LOCKS", f"/tmp/rlhf-hpc-tests-{os.getuid()}"))
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Whole test files to the workers (``--dist loadfile``), the Slurm files as one."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(Path(path).stem, path)
+
+    return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        stem = Path(str(item.fspath)).stem
-        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(stem, stem)))
+    # the longest group first (the Slurm files, ~10 min): the other worker works through the rest
+    items.sort(key=lambda item: Path(str(item.fspath)).stem not in SAME_WORKER)
 
 
 @contextlib.contextmanager

@@ -316,6 +316,9 @@ def test_the_guards_final_stop_is_one_line_with_code_3(tmp_path):
         checkpoint=1,
     )
     assert "last step logged 2" in line
+    assert [r["training/global_step"] for r in read_metrics(run)] == [1, 2]  # the divergent step is logged
+    assert (run / "global_step_1").is_dir()  # what was saved before is kept
+    assert "stopping after 0 rollbacks (trainer.guard.max_rollbacks)" in out.stdout + out.stderr
 
 
 @pytest.mark.slow
