@@ -252,12 +252,21 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             return SAME_WORKER.get(Path(path).stem, path)
 
+    config.option.loadscopereorder = False  # xdist would order the files by test count: ours, below
     return FileScheduling(config, log)
 
 
+# the files that take longest, longest first (measured on two workers, tests/README.md): handed out
+# first, so the workers end together instead of one finishing a long file alone
+LONGEST_FIRST = ("test_multi_turn", "slurm", "test_real_model", "test_retool", "test_lora", "test_train_e2e")
+
+
 def pytest_collection_modifyitems(config, items):
-    # the longest group first (the Slurm files, ~10 min): the other worker works through the rest
-    items.sort(key=lambda item: Path(str(item.fspath)).stem not in SAME_WORKER)
+    def rank(item) -> int:
+        scope = SAME_WORKER.get(Path(str(item.fspath)).stem, Path(str(item.fspath)).stem)
+        return LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
 
 
 @contextlib.contextmanager
