@@ -234,7 +234,8 @@ def _fast_unless_slow(item):
 # Two workers (pytest-xdist, setup.cfg's addopts) share this machine's cores:
 # - each test file runs on one worker (its module fixtures built once), and the Slurm files on one
 #   worker together, first (one cluster, the longest group);
-# - a test marked `exclusive` (it asserts on wall time or on another job's timing) runs while the
+# - a test marked `exclusive` (it asserts on wall time or on another job's timing, or its run plans
+#   most of the host's memory) runs while the
 #   other worker runs nothing: a readers-writer lock over the two workers (a turnstile in front, so
 #   an exclusive test is not starved);
 # - the CPU calibration the plans read (~/.cache/rlhf-hpc/calibration/cpu.json) is measured once, by
