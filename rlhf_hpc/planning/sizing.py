@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_hpc.distributed.fsdp import decoder_layers, tied_embeddings
+from rlhf_hpc.models.architectures import moe_experts
 from rlhf_hpc.models.hf import is_tiny, model_config
 from rlhf_hpc.models.lora import apply_lora, is_adapter
 
@@ -112,6 +113,23 @@ KNOWN_MODELS = {
         vocab_size=151936,
         tie_word_embeddings=False,
     ),
+    "qwen3-30b-a3b": dict(  # 128 experts, 8 per token: 30.5B parameters, 3.35B of them active
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -131,11 +149,40 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     source: str = ""
+    # a mixture of experts: experts per layer, how many a token uses, their parameters (all layers);
+    # ``intermediate`` is then what a token's MLP holds (its experts' widths together)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
 
     @property
     def largest_group(self) -> int:
         """Parameters of the largest FSDP group (parallel.py: each layer, embedding, head, root)."""
         return max(self.layer_params, self.embed_params, self.head_params)
+
+    @property
+    def idle_expert_params(self) -> int:
+        """Expert parameters a token does not use (0 for a dense model)."""
+        return self.expert_params - self.expert_params * self.experts_per_token // self.experts if self.experts else 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: all of a dense model's; a mixture of experts' own
+        layers and the experts it is routed to. What FLOPs scale with; memory holds ``params``."""
+        return self.params - self.idle_expert_params
+
+    @property
+    def active_layer_params(self) -> int:
+        return self.layer_params - self.idle_expert_params // max(self.layers, 1)
+
+    def read_params(self, tokens: float) -> float:
+        """Parameters a forward over ``tokens`` tokens reads (a decode step's batch): a mixture of
+        experts reads the experts any token is routed to, with routing spread evenly,
+        E x (1 - (1 - k/E)^tokens) of E."""
+        if not self.experts:
+            return self.params
+        touched = 1 - (1 - self.experts_per_token / self.experts) ** max(tokens, 1)
+        return self.params - self.expert_params * (1 - touched)
 
 
 _shapes: dict[str, ModelShape] = {}
@@ -152,7 +199,13 @@ def model_shape(path: str, override: Optional[dict] = None, trust_remote_code: b
 def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: bool = False):
     """(the model built on the meta device, its config, where the config came from)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # (seconds: only plans)
+    from transformers import (  # (seconds: only plans)
+        AutoModelForCausalLM,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     expanded = Path(path).expanduser()
     if is_tiny(path) or (expanded / "config.json").is_file():
@@ -164,9 +217,9 @@ def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: b
                 f"no config.json at {path} and no published shape for it: run the dry run where the model directory is"
             )
         fields = dict(KNOWN_MODELS[key])
-        config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[fields.pop("model_type", "qwen2")](
-            **fields
-        )
+        config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[
+            fields.pop("model_type", "qwen2")
+        ](**fields)
         for k, v in (override or {}).items():
             if k != "attn_implementation":
                 setattr(config, k, v)
@@ -176,12 +229,27 @@ def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: b
     return model, config, source
 
 
+def _experts_fields(model, config) -> dict:
+    """ModelShape's mixture-of-experts fields (none for a dense model): the routed experts'
+    parameters are those under a layer's ``experts`` module (a shared expert is a dense MLP)."""
+    moe = moe_experts(config)
+    if moe is None:
+        return {}
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    moe_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    return dict(
+        experts=moe[0], experts_per_token=moe[1], expert_params=expert_params, intermediate=moe[1] * moe_width + shared
+    )
+
+
 def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: bool = False) -> ModelShape:
     model, config, source = _meta_model(path, override, trust_remote_code)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     layers = decoder_layers(model)
     tied = tied_embeddings(model)
     heads = config.num_attention_heads
+    fields = dict(intermediate=config.intermediate_size) | _experts_fields(model, config)
     return ModelShape(
         params=count(model),
         layer_params=max(count(layer) for layer in layers),
@@ -191,12 +259,12 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
         else model.get_output_embeddings().weight.numel(),
         hidden=config.hidden_size,
         layers=len(layers),
-        intermediate=config.intermediate_size,
         vocab=config.vocab_size,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", heads),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         source=source,
+        **fields,
     )
 
 
@@ -208,7 +276,12 @@ def matmul_shape(config, source: str = "") -> ModelShape:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or h // heads
-    per_layer = 2 * h * head_dim * heads + 2 * h * head_dim * kv_heads + 3 * h * inter
+    moe = moe_experts(config)
+    if moe is not None:  # the experts a token is routed to, and the router
+        inter = moe[1] * (getattr(config, "moe_intermediate_size", None) or inter) + (
+            getattr(config, "shared_expert_intermediate_size", None) or 0
+        )
+    per_layer = 2 * h * head_dim * heads + 2 * h * head_dim * kv_heads + 3 * h * inter + (h * moe[0] if moe else 0)
     head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
     return ModelShape(
         params=layers * per_layer + vocab * h + head,
@@ -235,15 +308,16 @@ def forward_flops(
     square_sum: Optional[float] = None,
 ) -> float:
     """FLOPs of a forward pass over ``tokens`` tokens in sequences of ``seq_len`` tokens, each attending
-    to itself only: 2 x the layers' parameters per token (``s.layer_params``: the plans' exact count,
-    biases and norms too; the MFU metric's ``matmul_shape``, matmul weights alone), causal attention
+    to itself only: 2 x the layers' parameters per token (``s.active_layer_params``: the plans' exact
+    count, biases and norms too, a mixture of experts' routed experts only; the MFU metric's
+    ``matmul_shape``, matmul weights alone), causal attention
     2 x layers x q_dim x L per token of a sequence of L (QK^T and AV, half of the L x L square), the
     head (``head_width`` outputs) on ``head_tokens`` tokens. ``square_sum``: the sum of the squared
     lengths of sequences of different lengths (then ``seq_len`` is not used). The one FLOP count of
     the time plan (rlhf_hpc.planning.time_plan) and the MFU metric."""
     q = s.heads * s.head_dim
     attention = 2 * s.layers * q * seq_len * tokens if square_sum is None else 2 * s.layers * q * square_sum
-    return 2 * s.layers * s.layer_params * tokens + attention + 2 * s.hidden * head_width * head_tokens
+    return 2 * s.layers * s.active_layer_params * tokens + attention + 2 * s.hidden * head_width * head_tokens
 
 
 _adapters: dict[str, int] = {}

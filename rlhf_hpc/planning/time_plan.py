@@ -463,7 +463,8 @@ class TimeModel:
             )
             for seg in segments:
                 b = seg.sequences
-                r = (s.params * rb / tp + seg.context * kv_per_token / tp) / hbm
+                # (a mixture of experts reads the experts its batch is routed to: s.read_params)
+                r = (s.read_params(b) * rb / tp + seg.context * kv_per_token / tp) / hbm
                 c = forward_flops(s, b, seg.context / b, b, s.vocab) / rate
                 m = (
                     2 * s.layers * (2 * (tp - 1) / tp * b * s.hidden * rb / bw + hw.collective_latency_s)

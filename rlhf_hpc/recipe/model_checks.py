@@ -5,6 +5,7 @@ tokenizers, the reward model's keys (``recipe.config_checks.validate`` collects 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,15 @@ from rlhf_hpc.config.schema import Config, CriticModelConfig, FSDPConfig, ModelC
 from rlhf_hpc.config.tree import flatten, get_key, to_dict
 from rlhf_hpc.distributed.sequence_parallel import heads_problem
 from rlhf_hpc.models.architectures import architecture_problems
-from rlhf_hpc.models.hf import build_causal_lm, build_critic, build_token_scorer, is_tiny, local_path, model_config
+from rlhf_hpc.models.hf import (
+    build_causal_lm,
+    build_critic,
+    build_token_scorer,
+    is_tiny,
+    local_path,
+    model_config,
+    tiny_fields,
+)
 from rlhf_hpc.models.lora import (
     adapter_shape_problems,
     apply_lora,
@@ -32,6 +41,7 @@ from rlhf_hpc.models.weights import no_weight_files, weights_problems
 from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
 
 __all__ = [
+    "VLLM_CPU_HEAD_SIZES",
     "lora_problems",
     "lora_warnings",
     "model_architecture_problems",
@@ -311,15 +321,45 @@ def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
     if cfg.critic.enable and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
         models.append(("critic.model", cfg.critic.model))
     for key, model in models:
+        if model.path and is_tiny(model.path):
+            try:
+                tiny_fields(model.path)
+            except ValueError as e:
+                errors.append(f"{key}.path: {e}")
+                continue
         config = _readable_model_config(model.path, model.override_config)
         if config is not None:
             e, w = architecture_problems(config, key, model.override_config.get("attn_implementation"))
             if model is cfg.actor_rollout_ref.model:  # (the engine serves the policy)
                 e2, w2 = _context_problems(cfg, config)
-                e, w = e + e2, w + w2
+                e3 = _engine_head_dim_problems(cfg, config)
+                e, w = e + e2 + e3, w + w2
             errors += e
             warnings += w
     return errors, warnings
+
+
+# vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes; checked
+# against the installed vLLM by tests/test_architectures.py): another head size passes the engine's
+# start and crashes every rank at the first generation
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _engine_head_dim_problems(cfg: Config, config) -> list[str]:
+    """The policy's head size against the attention kernels of the engine that serves it on this device."""
+    rollout = cfg.actor_rollout_ref.rollout
+    name = rollout.name
+    if name == AUTO:  # (the first installed engine of AUTO_ORDER, on this machine where device=cpu)
+        name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if name != "vllm" or cfg.trainer.device != "cpu" or head_dim is None or head_dim in VLLM_CPU_HEAD_SIZES:
+        return []
+    return [
+        f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path}: head_dim {head_dim} is not among the "
+        f"head sizes vLLM's CPU attention runs ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); use "
+        f"actor_rollout_ref.rollout.name=hf, or a model of one of those head sizes"
+    ]
 
 
 def _context_problems(cfg: Config, config) -> tuple[list[str], list[str]]:

@@ -247,6 +247,21 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
         for section in ("actor_rollout_ref.actor", "critic")
     ],
     ("reward_model.", None, "this reward-model option"),
+    *[
+        (
+            key,
+            off,
+            "routing replay for mixture-of-experts models (R2/R3; not built yet: the engine and the trainer "
+            "route each token on their own, rollout/logprob_diff_max shows where they part, and "
+            "algorithm.rollout_correction weighs the difference)",
+        )
+        for key, off in (
+            ("actor_rollout_ref.actor.router_replay.mode", ("disabled",)),
+            ("actor_rollout_ref.actor.router_replay.record_file", (None,)),
+            ("actor_rollout_ref.actor.router_replay.replay_file", (None,)),
+            ("actor_rollout_ref.rollout.enable_rollout_routing_replay", (False,)),
+        )
+    ],
 ]
 
 
