@@ -141,6 +141,7 @@ def test_the_otb_entries_declare_sum_pi_squared():
 class FakeActor:
     def __init__(self, bypass=False):
         self.calls = []
+        self.routing = None  # (a dense model: no routing replay)
         self.correction = SimpleNamespace(
             bypass=bypass, anchor="engine" if bypass else "pass", after_old_log_probs=lambda batch, step, metrics: None
         )

@@ -127,8 +127,7 @@ def dry_run(args: list[str], capsys) -> tuple[int, str]:
         ("trainer.resume_from_path=checkpoints/", "use trainer.resume_mode"),
         ("trainer.device=npu", "Ascend NPUs"),
         ("reward_model.reward_manager=prime", "the prime reward manager"),
-        ("actor_rollout_ref.actor.router_replay.mode=R3", "routing replay for mixture-of-experts models"),
-        ("actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "routing replay"),
+        ("actor_rollout_ref.actor.router_replay.record_file=/tmp/routes", "routing decisions recorded to or replayed"),
     ],
 )
 def test_out_of_scope_verl_features_are_refused_by_name(extra, feature, tmp_path, capsys):

@@ -178,6 +178,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """verl's ``actor_rollout_ref.actor.router_replay``: a mixture of experts' routing replayed in the
+    trainer (rlhf_hpc.models.moe_routing). ``R3``: the experts the engine routed each token to
+    (``rollout.enable_rollout_routing_replay``) in every actor forward; ``disabled``: each side routes
+    on its own. verl's ``R2`` (the old-log-prob pass's routing in the update) is not built."""
+
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+
+
+@dataclass
 class ActorConfig:
     strategy: Literal["fsdp", "fsdp2"] = "fsdp2"  # "fsdp" is accepted and runs FSDP2
     ppo_mini_batch_size: int = 256  # in prompts; x rollout.n responses
@@ -206,6 +216,7 @@ class ActorConfig:
     # the estimators declaring needs_sum_pi_squared read (verl's optimal_token_baseline requires it)
     calculate_sum_pi_squared: bool = False
     sum_pi_squared_checkpointing: bool = False  # verl's; only false here (the sum never has a graph)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -245,6 +256,8 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null -> actor.ppo_max_token_len_per_gpu
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tools between turns (agent loop)
+    # the engine returns the experts it routed each token to (a mixture of experts; actor.router_replay R3)
+    enable_rollout_routing_replay: bool = False
 
 
 @dataclass

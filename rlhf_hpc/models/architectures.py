@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["architecture_problems", "moe_experts"]
+__all__ = ["architecture_problems", "causal_lm_class", "moe_experts"]
 
 # transformers class -> what makes it different from a plain Llama block, for the record
 TESTED = {

@@ -6,6 +6,7 @@ Batches follow ``rlhf_hpc.ops.batching``'s layout; per-token outputs are ``(B, R
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +16,7 @@ from torch import nn
 from rlhf_hpc.config.schema import ActorConfig
 from rlhf_hpc.distributed import sequence_parallel
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
+from rlhf_hpc.models.moe_routing import RoutingReplay
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
 from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
@@ -34,6 +36,7 @@ def per_token_logprobs(
     entropy_grad: bool = True,
     sp: Optional[SequenceParallel] = None,
     with_sum_pi_squared: bool = False,
+    routing: Optional[RoutingReplay] = None,
 ) -> tuple:
     """Log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
@@ -43,6 +46,8 @@ def per_token_logprobs(
     ``remove_padding`` packs the rows into one sequence (no compute on padding).
     ``entropy_grad=False`` computes the entropy for metrics only (no graph through it).
     ``sp``: the packed sequence is split over this sequence-parallel group (rlhf_hpc.distributed.sequence_parallel).
+    ``routing``: a mixture of experts routes each token to the experts in ``batch["routed_experts"]``
+    (the engine's, router_replay R3), in the order the forward sees the tokens.
     """
     if sp is not None:
         return sequence_parallel.per_token_logprobs(
@@ -50,27 +55,34 @@ def per_token_logprobs(
         )
     R = batch["responses"].shape[1]
     mask = batch["response_mask"].bool()
+    replay = contextlib.nullcontext()
+    if routing is not None and "routed_experts" in batch:
+        routed = batch["routed_experts"]  # (B, P + R, layers, k)
+        flat = routed[batch["attention_mask"].bool()] if remove_padding else routed.flatten(0, 1)
+        replay = routing.replay(flat.long())
     if remove_padding:
         packed = pack(batch)
         # the head runs only where a logit predicts a response token (not on prompts, not on padding)
         keep = packed.gather_index[mask]
-        logits = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=None,
-            use_cache=False,
-            logits_to_keep=keep,
-            **packed.attention_kwargs(),
-        ).logits[0]  # (n_valid, V)
+        with replay:
+            logits = model(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                attention_mask=None,
+                use_cache=False,
+                logits_to_keep=keep,
+                **packed.attention_kwargs(),
+            ).logits[0]  # (n_valid, V)
         labels = batch["responses"][mask]
     else:
-        out = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-            logits_to_keep=R + 1,
-        )
+        with replay:
+            out = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+                logits_to_keep=R + 1,
+            )
         logits = out.logits[:, :-1][mask]  # (n_valid, V): the logits that predict each response token
         labels = batch["responses"][mask]
     # fp32 one chunk at a time: the (n_valid, V) logits stay in the compute dtype
@@ -87,10 +99,12 @@ def per_token_logprobs(
 class ActorSpec(ModelSpec):
     """``update.ModelSpec`` (a reference: no optimizer) and the actor's own: ``temperature`` of its
     log-probs (the rollout's); ``correction``: verl's rollout correction (the trained actor's; None
-    for a reference)."""
+    for a reference); ``routing``: with the engine's routing in the batch, a mixture of experts'
+    forwards ``"replay"`` it (router_replay R3) or ``"measure"`` their agreement with it (None: neither)."""
 
     temperature: float = 1.0
     correction: Optional[RolloutCorrection] = None
+    routing: Optional[str] = None
 
 
 class Actor:
@@ -109,6 +123,7 @@ class Actor:
         # the LR schedule's own base LRs, before a rollback (or a checkpoint's schedule) scaled them
         self.base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
         self.correction = spec.correction
+        self.routing = RoutingReplay(model, substitute=spec.routing == "replay") if spec.routing else None
 
     def scale(self, lr_scale: float, kl_scale: float) -> None:
         """The stability guard's scales, relative to the configured settings: the LR schedule's base
@@ -160,6 +175,7 @@ class Actor:
                 with_entropy,
                 sp=self.sp,
                 with_sum_pi_squared=with_sum_pi_squared,
+                routing=self.routing,
             )
             if g:
                 lps.append(lp.cpu())
@@ -207,6 +223,7 @@ class Actor:
                 with_entropy=with_entropy,
                 entropy_grad=cfg.entropy_coeff != 0,
                 sp=self.sp,
+                routing=self.routing,
             )
             mask = micro["response_mask"]
             if sample and weight:

@@ -22,6 +22,7 @@ __all__ = [
     "response_spans",
     "reward_extra_info",
     "rollout_rows",
+    "routed_experts_batch",
     "sampling_for",
     "score_responses",
     "scores_on_last_token",
@@ -42,6 +43,7 @@ def rollout_rows(train: list[Example], prompts: list[int], mine: range, response
             finish_reason=r.finish_reason,
             mask=r.mask,
             num_turns=r.num_turns,
+            routed_experts=r.routed_experts,
         )
         for pos, group in zip(mine, responses)
         for r in group
@@ -118,7 +120,20 @@ def make_step_batch(cfg: Config, tokenizer, rows: list[RolloutRow]) -> dict:
             batch["response_mask"][i, : len(lp)] = torch.tensor(r.mask[:R], dtype=batch["response_mask"].dtype)
     batch["engine_log_probs"] = engine_lp
     batch["uid"] = torch.tensor([r.prompt_pos for r in rows])
+    if rows and rows[0].routed_experts is not None:
+        batch["routed_experts"] = routed_experts_batch(rows, P, R)
     return batch
+
+
+def routed_experts_batch(rows: list[RolloutRow], P: int, R: int) -> torch.Tensor:
+    """The rows' routing in the padded layout of ``input_ids``: (B, P + R, layers, k) int16, each
+    prompt's ending at column P, each response's starting there; zero where nothing was routed."""
+    _, layers, k = rows[0].routed_experts.shape
+    out = torch.zeros(len(rows), P + R, layers, k, dtype=torch.int16)
+    for i, r in enumerate(rows):
+        p, n = len(r.prompt_ids), min(len(r.token_ids), R)
+        out[i, P - p : P + n] = r.routed_experts[: p + n]
+    return out
 
 
 def score_responses(

@@ -596,6 +596,7 @@ class PPOTrainer:
                 )
                 if sum_pi_squared:  # (the Optimal Token Baseline's: estimators with needs_sum_pi_squared)
                     batch["sum_pi_squared"] = sum_pi_squared[0]
+            routing_agreement(models.actor, metrics)
         models.actor.correction.after_old_log_probs(batch, step, metrics)  # bypass: the engine's; else its check
         if models.ref is not None:
             with timer("ref"):
@@ -657,6 +658,7 @@ class PPOTrainer:
         with timer("update_actor"), self.faults.around_actor_update(step, models.actor.optimizer, batch):
             metrics.update(models.actor.update_policy(batch, self.shape.update_actor.mini_rows, seed=step))
             metrics["actor/kl_coef"] = models.actor.kl_loss_coef
+        routing_agreement(models.actor, metrics)  # (where no old-log-prob pass ran: the update's forwards)
         models.actor.correction.after_update(batch, step, metrics)  # bypass, on-policy: the check on that forward
 
 
@@ -673,3 +675,16 @@ def out_of_memory_report(timer: Timer, device: torch.device):
 
 if os.environ.get("TOKENIZERS_PARALLELISM") is None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def routing_agreement(actor, metrics: dict) -> None:
+    """``rollout/router_topk_agreement``: the share of (token, layer) pairs whose experts the actor's
+    own router would have chosen as the engine did, over every rank, from the step's first actor
+    pass (router_replay R3: the old-log-prob pass, else the update's forwards)."""
+    if actor.routing is None:
+        return
+    agreed, counted = actor.routing.take_agreement()
+    if "rollout/router_topk_agreement" in metrics:
+        return
+    total = all_reduce_sum(torch.tensor([agreed, counted], dtype=torch.float64))
+    metrics["rollout/router_topk_agreement"] = float(total[0] / total[1]) if total[1] else 1.0

@@ -111,6 +111,12 @@ def build_training_models(
             norm_const=norm_const,
             placement=dataclasses.replace(placement, sp=actor_sp),
             correction=RolloutCorrection.from_config(cfg, log),
+            # (a reference routes on its own)
+            routing=(
+                ("replay" if actor_cfg.router_replay.mode == "R3" else "measure")
+                if arr.rollout.enable_rollout_routing_replay
+                else None
+            ),
         ),
     )
 

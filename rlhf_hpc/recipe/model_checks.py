@@ -19,7 +19,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config, CriticModelConfig, FSDPConfig, ModelConfig, RewardModelConfig
 from rlhf_hpc.config.tree import flatten, get_key, to_dict
 from rlhf_hpc.distributed.sequence_parallel import heads_problem
-from rlhf_hpc.models.architectures import architecture_problems
+from rlhf_hpc.models.architectures import architecture_problems, causal_lm_class
 from rlhf_hpc.models.hf import (
     build_causal_lm,
     build_critic,
@@ -36,6 +36,7 @@ from rlhf_hpc.models.lora import (
     saved_adapter,
     unmatched_target_modules,
 )
+from rlhf_hpc.models.moe_routing import REPLAYABLE
 from rlhf_hpc.models.tokenizer import no_tokenizer_files, tokenizer_path, tokenizer_problems
 from rlhf_hpc.models.weights import no_weight_files, weights_problems
 from rlhf_hpc.tools.tool_config import run_tools, tool_schemas
@@ -47,6 +48,7 @@ __all__ = [
     "model_architecture_problems",
     "model_file_problems",
     "reward_model_problems",
+    "routing_replay_problems",
     "sequence_parallel_problems",
 ]
 
@@ -337,6 +339,53 @@ def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
             errors += e
             warnings += w
     return errors, warnings
+
+
+def routing_replay_problems(cfg: Config) -> list[str]:
+    """verl's routing replay keys (``actor.router_replay.mode``, ``rollout.enable_rollout_routing_replay``)
+    against what records and replays routing here: the hf engine records (the rollout key alone: the
+    trainer measures its agreement, rollout/router_topk_agreement), R3 replays, on the mixtures of
+    experts whose router math rlhf_hpc.models.moe_routing reproduces."""
+    arr = cfg.actor_rollout_ref
+    mode, record = arr.actor.router_replay.mode, arr.rollout.enable_rollout_routing_replay
+    key = "actor_rollout_ref.actor.router_replay.mode"
+    if mode == "disabled" and not record:
+        return []
+    if mode == "R2":
+        return [
+            f"{key}=R2 (the old-log-prob pass's routing replayed in the update) is not built here; "
+            f"R3 replays the engine's routing in every actor forward"
+        ]
+    # enable_rollout_routing_replay alone: the engine records, the trainer measures its agreement
+    # (rollout/router_topk_agreement) and routes on its own
+    errors = []
+    if mode == "R3" and not record:
+        errors.append(
+            f"{key}=R3 replays the engine's routing: set actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
+        )
+    what = f"{key}=R3" if mode == "R3" else "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
+    name = arr.rollout.name
+    if name == AUTO:
+        name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if name != "hf":
+        errors.append(
+            f"{what} with actor_rollout_ref.rollout.name={arr.rollout.name}: only the hf engine returns the "
+            f"experts it routed each token to here (vLLM's enable_return_routed_experts needs its Model Runner "
+            f"V2, which its CPU build cannot run, and is not wired for GPUs yet); use actor_rollout_ref.rollout.name=hf"
+        )
+    if arr.actor.ulysses_sequence_parallel_size > 1:
+        errors.append(f"{what} with Ulysses (actor.ulysses_sequence_parallel_size > 1) is not built: use 1")
+    if arr.rollout.multi_turn.enable:
+        errors.append(f"{what} with the multi-turn agent loop is not built (its tool turns carry no routing)")
+    config = _readable_model_config(arr.model.path, arr.model.override_config)
+    if config is not None:
+        cls = causal_lm_class(config)
+        if cls not in REPLAYABLE:
+            errors.append(
+                f"{what}: actor_rollout_ref.model.path={arr.model.path} is a {cls}; routing is recorded and "
+                f"replayed in {', '.join(REPLAYABLE)}"
+            )
+    return errors
 
 
 # vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes; checked

@@ -249,18 +249,12 @@ OUT_OF_SCOPE: list[tuple[str, Optional[tuple], str]] = [
     ("reward_model.", None, "this reward-model option"),
     *[
         (
-            key,
-            off,
-            "routing replay for mixture-of-experts models (R2/R3; not built yet: the engine and the trainer "
-            "route each token on their own, rollout/logprob_diff_max shows where they part, and "
-            "algorithm.rollout_correction weighs the difference)",
+            f"actor_rollout_ref.actor.router_replay.{key}",
+            (None,),
+            "routing decisions recorded to or replayed from a file (routing replay here carries the "
+            "engine's routing in the step's batch: actor.router_replay.mode=R3)",
         )
-        for key, off in (
-            ("actor_rollout_ref.actor.router_replay.mode", ("disabled",)),
-            ("actor_rollout_ref.actor.router_replay.record_file", (None,)),
-            ("actor_rollout_ref.actor.router_replay.replay_file", (None,)),
-            ("actor_rollout_ref.rollout.enable_rollout_routing_replay", (False,)),
-        )
+        for key in ("record_file", "replay_file")
     ],
 ]
 

@@ -52,6 +52,9 @@ class Response:
     # log-prob there is 0 and nothing trains on it); None: every token is the model's
     mask: Optional[list[int]] = None
     num_turns: Optional[int] = None  # verl's: the prompt, the model's and the tools'/user's turns (the agent loop)
+    # the experts the engine routed each prompt and response token to, (tokens, layers, k) int16, the
+    # last token's zero (a mixture of experts with rollout.enable_rollout_routing_replay)
+    routed_experts: Optional[torch.Tensor] = None
 
 
 class RolloutEngine(Protocol):

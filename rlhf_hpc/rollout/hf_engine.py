@@ -7,6 +7,7 @@ weights through ``update_weights`` before the first ``generate``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import torch
@@ -14,9 +15,26 @@ import torch.distributed as dist
 
 from rlhf_hpc.distributed.loading import materialize
 from rlhf_hpc.models.hf import build_causal_lm, is_tiny, torch_dtype
+from rlhf_hpc.models.moe_routing import RoutingReplay
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 
 __all__ = ["HFEngine"]
+
+
+def routed_experts(recorded: list[list[torch.Tensor]], row: int, prompt_len: int, width: int, new: int) -> torch.Tensor:
+    """Row ``row``'s routing from one ``generate`` call: (prompt_len + new, layers, k) int16. The
+    call's first forward (the prefill) routed the left-padded prompts, (rows x width) tokens; decode
+    forward t routed each row's generated token t - 1. A row's last token is never fed back: its
+    routing stays zero (the replay then routes it itself)."""
+    layers, k = len(recorded), recorded[0][0].shape[-1]
+    rows = recorded[0][0].shape[0] // width
+    out = torch.zeros(prompt_len + new, layers, k, dtype=torch.int16)
+    for layer, calls in enumerate(recorded):
+        prefill = calls[0].view(rows, width, k)[row, width - prompt_len :]
+        out[:prompt_len, layer] = prefill
+        for t in range(1, min(new, len(calls))):
+            out[prompt_len + t - 1, layer] = calls[t][row]
+    return out
 
 
 class HFEngine:
@@ -41,6 +59,8 @@ class HFEngine:
                 device,
             )
         self.model.eval().requires_grad_(False)
+        # the experts each token was routed to, for the trainer to replay (actor.router_replay.mode=R3)
+        self.routing = RoutingReplay(self.model) if rollout.enable_rollout_routing_replay else None
         self._params = dict(self.model.named_parameters())
         self._spec = {k: tuple(v.shape) for k, v in self._params.items()}
         self.synced = False
@@ -105,7 +125,8 @@ class HFEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls)
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+            with self.routing.record() if self.routing is not None else contextlib.nullcontext() as recorded:
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         new_dev = out.sequences[:, width:]
         new = new_dev.cpu()
         # scores are the processed logits the sampler drew from (after temperature/top-k/top-p);
@@ -126,5 +147,8 @@ class HFEngine:
                 if t in stops:
                     end, reason = j + 1, "stop"
                     break
-            results.append(Response(token_ids=toks[:end], logprobs=lps[:end], finish_reason=reason))
+            routed = None if recorded is None else routed_experts(recorded, i, len(prompts[i]), width, end)
+            results.append(
+                Response(token_ids=toks[:end], logprobs=lps[:end], finish_reason=reason, routed_experts=routed)
+            )
         return [results[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
