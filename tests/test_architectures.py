@@ -409,13 +409,15 @@ def test_a_checkpoint_read_by_rank0_alone_equals_from_pretrained(matrix, name):
 def test_a_mixture_of_experts_trains_with_the_engine_and_the_actor_in_agreement_at_every_step(tmp_path):
     """Qwen3-MoE through the whole loop with vLLM: each step's sync splits the fused experts per
     expert and has vLLM's CPU kernel repack them (rlhf_hpc.rollout.vllm_engine._repack_cpu_experts;
-    without it the log-probs part by 0.04-0.24 from step 1); the plan names the active parameters."""
+    without it the log-probs part by 0.04-0.24 from step 1); the plan names the active parameters;
+    the router's load-balancing loss (``override_config.output_router_logits``) joins the update."""
     require("vLLM", importlib.util.find_spec("vllm") is not None, "install the cpu profile (env/setup.sh cpu)")
     run = tmp_path / "run"
     out = run_launch(
         "recipe=tiny_klppo",
         "actor_rollout_ref.model.path=tiny://qwen3_moe",
         "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.model.override_config.output_router_logits=true",
         "trainer.total_training_steps=3",
         "trainer.save_freq=-1",
         "trainer.test_freq=-1",
@@ -428,3 +430,4 @@ def test_a_mixture_of_experts_trains_with_the_engine_and_the_actor_in_agreement_
     assert [r["training/global_step"] for r in rows] == [1, 2, 3]
     for r in rows:  # fp32 engine and actor: the dense models' band (measured <= 1e-6)
         assert r["rollout/logprob_diff_max"] < 1e-4 and abs(r["rollout/engine_actor_kl"]) < 1e-6, r
+        assert 1.5 < r["actor/router_aux_loss"] < 3.0, r  # (2 for 2 of 8 experts spread evenly)

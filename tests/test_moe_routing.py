@@ -190,3 +190,43 @@ def test_replay_narrows_a_bf16_engine_and_an_fp32_trainer_and_both_log_the_route
     assert all(r["rollout/logprob_diff_max"] < 0.012 for r in runs["R3"])
     worst = {mode: max(r["rollout/logprob_diff_max"] for r in rows) for mode, rows in runs.items()}
     assert worst["R3"] < worst["disabled"], worst
+
+
+def test_the_router_load_balancing_loss_is_transformers_own_over_the_tokens_the_forward_sees():
+    """``override_config.output_router_logits``: the packed forward (no padding) and the padded one
+    (padding masked) report the same loss, near top-k for a router that spreads tokens evenly, and
+    it reaches the routers' weights."""
+    model = build_causal_lm(
+        "tiny://qwen3_moe", torch.float32, seed=0, attn="eager", override={"output_router_logits": True}
+    )
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    responses = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (4, 7, 1)]
+    batch = make_padded_batch(prompts, responses, 0, 10, 8)
+    packed, padded = [], []
+    per_token_logprobs(model, batch, remove_padding=True, aux_loss=packed)
+    with torch.no_grad():
+        per_token_logprobs(model, batch, remove_padding=False, aux_loss=padded)
+    torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-6)
+    assert 1.5 < float(packed[0]) < 3.0  # (8 experts, 2 per token: 2 when perfectly even)
+    packed[0].backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["actor_rollout_ref.model.path=tiny://qwen3"], "is not a mixture of experts"),
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], "with Ulysses"),
+    ],
+)
+def test_a_load_balancing_loss_that_cannot_apply_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=f"output_router_logits=True.*{message}"):
+        load_config(
+            "tiny_klppo",
+            [
+                "actor_rollout_ref.model.path=tiny://qwen3_moe",
+                "actor_rollout_ref.model.override_config.output_router_logits=true",
+                *overrides,
+            ],
+        )

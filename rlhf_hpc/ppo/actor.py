@@ -37,6 +37,7 @@ def per_token_logprobs(
     sp: Optional[SequenceParallel] = None,
     with_sum_pi_squared: bool = False,
     routing: Optional[RoutingReplay] = None,
+    aux_loss: Optional[list] = None,
 ) -> tuple:
     """Log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
@@ -47,7 +48,9 @@ def per_token_logprobs(
     ``entropy_grad=False`` computes the entropy for metrics only (no graph through it).
     ``sp``: the packed sequence is split over this sequence-parallel group (rlhf_hpc.distributed.sequence_parallel).
     ``routing``: a mixture of experts routes each token to the experts in ``batch["routed_experts"]``
-    (the engine's, router_replay R3), in the order the forward sees the tokens.
+    (the engine's, router_replay R3), in the order the forward sees the tokens. ``aux_loss``: a list
+    the forward's router load-balancing loss is appended to (a mixture of experts whose config sets
+    ``output_router_logits``: transformers computes it over the tokens the forward sees).
     """
     if sp is not None:
         return sequence_parallel.per_token_logprobs(
@@ -65,14 +68,15 @@ def per_token_logprobs(
         # the head runs only where a logit predicts a response token (not on prompts, not on padding)
         keep = packed.gather_index[mask]
         with replay:
-            logits = model(
+            out = model(
                 input_ids=packed.input_ids,
                 position_ids=packed.position_ids,
                 attention_mask=None,
                 use_cache=False,
                 logits_to_keep=keep,
                 **packed.attention_kwargs(),
-            ).logits[0]  # (n_valid, V)
+            )
+        logits = out.logits[0]  # (n_valid, V)
         labels = batch["responses"][mask]
     else:
         with replay:
@@ -85,6 +89,8 @@ def per_token_logprobs(
             )
         logits = out.logits[:, :-1][mask]  # (n_valid, V): the logits that predict each response token
         labels = batch["responses"][mask]
+    if aux_loss is not None:
+        aux_loss.append(out.aux_loss)
     # fp32 one chunk at a time: the (n_valid, V) logits stay in the compute dtype
     values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
     lp = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device).masked_scatter(mask, values)
@@ -124,6 +130,13 @@ class Actor:
         self.base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
         self.correction = spec.correction
         self.routing = RoutingReplay(model, substitute=spec.routing == "replay") if spec.routing else None
+        # transformers' router load-balancing loss (override_config.output_router_logits), x its coefficient
+        config = getattr(model, "config", None)
+        self.router_aux_loss_coef = (
+            float(config.router_aux_loss_coef)
+            if self.optimizer is not None and getattr(config, "output_router_logits", False)
+            else 0.0
+        )
 
     def scale(self, lr_scale: float, kl_scale: float) -> None:
         """The stability guard's scales, relative to the configured settings: the LR schedule's base
@@ -215,6 +228,7 @@ class Actor:
             # pass; in bypass mode and on-policy, without a gradient, from the first mini-batch)
             sample = in_update is not None and in_update.keeps_pre_update(metrics.n_mini)
             with_entropy = cfg.entropy_coeff != 0 or sample
+            aux = [] if self.router_aux_loss_coef else None
             lp, ent = per_token_logprobs(
                 self.model,
                 micro,
@@ -224,6 +238,7 @@ class Actor:
                 entropy_grad=cfg.entropy_coeff != 0,
                 sp=self.sp,
                 routing=self.routing,
+                aux_loss=aux,
             )
             mask = micro["response_mask"]
             if sample and weight:
@@ -242,6 +257,10 @@ class Actor:
                 )
                 loss = loss + self.kl_loss_coef * kl_loss
                 metrics.share("actor/kl_loss", weight * kl_loss)
+            if aux:  # (a mean over this micro-batch: weighted by its share of the global response tokens)
+                aux_loss = aux[0] * (mask.sum() / max(kw["global_tokens"], 1.0))
+                loss = loss + self.router_aux_loss_coef * aux_loss
+                metrics.share("actor/router_aux_loss", weight * aux_loss)
             metrics.share("actor/pg_loss", weight * pg_loss)
             for k, v in pgm.items():
                 metrics.token_mean(f"actor/{k}", v, weight * mask.sum())

@@ -23,6 +23,7 @@ from rlhf_hpc.recipe.model_checks import (
     model_architecture_problems,
     model_file_problems,
     reward_model_problems,
+    router_aux_loss_problems,
     routing_replay_problems,
     sequence_parallel_problems,
 )
@@ -146,6 +147,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors += unsupported_values(cfg)
     errors += reward_model_problems(cfg)
     errors += routing_replay_problems(cfg)
+    errors += router_aux_loss_problems(cfg)
     errors += lora_problems(cfg)
     errors += hardware_problems(cfg)
     errors += input_problems(cfg)  # plan.*, the data files on this machine

@@ -19,7 +19,7 @@ from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.config.schema import Config, CriticModelConfig, FSDPConfig, ModelConfig, RewardModelConfig
 from rlhf_hpc.config.tree import flatten, get_key, to_dict
 from rlhf_hpc.distributed.sequence_parallel import heads_problem
-from rlhf_hpc.models.architectures import architecture_problems, causal_lm_class
+from rlhf_hpc.models.architectures import architecture_problems, causal_lm_class, moe_experts
 from rlhf_hpc.models.hf import (
     build_causal_lm,
     build_critic,
@@ -48,6 +48,7 @@ __all__ = [
     "model_architecture_problems",
     "model_file_problems",
     "reward_model_problems",
+    "router_aux_loss_problems",
     "routing_replay_problems",
     "sequence_parallel_problems",
 ]
@@ -385,6 +386,23 @@ def routing_replay_problems(cfg: Config) -> list[str]:
                 f"{what}: actor_rollout_ref.model.path={arr.model.path} is a {cls}; routing is recorded and "
                 f"replayed in {', '.join(REPLAYABLE)}"
             )
+    return errors
+
+
+def router_aux_loss_problems(cfg: Config) -> list[str]:
+    """transformers' router load-balancing loss (``override_config.output_router_logits``, weighed by
+    ``router_aux_loss_coef``), which the actor's update adds to its loss: a mixture of experts only,
+    without Ulysses (whose ranks see part of each sequence)."""
+    arr = cfg.actor_rollout_ref
+    if not arr.model.override_config.get("output_router_logits"):
+        return []
+    key = "actor_rollout_ref.model.override_config.output_router_logits=True"
+    errors = []
+    config = _readable_model_config(arr.model.path, arr.model.override_config)
+    if config is not None and moe_experts(config) is None:
+        errors.append(f"{key}: {arr.model.path} is not a mixture of experts (it has no router to balance)")
+    if arr.actor.ulysses_sequence_parallel_size > 1:
+        errors.append(f"{key} with Ulysses (actor.ulysses_sequence_parallel_size > 1) is not built: use 1")
     return errors
 
 
