@@ -178,6 +178,7 @@ def test_replay_narrows_a_bf16_engine_and_an_fp32_trainer_and_both_log_the_route
             f"actor_rollout_ref.actor.router_replay.mode={mode}",
             "actor_rollout_ref.rollout.dtype=bfloat16",
             "trainer.total_training_steps=5",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5",
             "trainer.save_freq=-1",
             "trainer.test_freq=-1",
             f"trainer.default_local_dir={tmp_path / mode}",
@@ -187,6 +188,10 @@ def test_replay_narrows_a_bf16_engine_and_an_fp32_trainer_and_both_log_the_route
         runs[mode] = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
     for rows in runs.values():
         assert all(0.9 < r["rollout/router_topk_agreement"] <= 1.0 for r in rows)
+        # verl's load-balance metrics on the interval's last step: every response token but each
+        # row's last, 2 layers x 2 experts each (16 prompts x 2 responses of up to 8 tokens, 5 steps)
+        assert [("rollout/moe/max_vio/max" in r) for r in rows] == [False] * 4 + [True]
+        assert 0 < rows[-1]["rollout/moe/routed_expert_assignments"] <= 5 * 32 * 7 * 2 * 2
     assert all(r["rollout/logprob_diff_max"] < 0.012 for r in runs["R3"])
     worst = {mode: max(r["rollout/logprob_diff_max"] for r in rows) for mode, rows in runs.items()}
     assert worst["R3"] < worst["disabled"], worst
@@ -228,5 +233,42 @@ def test_a_load_balancing_loss_that_cannot_apply_is_refused(overrides, message):
                 "actor_rollout_ref.model.path=tiny://qwen3_moe",
                 "actor_rollout_ref.model.override_config.output_router_logits=true",
                 *overrides,
+            ],
+        )
+
+
+def test_verls_load_balance_metrics_count_the_response_tokens_but_each_ones_last():
+    """verl 0.9.1's rollout/moe/* (metric_utils): 4 experts, top-2, one layer; the counts by hand."""
+    from rlhf_hpc.ops.moe_load_metrics import MoELoadCounts, load_balance_metrics, response_load_counts
+
+    routed = torch.zeros(2, 2 + 3, 1, 2, dtype=torch.int16)  # prompt 2, response 3
+    routed[0, 2:, 0] = torch.tensor([[0, 2], [0, 2], [1, 3]])  # (the last: not counted)
+    routed[1, 2:, 0] = torch.tensor([[1, 3], [0, 1], [0, 0]])  # (the last valid one: not counted)
+    routed[:, :2, 0] = torch.tensor([3, 3])  # (prompts: not counted)
+    response_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    counts = response_load_counts(routed, response_mask, experts=4)
+    assert counts.tolist() == [[2, 1, 2, 1]]
+    metrics = load_balance_metrics(torch.tensor([[2, 0, 2, 0], [1, 1, 1, 1]]))
+    # shares x 4 - 1: layer 0 [1, -1, 1, -1], layer 1 all 0
+    expected = {"max_vio": [1.0, 0.0], "min_vio": [-1.0, 0.0], "avg_vio": [1.0, 0.0]}
+    for name, per_layer in expected.items():
+        assert [metrics[f"rollout/moe/{name}/layer_{i}"] for i in (0, 1)] == per_layer
+        assert metrics[f"rollout/moe/{name}/max"] == max(per_layer)
+        assert metrics[f"rollout/moe/{name}/avg"] == sum(per_layer) / 2
+    interval = MoELoadCounts(experts=4)
+    interval.add(counts)
+    interval.add(counts)
+    popped = interval.pop_metrics()
+    assert popped["rollout/moe/routed_expert_assignments"] == 12 and popped["rollout/moe/routed_experts_found"] == 1.0
+    assert interval.pop_metrics()["rollout/moe/routed_experts_found"] == 0.0  # (counts start over)
+
+
+def test_load_balance_metrics_need_the_engines_routing():
+    with pytest.raises(ConfigError, match="moe_load_balance_metrics_interval=5: .*enable_rollout_routing_replay=True"):
+        load_config(
+            "tiny_klppo",
+            [
+                "actor_rollout_ref.model.path=tiny://qwen3_moe",
+                "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5",
             ],
         )

@@ -258,6 +258,9 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tools between turns (agent loop)
     # the engine returns the experts it routed each token to (a mixture of experts; actor.router_replay R3)
     enable_rollout_routing_replay: bool = False
+    # verl's: every this many steps, rollout/moe/* (how evenly the recorded routing spread the
+    # response tokens over the experts, rlhf_hpc.ops.moe_load_metrics); 0: never
+    moe_load_balance_metrics_interval: int = 0
 
 
 @dataclass

@@ -48,6 +48,7 @@ from rlhf_hpc.distributed.process_group import (
 from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows, resample_rows
 from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
+from rlhf_hpc.models.architectures import moe_experts
 from rlhf_hpc.models.hf import model_config, torch_dtype
 from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
 from rlhf_hpc.observability.perf import Timer
@@ -58,6 +59,7 @@ from rlhf_hpc.observability.tracking import Tracker
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import select_rows
 from rlhf_hpc.ops.estimators import ADV_ESTIMATORS, AdvantageInputs, compute_advantages
+from rlhf_hpc.ops.moe_load_metrics import MoELoadCounts, response_load_counts
 from rlhf_hpc.ops.pf_ppo import pf_ppo_indices
 from rlhf_hpc.ops.step_shape import step_shape
 from rlhf_hpc.planning.layout import describe as describe_layouts
@@ -188,6 +190,9 @@ class PPOTrainer:
         config = self.run_dir / "config.yaml"
         self.config_text = config.read_text() if config.is_file() else None
         self.model_cfg = model_config(arr.model.path, arr.model.override_config)  # for the FLOP count
+        # verl's rollout/moe/* load-balance metrics, from the engine's recorded routing, every N steps
+        interval = arr.rollout.moe_load_balance_metrics_interval
+        self.moe_load = MoELoadCounts(moe_experts(self.model_cfg)[0]) if interval > 0 else None
         self.clock.mark("trackers and plans")
         self.tracker.log_line(f"[rlhf-hpc] {self.clock.line()}")  # (once; its figures in the first step's metrics)
 
@@ -483,6 +488,8 @@ class PPOTrainer:
             self.update(batch, step, timer, metrics)
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, models.critic is not None))
+        if self.moe_load is not None:
+            metrics.update(self.moe_load_metrics(batch, step))
         # entropy_coeff=0: the update computes no entropy; as verl, the old-log-prob pass reports it
         if "actor/rollout_entropy/mean" in metrics:
             metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
@@ -494,6 +501,18 @@ class PPOTrainer:
             metrics.update(self.step_plan.metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
+
+    def moe_load_metrics(self, batch: dict, step: int) -> dict:
+        """This step's response-token routing counted over every rank into the interval's; its
+        metrics on the interval's last step (verl's: the steps a multiple of the interval)."""
+        routed = batch["routed_experts"]
+        counts = response_load_counts(routed, batch["response_mask"], self.moe_load.experts)
+        if counts is None:  # (a rank without a counted token still joins the sum)
+            counts = torch.zeros(routed.shape[2], self.moe_load.experts, dtype=torch.long)
+        self.moe_load.add(all_reduce_sum(counts))
+        if step % self.cfg.actor_rollout_ref.rollout.moe_load_balance_metrics_interval:
+            return {}
+        return self.moe_load.pop_metrics()
 
     def generate(self, step: int, timer: Timer, metrics: dict) -> tuple[dict, list[RolloutRow], list[int]]:
         """This rank's share of the step's prompts through the engine; the responses redistributed

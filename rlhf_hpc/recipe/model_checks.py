@@ -350,6 +350,13 @@ def routing_replay_problems(cfg: Config) -> list[str]:
     arr = cfg.actor_rollout_ref
     mode, record = arr.actor.router_replay.mode, arr.rollout.enable_rollout_routing_replay
     key = "actor_rollout_ref.actor.router_replay.mode"
+    interval = arr.rollout.moe_load_balance_metrics_interval
+    if interval < 0 or (interval > 0 and not record):
+        return [
+            f"actor_rollout_ref.rollout.moe_load_balance_metrics_interval={interval}: the load-balance metrics "
+            f"count the engine's recorded routing: a number of steps >= 0, with "
+            f"actor_rollout_ref.rollout.enable_rollout_routing_replay=True (0: no metrics)"
+        ]
     if mode == "disabled" and not record:
         return []
     if mode == "R2":
