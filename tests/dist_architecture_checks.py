@@ -144,6 +144,12 @@ def check_training(path: str, rank: int, world: int, res: dict) -> Actor:
     mine = list(range(rank * per, (rank + 1) * per))
     local = select_rows(batch, mine)
     actor = sharded_actor(path, world)
+    # a mixture of experts' fused experts (E, ...) are sharded by expert, never replicated
+    res["expert_shards"] = {
+        n: [list(p.shape), list(p.to_local().shape), [type(pl).__name__ for pl in p.placements]]
+        for n, p in actor.model.named_parameters()
+        if ".experts." in n and n.startswith("model.layers.0.")
+    }
     lp, _ = actor.compute_log_prob(local, micro_batch_size=2)
     sp_actor = sharded_actor(path, world, sp_size=2)
     sp_lp, _ = sp_actor.compute_log_prob(local, micro_batch_size=2)

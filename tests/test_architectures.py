@@ -335,6 +335,16 @@ def test_fsdp2_on_two_ranks_and_ulysses_match_one_process(matrix, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_fsdp2_shards_a_mixture_of_experts_by_expert(matrix, name):
+    """The fused experts (8, ...) on 2 ranks: 4 experts each, none replicated."""
+    shards = matrix[0][name]["expert_shards"]
+    assert len(shards) == 2  # gate_up_proj, down_proj
+    for full, local, placements in shards.values():
+        assert full[0] == 8 and local == [4, *full[1:]] and placements == ["Shard"], shards
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_checkpoint_resume_and_export_round_trip(matrix, name):
     r = matrix[0][name]
