@@ -81,6 +81,9 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert ("tiny_klppo", "tiny KL-PPO in bf16, hf engine (fit)") in names
     assert ("tiny_klppo", "tiny KL-PPO with LoRA, hf engine (fit)") in names
     assert ("tiny_klppo", "preflight on this device (tiny_klppo, hf engine)") in names
+    moe = "tiny KL-PPO of a mixture of experts with routing replay, hf engine (fit)"
+    assert ("tiny_klppo", moe) in names
+    assert 0.9 < next(c for c in cases if c["case"] == moe)["router_topk_agreement"] <= 1.0
     assert ("smoke-plan", "memory plan per phase: fit, bf16, 512-token responses") in names
     # and what it therefore did not check is listed, in the JSON and before the table
     assert any(w.startswith("vLLM's sleep and wake") for w in data["not_checked"]) and len(data["not_checked"]) == 5

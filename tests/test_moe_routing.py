@@ -115,6 +115,36 @@ def test_the_hf_engine_records_what_a_full_forward_of_its_weights_routes():
             assert torch.equal(full[:-1].sort(-1).values, r.routed_experts[:-1].long().sort(-1).values)
 
 
+def test_vllms_routed_experts_become_a_responses_routing_with_the_last_token_zero():
+    """vLLM's CompletionOutput.routed_experts (GPU builds; its CPU build cannot return them): the
+    prompt's and the response's tokens but the last, (tokens - 1, layers, k)."""
+    import numpy as np
+
+    from rlhf_hpc.rollout.vllm_engine import engine_routing
+
+    found = np.arange(9 * 2 * 2, dtype=np.int64).reshape(9, 2, 2) % 8
+    routed = engine_routing(found, 10)
+    assert routed.shape == (10, 2, 2) and routed.dtype == torch.int16
+    assert torch.equal(routed[:9].long(), torch.as_tensor(found)) and (routed[9] == 0).all()
+    with pytest.raises(RuntimeError, match="returned no routed experts"):
+        engine_routing(None, 10)
+    with pytest.raises(RuntimeError, match=r"shape \(12, 2, 2\), for 10 tokens"):
+        engine_routing(np.zeros((12, 2, 2)), 10)
+
+
+def test_replay_with_vllm_is_accepted_for_a_gpu_run():
+    load_config(
+        "tiny_klppo",
+        [
+            "actor_rollout_ref.model.path=tiny://qwen3_moe",
+            "actor_rollout_ref.rollout.name=vllm",
+            *R3[1:],
+            "trainer.device=cuda",
+        ],
+        check_files=False,
+    )
+
+
 def test_the_step_batch_lays_the_routing_out_as_input_ids_and_packed_and_padded_forwards_replay_it_alike():
     model = build_causal_lm("tiny://qwen3_moe", torch.float32, seed=0, attn="eager").eval()
     g = torch.Generator().manual_seed(3)
@@ -147,7 +177,7 @@ def test_the_step_batch_lays_the_routing_out_as_input_ids_and_packed_and_padded_
     [
         (["actor_rollout_ref.actor.router_replay.mode=R2"], "R2 .* is not built here"),
         (R3[:1] + R3[2:], "set actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
-        (["actor_rollout_ref.rollout.name=vllm", *R3[1:]], "only the hf engine returns the experts"),
+        (["actor_rollout_ref.rollout.name=vllm", *R3[1:]], "with vLLM on a GPU .* its CPU build cannot run"),
         (
             [*R3, "actor_rollout_ref.model.path=tiny://qwen3"],
             "is a Qwen3ForCausalLM; routing is recorded and replayed in",

@@ -223,6 +223,7 @@ def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> 
         )
         for mode in UPDATE_MODES
     ]
+    moe_engine = engine if device.type == "cuda" else "hf"
     out += [
         Case("attention: packed, dense mask vs per sequence", "-", 5 * k, lambda: attention_case(device, work)),
         # the colocated engine: the trainer's loop, LoRA's adapter-only sync, the preflight's checks
@@ -237,6 +238,13 @@ def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> 
             "tiny_klppo",
             (40 if not smoke else 15) + start,
             lambda: tiny_klppo_case(device, engine=engine, lora_rank=8),
+        ),
+        # (vLLM returns routing only on a GPU: its CPU build has no Model Runner V2)
+        Case(
+            f"tiny KL-PPO of a mixture of experts with routing replay, {moe_engine} engine (fit)",
+            "tiny_klppo",
+            (40 if not smoke else 15) + start,
+            lambda: tiny_klppo_case(device, bf16=True, engine=moe_engine, moe=True),
         ),
         Case(
             f"preflight on this device (tiny_klppo, {engine} engine)",

@@ -124,12 +124,13 @@ def attention_case(
 
 
 def tiny_overrides(
-    device: torch.device, run_dir: Path, bf16: bool = False, engine: str = "hf", lora_rank: int = 0
+    device: torch.device, run_dir: Path, bf16: bool = False, engine: str = "hf", lora_rank: int = 0, moe: bool = False
 ) -> list[str]:
     """``tiny_klppo`` on this one device with ``engine`` (vllm: the colocated engine, asleep in the
     training phases on a GPU; hf where vLLM is not installed); ``bf16``: every model and the engine
     in bfloat16, with flash-attn's kernel where it is installed (GPU); ``lora_rank``: the actor's
-    LoRA adapters, which vLLM serves adapter-only."""
+    LoRA adapters, which vLLM serves adapter-only; ``moe``: the tiny Qwen3-MoE, the engine recording
+    its routing and the actor replaying it (router_replay R3), with verl's load-balance metrics."""
     out = [
         f"trainer.device={device.type}",
         "trainer.n_gpus_per_node=1",
@@ -144,6 +145,13 @@ def tiny_overrides(
     ]
     if lora_rank:
         out += [f"actor_rollout_ref.model.lora_rank={lora_rank}", f"actor_rollout_ref.model.lora_alpha={2 * lora_rank}"]
+    if moe:
+        out += [
+            "actor_rollout_ref.model.path=tiny://qwen3_moe?vocab_size=64",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=1",
+        ]
     if bf16:
         out += [
             f"{m}.fsdp_config.mixed_precision.param_dtype=bfloat16"
@@ -180,16 +188,19 @@ def tiny_klppo_case(
     response_len: int = 512,
     engine: str = "hf",
     lora_rank: int = 0,
+    moe: bool = False,
 ) -> dict:
     """Two steps of the tiny recipe through ``fit`` on this device with ``engine``: with vLLM its
     sleep and wake around the training phases (GPU), the in-place reload with its verdicts (a
     failed one raises), and the engine's log-probs against the actor's; with ``lora_rank`` the
-    second sync moves the adapter alone. With ``plan_shape``: that model instead, and each
+    second sync moves the adapter alone; with ``moe`` a mixture of experts whose routing the
+    engine returns and the actor replays (vLLM: enable_return_routed_experts, GPU builds only).
+    With ``plan_shape``: that model instead, and each
     memory-plan phase against its measured peak (``memory_gb/<phase>`` of step 2; on a GPU
     max_memory_allocated against the plan less its runtime part, which that counter cannot see)."""
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_tiny_"))
     try:
-        overrides = tiny_overrides(device, run_dir, bf16, engine, lora_rank)
+        overrides = tiny_overrides(device, run_dir, bf16, engine, lora_rank, moe)
         if plan_shape is not None:
             overrides += plan_overrides(device, plan_shape, response_len)
         cfg, _ = load_config("tiny_klppo", overrides)
@@ -211,6 +222,8 @@ def tiny_klppo_case(
         if plan_shape is not None:
             return memory_per_phase(check_plan(cfg)[0], last)
         synced = [r.get("rollout/weight_sync_mib", 0.0) for r in records]
+        if moe and not all("rollout/router_topk_agreement" in r and "rollout/moe/max_vio/max" in r for r in records):
+            raise RuntimeError("mixture of experts: a step logged no router agreement or load-balance metrics")
         if lora_rank and engine == "vllm" and not 0 < synced[1] < synced[0]:
             raise RuntimeError(
                 f"LoRA: the second weight sync moved {synced[1]:.1f} MiB, the first {synced[0]:.1f} "
@@ -225,9 +238,11 @@ def tiny_klppo_case(
             "engine_actor_kl": last["rollout/engine_actor_kl"],
             "sync_mib": synced,
             "sync_s": [r.get("timing_s/update_weights") for r in records],
+            **({"router_topk_agreement": last["rollout/router_topk_agreement"]} if moe else {}),
             "note": f"{engine} engine, 2 steps + checkpoint + validation{', bf16' if bf16 else ''}"
             f"{', flash_attention_2' if any('flash_attention_2' in o for o in overrides) else ''}"
-            f"{f', LoRA rank {lora_rank}' if lora_rank else ''}; "
+            f"{f', LoRA rank {lora_rank}' if lora_rank else ''}"
+            f"{', Qwen3-MoE with routing replay (R3)' if moe else ''}; "
             f"step 2 {last['timing_s/step']:.2f} s, engine-vs-actor logprob diff "
             f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}; "
             f"weight sync {synced[0]:.1f} then {synced[1]:.1f} MiB",

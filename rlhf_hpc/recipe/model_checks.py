@@ -375,11 +375,12 @@ def routing_replay_problems(cfg: Config) -> list[str]:
     name = arr.rollout.name
     if name == AUTO:
         name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-    if name != "hf":
+    if name not in ("hf", "vllm") or (name == "vllm" and cfg.trainer.device == "cpu"):
         errors.append(
-            f"{what} with actor_rollout_ref.rollout.name={arr.rollout.name}: only the hf engine returns the "
-            f"experts it routed each token to here (vLLM's enable_return_routed_experts needs its Model Runner "
-            f"V2, which its CPU build cannot run, and is not wired for GPUs yet); use actor_rollout_ref.rollout.name=hf"
+            f"{what} with actor_rollout_ref.rollout.name={arr.rollout.name} on trainer.device={cfg.trainer.device}: "
+            f"the engine returns the experts it routed each token to with hf, or with vLLM on a GPU (its "
+            f"enable_return_routed_experts needs its Model Runner V2, which its CPU build cannot run); use "
+            f"actor_rollout_ref.rollout.name=hf"
         )
     if arr.actor.ulysses_sequence_parallel_size > 1:
         errors.append(f"{what} with Ulysses (actor.ulysses_sequence_parallel_size > 1) is not built: use 1")

@@ -75,6 +75,23 @@ def _engine_layout(model: torch.nn.Module) -> tuple[list[str], dict[str, list[st
     return names, layers
 
 
+def engine_routing(routed, tokens: int) -> torch.Tensor:
+    """vLLM's ``CompletionOutput.routed_experts`` (a numpy array, (computed tokens, layers, k): the
+    prompt's and the response's but its last, which is never fed back) as a Response's
+    ``routed_experts``: (tokens, layers, k) int16, the rows vLLM did not compute zero."""
+    if routed is None:
+        raise RuntimeError(
+            "vLLM returned no routed experts (enable_return_routed_experts is set): a model without a "
+            "mixture of experts, or a vLLM build without Model Runner V2"
+        )
+    found = torch.as_tensor(routed)
+    if found.dim() != 3 or found.shape[0] > tokens:
+        raise RuntimeError(f"vLLM's routed experts have shape {tuple(found.shape)}, for {tokens} tokens")
+    out = torch.zeros(tokens, found.shape[1], found.shape[2], dtype=torch.int16)
+    out[: found.shape[0]] = found.to(torch.int16)
+    return out
+
+
 def _repack_cpu_experts(model: torch.nn.Module) -> int:
     """Put a mixture of experts' reloaded weights back into the CPU kernel's layout; returns the
     layers repacked. vLLM's CPU experts keep their weights prepacked for their grouped GEMM, done in
@@ -288,6 +305,13 @@ class VLLMEngine:
         self.adapter_rank = vllm_lora_rank(adapter_rank(mcfg)) if lora_enabled(mcfg) else None
         if self.adapter_rank:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapter_rank)
+        # a mixture of experts' routing per token, for the trainer's replay (router_replay R3): vLLM
+        # returns it through its Model Runner V2's auxiliary outputs (a GPU build; the CPU build has
+        # no V2 runner, and the dry run refuses the pair there)
+        self.records_routing = rollout.enable_rollout_routing_replay
+        if self.records_routing:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            kwargs["enable_return_routed_experts"] = True
         # _base_loaded: the weights in are a LoRA actor's base (not merged); the adapter applies on top
         self._base_loaded, self._adapter_dir, self._adapter_active, self._adapter_fresh = False, None, False, False
         if on_gpu:
@@ -506,16 +530,20 @@ class VLLMEngine:
             group = []
             for c in out.outputs:
                 lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+                routed = None
+                if self.records_routing:
+                    routed = engine_routing(c.routed_experts, len(out.prompt_token_ids) + len(c.token_ids))
                 group.append(
                     Response(
                         token_ids=list(c.token_ids),
                         logprobs=lps,
                         finish_reason="stop" if c.finish_reason == "stop" else "length",
+                        routed_experts=routed,
                     )
                 )
             if sampling.greedy and sampling.n > 1:
                 group = [
-                    Response(list(r.token_ids), list(r.logprobs), r.finish_reason)
+                    Response(list(r.token_ids), list(r.logprobs), r.finish_reason, routed_experts=r.routed_experts)
                     for _ in range(sampling.n)
                     for r in group
                 ]
