@@ -36,7 +36,15 @@ from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng, seed_all
 
-__all__ = ["ReloadVerdicts", "VLLMEngine", "VLLM_BELOW", "VLLM_MIN", "check_vllm_version", "quiet_vllm_logging"]
+__all__ = [
+    "ReloadVerdicts",
+    "VLLMEngine",
+    "VLLM_BELOW",
+    "VLLM_MIN",
+    "check_vllm_version",
+    "engine_routing",
+    "quiet_vllm_logging",
+]
 
 log = logging.getLogger("rlhf_hpc.rollout")
 
