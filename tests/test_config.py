@@ -367,6 +367,7 @@ def test_vllm_engine_generates_a_greedy_response_once_and_repeats_it():
         tp=1,
         tp_group=None,
         _adapter_active=False,
+        records_routing=False,
         llm=SimpleNamespace(generate=generate),
         rng=SimpleNamespace(active=contextlib.nullcontext),
     )
