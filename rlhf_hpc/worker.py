@@ -33,6 +33,7 @@ from rlhf_hpc.launch.watchdog import describe_rank
 from rlhf_hpc.observability.library_logs import library_log_path, route_library_logs
 from rlhf_hpc.observability.startup import StartupClock
 from rlhf_hpc.ppo.guard import GuardStop
+from rlhf_hpc.ppo.split_rollout import serve_rollouts
 from rlhf_hpc.ppo.trainer import fit
 from rlhf_hpc.preflight import PreflightFailed, run_preflight, write_report
 from rlhf_hpc.recipe.load import load_resolved
@@ -79,9 +80,10 @@ def run_rank(cfg, run_dir: Path, clock: StartupClock) -> int:
     # which host each rank runs on: on a multi-node job, proof that the group spans the nodes
     hosts: list = [None] * ctx.world_size
     dist.all_gather_object(hosts, socket.gethostname())
+    side = "" if ctx.split is None else f" ({ctx.split.role} side of the split layout)"
     if ctx.is_main:
         print(
-            f"[rlhf-hpc] process group up: {ctx.world_size} ranks, backend {ctx.backend}, "
+            f"[rlhf-hpc] process group up{side}: {ctx.world_size} ranks, backend {ctx.backend}, "
             f"device {ctx.device.type}, hosts by rank: {','.join(hosts)}",
             flush=True,
         )
@@ -91,6 +93,8 @@ def run_rank(cfg, run_dir: Path, clock: StartupClock) -> int:
     clock.mark("process group")
     if cfg.trainer.preflight:
         preflight(cfg, ctx, run_dir)
+    elif ctx.split is not None and not ctx.split.is_trainer:
+        serve_rollouts(cfg, ctx)  # the split layout's rollout ranks (rlhf_hpc/ppo/split_rollout.py)
     else:
         fit(cfg, ctx, clock)
     if dist.is_initialized():  # a vLLM engine's shutdown already ended the group

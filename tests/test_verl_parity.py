@@ -268,7 +268,8 @@ def test_raw_chat_for_a_reward_model_re_encodes_with_its_template(tmp_path):
     "override,message",
     [
         ("data.dataloader_num_workers=8", "data.dataloader_num_workers=8: there is no data loader pool here"),
-        ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.hybrid_engine=false: only the hybrid engine"),
+        # (the split layout without rollout ranks: tests/test_split_layout.py)
+        ("actor_rollout_ref.hybrid_engine=false", "the split layout needs rollout ranks"),
         ("data.reward_fn_key=ability", "data.reward_fn_key='ability': rewards are chosen by the data_source column"),
         ("actor_rollout_ref.actor.fsdp_config.mixed_precision.buffer_dtype=bf16", "buffer_dtype: FSDP2 keeps buffers"),
         # a disabled reward model's keys would have no effect (tests/test_reward_model.py checks the enabled ones)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Union
 
+from rlhf_hpc.config.async_schema import AsyncTrainingConfig, RolloutPoolConfig
 from rlhf_hpc.config.job_schema import GlobalProfilerConfig, HardwareConfig, LauncherConfig, PlanConfig
 from rlhf_hpc.config.multi_turn_schema import MultiTurnConfig
 from rlhf_hpc.config.sandbox_schema import SandboxConfig, SandboxFusionConfig
@@ -275,7 +276,8 @@ class RefConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = True  # actor and rollout share the GPUs; the only layout here
+    # actor and rollout share the GPUs; false: the split layout (rollout ranks apart, Config.rollout)
+    hybrid_engine: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -539,6 +541,8 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # untrusted code on the node (rlhf_hpc/tools)
+    rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)  # the split layout's rollout ranks
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     # not a key: the dotted keys the recipe file (with its bases) set, before overrides and
     # defaults (rlhf_hpc.recipe.load.load_config; a run keeps them in RUN_DIR/recipe.yaml). Advice
     # never asks to change what the recipe chose (rlhf_hpc.observability.profiling.CommHint).
@@ -547,4 +551,19 @@ class Config:
 
     @property
     def world_size(self) -> int:
+        """The trainer's ranks (the training mesh), the rollout ranks of the split layout aside."""
         return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def split(self) -> bool:
+        """The split layout: rollout ranks apart from the trainer's (``hybrid_engine=false``)."""
+        return not self.actor_rollout_ref.hybrid_engine
+
+    @property
+    def rollout_world_size(self) -> int:
+        return self.rollout.nnodes * self.rollout.n_gpus_per_node if self.split else 0
+
+    @property
+    def procs_per_node(self) -> int:
+        """torchrun's processes on a node: the trainer's, then the split layout's rollout ranks."""
+        return self.trainer.n_gpus_per_node + (self.rollout.n_gpus_per_node if self.split else 0)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from rlhf_hpc.config.schema import Config
 from rlhf_hpc.distributed.comm import collective
+from rlhf_hpc.distributed.split_layout import Bridge, SplitRole, init_split_groups
 
 __all__ = [
     "DistContext",
@@ -34,11 +35,16 @@ __all__ = [
 
 @dataclass
 class DistContext:
+    """This rank in its process group: the whole job, or in the split layout its side's."""
+
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str
+    split: Optional[SplitRole] = None  # the split layout's role; None: colocated
+    weights: Optional[Bridge] = None  # the split layout's bridges this rank is a member of
+    rows: Optional[Bridge] = None
 
     @property
     def is_main(self) -> bool:
@@ -94,6 +100,11 @@ def init_distributed(cfg: Config) -> DistContext:
     backend = process_group_backend(device, cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if cfg.split and not dist.is_initialized():
+        role, weights, rows = init_split_groups(cfg, device, backend)
+        return DistContext(
+            role.rank, role.size, int(os.environ.get("LOCAL_RANK", 0)), device, backend, role, weights, rows
+        )
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,

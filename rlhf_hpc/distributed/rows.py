@@ -35,6 +35,7 @@ __all__ = [
     "prompt_share",
     "redistribute_rows",
     "resample_rows",
+    "share_rows",
 ]
 
 
@@ -123,6 +124,14 @@ def redistribute_rows(
         rows = [r for part in gathered for r in part]
     else:
         rows = list(local)
+    return share_rows(rows, world_size, rank, balance)
+
+
+def share_rows(
+    rows: list[RolloutRow], world_size: int, rank: int, balance: bool
+) -> tuple[list[RolloutRow], dict[str, float]]:
+    """``redistribute_rows`` once every rank holds all the step's ``rows`` (in prompt order): this
+    rank's share and the same metrics (not collective)."""
     if len(rows) % world_size:
         raise RuntimeError(
             f"the step has {len(rows)} responses, not divisible by {world_size} ranks "

@@ -78,7 +78,7 @@ def standalone_torchrun_command(cfg: Config, config_path: str | Path) -> list[st
         "torch.distributed.run",
         "--standalone",
         "--nnodes=1",
-        f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
+        f"--nproc-per-node={cfg.procs_per_node}",
         "--max-restarts=0",
         TORCHRUN_MONITOR,
         f"--log-dir={torchrun_log_dir(Path(config_path).parent)}",
@@ -97,7 +97,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     if cfg.trainer.device == "cpu":
         if "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(cfg.trainer.n_gpus_per_node))
+            env["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(cfg.procs_per_node))
         tunables, _ = malloc_tunables(env)
         if tunables:
             env["GLIBC_TUNABLES"] = tunables

@@ -132,7 +132,7 @@ def node_torchrun_command(cfg, config_path: str | Path, info: NodeInfo) -> list[
         "-m",
         "torch.distributed.run",
         f"--nnodes={info.nnodes}",
-        f"--nproc-per-node={cfg.trainer.n_gpus_per_node}",
+        f"--nproc-per-node={cfg.procs_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={info.master}:{info.port}",
         f"--rdzv-id={info.job_id}",
@@ -165,7 +165,7 @@ class NodeRun:
         cpus = usable_cpus()
         print(
             f"[rlhf-hpc] node {info.node_rank}/{info.nnodes} on {socket.gethostname()}: torchrun with "
-            f"{cfg.trainer.n_gpus_per_node} ranks on {cpus} CPUs, rendezvous {info.master}:{info.port} "
+            f"{cfg.procs_per_node} ranks on {cpus} CPUs, rendezvous {info.master}:{info.port} "
             f"(id {info.job_id}, restart {info.restart_count})",
             flush=True,
         )

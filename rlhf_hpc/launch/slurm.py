@@ -121,9 +121,9 @@ def executor_for(cfg: Config, folder: Path, planning: bool = False) -> submitit.
     if la.mem_gb:
         params["mem"] = f"{la.mem_gb}GB"
     if la.gpu_request == "gpus-per-node":
-        params["gpus_per_node"] = tr.n_gpus_per_node
+        params["gpus_per_node"] = cfg.procs_per_node
     elif la.gpu_request == "gres":
-        params["gres"] = f"gpu:{tr.n_gpus_per_node}"
+        params["gres"] = f"gpu:{cfg.procs_per_node}"
     for key, value in (("account", la.account), ("qos", la.qos), ("constraint", la.constraint)):
         if value:
             params[key] = value
@@ -195,9 +195,9 @@ def check_cluster(cfg: Config) -> None:
     if la.mem_gb:
         args.append(f"--mem={la.mem_gb}G")
     if la.gpu_request == "gpus-per-node":
-        args.append(f"--gpus-per-node={tr.n_gpus_per_node}")
+        args.append(f"--gpus-per-node={cfg.procs_per_node}")
     elif la.gpu_request == "gres":
-        args.append(f"--gres=gpu:{tr.n_gpus_per_node}")
+        args.append(f"--gres=gpu:{cfg.procs_per_node}")
     for k, flag in (("account", la.account), ("qos", la.qos), ("constraint", la.constraint)):
         if flag:
             args.append(f"--{k}={flag}")

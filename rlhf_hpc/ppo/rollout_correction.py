@@ -67,6 +67,9 @@ class RolloutCorrection:
         # log-probs, mask) of every one trained
         self.pre_update: list[tuple[torch.Tensor, ...]] = []
         self.trained: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # the split layout's step trains rows older weights generated: the engine check (same weights,
+        # same tokens) does not apply; the figures still say how far the two policies are apart
+        self.stale = False
 
     @classmethod
     def from_config(cls, cfg: Config, log: Callable[[str], None] = print) -> "RolloutCorrection":
@@ -155,6 +158,8 @@ class RolloutCorrection:
         """The standing rollout/actor log-prob check on the same tokens; raises when the engine is
         broken (rollout.base.LogprobCheck)."""
         metrics.update(logprob_mismatch(engine_lp, actor_lp, mask, self.all_reduce_sum, self.all_reduce_max))
+        if self.stale:
+            return
         warning = self.engine_check(metrics, step)
         if warning:
             self.log(f"[rlhf-hpc] WARNING {warning}")

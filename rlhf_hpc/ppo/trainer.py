@@ -45,7 +45,14 @@ from rlhf_hpc.distributed.process_group import (
     build_rollout_tp_group,
     device_memory_gb,
 )
-from rlhf_hpc.distributed.rows import RolloutRow, coverage, prompt_share, redistribute_rows, resample_rows
+from rlhf_hpc.distributed.rows import (
+    RolloutRow,
+    coverage,
+    prompt_share,
+    redistribute_rows,
+    resample_rows,
+    share_rows,
+)
 from rlhf_hpc.launch.local import LAYOUT_SHOWN
 from rlhf_hpc.launch.stop import STOPPED, StopCheck
 from rlhf_hpc.models.architectures import moe_experts
@@ -69,6 +76,7 @@ from rlhf_hpc.ppo.dynamic_sampling import collect_groups, gen_seed
 from rlhf_hpc.ppo.faults import FaultInjector
 from rlhf_hpc.ppo.generation import Generator
 from rlhf_hpc.ppo.guard import GuardStop, StabilityGuard
+from rlhf_hpc.ppo.split_rollout import RemoteRollout
 from rlhf_hpc.ppo.step_batch import (
     make_step_batch,
     response_spans,
@@ -133,9 +141,13 @@ class PPOTrainer:
         # (the tracker comes later: it continues the run ids of the checkpoint the models resume from)
         self.models = build_training_models(cfg, ctx, self.total_steps, log=lambda line: self.tracker.log_line(line))
         self.clock.mark("models")
-        tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
-        self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
-        self.generator = Generator(cfg, self.rollout, self.tokenizer, tools)  # the engine, or the agent loop around it
+        # the engine on these ranks, or (the split layout) the rollout ranks' rows
+        self.remote = RemoteRollout(cfg, ctx) if ctx.split is not None else None
+        self.rollout, self.generator = None, None
+        if self.remote is None:
+            tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, tr.n_gpus_per_node)
+            self.rollout = make_engine(cfg, arr.model.path, ctx.device, tp_group)
+            self.generator = Generator(cfg, self.rollout, self.tokenizer, tools)  # the engine, or the agent loop
         self.clock.mark("engine")
         self.kl_ctrl = algos.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.reward_fn = RewardFunction(cfg.custom_reward_function, (cfg.sandbox, cfg.reward_model.sandbox_fusion))
@@ -306,6 +318,9 @@ class PPOTrainer:
         # its phases against this run's peaks (once)
         plan = check_plan(cfg, device_memory_gb(self.ctx.device))[0] if self.ctx.is_main else None
         first_step = self.step
+        if self.remote is not None:  # the rollout ranks start from this step's weights and prompts
+            start = {"step": self.step, "total": self.total_steps, "sampler": self.sampler.state_dict()}
+            self.remote.send_weights(self.models.actor.model, self.step, start)
         timed = False  # the time plan's line: once, at the run's second step (its first warms up)
         metrics, validation = {}, {}  # the last step's, the last validation's (for the closing line)
         while self.step < self.total_steps:
@@ -361,6 +376,8 @@ class PPOTrainer:
                     self.stopper.mark_stopped()
                 self.tracker.log_line(f"[rlhf-hpc] stopping after step {step}: {self.stopper.reason}; checkpoint saved")
                 break
+        if self.remote is not None:
+            self.remote.stop()  # (rows generated beyond this step are dropped; a resume makes them again)
         if self.step == self.total_steps:  # 13. the run's closing line
             self.tracker.log_line(
                 run_summary(
@@ -374,7 +391,8 @@ class PPOTrainer:
                 )
             )
         self.tracker.close()
-        self.rollout.close()
+        if self.rollout is not None:
+            self.rollout.close()
 
     def run_validation(self) -> dict[str, float]:
         """The validation's metrics; its generations (``trainer.log_val_generations``) go to the tracker."""
@@ -412,25 +430,29 @@ class PPOTrainer:
         cfg, arr, models = self.cfg, self.cfg.actor_rollout_ref, self.models
         timer, metrics = Timer(self.ctx.device), {}
         with self.profiler.step(step, timer), timer("step"), out_of_memory_report(timer, self.ctx.device):
-            # 1. weights: training layout -> engine (streamed, bucketed, in place)
-            with timer("update_weights"):
-                models.free_gradients()  # then the engine empties PyTorch's cache before waking
-                self.rollout.resume()
-                synced = sync_weights_to_rollout(
-                    models.actor.model,
-                    self.rollout,
-                    torch_dtype(arr.rollout.dtype),
-                    arr.rollout.update_weights_bucket_mb,
-                    transform=self.faults.weights_transform(step),
-                )
-                metrics["rollout/weight_sync_mib"] = synced["rollout/weight_sync_mib"]
+            # 1. weights: training layout -> engine (streamed, bucketed, in place). The split layout sends
+            # them to the rollout ranks after the update instead (8)
+            if self.remote is None:
+                with timer("update_weights"):
+                    models.free_gradients()  # then the engine empties PyTorch's cache before waking
+                    self.rollout.resume()
+                    synced = sync_weights_to_rollout(
+                        models.actor.model,
+                        self.rollout,
+                        torch_dtype(arr.rollout.dtype),
+                        arr.rollout.update_weights_bucket_mb,
+                        transform=self.faults.weights_transform(step),
+                    )
+                    metrics["rollout/weight_sync_mib"] = synced["rollout/weight_sync_mib"]
             # 2. rollout: an even share of the step's prompts on each rank, n responses each; with DAPO's
-            # dynamic sampling, generation batches until enough groups have signal (generate_filtered)
-            batch, rows, prompts = (
-                self.generate_filtered(step, timer, metrics)
-                if self.filter_groups
-                else self.generate(step, timer, metrics)
-            )
+            # dynamic sampling, generation batches until enough groups have signal (generate_filtered).
+            # The split layout: the rows the rollout ranks generated for this step, maybe with older weights
+            if self.remote is not None:
+                batch, rows, prompts = self.receive(step, metrics)
+            elif self.filter_groups:
+                batch, rows, prompts = self.generate_filtered(step, timer, metrics)
+            else:
+                batch, rows, prompts = self.generate(step, timer, metrics)
             # 3. old log-probs (the PPO anchor), reference log-probs, values
             entropy = self.log_probs_and_values(batch, step, timer, metrics)
             # 4. rewards: a score per response, on its last valid token
@@ -484,8 +506,11 @@ class PPOTrainer:
                         self.ctx.world_size,
                         self.ctx.rank,
                     )
-            # 7. critic, then 8. actor
+            # 7. critic, then 8. actor; the split layout: then the weights to the rollout ranks when due
             self.update(batch, step, timer, metrics)
+            if self.remote is not None:
+                with timer("update_weights"):
+                    metrics.update(self.remote.after_update(models.actor.model, step, self.total_steps))
         # 9. metrics (global over ranks)
         metrics.update(data_metrics(batch, entropy, models.critic is not None))
         if self.moe_load is not None:
@@ -494,6 +519,8 @@ class PPOTrainer:
         if "actor/rollout_entropy/mean" in metrics:
             metrics.setdefault("actor/entropy", metrics["actor/rollout_entropy/mean"])
         metrics.update(timer.times)
+        if "timing_s/wait_rows" in metrics:  # the split layout: the share of the step spent waiting for rows
+            metrics["async/trainer_idle_share"] = metrics["timing_s/wait_rows"] / metrics["timing_s/step"]
         metrics.update(self.profiler.metrics(timer.times, self.tracker.log_line))
         metrics.update(perf_metrics(cfg, self.ctx, batch, timer, self.model_cfg))
         if self.time_model is not None:  # the time plan of this step's own lengths, beside what it took
@@ -501,6 +528,18 @@ class PPOTrainer:
             metrics.update(self.step_plan.metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
+
+    def receive(self, step: int, metrics: dict) -> tuple[dict, list[RolloutRow], list[int]]:
+        """Phase 2 of the split layout: the step's rows from the rollout ranks, this rank's share of
+        them (as ``generate`` redistributes them), and the staleness and overlap figures."""
+        prompts = self.sampler.next_batch()
+        message, figures = self.remote.receive(step, prompts)
+        metrics.update(figures)
+        self.models.actor.correction.stale = figures["rollout/staleness/max"] > 0
+        rows, balance = share_rows(message.rows, self.ctx.world_size, self.ctx.rank, self.cfg.trainer.balance_batch)
+        metrics.update(balance)
+        metrics.update(coverage([r.prompt_pos for r in rows], len(prompts)))
+        return make_step_batch(self.cfg, self.tokenizer, rows), rows, prompts
 
     def moe_load_metrics(self, batch: dict, step: int) -> dict:
         """This step's response-token routing counted over every rank into the interval's; its

@@ -29,6 +29,7 @@ from rlhf_hpc.recipe.model_checks import (
 )
 from rlhf_hpc.recipe.multi_turn_checks import multi_turn_problems
 from rlhf_hpc.recipe.packages import config_package_problems
+from rlhf_hpc.recipe.split_checks import split_layout_problems, split_layout_warnings
 
 __all__ = ["validate"]
 
@@ -147,6 +148,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     errors += unsupported_values(cfg)
     errors += reward_model_problems(cfg)
     errors += routing_replay_problems(cfg)
+    errors += split_layout_problems(cfg)
     errors += router_aux_loss_problems(cfg)
     errors += lora_problems(cfg)
     errors += hardware_problems(cfg)
@@ -160,6 +162,7 @@ def validate(cfg: Config, check_files: bool = True) -> list[str]:
     warnings += strategy_warnings(cfg)
     warnings += deprecated_key_warnings(cfg)
     warnings += cpu_dtype_warnings(cfg)
+    warnings += split_layout_warnings(cfg)
     files = missing_files(cfg)
     if check_files:
         errors += files
@@ -435,11 +438,6 @@ def unsupported_values(cfg: Config) -> list[str]:
     if d.reward_fn_key != "data_source":
         errors.append(
             f"data.reward_fn_key={d.reward_fn_key!r}: rewards are chosen by the data_source column only; remove the key"
-        )
-    if not arr.hybrid_engine:
-        errors.append(
-            "actor_rollout_ref.hybrid_engine=false: only the hybrid engine exists here (actor and rollout "
-            "share the GPUs); remove the key"
         )
     if cfg.trainer.log_val_generations < 0:
         errors.append(
