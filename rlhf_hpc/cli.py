@@ -19,6 +19,7 @@ from rlhf_hpc.launch.run_lock import check_free
 from rlhf_hpc.observability.compare import main as compare_main
 from rlhf_hpc.observability.tracking import wandb_sync_command
 from rlhf_hpc.planning.memory_plan import check_plan
+from rlhf_hpc.planning.split_plan import compare_layouts
 from rlhf_hpc.planning.time_plan import build_time_plan
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.recipe.config_checks import validate
@@ -341,7 +342,11 @@ def check_memory_plan(cfg, show: bool) -> None:
     if errors:
         raise ConfigError(errors)
     if show and plan is not None:
-        print(build_time_plan(cfg, advise=lambda c: validate(c, check_files=False)).render(), flush=True)
+        time_plan = build_time_plan(cfg, advise=lambda c: validate(c, check_files=False))
+        print(time_plan.render(), flush=True)
+        if cfg.split:  # which layout is faster for this workload
+            for line in compare_layouts(cfg, time_plan, lambda c: validate(c, check_files=False)):
+                print(f"# layouts: {line}", flush=True)
 
 
 def print_layout_table(argv: list[str]) -> int:

@@ -4,18 +4,30 @@ rlhf_hpc/distributed/split_layout.py)."""
 
 from __future__ import annotations
 
+import json
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+import yaml
 
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.distributed.rows import RolloutRow, share_rows
 from rlhf_hpc.distributed.split_layout import split_role
+from rlhf_hpc.launch.failure import LATEST_FILE, LOST_RANK
 from rlhf_hpc.launch.local import standalone_torchrun_command
 from rlhf_hpc.observability.tracking import read_metrics
 from rlhf_hpc.ppo.split_rollout import runs_ahead
 from rlhf_hpc.recipe.load import load_config
-from tests.conftest import launch_here, run_launch
+from tests.conftest import REPO, launch_here, run_launch
+from tests.test_run_lifecycle import processes_of
 
-SPLIT = ["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=1", "trainer.guard.enable=false"]
+SPLIT = ["actor_rollout_ref.hybrid_engine=false", "rollout.n_gpus_per_node=1"]
 
 
 def config(*overrides: str):
@@ -73,7 +85,7 @@ def test_the_rollout_runs_ahead_by_whole_batches(staleness, trigger, ahead):
         ([*SPLIT, "async_training.require_batches=4"], "async_training.require_batches=4"),
         ([*SPLIT, "rollout.nnodes=2"], "set rollout.nnodes=1"),
         ([*SPLIT, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "does not divide"),
-        ([*SPLIT[:2]], "trainer.guard.enable=true"),
+        ([*SPLIT, "trainer.inject_fault=wrong_weights@2"], "a fault of the colocated weight sync"),
         ([*SPLIT, "trainer.test_freq=5"], "validation"),
         ([*SPLIT, "algorithm.filter_groups.enable=true"], "DAPO"),
         ([*SPLIT, "actor_rollout_ref.model.lora_rank=8"], "LoRA"),
@@ -108,6 +120,149 @@ def test_the_async_recipe_dry_runs_with_both_sides_in_its_command():
     out = launch_here("recipe=tiny_grpo_async", "--dry-run")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "--nproc-per-node=3" in out.stdout
+
+
+GPU_SPLIT = [
+    "actor_rollout_ref.hybrid_engine=false",
+    "trainer.n_gpus_per_node=4",
+    "rollout.n_gpus_per_node=4",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "algorithm.rollout_correction.rollout_is=token",
+]
+
+
+def test_a_trainer_rank_plans_no_engine_and_a_rollout_rank_only_its_engine():
+    from rlhf_hpc.planning.memory_plan import build_plan
+
+    split = load_config("qwen7b_klppo", [*GPU_SPLIT], check_files=False)[0]
+    colocated = load_config("qwen7b_klppo", ["trainer.n_gpus_per_node=4"], check_files=False)[0]
+    s, c = build_plan(split), build_plan(colocated)
+    gen = next(p for p in s.phases if p.name == "gen")
+    assert set(gen.parts) == {"runtime", "vLLM (gpu_memory_utilization)"}  # no training state beside it
+    for name in ("old_log_prob", "update_actor"):
+        (a,) = [p for p in s.phases if p.name == name]
+        (b,) = [p for p in c.phases if p.name == name]
+        assert not any("vLLM" in k for k in a.parts) and a.parts == {
+            k: v for k, v in b.parts.items() if "vLLM" not in k
+        }
+
+
+def test_the_trainers_time_plan_sends_weights_and_generates_nothing():
+    from rlhf_hpc.planning.time_plan import build_time_plan
+
+    split = build_time_plan(load_config("qwen7b_klppo", [*GPU_SPLIT], check_files=False)[0])
+    colocated = build_time_plan(load_config("qwen7b_klppo", ["trainer.n_gpus_per_node=4"], check_files=False)[0])
+    assert split.phase("gen") is None and colocated.phase("gen") is not None
+    send = [k for k in split.phase("update_weights").parts if k.startswith("to the rollout ranks")]
+    assert send and not any(k.startswith("to the rollout ranks") for k in colocated.phase("update_weights").parts)
+    for name in ("old_log_prob", "update_actor"):  # the same training on the same 4 ranks
+        assert split.phase(name).seconds == pytest.approx(colocated.phase(name).seconds)
+
+
+@pytest.mark.parametrize("staleness,trigger", [(1, 1), (0, 1), (0, 2), (0.5, 2)])
+def test_the_split_step_is_the_slower_side_when_generation_runs_ahead(staleness, trigger):
+    from rlhf_hpc.planning.split_plan import split_step_s
+    from rlhf_hpc.planning.time_plan import build_time_plan
+
+    cfg = load_config(
+        "qwen7b_klppo",
+        [
+            *GPU_SPLIT,
+            f"async_training.staleness_threshold={staleness}",
+            f"async_training.trigger_parameter_sync_step={trigger}",
+        ],
+        check_files=False,
+    )[0]
+    trainer = build_time_plan(cfg)
+    t = trainer.step_s
+    for gen in (0.5 * t, 2 * t):
+        step = split_step_s(cfg, trainer, gen)
+        assert max(t, gen) <= step <= t + gen + 1e-9
+        if runs_ahead(cfg):
+            assert step == pytest.approx(max(t, gen))
+        elif trigger == 1:
+            assert step == pytest.approx(t + gen)  # a synchronous hand-off: one after the other
+
+
+def test_the_dry_run_compares_the_split_layout_with_the_colocated_one_on_the_same_ranks():
+    from rlhf_hpc.planning.split_plan import colocated_twin, compare_layouts, split_step_s
+    from rlhf_hpc.planning.time_plan import TimeModel, build_time_plan
+    from rlhf_hpc.recipe.config_checks import validate
+
+    cfg = load_config("qwen7b_klppo", [*GPU_SPLIT, "async_training.staleness_threshold=1"], check_files=False)[0]
+    trainer = build_time_plan(cfg)
+    lines = compare_layouts(cfg, trainer, lambda c: validate(c, check_files=False))
+    twin = colocated_twin(cfg)
+    assert twin.world_size == 8 and not twin.split and twin.procs_per_node == 8
+    step = split_step_s(cfg, trainer, TimeModel(cfg).generation(trainer.workload).seconds)
+    colocated = build_time_plan(twin).step_s
+    assert lines[0].startswith("split layout, 4 trainer + 4 rollout rank(s)") and f"step {step:.3g} s" in lines[0]
+    faster = "split" if step < colocated else "colocated"
+    assert (
+        f"step {colocated:.3g} s; the {faster} layout is {max(step, colocated) / min(step, colocated):.2f}x faster"
+        in lines[1]
+    )
+    out = launch_here("recipe=qwen7b_klppo", *GPU_SPLIT, "async_training.staleness_threshold=1", "--dry-run")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"# layouts: {lines[0]}" in out.stdout and f"# layouts: {lines[1]}" in out.stdout
+
+
+VERL_ASYNC = yaml.safe_load((Path(__file__).parent / "golden" / "verl_async_examples.yaml").read_text())
+
+
+def verl_async_args(name: str, home: Path) -> list[str]:
+    return shlex.split(VERL_ASYNC[name].replace("$HOME", str(home)))
+
+
+@pytest.mark.parametrize(
+    "name,refused",
+    [
+        (
+            "dapo_7b_math_fsdp2_4_4",
+            ["data.gen_batch_size=1", "staleness_threshold=0.1", "partial_rollout=true", "rollout.test_freq=10"],
+        ),
+        (
+            "dapo_30b_a3b_base_math_fsdp",
+            [
+                "data.gen_batch_size=1",
+                "staleness_threshold=0.6",
+                "partial_rollout=true",
+                "validation",
+                "rollout.test_freq",
+            ],
+        ),
+    ],
+)
+def test_verls_fully_async_lines_are_read_and_what_is_not_built_is_refused_by_name(tmp_path, name, refused):
+    out = launch_here(*verl_async_args(name, tmp_path), "cluster=slurm", "--dry-run")
+    assert out.returncode != 0 and "unknown key" not in out.stderr, out.stderr[-3000:]
+    problems = [line for line in out.stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == len(refused) and all(any(r in p for p in problems) for r in refused), problems
+
+
+def test_verls_4_4_line_with_what_is_built_dry_runs_in_verls_sizes(tmp_path):
+    """The 4+4 GPU line with its four refused keys changed: verl's step of require_batches x
+    ppo_mini_batch_size prompts (4 x 32), total_rollout_steps in prompts (51,200: 400 steps), the engine's
+    log-probs as the anchor (use_rollout_log_probs: bypass mode), 4 trainer and 4 rollout ranks a node."""
+    args = [
+        a
+        for a in verl_async_args("dapo_7b_math_fsdp2_4_4", tmp_path)
+        if not a.startswith(("data.gen_batch_size=", "rollout.test_freq="))
+    ]
+    args = [
+        {
+            "async_training.staleness_threshold=0.1": "async_training.staleness_threshold=0.25",
+            "async_training.partial_rollout=True": "async_training.partial_rollout=False",
+        }.get(a, a)
+        for a in args
+    ]
+    out = launch_here(*args, "cluster=local", "--dry-run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--nproc-per-node=8" in out.stdout and "# layouts: split layout, 4 trainer + 4 rollout rank(s)" in out.stdout
+    cfg = load_config(None, [*args, "cluster=local"], check_files=False)[0]
+    assert cfg.data.train_batch_size == 128 and cfg.trainer.total_training_steps == 400
+    assert cfg.algorithm.rollout_correction.bypass_mode and cfg.world_size == 4 and cfg.rollout_world_size == 4
 
 
 # ------------------------------------------------------------------------------------ slow
@@ -170,3 +325,95 @@ def test_one_step_off_trains_rows_one_update_stale_generated_while_the_trainer_u
     assert [m["training/global_step"] for m in after] == [1, 2, 3, 4, 5]
     assert after[3]["rollout/staleness/max"] == 0.0 and after[3]["rollout/policy_version"] == 3.0
     assert after[4]["rollout/staleness/max"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_rank_ends_the_run_at_once_with_one_line_and_code_4(tmp_path):
+    """The rollout rank (torchrun's rank 2) dies after generating step 2's batch: the trainer's next
+    exchange with it fails, and the launcher names the lost rank, as for a trainer rank."""
+    run = tmp_path / "run"
+    out = run_launch(
+        "recipe=tiny_grpo_async",
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=3",
+        "trainer.inject_fault=kill@2:2",
+        timeout=600,
+    )
+    assert out.returncode == LOST_RANK, out.stdout[-3000:] + out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"[rlhf-hpc] run failed: rank 2 on {socket.gethostname()}, pid "), line
+    assert "the process died without an error of its own" in line and line.endswith(
+        f"exit code {LOST_RANK} (lost rank)"
+    )
+    assert out.stderr.count("Traceback") == 0 and processes_of(run) == []
+
+
+@pytest.mark.slow
+def test_sigterm_stops_both_sides_and_the_resume_trains_every_step_once(tmp_path):
+    """SIGTERM to the launcher: the trainer finishes its step, saves, and stops the rollout rank (its
+    rows generated ahead are dropped); the resume starts the rollout rank from the checkpoint, and
+    every step is trained and logged once."""
+    run, steps = tmp_path / "run", 4
+    # slow@1: every step 1 s longer on every rank, so the run is still going when the test stops it
+    args = [
+        "recipe=tiny_grpo_async",
+        f"trainer.default_local_dir={run}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=100",
+        "trainer.inject_fault=slow@1",
+    ]
+    first = subprocess.Popen(
+        [sys.executable, str(REPO / "launch.py"), *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None, "the run ended before the test could stop it"
+        assert len(list((run / "heartbeat").glob("rank*.json"))) == 3  # both sides beat
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 143, stdout[-3000:] + stderr[-3000:]
+    stopped_at = int((run / LATEST_FILE).read_text())
+    assert 1 <= stopped_at < steps and processes_of(run) == []
+    assert f"stopping after step {stopped_at}: stop requested (signal SIGTERM); checkpoint saved" in stdout
+    again = run_launch(*args, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    logged = [json.loads(line)["training/global_step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, steps + 1))  # every step once, none repeated, none skipped
+    resumed = read_metrics(run)[stopped_at]  # the first resumed step: fresh rows from the checkpoint's weights
+    assert resumed["rollout/staleness/max"] == 0.0 and resumed["rollout/policy_version"] == stopped_at
+
+
+@pytest.mark.slow
+def test_a_guard_rollback_restarts_the_rollout_ranks_from_the_checkpoint(tmp_path):
+    """The stability guard rejects step 3 (a NaN loss) and goes back to step 2's checkpoint: the
+    rollout rank, one batch ahead, restarts from those weights and that sampler, its rows past step 2
+    dropped. The repeated step 3 trains on fresh rows from the checkpoint's weights and the same
+    prompts; the run finishes."""
+    run = tmp_path / "run"
+    out = run_launch(
+        "recipe=tiny_grpo_async",
+        f"trainer.default_local_dir={run}",
+        "trainer.total_training_steps=5",
+        "trainer.save_freq=1",
+        "trainer.inject_fault=nan_grad@3",
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[rlhf-hpc] step 3: stability guard tripped: actor/pg_loss is nan" in out.stdout
+    assert f"rolled back to {run}/global_step_2 (step 2)" in out.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["training/global_step"] for r in rows] == [1, 2, 3, 3, 4, 5]
+    tripped, again = rows[2], rows[3]
+    assert tripped["rollout/staleness/max"] == 1.0 and tripped["rollout/policy_version"] == 1.0
+    assert again["rollout/staleness/max"] == 0.0 and again["rollout/policy_version"] == 2.0  # fresh from step 2
+    assert [r["rollout/staleness/max"] for r in rows[4:]] == [1.0, 1.0]
+    assert read_metrics(run)[-1]["guard/rollbacks"] == 1.0

@@ -237,9 +237,10 @@ def test_async_rollout_on_a_single_turn_run_says_where_generation_runs(tmp_path,
     rc, err = dry_run(base + ["actor_rollout_ref.rollout.mode=async", "data.return_raw_chat=True"], capsys)
     assert rc == 0, err
     assert [line for line in err.splitlines() if "rollout.mode" in line] == [
-        "warning: actor_rollout_ref.rollout.mode=async: generation runs in the colocated engine inside every trainer "
-        "rank (the same samples, no rollout server); with multi_turn.enable it is the agent loop there, turn by "
-        "turn, tools run between turns"
+        "warning: actor_rollout_ref.rollout.mode=async: generation runs in the engines of this job's ranks, no "
+        "rollout server: in every trainer rank (colocated), or in the rollout ranks with "
+        "actor_rollout_ref.hybrid_engine=false; with multi_turn.enable it is the agent loop there, turn by turn, "
+        "tools run between turns"
     ]
     rc, err = dry_run(
         base + ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=True"], capsys

@@ -6,6 +6,7 @@ of the update). Sections of ``rlhf_hpc.config.schema.Config``; they take effect 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 __all__ = ["AsyncTrainingConfig", "RolloutPoolConfig"]
 
@@ -17,6 +18,10 @@ class RolloutPoolConfig:
 
     nnodes: int = 1
     n_gpus_per_node: int = 0  # differs from verl (8): 0 is the colocated layout's "none"
+    # verl's fully-async run length, in prompts: the steps are total_rollout_steps / data.train_batch_size
+    total_rollout_steps: Optional[int] = None
+    total_epochs: Optional[int] = None  # verl's fully-async epochs (trainer.total_epochs here: set from it)
+    test_freq: Optional[int] = None  # verl's validation every N weight syncs (not built: refused)
 
 
 @dataclass
@@ -32,5 +37,9 @@ class AsyncTrainingConfig:
 
     staleness_threshold: float = 0.0  # differs from verl (0.1): a whole number of batches here
     trigger_parameter_sync_step: int = 1  # differs from verl (4): verl's step is a mini-batch
+    # with data.train_batch_size=0 (verl's fully-async lines), a step is require_batches x ppo_mini_batch_size
+    # prompts, as verl's trainer fetches them; otherwise 1
     require_batches: int = 1
     partial_rollout: bool = False  # differs from verl (True): not built (see docs/async.md)
+    # the engine's log-probs as the PPO anchor: algorithm.rollout_correction.bypass_mode (verl's async default)
+    use_rollout_log_probs: Optional[bool] = None

@@ -65,7 +65,8 @@ def split_role(cfg: Config, global_rank: int) -> SplitRole:
 
 class Bridge:
     """One group between the sides, its broadcasts rooted at group rank 0. ``send`` may run
-    asynchronously (the sender goes on; ``wait`` finishes what it sent); ``recv`` blocks."""
+    asynchronously (the sender goes on; the buffers stay referenced until their broadcast is done);
+    ``recv`` blocks."""
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
@@ -85,6 +86,7 @@ class Bridge:
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         works = [self._broadcast(size, async_op), self._broadcast(data, async_op)]
         if async_op:
+            self.pending = [(w, b) for w, b in self.pending if not all(x.is_completed() for x in w)]
             self.pending.append((works, (size, data)))
 
     def recv_object(self) -> Any:
@@ -111,13 +113,6 @@ class Bridge:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
             self._broadcast(t)
             yield name, t
-
-    def wait(self, keep: int = 0) -> None:
-        """Finish the asynchronous sends until at most ``keep`` are in flight (oldest first)."""
-        while len(self.pending) > keep:
-            works, _ = self.pending.pop(0)
-            for w in works:
-                w.wait()
 
 
 def _group(store, members: list[int], global_rank: int, name: str, device: torch.device, timeout_s: float):

@@ -144,4 +144,4 @@ def host_plan(
         shrink.insert(0, "launcher.mem_gb (ask Slurm for more)")
     elif cfg.launcher.cluster == "local" or tr.device != "cuda":
         capacity, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-    return HostPlan(tr.n_gpus_per_node, per_rank, loading, capacity, source, shrink, enforced=bool(cfg.launcher.mem_gb))
+    return HostPlan(cfg.procs_per_node, per_rank, loading, capacity, source, shrink, enforced=bool(cfg.launcher.mem_gb))

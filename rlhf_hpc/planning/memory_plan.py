@@ -290,7 +290,7 @@ class PlanBuilder:
             gb, self.capacity_source = gpu_memory_gb(cfg, device_gb)
             self.capacity = gb * GiB
         else:  # informational: the host's memory shared by the ranks of a node
-            self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(tr.n_gpus_per_node, 1)
+            self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(cfg.procs_per_node, 1)
         self.runtime = RUNTIME_GB * GiB if self.on_gpu else host_runtime_bytes(tr.device)
         self.step = step_shape(cfg)
         self.P, self.R, self.per_rank_rows = self.step.prompt_len, self.step.response_len, self.step.rows_per_rank
@@ -506,6 +506,14 @@ class PlanBuilder:
             self.kv_tokens = int((vllm_share - weights - act - sampler - graphs) // kv_per_token) if on_gpu else None
         else:  # transformers generate: a full copy of the weights in the rollout dtype and its KV cache
             vllm_gen = {"hf engine weights": s.params * rb}
+        if self.cfg.split:  # a rollout rank holds its engine alone; a trainer rank no engine
+            self.phases.append(
+                Phase(
+                    "gen", {"runtime": self.runtime, **vllm_gen}, ["actor_rollout_ref.rollout.gpu_memory_utilization"]
+                )
+            )
+            self.awake = {}
+            return
         self.phases.append(
             Phase(
                 "gen",

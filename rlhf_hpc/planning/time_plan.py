@@ -292,6 +292,7 @@ class TimeModel:
         self.step = step_shape(cfg)
         self.paged = planned_engine(arr.rollout.name).paged  # (rlhf_hpc.config.engines)
         self.world, self.per_node = cfg.world_size, cfg.trainer.n_gpus_per_node
+        self.engine_world = cfg.rollout_world_size if cfg.split else cfg.world_size  # the ranks that generate
         self.s = model_shape(arr.model.path, arr.model.override_config, arr.model.trust_remote_code)
         self.cs = (
             model_shape(
@@ -334,7 +335,8 @@ class TimeModel:
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         actor, critic, rm, step = arr.actor, cfg.critic, cfg.reward_model, self.step
         rows = w.rows / self.world
-        out = [self.weight_sync(), self.generation(w)]
+        # the split layout: generation runs on the rollout ranks, beside this step (rlhf_hpc.planning.split_plan)
+        out = [self.weight_sync()] + ([] if cfg.split else [self.generation(w)])
         if step.old_log_probs == "pass":  # (else the engine's log-probs, or the on-policy update's forward)
             out.append(self.forward(step.old_log_prob, self.s, self.layouts["actor"], w, rows, self.s.vocab))
         if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
@@ -393,8 +395,13 @@ class TimeModel:
             load += (self.adapter if self.lora else s.params) * DTYPE_BYTES[fsdp.model_dtype] / (hw.cast_gb_s * 1e9)
         overhead = hw.sync_overhead_s + s.layers * hw.sync_layer_overhead_s
         parts = {"engine load": load, where: gather, "overhead": overhead}
-        # the reshard overlaps the two
-        seconds = (max(gather, load) if hw.overlap_comm else gather + load) + overhead
+        send = 0.0
+        if self.cfg.split:  # trainer rank 0 broadcasts each gathered tensor to the rollout ranks
+            bw_send, between = self.link(self.per_node + 1 if self.cfg.trainer.nnodes > 1 else 2)
+            send = nbytes / bw_send
+            parts[f"to the rollout ranks ({between})"] = send
+        # the reshard overlaps the gathers, the send and the engine's copy
+        seconds = (max(gather, send, load) if hw.overlap_comm else gather + send + load) + overhead
         return PhaseTime(
             "update_weights",
             parts,
@@ -406,7 +413,7 @@ class TimeModel:
     def generation(self, w: Workload) -> PhaseTime:
         hw, s, rollout = self.hw, self.s, self.cfg.actor_rollout_ref.rollout
         tp = rollout.tensor_model_parallel_size
-        engines = max(self.world // tp, 1)
+        engines = max(self.engine_world // tp, 1)
         rows = w.rows / engines
         rb = DTYPE_BYTES[rollout.dtype]
         peak = hw.matmul_flops(rollout.dtype) * PREFILL_EFFICIENCY

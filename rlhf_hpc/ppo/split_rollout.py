@@ -13,8 +13,11 @@ generate the batches up to ``v + trigger + ahead`` (``ahead = staleness_threshol
 row of batch ``j`` generated with ``v`` is ``j - 1 - v`` updates stale when step ``j`` trains it.
 
 Every message goes in the order both sides compute from these rules, so neither waits on the
-other out of turn: the rows go out asynchronously, and weights are received only between batches
-(verl's partial rollout, weights changing inside a generation, is not built).
+other out of turn: the rows go out asynchronously (in flight: at most the batches these weights
+may make), and weights are received only between batches (verl's partial rollout, weights
+changing inside a generation, is not built). A rollback of the stability guard restarts the
+rollout ranks from the checkpoint's step: its weights and sampler go out with a ``restart``, and
+the trainer drops the rows in flight until the rollout ranks' marker.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rlhf_hpc.distributed.process_group import DistContext, build_rollout_tp_gro
 from rlhf_hpc.distributed.rows import RolloutRow, prompt_share
 from rlhf_hpc.models.hf import torch_dtype
 from rlhf_hpc.models.tokenizer import load_tokenizer, tokenizer_path
+from rlhf_hpc.ppo.faults import FaultInjector
 from rlhf_hpc.ppo.generation import Generator
 from rlhf_hpc.ppo.step_batch import rollout_rows, sampling_for, step_seed
 from rlhf_hpc.rollout.factory import make_engine
@@ -62,6 +66,9 @@ class RowsMessage:
     metrics: dict = field(default_factory=dict)
 
 
+RESTARTED = "restarted"  # the rollout ranks' marker after a restart: the rows before it are stale
+
+
 def _manifest(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, tuple, str]]:
     """(name, full shape, dtype) of every tensor a weight sync sends, in the stream's order."""
     return [(hf_name(n), tuple(p.shape), str(dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
@@ -77,6 +84,7 @@ def serve_rollouts(cfg: Config, ctx: DistContext) -> None:
     tp_group = build_rollout_tp_group(arr.rollout.tensor_model_parallel_size, cfg.rollout.n_gpus_per_node)
     engine = make_engine(cfg, arr.model.path, ctx.device, tp_group)
     generator = Generator(cfg, engine, tokenizer, [])
+    faults = FaultInjector(tr.inject_fault, ctx.split.global_rank)  # (RANK: torchrun's, as the trainer's)
     trigger, ahead = cfg.async_training.trigger_parameter_sync_step, runs_ahead(cfg)
     step: Optional[int] = None  # the last batch generated
     version = total = 0
@@ -92,9 +100,11 @@ def serve_rollouts(cfg: Config, ctx: DistContext) -> None:
                 engine.resume()
                 engine.update_weights(ctx.weights.recv_tensors(header["manifest"]))
                 version = header["version"]
-                if step is None:  # the first: where the trainer starts (a resume), and its sampler
+                if "step" in header:  # the first (where the trainer starts: a resume), or a rollback's restart
                     step, total = header["step"], header["total"]
                     sampler.load_state_dict(header["sampler"])
+                    if header["kind"] == "restart" and ctx.rank == 0:  # the rows before this are dropped
+                        ctx.rows.send_object(RESTARTED, async_op=True)
                 continue
             step += 1
             prompts = sampler.next_batch()
@@ -105,6 +115,7 @@ def serve_rollouts(cfg: Config, ctx: DistContext) -> None:
                 sampling_for(cfg, tokenizer, seed=step_seed(tr.seed, step, engine.dp_rank)),
             )
             engine.release()
+            faults.after_generation(step)
             rows = rollout_rows(train_set, prompts, mine, responses)
             gathered: Optional[list] = [None] * ctx.world_size if ctx.rank == 0 else None
             with collective(calls=2):  # (an object gather: the sizes, then the pickled rows)
@@ -122,7 +133,6 @@ def serve_rollouts(cfg: Config, ctx: DistContext) -> None:
                     start - waited_since,
                     gen_metrics,
                 )
-                ctx.rows.wait(keep=ahead + trigger)  # rows in flight: bounded by the batches ahead
                 ctx.rows.send_object(message, async_op=True)
             waited_since = end
     finally:
@@ -142,15 +152,17 @@ class RemoteRollout:
         self.busy: list[tuple[float, float]] = []  # (start, end) of the updates, wall clock
         self.stopped = False
 
-    def send_weights(self, model: torch.nn.Module, version: int, start: Optional[dict] = None) -> dict[str, float]:
+    def send_weights(
+        self, model: torch.nn.Module, version: int, start: Optional[dict] = None, kind: str = "weights"
+    ) -> dict[str, float]:
         """Weights ``version`` from the trainer's shards to every rollout rank (collective over the
         trainer's ranks: they gather each full tensor, rank 0 sends it). ``start``: the first
-        send's step, last step and sampler state."""
+        send's (or a ``restart``'s) step, last step and sampler state."""
         t0 = time.perf_counter()
         stream = stream_full_params(model, self.dtype, self.bucket_mb)
         sent = 0
         if self.ctx.weights is not None:
-            header = {"kind": "weights", "version": version, "manifest": _manifest(model, self.dtype), **(start or {})}
+            header = {"kind": kind, "version": version, "manifest": _manifest(model, self.dtype), **(start or {})}
             self.ctx.weights.send_object(header)
             sent = self.ctx.weights.send_tensors(stream)
         else:
@@ -164,6 +176,14 @@ class RemoteRollout:
         if step % self.trigger or step >= total:
             return {}
         return self.send_weights(model, step)
+
+    def restart(self, model: torch.nn.Module, start: dict) -> None:
+        """After a rollback to step ``start["step"]``: the rollout ranks start again from its weights
+        and sampler; the rows they sent before (for steps past the rollback) are dropped."""
+        self.send_weights(model, start["step"], start, kind="restart")
+        while self.ctx.rows.recv_object() != RESTARTED:
+            pass
+        self.busy.clear()
 
     def stop(self) -> None:
         """The rollout ranks stop (the run's end, a preemption): rows in flight are dropped."""

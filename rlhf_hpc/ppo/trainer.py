@@ -154,7 +154,8 @@ class PPOTrainer:
         self.reward_model = build_reward_model(cfg, ctx, self.tokenizer) if cfg.reward_model.enable else None
         self.clock.mark("rewards")
         self.guard = StabilityGuard(tr.guard)
-        self.faults = FaultInjector(tr.inject_fault, ctx.rank)
+        # (the rank in trainer.inject_fault is torchrun's: in the split layout, the trainer's and rollout ranks')
+        self.faults = FaultInjector(tr.inject_fault, ctx.rank if ctx.split is None else ctx.split.global_rank)
         # verl's ReMax: one greedy response per prompt each step, its score the baseline (phases 2 and 4)
         self.greedy_baseline = ADV_ESTIMATORS[cfg.algorithm.adv_estimator].needs_greedy_baseline
         self.greedy_rows: Optional[list[RolloutRow]] = None
@@ -319,8 +320,7 @@ class PPOTrainer:
         plan = check_plan(cfg, device_memory_gb(self.ctx.device))[0] if self.ctx.is_main else None
         first_step = self.step
         if self.remote is not None:  # the rollout ranks start from this step's weights and prompts
-            start = {"step": self.step, "total": self.total_steps, "sampler": self.sampler.state_dict()}
-            self.remote.send_weights(self.models.actor.model, self.step, start)
+            self.remote.send_weights(self.models.actor.model, self.step, self.rollout_start())
         timed = False  # the time plan's line: once, at the run's second step (its first warms up)
         metrics, validation = {}, {}  # the last step's, the last validation's (for the closing line)
         while self.step < self.total_steps:
@@ -360,6 +360,8 @@ class PPOTrainer:
                     {**metrics, "guard/tripped": 1.0, "guard/rollbacks": float(self.guard.rollbacks + 1)}, step
                 )
                 self.step = self.roll_back(step, reason)
+                if self.remote is not None:  # the rollout ranks start again from there
+                    self.remote.restart(self.models.actor.model, self.rollout_start())
                 continue
             # 12. checkpoint
             saved = tr.save_freq > 0 and (step % tr.save_freq == 0 or step == self.total_steps)
@@ -528,6 +530,10 @@ class PPOTrainer:
             metrics.update(self.step_plan.metrics())
         metrics["training/epoch"] = self.sampler.epoch
         return metrics
+
+    def rollout_start(self) -> dict:
+        """The split layout's rollout ranks start (or restart) at this step with this sampler."""
+        return {"step": self.step, "total": self.total_steps, "sampler": self.sampler.state_dict()}
 
     def receive(self, step: int, metrics: dict) -> tuple[dict, list[RolloutRow], list[int]]:
         """Phase 2 of the split layout: the step's rows from the rollout ranks, this rank's share of

@@ -261,7 +261,13 @@ def dapo_problems(cfg: Config) -> list[str]:
             f"{d.max_response_length}] (the penalty grows over the last len tokens)"
         )
     if not fg.enable:
-        if d.gen_batch_size is not None and d.gen_batch_size != d.train_batch_size:
+        if d.gen_batch_size is not None and d.gen_batch_size != d.train_batch_size and cfg.split:
+            errors.append(
+                f"data.gen_batch_size={d.gen_batch_size} in the split layout (verl's fully-async streaming, "
+                f"{d.gen_batch_size} prompt(s) at a time) is not built: the rollout ranks generate a step's "
+                f"data.train_batch_size prompts together; remove the key"
+            )
+        elif d.gen_batch_size is not None and d.gen_batch_size != d.train_batch_size:
             errors.append(
                 f"data.gen_batch_size={d.gen_batch_size} without algorithm.filter_groups.enable=true: "
                 f"a step generates data.train_batch_size prompts; set filter_groups.enable=true (DAPO's "

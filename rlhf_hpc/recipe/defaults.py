@@ -84,6 +84,21 @@ def _interpolate(cfg: Config, errors: list[str]) -> None:
     walk(cfg, "")
 
 
+def _split_layout_sizes(cfg: Config) -> None:
+    """verl's fully-async sizes, in this project's keys: a step of ``require_batches x
+    ppo_mini_batch_size`` prompts where ``data.train_batch_size=0``; ``rollout.total_rollout_steps``
+    prompts and ``rollout.total_epochs`` as the run's length; ``use_rollout_log_probs`` as bypass mode."""
+    at, pool, d, tr = cfg.async_training, cfg.rollout, cfg.data, cfg.trainer
+    if d.train_batch_size == 0:
+        d.train_batch_size = at.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    if pool.total_rollout_steps is not None and tr.total_training_steps is None and d.train_batch_size > 0:
+        tr.total_training_steps = pool.total_rollout_steps // d.train_batch_size
+    if pool.total_epochs is not None:
+        tr.total_epochs = pool.total_epochs
+    if at.use_rollout_log_probs:
+        cfg.algorithm.rollout_correction.bypass_mode = True
+
+
 def resolve(cfg: Config) -> Config:
     """Interpolate ``${...}`` and fill keys that default to other keys (in place; returns cfg)."""
     errors: list[str] = []
@@ -95,6 +110,8 @@ def resolve(cfg: Config) -> Config:
         # decided where the launch command runs (the login node), then fixed in the written config
         cfg.launcher.cluster = "slurm" if shutil.which("sbatch") else "local"
     arr, actor, critic = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
+    if cfg.split:
+        _split_layout_sizes(cfg)
     if actor.clip_ratio_low is None:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:

@@ -58,10 +58,24 @@ def split_layout_problems(cfg: Config) -> list[str]:
             f"staleness_threshold x trigger_parameter_sync_step ({at.trigger_parameter_sync_step}) whole batches "
             f"(data.train_batch_size prompts; verl counts samples): set one of {allowed}, ..."
         )
-    if at.require_batches != 1:
+    mini = arr.actor.ppo_mini_batch_size
+    if at.require_batches < 1 or (at.require_batches != 1 and cfg.data.train_batch_size != at.require_batches * mini):
         errors.append(
-            f"async_training.require_batches={at.require_batches}: verl's streaming trainer (a step of "
-            f"require_batches mini-batches) is not built; a step here trains data.train_batch_size prompts: set 1"
+            f"async_training.require_batches={at.require_batches} sets a step to require_batches x "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size prompts where data.train_batch_size=0 (verl's fully-async "
+            f"lines); with data.train_batch_size={cfg.data.train_batch_size} set it to 1"
+        )
+    steps = pool.total_rollout_steps
+    if steps is not None and tr.total_training_steps != steps // max(cfg.data.train_batch_size, 1):
+        errors.append(
+            f"rollout.total_rollout_steps={steps} prompts is {steps // max(cfg.data.train_batch_size, 1)} steps of "
+            f"data.train_batch_size={cfg.data.train_batch_size}, but trainer.total_training_steps="
+            f"{tr.total_training_steps}: set one of them"
+        )
+    if at.use_rollout_log_probs is False and cfg.algorithm.rollout_correction.bypass_mode:
+        errors.append(
+            "async_training.use_rollout_log_probs=false with algorithm.rollout_correction.bypass_mode=true: bypass "
+            "mode trains with the engine's log-probs as the anchor; set one of them"
         )
     if at.partial_rollout:
         errors.append(
@@ -77,14 +91,17 @@ def split_layout_problems(cfg: Config) -> list[str]:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline generated each step)",
         ),
         (lora_enabled(arr.model), "actor_rollout_ref.model.lora_rank > 0 (LoRA)"),
-        (tr.guard.enable, "trainer.guard.enable=true (a rollback re-trains steps the rollout ranks ran past)"),
         (
             bool(cfg.data.val_files) and (tr.test_freq > 0 or tr.val_before_train or tr.val_only),
             "validation (data.val_files with trainer.test_freq > 0, val_before_train or val_only)",
         ),
         (tr.preflight, "launch.py preflight"),
+        (pool.test_freq is not None, f"rollout.test_freq={pool.test_freq} (validation every N weight syncs)"),
         (arr.rollout.enable_rollout_routing_replay, "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
-        (tr.inject_fault is not None, f"trainer.inject_fault={tr.inject_fault}"),
+        (
+            (tr.inject_fault or "").startswith("wrong_weights"),
+            f"trainer.inject_fault={tr.inject_fault} (a fault of the colocated weight sync)",
+        ),
     ]
     for on, what in not_built:
         if on:

@@ -351,8 +351,9 @@ SAME_EFFECT: list[tuple[str, tuple, str, bool]] = [
     (
         "actor_rollout_ref.rollout.mode",
         ("async",),
-        "generation runs in the colocated engine inside every trainer rank (the same samples, no rollout server); "
-        "with multi_turn.enable it is the agent loop there, turn by turn, tools run between turns",
+        "generation runs in the engines of this job's ranks, no rollout server: in every trainer rank (colocated), "
+        "or in the rollout ranks with actor_rollout_ref.hybrid_engine=false; with multi_turn.enable it is the agent "
+        "loop there, turn by turn, tools run between turns",
         True,
     ),
     (
@@ -466,6 +467,28 @@ def _raw_chat_for_reward_model(tree: dict, flat: dict, said: list[str]) -> dict:
     return tree
 
 
+def _sleep_mode(tree: dict, flat: dict, errors: list[str], said: list[str]) -> dict:
+    """verl's ``actor_rollout_ref.rollout.enable_sleep_mode`` (a ``+`` key of its fully-async lines):
+    the engine freeing its memory between phases, which is ``free_cache_engine`` here. In the split
+    layout the rollout ranks' engines generate all the time and never sleep: false asks for that."""
+    key = "actor_rollout_ref.rollout.enable_sleep_mode"
+    if key not in flat:
+        return tree
+    value, free = flat[key], flat.get("actor_rollout_ref.rollout.free_cache_engine")
+    on = value is True or str(value).lower() == "true"
+    split = str(flat.get("actor_rollout_ref.hybrid_engine", True)).lower() == "false"
+    tree = _copy(tree)
+    _delete(tree, key.split("."))
+    if on and free is not None and str(free).lower() == "false":
+        errors.append(f"{key}=True with actor_rollout_ref.rollout.free_cache_engine=False: the same switch; set one")
+    elif not on and not split:
+        _set(tree, "actor_rollout_ref.rollout.free_cache_engine".split("."), False)
+        said.append(f"{key}=False: actor_rollout_ref.rollout.free_cache_engine=False (the engine keeps its memory)")
+    elif not on:
+        said.append(f"{key}=False: the split layout's rollout ranks never put their engines to sleep")
+    return tree
+
+
 def _same_effect(key: str, value: Any) -> Optional[tuple[str, tuple, str, bool]]:
     for rule in SAME_EFFECT:
         if rule[0] == key and _same(value, rule[1]):
@@ -506,6 +529,7 @@ def drop_out_of_scope_keys(tree: dict, known: set[str], notes: Optional[list[str
     tree = _per_gpu_micro_batches(tree, flatten(tree), errors, said)
     tree = _dapo_reward_kwargs(tree, flatten(tree), errors)
     tree = _raw_chat_for_reward_model(tree, flatten(tree), said)
+    tree = _sleep_mode(tree, flatten(tree), errors, said)
     flat = flatten(tree)
     for key, value in flat.items():
         if key in known:
