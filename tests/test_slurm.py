@@ -198,6 +198,36 @@ def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_pat
 
 
 @pytest.mark.slow
+def test_the_split_layout_runs_as_a_slurm_job_and_a_preemption_requeues_both_sides(slurm, tmp_path):
+    """tiny_grpo_async (2 trainer ranks + 1 rollout rank) as one Slurm job: one torchrun of 3 ranks on
+    the node; USR2 after step 2 stops both sides (the trainer saves, the rollout rank drops its rows
+    ahead), Slurm requeues the job, and it resumes with each step trained once, one step stale again."""
+    steps, run = 6, tmp_path / "run"
+    out = run_launch(
+        "recipe=tiny_grpo_async",
+        "cluster=slurm",
+        "launcher.cluster_profile=local",
+        f"trainer.default_local_dir={run}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=100",
+        "trainer.inject_fault=slow@1",  # (1 s longer a step: the run is still going when the test signals it)
+    )
+    assert out.returncode == 0, out.stderr
+    (job,) = job_ids(run)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(raw_steps(run)) >= 2):
+        time.sleep(1)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert wait_done(job) == "COMPLETED"
+    log = "".join(p.read_text() for p in (run / "slurm").glob(f"{job}_0_log.out"))
+    assert "torchrun with 3 ranks" in log and "(trainer side of the split layout)" in log
+    assert "preempted (signal); checkpoint saved" in log and "resumed from" in log
+    assert raw_steps(run) == list(range(1, steps + 1))
+    metrics = read_metrics(run)
+    assert max(m["rollout/staleness/max"] for m in metrics) == 1.0
+
+
+@pytest.mark.slow
 def test_time_limit_shorter_than_the_run_finishes_over_several_allocations(slurm, tmp_path):
     run = tmp_path / "run"
     # every step takes at least 1 s (trainer.inject_fault=slow@1): 40 steps cannot fit in the 40 s a

@@ -86,7 +86,7 @@ def test_the_rollout_runs_ahead_by_whole_batches(staleness, trigger, ahead):
         ([*SPLIT, "rollout.nnodes=2"], "set rollout.nnodes=1"),
         ([*SPLIT, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "does not divide"),
         ([*SPLIT, "trainer.inject_fault=wrong_weights@2"], "a fault of the colocated weight sync"),
-        ([*SPLIT, "trainer.test_freq=5"], "validation"),
+        ([*SPLIT, "trainer.val_only=true"], "trainer.val_only=true"),
         ([*SPLIT, "algorithm.filter_groups.enable=true"], "DAPO"),
         ([*SPLIT, "actor_rollout_ref.model.lora_rank=8"], "LoRA"),
     ],
@@ -220,17 +220,11 @@ def verl_async_args(name: str, home: Path) -> list[str]:
     [
         (
             "dapo_7b_math_fsdp2_4_4",
-            ["data.gen_batch_size=1", "staleness_threshold=0.1", "partial_rollout=true", "rollout.test_freq=10"],
+            ["data.gen_batch_size=1", "staleness_threshold=0.1", "partial_rollout=true"],
         ),
         (
             "dapo_30b_a3b_base_math_fsdp",
-            [
-                "data.gen_batch_size=1",
-                "staleness_threshold=0.6",
-                "partial_rollout=true",
-                "validation",
-                "rollout.test_freq",
-            ],
+            ["data.gen_batch_size=1", "staleness_threshold=0.6", "partial_rollout=true"],
         ),
     ],
 )
@@ -245,11 +239,7 @@ def test_verls_4_4_line_with_what_is_built_dry_runs_in_verls_sizes(tmp_path):
     """The 4+4 GPU line with its four refused keys changed: verl's step of require_batches x
     ppo_mini_batch_size prompts (4 x 32), total_rollout_steps in prompts (51,200: 400 steps), the engine's
     log-probs as the anchor (use_rollout_log_probs: bypass mode), 4 trainer and 4 rollout ranks a node."""
-    args = [
-        a
-        for a in verl_async_args("dapo_7b_math_fsdp2_4_4", tmp_path)
-        if not a.startswith(("data.gen_batch_size=", "rollout.test_freq="))
-    ]
+    args = [a for a in verl_async_args("dapo_7b_math_fsdp2_4_4", tmp_path) if not a.startswith("data.gen_batch_size=")]
     args = [
         {
             "async_training.staleness_threshold=0.1": "async_training.staleness_threshold=0.25",
@@ -263,6 +253,27 @@ def test_verls_4_4_line_with_what_is_built_dry_runs_in_verls_sizes(tmp_path):
     cfg = load_config(None, [*args, "cluster=local"], check_files=False)[0]
     assert cfg.data.train_batch_size == 128 and cfg.trainer.total_training_steps == 400
     assert cfg.algorithm.rollout_correction.bypass_mode and cfg.world_size == 4 and cfg.rollout_world_size == 4
+    assert cfg.trainer.test_freq == 10 * 4  # rollout.test_freq=10 weight syncs, one every 4 steps
+
+
+def test_verls_fully_async_validation_counts_weight_syncs(tmp_path):
+    """verl's fully-async trainer validates every trainer.test_freq parameter versions (syncs), and its
+    lines say the same in rollout.test_freq: the 30B line's 25 syncs of 16 steps each are 400 steps."""
+    fixed = {
+        "async_training.staleness_threshold=0.6": "async_training.staleness_threshold=0.0625",
+        "async_training.partial_rollout=True": "async_training.partial_rollout=False",
+    }
+    args = [
+        fixed.get(a, a)
+        for a in verl_async_args("dapo_30b_a3b_base_math_fsdp", tmp_path)
+        if not a.startswith("data.gen_batch_size=")
+    ]
+    cfg = load_config(None, [*args, "cluster=slurm"], check_files=False)[0]
+    assert cfg.async_training.trigger_parameter_sync_step == 16 and cfg.data.train_batch_size == 32
+    assert cfg.trainer.test_freq == 25 * 16 and runs_ahead(cfg) == 1
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*args, "cluster=slurm", "rollout.test_freq=5"], check_files=False)
+    assert "rollout.test_freq=5 and trainer.test_freq=25 both set the validation's interval" in str(e.value)
 
 
 # ------------------------------------------------------------------------------------ slow
@@ -280,6 +291,8 @@ def staleness_zero(tmp_path, split: bool) -> list[dict]:
         "async_training.staleness_threshold=0",
         "trainer.total_training_steps=3",
         "trainer.save_freq=-1",
+        "trainer.test_freq=2",
+        "trainer.val_before_train=true",
         f"trainer.default_local_dir={run}",
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -292,9 +305,14 @@ def test_a_synchronous_hand_off_trains_exactly_as_the_colocated_layout(tmp_path)
     the same prompts, the same sampling seeds, the same weights in the same engine, so the same
     rows; the update is the same code on the same rows. Measured: equal to the bit (vLLM's CPU
     build and transformers' generate are deterministic here), asserted to 1e-6 relative (a
-    trainer process without an engine may schedule its threads otherwise)."""
+    trainer process without an engine may schedule its threads otherwise). Validation (before
+    training, every 2 steps, at the end) runs on the rollout rank and scores the same."""
     split, colocated = staleness_zero(tmp_path, True), staleness_zero(tmp_path, False)
-    assert [m["training/global_step"] for m in split] == [1, 2, 3]
+    assert [m["training/global_step"] for m in split] == [0, 1, 2, 3]
+    val = "val-core/synthetic/copy/reward/mean@1"
+    assert [m.get(val) for m in split] == [m.get(val) for m in colocated] and split[0][val] is not None
+    assert [m["training/global_step"] for m in split if val in m] == [0, 2, 3]
+    split, colocated = split[1:], colocated[1:]
     for a, b in zip(split, colocated):
         assert a["rollout/staleness/max"] == 0.0 and a["timing_s/gen_overlapped"] == 0.0
         assert a["response_length/mean"] == b["response_length/mean"]

@@ -21,7 +21,7 @@ class RolloutPoolConfig:
     # verl's fully-async run length, in prompts: the steps are total_rollout_steps / data.train_batch_size
     total_rollout_steps: Optional[int] = None
     total_epochs: Optional[int] = None  # verl's fully-async epochs (trainer.total_epochs here: set from it)
-    test_freq: Optional[int] = None  # verl's validation every N weight syncs (not built: refused)
+    test_freq: Optional[int] = None  # verl's: validation every N weight syncs (trainer.test_freq = N x trigger)
 
 
 @dataclass

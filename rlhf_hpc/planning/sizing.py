@@ -72,16 +72,6 @@ KNOWN_MODELS = {
         vocab_size=152064,
         tie_word_embeddings=False,
     ),
-    "qwen2.5-math-7b": dict(  # Qwen2.5-7B's shape (verl's DAPO and fully-async lines train it)
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    ),
     "qwen2.5-32b": dict(
         hidden_size=5120,
         intermediate_size=27648,
@@ -141,6 +131,8 @@ KNOWN_MODELS = {
         tie_word_embeddings=False,
     ),
 }
+# Qwen2.5-7B's shape with a 4k context (verl's DAPO and fully-async lines train it)
+KNOWN_MODELS["qwen2.5-math-7b"] = {**KNOWN_MODELS["qwen2.5-7b"], "max_position_embeddings": 4096}
 
 
 @dataclass

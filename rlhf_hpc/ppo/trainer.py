@@ -314,13 +314,13 @@ class PPOTrainer:
             return
         if self.resumed_from is None and tr.guard.enable and tr.guard.initial_checkpoint and tr.save_freq > 0:
             self.save(0)  # the starting point: what a divergence in the first steps rolls back to
+        if self.remote is not None:  # the rollout ranks start from this step's weights and prompts
+            self.remote.send_weights(self.models.actor.model, self.step, self.rollout_start())
         if tr.val_before_train and self.val_set and self.step == 0:
             self.tracker.log(self.run_validation(), self.step)
         # its phases against this run's peaks (once)
         plan = check_plan(cfg, device_memory_gb(self.ctx.device))[0] if self.ctx.is_main else None
         first_step = self.step
-        if self.remote is not None:  # the rollout ranks start from this step's weights and prompts
-            self.remote.send_weights(self.models.actor.model, self.step, self.rollout_start())
         timed = False  # the time plan's line: once, at the run's second step (its first warms up)
         metrics, validation = {}, {}  # the last step's, the last validation's (for the closing line)
         while self.step < self.total_steps:
@@ -399,6 +399,8 @@ class PPOTrainer:
     def run_validation(self) -> dict[str, float]:
         """The validation's metrics; its generations (``trainer.log_val_generations``) go to the tracker."""
         generations: list[dict] = []
+        # the split layout: the rollout ranks generate with this step's weights, this rank scores its share
+        responses = self.remote.validate(self.models.actor.model, self.step) if self.remote is not None else None
         metrics = run_validation(
             self.cfg,
             self.ctx,
@@ -409,8 +411,10 @@ class PPOTrainer:
             self.reward_fn,
             generations=generations,
             generate=self.generator,
+            responses=responses,
         )
-        self.generator.discard_metrics()
+        if self.generator is not None:
+            self.generator.discard_metrics()
         self.tracker.log_generations(generations, self.step)
         return metrics
 

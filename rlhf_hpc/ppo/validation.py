@@ -20,7 +20,7 @@ from rlhf_hpc.ppo.training_models import TrainingModels
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 
-__all__ = ["VAL_GENERATIONS_SEED", "run_validation", "select_val_generations"]
+__all__ = ["VAL_GENERATIONS_SEED", "run_validation", "select_val_generations", "validation_chunks"]
 
 VAL_GENERATIONS_SEED = 42  # verl's fixed seed (RayPPOTrainer._maybe_log_val_generations)
 
@@ -40,6 +40,19 @@ def select_val_generations(inputs: list[str], n: int, count: int) -> list[tuple[
     return rows[:count]
 
 
+def validation_chunks(cfg: Config, val: list[Example], world_size: int, rank: int):
+    """``(chunk index, its start in the set, this rank's positions in it)`` for each chunk of
+    ``data.val_batch_size`` prompts (all at once when null), each split evenly over the ranks."""
+    chunk = cfg.data.val_batch_size or len(val)
+    for c, start in enumerate(range(0, len(val), chunk)):
+        yield c, start, prompt_share(len(val[start : start + chunk]), world_size, rank)
+
+
+def validation_sampling(cfg: Config, tokenizer, chunk: int, dp_rank: int):
+    """Validation's sampling (``rollout.val_kwargs``) for a chunk on an engine's data-parallel rank."""
+    return sampling_for(cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - chunk, dp_rank), validation=True)
+
+
 def run_validation(
     cfg: Config,
     ctx: DistContext,
@@ -50,6 +63,7 @@ def run_validation(
     reward_fn: RewardFunction,
     generations: Optional[list[dict]] = None,
     generate: Optional[Callable] = None,
+    responses: Optional[dict[int, list]] = None,
 ) -> dict[str, float]:
     """Generate for the whole validation set (``rollout.val_kwargs``; greedy by default) and report
     the mean score per data source as ``val-core/<data_source>/reward/mean@<n>``. As in verl,
@@ -60,7 +74,9 @@ def run_validation(
     ``select_val_generations`` picks, gathered from the ranks that generated them, as
     ``{"input", "output", "score", "data_source"}`` (texts decoded without special tokens, as verl's
     table); other ranks append nothing. ``generate(rows, sampling)``: what generates (the trainer's
-    ``Generator``: the agent loop in a multi-turn run); None: the engine on the rows' prompts."""
+    ``Generator``: the agent loop in a multi-turn run); None: the engine on the rows' prompts.
+    ``responses``: every row's responses by its position in ``val``, generated elsewhere (the split
+    layout's rollout ranks); then nothing is generated here, and ``rollout`` is not used."""
     arr = cfg.actor_rollout_ref
     generate = generate or (lambda rows, sampling: rollout.generate([e.prompt_ids for e in rows], sampling))
     n = arr.rollout.val_kwargs.n
@@ -70,21 +86,19 @@ def run_validation(
         inputs = [tokenizer.decode(e.prompt_ids, skip_special_tokens=True) for e in val]
         wanted = {row: k for k, row in enumerate(select_val_generations(inputs, n, count))}
     kept: dict[int, dict] = {}
-    rollout.resume()
-    sync_weights_to_rollout(
-        models.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb
-    )
+    if responses is None:
+        rollout.resume()
+        sync_weights_to_rollout(
+            models.actor.model, rollout, torch_dtype(arr.rollout.dtype), arr.rollout.update_weights_bucket_mb
+        )
     sources = sorted({e.data_source for e in val})
     sums = torch.zeros(len(sources), 2, dtype=torch.float64)
-    chunk = cfg.data.val_batch_size or len(val)
-    for c, start in enumerate(range(0, len(val), chunk)):
-        part = val[start : start + chunk]
-        share = prompt_share(len(part), ctx.world_size, ctx.rank)
-        mine = [part[i] for i in share]
-        sampling = sampling_for(
-            cfg, tokenizer, seed=step_seed(cfg.trainer.seed, -1 - c, rollout.dp_rank), validation=True
-        )
-        outs = generate(mine, sampling)
+    for c, start, share in validation_chunks(cfg, val, ctx.world_size, ctx.rank):
+        mine = [val[start + i] for i in share]
+        if responses is None:
+            outs = generate(mine, validation_sampling(cfg, tokenizer, c, rollout.dp_rank))
+        else:
+            outs = [responses[start + i] for i in share]
         for pos, ex, group in zip(share, mine, outs):
             for j, r in enumerate(group):
                 text = tokenizer.decode(r.token_ids, skip_special_tokens=True)
@@ -100,7 +114,8 @@ def run_validation(
                         "score": float(score),
                         "data_source": ex.data_source,
                     }
-    rollout.release()
+    if responses is None:
+        rollout.release()
     sums = all_reduce_sum(sums)
     if count > 0:
         for k, row in sorted(_gather_to_all(kept).items()):

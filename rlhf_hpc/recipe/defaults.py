@@ -87,9 +87,23 @@ def _interpolate(cfg: Config, errors: list[str]) -> None:
 def _split_layout_sizes(cfg: Config) -> None:
     """verl's fully-async sizes, in this project's keys: a step of ``require_batches x
     ppo_mini_batch_size`` prompts where ``data.train_batch_size=0``; ``rollout.total_rollout_steps``
-    prompts and ``rollout.total_epochs`` as the run's length; ``use_rollout_log_probs`` as bypass mode."""
+    prompts and ``rollout.total_epochs`` as the run's length; ``use_rollout_log_probs`` as bypass mode;
+    validation every ``rollout.test_freq`` weight syncs, and, where ``data.train_batch_size=0``, every
+    ``trainer.test_freq`` syncs, as verl's fully-async trainer counts it."""
     at, pool, d, tr = cfg.async_training, cfg.rollout, cfg.data, cfg.trainer
-    if d.train_batch_size == 0:
+    fully_async = d.train_batch_size == 0
+    syncs = tr.test_freq if fully_async and tr.test_freq > 0 else None
+    if pool.test_freq is not None and syncs is not None and pool.test_freq != syncs:
+        raise ConfigError(
+            [
+                f"rollout.test_freq={pool.test_freq} and trainer.test_freq={tr.test_freq} both set the validation's "
+                f"interval in weight syncs (verl's fully-async); set one"
+            ]
+        )
+    syncs = pool.test_freq if pool.test_freq is not None else syncs
+    if syncs is not None:
+        tr.test_freq = syncs * at.trigger_parameter_sync_step if syncs > 0 else syncs
+    if fully_async:
         d.train_batch_size = at.require_batches * cfg.actor_rollout_ref.actor.ppo_mini_batch_size
     if pool.total_rollout_steps is not None and tr.total_training_steps is None and d.train_batch_size > 0:
         tr.total_training_steps = pool.total_rollout_steps // d.train_batch_size

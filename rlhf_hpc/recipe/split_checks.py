@@ -91,12 +91,8 @@ def split_layout_problems(cfg: Config) -> list[str]:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline generated each step)",
         ),
         (lora_enabled(arr.model), "actor_rollout_ref.model.lora_rank > 0 (LoRA)"),
-        (
-            bool(cfg.data.val_files) and (tr.test_freq > 0 or tr.val_before_train or tr.val_only),
-            "validation (data.val_files with trainer.test_freq > 0, val_before_train or val_only)",
-        ),
+        (bool(cfg.data.val_files) and tr.val_only, "trainer.val_only=true (an evaluation run)"),
         (tr.preflight, "launch.py preflight"),
-        (pool.test_freq is not None, f"rollout.test_freq={pool.test_freq} (validation every N weight syncs)"),
         (arr.rollout.enable_rollout_routing_replay, "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
         (
             (tr.inject_fault or "").startswith("wrong_weights"),
