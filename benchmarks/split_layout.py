@@ -26,7 +26,11 @@ from rlhf_hpc.observability.tracking import read_metrics
 __all__: list[str] = []  # a script: nothing here is imported elsewhere
 
 RUNS = {
-    "colocated, 2 ranks": ["actor_rollout_ref.hybrid_engine=true", "rollout.n_gpus_per_node=0"],
+    "colocated, 2 ranks": [
+        "actor_rollout_ref.hybrid_engine=true",
+        "rollout.n_gpus_per_node=0",
+        "async_training.staleness_threshold=0",
+    ],
     "split 2 + 1, one-step-off": [],
     "split 2 + 1, staleness 0": ["async_training.staleness_threshold=0"],
 }

@@ -323,11 +323,10 @@ def test_a_synchronous_hand_off_trains_exactly_as_the_colocated_layout(tmp_path)
 @pytest.mark.slow
 def test_one_step_off_trains_rows_one_update_stale_generated_while_the_trainer_updated(tmp_path):
     """The async recipe as written (2 trainer ranks, 1 rollout rank): from the second step on, each
-    step trains rows the previous weights generated, generated while the trainer updated; then a
-    resume from step 3's checkpoint trains steps 4-5 only, its first rows fresh from the checkpoint."""
+    step trains rows the previous weights generated, generated while the trainer updated (a resume:
+    test_sigterm_stops_both_sides_and_the_resume_trains_every_step_once)."""
     run = tmp_path / "run"
-    args = ["recipe=tiny_grpo_async", "trainer.save_freq=3", f"trainer.default_local_dir={run}"]
-    out = run_launch(*args, "trainer.total_training_steps=3")
+    out = run_launch("recipe=tiny_grpo_async", "trainer.total_training_steps=3", f"trainer.default_local_dir={run}")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     metrics = read_metrics(run)
     assert [m["rollout/staleness/max"] for m in metrics] == [0.0, 1.0, 1.0]
@@ -336,13 +335,6 @@ def test_one_step_off_trains_rows_one_update_stale_generated_while_the_trainer_u
     assert all(0 <= m["async/trainer_idle_share"] <= 1 and 0 <= m["async/rollout_idle_share"] <= 1 for m in metrics)
     for m in metrics[1:]:  # stale rows are corrected (truncated importance weights), not checked as the engine's
         assert m["rollout_corr/kl"] > 0 and "rollout_corr/rollout_is_mean" in m
-    resumed = run_launch(*args, "trainer.total_training_steps=5")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
-    after = read_metrics(run)
-    assert [m["training/global_step"] for m in after] == [1, 2, 3, 4, 5]
-    assert after[3]["rollout/staleness/max"] == 0.0 and after[3]["rollout/policy_version"] == 3.0
-    assert after[4]["rollout/staleness/max"] == 1.0
 
 
 @pytest.mark.slow

@@ -509,7 +509,10 @@ class PlanBuilder:
         if self.cfg.split:  # a rollout rank holds its engine alone; a trainer rank no engine
             self.phases.append(
                 Phase(
-                    "gen", {"runtime": self.runtime, **vllm_gen}, ["actor_rollout_ref.rollout.gpu_memory_utilization"]
+                    "gen",
+                    {"runtime": self.runtime, **vllm_gen},
+                    ["actor_rollout_ref.rollout.gpu_memory_utilization"],
+                    "a rollout rank; the other phases: a trainer rank",
                 )
             )
             self.awake = {}

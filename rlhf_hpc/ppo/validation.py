@@ -20,7 +20,13 @@ from rlhf_hpc.ppo.training_models import TrainingModels
 from rlhf_hpc.rewards import RewardFunction
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 
-__all__ = ["VAL_GENERATIONS_SEED", "run_validation", "select_val_generations", "validation_chunks"]
+__all__ = [
+    "VAL_GENERATIONS_SEED",
+    "run_validation",
+    "select_val_generations",
+    "validation_chunks",
+    "validation_sampling",
+]
 
 VAL_GENERATIONS_SEED = 42  # verl's fixed seed (RayPPOTrainer._maybe_log_val_generations)
 
