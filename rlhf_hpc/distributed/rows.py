@@ -52,6 +52,7 @@ class RolloutRow:
     mask: Optional[list[int]] = None  # 0 on tool turns (the agent loop); None: all the model's
     num_turns: Optional[int] = None  # the agent loop's (verl's extra_info["num_turns"] for the reward)
     routed_experts: Optional[torch.Tensor] = None  # the engine's routing, (tokens, layers, k) (router_replay R3)
+    version: Optional[int] = None  # the split layout: the policy version (updates) of the weights that generated it
 
     @property
     def num_tokens(self) -> int:

@@ -149,6 +149,8 @@ def serve_rollouts(cfg: Config, ctx: DistContext) -> None:
             engine.release()
             faults.after_generation(step)
             rows = rollout_rows(train_set, prompts, mine, responses)
+            for row in rows:
+                row.version = version
             gathered: Optional[list] = [None] * ctx.world_size if ctx.rank == 0 else None
             with collective(calls=2):  # (an object gather: the sizes, then the pickled rows)
                 dist.gather_object(rows, gathered, dst=0)
@@ -251,13 +253,13 @@ class RemoteRollout:
                 f"the rollout ranks sent step {message.step}'s rows where the trainer is at step {step} "
                 f"(or other prompts than its sampler's): the two sides lost their order"
             )
-        staleness = float(step - 1 - message.version)
+        staleness = [step - 1 - r.version for r in message.rows]  # (the trainer's policy: step - 1 updates)
         previous = self.busy[-1] if self.busy else (0.0, 0.0)  # the last update's wall-clock span
         overlapped = max(0.0, min(message.gen_end, previous[1]) - max(message.gen_start, previous[0]))
         gen = message.gen_end - message.gen_start
         metrics = {
-            "rollout/staleness/mean": staleness,
-            "rollout/staleness/max": staleness,
+            "rollout/staleness/mean": sum(staleness) / max(len(staleness), 1),
+            "rollout/staleness/max": float(max(staleness, default=0)),
             "rollout/policy_version": float(message.version),
             "timing_s/gen": gen,
             "timing_s/gen_overlapped": overlapped,
