@@ -126,11 +126,11 @@ def rank_failed(e: BaseException, run_dir: Path, beat) -> int:
         record_failure(run_dir, Failure(RUN_DIR_UNWRITABLE, f"cannot write {unwritable}", where))
     elif lost_peer(e):
         said = re.sub(r"^\[[^]]*\] ", "", str(e).splitlines()[0]).split(". ")[0]  # gloo's words, not its source path
-        print(
-            f"[rlhf-hpc] {where}: a collective failed, a peer is gone ({said}); waiting for the launcher",
-            file=sys.stderr,
-            flush=True,
+        # one write: the launcher ends this rank soon after, and its own line must not join a half-written one
+        sys.stderr.write(
+            f"[rlhf-hpc] {where}: a collective failed, a peer is gone ({said}); waiting for the launcher\n"
         )
+        sys.stderr.flush()
         beat.set_state("lost peer")
         time.sleep(LOST_PEER_WAIT_S)
         return 1

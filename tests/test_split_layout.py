@@ -314,7 +314,7 @@ def test_a_synchronous_hand_off_trains_exactly_as_the_colocated_layout(tmp_path)
     assert [m["training/global_step"] for m in split if val in m] == [0, 2, 3]
     split, colocated = split[1:], colocated[1:]
     for a, b in zip(split, colocated):
-        assert a["rollout/staleness/max"] == 0.0 and a["timing_s/gen_overlapped"] == 0.0
+        assert a["rollout/staleness/max"] == 0.0
         assert a["response_length/mean"] == b["response_length/mean"]
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key

@@ -182,8 +182,6 @@ class RemoteRollout:
         self.trigger = cfg.async_training.trigger_parameter_sync_step
         self.dtype = torch_dtype(cfg.actor_rollout_ref.rollout.dtype)
         self.bucket_mb = cfg.actor_rollout_ref.rollout.update_weights_bucket_mb
-        self.busy_since: Optional[float] = None  # when this rank last received rows (the update's start)
-        self.busy: list[tuple[float, float]] = []  # (start, end) of the updates, wall clock
         self.stopped = False
         self.inbox: list = []  # messages received before they were wanted (rows sent ahead of a validation)
 
@@ -224,7 +222,6 @@ class RemoteRollout:
 
     def after_update(self, model: torch.nn.Module, step: int, total: int) -> dict[str, float]:
         """After step ``step``'s update: weights out when a sync is due (and a later step needs them)."""
-        self.busy.append((self.busy_since or time.time(), time.time()))
         if step % self.trigger or step >= total:
             return {}
         return self.send_weights(model, step)
@@ -235,7 +232,6 @@ class RemoteRollout:
         self.send_weights(model, start["step"], start, kind="restart")
         self.take(str)  # (the marker: everything before it was generated for steps past the rollback)
         self.inbox.clear()
-        self.busy.clear()
 
     def stop(self) -> None:
         """The rollout ranks stop (the run's end, a preemption): rows in flight are dropped."""
@@ -247,16 +243,17 @@ class RemoteRollout:
         """Step ``step``'s rows (every rank gets all of them) and the split layout's metrics."""
         t0 = time.time()
         message: RowsMessage = self.take(RowsMessage)
-        waited = time.time() - t0
+        t1 = time.time()
+        waited = t1 - t0
         if message.step != step or message.prompts != prompts:
             raise RuntimeError(
                 f"the rollout ranks sent step {message.step}'s rows where the trainer is at step {step} "
                 f"(or other prompts than its sampler's): the two sides lost their order"
             )
         staleness = [step - 1 - r.version for r in message.rows]  # (the trainer's policy: step - 1 updates)
-        previous = self.busy[-1] if self.busy else (0.0, 0.0)  # the last update's wall-clock span
-        overlapped = max(0.0, min(message.gen_end, previous[1]) - max(message.gen_start, previous[0]))
+        # the generation's seconds the trainer did not wait for: they ran while it trained or logged
         gen = message.gen_end - message.gen_start
+        overlapped = gen - max(0.0, min(message.gen_end, t1) - max(message.gen_start, t0))
         metrics = {
             "rollout/staleness/mean": sum(staleness) / max(len(staleness), 1),
             "rollout/staleness/max": float(max(staleness, default=0)),
@@ -267,5 +264,4 @@ class RemoteRollout:
             "async/rollout_idle_share": message.idle_s / (message.idle_s + gen) if message.idle_s + gen > 0 else 0.0,
             **message.metrics,
         }
-        self.busy_since = time.time()
         return message, metrics
