@@ -22,7 +22,6 @@ from rlhf_hpc.distributed.split_layout import split_role
 from rlhf_hpc.launch.failure import LATEST_FILE, LOST_RANK
 from rlhf_hpc.launch.local import standalone_torchrun_command
 from rlhf_hpc.observability.tracking import read_metrics
-from rlhf_hpc.ppo.split_rollout import runs_ahead
 from rlhf_hpc.recipe.load import load_config
 from tests.conftest import REPO, launch_here, run_launch
 from tests.test_run_lifecycle import processes_of
@@ -70,7 +69,7 @@ def test_the_rollout_runs_ahead_by_whole_batches(staleness, trigger, ahead):
         f"async_training.staleness_threshold={staleness}",
         f"async_training.trigger_parameter_sync_step={trigger}",
     )
-    assert runs_ahead(cfg) == ahead
+    assert cfg.async_training.runs_ahead == ahead
 
 
 @pytest.mark.parametrize(
@@ -104,7 +103,11 @@ def test_stale_rows_without_a_correction_are_named_and_the_recipe_corrects_them(
     assert "rows up to 1 updates stale" in " ".join(split_layout_warnings(stale))
     assert split_layout_warnings(config(*SPLIT)) == []  # staleness 0, a sync every update: none stale
     recipe = load_config("tiny_grpo_async", [])[0]
-    assert recipe.split and runs_ahead(recipe) == 1 and recipe.algorithm.rollout_correction.rollout_is == "token"
+    assert (
+        recipe.split
+        and recipe.async_training.runs_ahead == 1
+        and recipe.algorithm.rollout_correction.rollout_is == "token"
+    )
 
 
 def test_every_trainer_rank_takes_the_share_redistribute_rows_gives(monkeypatch):
@@ -179,7 +182,7 @@ def test_the_split_step_is_the_slower_side_when_generation_runs_ahead(staleness,
     for gen in (0.5 * t, 2 * t):
         step = split_step_s(cfg, trainer, gen)
         assert max(t, gen) <= step <= t + gen + 1e-9
-        if runs_ahead(cfg):
+        if cfg.async_training.runs_ahead:
             assert step == pytest.approx(max(t, gen))
         elif trigger == 1:
             assert step == pytest.approx(t + gen)  # a synchronous hand-off: one after the other
@@ -270,7 +273,7 @@ def test_verls_fully_async_validation_counts_weight_syncs(tmp_path):
     ]
     cfg = load_config(None, [*args, "cluster=slurm"], check_files=False)[0]
     assert cfg.async_training.trigger_parameter_sync_step == 16 and cfg.data.train_batch_size == 32
-    assert cfg.trainer.test_freq == 25 * 16 and runs_ahead(cfg) == 1
+    assert cfg.trainer.test_freq == 25 * 16 and cfg.async_training.runs_ahead == 1
     with pytest.raises(ConfigError) as e:
         load_config(None, [*args, "cluster=slurm", "rollout.test_freq=5"], check_files=False)
     assert "rollout.test_freq=5 and trainer.test_freq=25 both set the validation's interval" in str(e.value)

@@ -43,3 +43,9 @@ class AsyncTrainingConfig:
     partial_rollout: bool = False  # differs from verl (True): not built (see docs/async.md)
     # the engine's log-probs as the PPO anchor: algorithm.rollout_correction.bypass_mode (verl's async default)
     use_rollout_log_probs: Optional[bool] = None
+
+    @property
+    def runs_ahead(self) -> int:
+        """Batches the rollout ranks may generate beyond the sync window: ``staleness_threshold x
+        trigger_parameter_sync_step``, a whole number (the checks refuse others)."""
+        return round(self.staleness_threshold * self.trigger_parameter_sync_step)

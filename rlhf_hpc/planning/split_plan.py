@@ -25,7 +25,7 @@ def split_step_s(cfg: Config, trainer: TimePlan, gen_s: float) -> float:
     batch's generation on the rollout ranks). Per sync window of ``trigger`` steps with nothing
     ahead, the window's first batch waits for the weights and the others overlap; ahead, all do."""
     at = cfg.async_training
-    trigger, ahead = at.trigger_parameter_sync_step, round(at.staleness_threshold * at.trigger_parameter_sync_step)
+    trigger, ahead = at.trigger_parameter_sync_step, at.runs_ahead
     both = max(trainer.step_s, gen_s)
     if ahead >= 1:
         return both
@@ -60,7 +60,7 @@ def compare_layouts(cfg: Config, trainer: TimePlan, validate: Callable[[Config],
     gen = TimeModel(cfg).generation(trainer.workload)
     step = split_step_s(cfg, trainer, gen.seconds)
     at = cfg.async_training
-    ahead = round(at.staleness_threshold * at.trigger_parameter_sync_step)
+    ahead = at.runs_ahead
     slower = "generation" if gen.seconds > trainer.step_s else "the trainer"
     how = (
         f"overlapped, {slower} sets the step"

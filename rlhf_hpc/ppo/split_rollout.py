@@ -43,14 +43,7 @@ from rlhf_hpc.ppo.validation import validation_chunks, validation_sampling
 from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.rollout.weight_sync import hf_name, stream_full_params
 
-__all__ = ["RemoteRollout", "RowsMessage", "ValidationMessage", "runs_ahead", "serve_rollouts", "validation_responses"]
-
-
-def runs_ahead(cfg: Config) -> int:
-    """Batches the rollout ranks may generate beyond the sync window (``staleness_threshold x
-    trigger_parameter_sync_step``, a whole number: the checks refuse others)."""
-    at = cfg.async_training
-    return round(at.staleness_threshold * at.trigger_parameter_sync_step)
+__all__ = ["RemoteRollout", "RowsMessage", "ValidationMessage", "serve_rollouts", "validation_responses"]
 
 
 @dataclass
@@ -113,7 +106,7 @@ def serve_rollouts(cfg: Config, ctx: DistContext) -> None:
     engine = make_engine(cfg, arr.model.path, ctx.device, tp_group)
     generator = Generator(cfg, engine, tokenizer, [])
     faults = FaultInjector(tr.inject_fault, ctx.split.global_rank)  # (RANK: torchrun's, as the trainer's)
-    trigger, ahead = cfg.async_training.trigger_parameter_sync_step, runs_ahead(cfg)
+    trigger, ahead = cfg.async_training.trigger_parameter_sync_step, cfg.async_training.runs_ahead
     step: Optional[int] = None  # the last batch generated
     version = total = 0
     waited_since = time.time()

@@ -113,7 +113,7 @@ def split_layout_warnings(cfg: Config) -> list[str]:
     at, rc = cfg.async_training, cfg.algorithm.rollout_correction
     if not cfg.split:
         return []
-    most = at.trigger_parameter_sync_step - 1 + round(at.staleness_threshold * at.trigger_parameter_sync_step)
+    most = at.trigger_parameter_sync_step - 1 + at.runs_ahead
     if most > 0 and rc.rollout_is is None and rc.rollout_rs is None and not rc.bypass_mode:
         return [
             f"the split layout trains rows up to {most} updates stale without a rollout correction: set "
