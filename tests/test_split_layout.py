@@ -297,6 +297,9 @@ def staleness_zero(tmp_path, split: bool) -> list[dict]:
         "trainer.test_freq=2",
         "trainer.val_before_train=true",
         f"trainer.default_local_dir={run}",
+        # one thread a rank on any machine: a colocated rank's in-process vLLM binds it to one core, and a
+        # trainer rank without an engine would otherwise take the launcher's share of the cores
+        env={"OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return read_metrics(run)
