@@ -7,7 +7,9 @@
 #                                         installed); a different N restarts the daemons (3-17 s)
 #   slurm/dev-cluster.sh down [--cancel-jobs]
 #                                         stop everything this script started and remove every
-#                                         namespace, veth, bridge and /etc/hosts entry it added
+#                                         namespace, veth, bridge and /etc/hosts entry it added;
+#                                         --cancel-jobs: no job survives (nor the saved state of
+#                                         jobs whose daemons died without `down`)
 #                                         (~20 s with 4 nodes, most of it MariaDB and slurmdbd)
 #   slurm/dev-cluster.sh status           nodes (sinfo -N) and jobs (squeue)
 #   slurm/dev-cluster.sh fail-node NODE   a node crash as Slurm sees it: kill NODE's slurmd and
@@ -150,8 +152,18 @@ case "$cmd" in
     [[ "$NODES" =~ ^[1-9][0-9]?$ ]] && [ "$NODES" -le 64 ] || { echo "--nodes: 1..64, got '$NODES'" >&2; exit 2; } ;;
   down)
     set +e
-    if [ "${1:-}" = "--cancel-jobs" ] && running /run/slurmctld.pid; then
-      scancel --user=root 2>/dev/null; sleep 3
+    if [ "${1:-}" = "--cancel-jobs" ]; then
+      if running /run/slurmctld.pid; then
+        scancel --user=root 2>/dev/null; sleep 3
+      else
+        # no controller to cancel with (the daemons died with the machine's session): the saved job
+        # state goes instead; a cold slurmctld would recover those jobs as running, hold their nodes
+        # and requeue them (--requeue), long after their processes are gone
+        rm -f /var/spool/slurmctld/job_state /var/spool/slurmctld/job_state.old
+        rm -rf /var/spool/slurmctld/hash.* /var/spool/slurmd/*/job[0-9]* /var/spool/slurmd/*/cred_state* \
+          /var/spool/slurmd/*/hwloc_topo_[0-9]* /var/spool/slurmd/*/node*_[0-9]*
+        echo "saved job state removed"
+      fi
     fi
     for n in $(existing_nodes); do
       stop_pid "/run/slurmd-$n.pid" "slurmd on $n"
@@ -389,7 +401,8 @@ done
 # end-to-end smoke test: one job step on every node through slurmctld -> slurmd -> slurmstepd; each
 # node must report its own hostname
 SEEN=$(timeout 60 srun -N"$NODES" -n"$NODES" --ntasks-per-node=1 -t 1 -J dev-cluster-smoke hostname | sort -V | xargs) \
-  || { for n in $NODE_NAMES; do tail -5 "$LOGDIR/slurmd-$n.log"; done; echo "smoke srun failed" >&2; exit 1; }
+  || { for n in $NODE_NAMES; do tail -5 "$LOGDIR/slurmd-$n.log"; done; squeue
+       echo "smoke srun failed (jobs left from a previous run? bash $0 down --cancel-jobs)" >&2; exit 1; }
 [ "$SEEN" = "$(echo $NODE_NAMES)" ] || { echo "smoke srun: hosts '$SEEN', expected '$(echo $NODE_NAMES)'" >&2; exit 1; }
 log "cluster up: $NODES node(s) ($SEEN) idle, srun smoke test OK"
 sinfo
