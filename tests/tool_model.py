@@ -309,7 +309,8 @@ def teach_tool_caller(
         "cpu",
         seed=seed,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # fused: one kernel over the 19.5M embedding's moments (0.09 s a step unfused, 0.015 fused)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def ids_of(messages: list[dict], generation_prompt: bool = False) -> list[int]:
         text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
@@ -396,30 +397,42 @@ def sampled_call_rate(
     } - {None}
     gen = torch.Generator().manual_seed(seed)
     per_prompt = -(-samples // len(prompts))
-    calls = total = 0
+    # the samples in one batch, left-padded (each prompt per_prompt times, in turn, up to samples):
+    # one forward a token for all of them
+    starts = [ids for ids in prompts for _ in range(per_prompt)][:samples]
+    width = max(len(ids) for ids in starts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else end
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in starts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in starts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    new, alive = [[] for _ in starts], [True] * len(starts)
     with torch.no_grad():
-        for ids in prompts:
-            if total >= samples:
-                break
-            k = min(per_prompt, samples - total)
-            out = model(input_ids=torch.tensor([ids] * k), use_cache=True, logits_to_keep=1)
-            past, new, alive = out.past_key_values, [[] for _ in range(k)], [True] * k
-            logits = out.logits[:, -1]
-            for _ in range(max_new_tokens):
-                nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
-                for i, t in enumerate(nxt[:, 0].tolist()):
-                    if alive[i]:
-                        new[i].append(t)
-                        alive[i] = t not in stops
-                if not any(alive):
-                    break
-                out = model(input_ids=nxt, past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[:, -1]
-            calls += sum(
-                bool(ids)
-                and ids[-1] == end
-                and any(c.name == name for c in hermes_calls(tok.decode(ids, skip_special_tokens=False)).calls)
-                for ids in new
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        for _ in range(max_new_tokens):
+            # inverse-CDF sampling: torch.multinomial over 152k tokens was 0.47 s a step for 128 rows, this 0.07
+            cdf = torch.softmax(out.logits[:, -1].float(), -1).cumsum(-1)
+            nxt = torch.searchsorted(cdf, torch.rand(len(starts), 1, generator=gen) * cdf[:, -1:]).clamp(
+                max=cdf.shape[1] - 1
             )
-            total += k
-    return calls / total
+            for i, t in enumerate(nxt[:, 0].tolist()):
+                if alive[i]:
+                    new[i].append(t)
+                    alive[i] = t not in stops
+            if not any(alive):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                input_ids=nxt,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+    calls = sum(
+        bool(ids)
+        and ids[-1] == end
+        and any(c.name == name for c in hermes_calls(tok.decode(ids, skip_special_tokens=False)).calls)
+        for ids in new
+    )
+    return calls / len(starts)
