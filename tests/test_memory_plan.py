@@ -235,3 +235,26 @@ def test_a_lora_actors_sleeping_engine_is_in_the_host_line():
     assert per_rank["tp2"]["engine weights asleep (LoRA)"] == pytest.approx(params)
     assert 14 < per_rank["tp1"]["engine weights asleep (LoRA)"] / GiB < 15
     assert "engine weights asleep (LoRA)" not in per_rank["full"]  # level 2 discards them
+
+
+def test_a_cpu_vllm_engine_gets_the_kv_cache_its_sequences_need_at_most_1_gib(monkeypatch):
+    """The plan's vLLM share on CPU is the engine's: its weights, room for max_num_seqs sequences of
+    max_model_len tokens in 32-token blocks (the engine asks vLLM for exactly that), its runtime;
+    VLLM_CPU_KVCACHE_SPACE, where set, is the KV cache in GiB."""
+    from rlhf_hpc.planning.memory_plan import VLLM_CPU_RUNTIME_GB, cpu_kv_cache_bytes
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert cpu_kv_cache_bytes(16, 40, 1024) == 16 * 64 * 1024  # 40 tokens: two blocks of 32
+    assert cpu_kv_cache_bytes(1024, 4096, 46080) == GiB  # SmolLM2-135M's need, past the cap
+
+    key = "vLLM (weights + KV cache + its runtime)"
+    cfg, plan = plan_of(
+        "tiny_klppo", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.max_num_seqs=64"
+    )
+    s = model_shape(cfg.actor_rollout_ref.model.path)
+    weights = s.params * 4  # float32
+    kv = 64 * 64 * 2 * s.layers * s.kv_heads * s.head_dim * 4  # 64 sequences of 40 tokens (2 blocks)
+    assert phase(plan, "gen").parts[key] == pytest.approx(weights + kv + VLLM_CPU_RUNTIME_GB * GiB)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    _, plan = plan_of("tiny_klppo", "actor_rollout_ref.rollout.name=vllm")
+    assert phase(plan, "gen").parts[key] == pytest.approx(weights + 2 * GiB + VLLM_CPU_RUNTIME_GB * GiB)

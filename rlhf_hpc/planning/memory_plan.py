@@ -53,11 +53,13 @@ from rlhf_hpc.planning.sizing import (
 
 __all__ = [
     "MEMORY_KEYS",
+    "VLLM_CPU_RUNTIME_GB",
     "MemoryPlan",
     "Phase",
     "PlanBuilder",
     "build_plan",
     "check_plan",
+    "cpu_kv_cache_bytes",
     "oom_message",
     "update_bytes",
     "update_keys",
@@ -68,6 +70,20 @@ CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
 # vLLM's CPU build beside its weights and KV space: scheduler, sampler and attention buffers, the warm-up's
 # freed heap (SmolLM2-135M fp32: engine start takes 2.03 GiB above the import, weights + KV space are 1.5)
 VLLM_CPU_RUNTIME_GB = 0.5
+# the most KV cache a CPU vLLM engine gets unless VLLM_CPU_KVCACHE_SPACE says otherwise
+VLLM_CPU_KV_CACHE_MAX_GB = 1
+
+
+def cpu_kv_cache_bytes(max_num_seqs: int, max_len: int, kv_per_token: float) -> int:
+    """A CPU vLLM engine's KV cache (one rank): ``VLLM_CPU_KVCACHE_SPACE`` GiB where set, else room for
+    ``max_num_seqs`` sequences of ``max_len`` tokens (in the engine's 32-token blocks: all it runs at once), at
+    most VLLM_CPU_KV_CACHE_MAX_GB. A fixed 1 GiB whatever the model was most of a tiny model's engine
+    start here: the pages are touched as it is made (BENCHMARKS.md, "The test suite's time")."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if space:
+        return int(space) * GiB
+    need = max_num_seqs * -(-max_len // 32) * 32 * kv_per_token
+    return int(min(need, VLLM_CPU_KV_CACHE_MAX_GB * GiB))
 
 
 # ------------------------------------------------------------------------------------ estimates
@@ -489,13 +505,14 @@ class PlanBuilder:
         vllm_share = rollout.gpu_memory_utilization * self.capacity
         vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
         paged = planned_engine(rollout.name).paged  # (rlhf_hpc.config.engines: a server-style engine)
-        if paged and not on_gpu:  # vLLM's CPU build: its weights and a fixed KV cache space
+        if paged and not on_gpu:  # vLLM's CPU build: its weights and a KV cache of a fixed size
+            kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb / min(tp, s.kv_heads)
             vllm_share = (
                 s.params * rb / tp
-                + float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")) * GiB
+                + cpu_kv_cache_bytes(rollout.max_num_seqs, max_len, kv_per_token)
                 + VLLM_CPU_RUNTIME_GB * GiB
             )
-            vllm_gen = {"vLLM (weights + VLLM_CPU_KVCACHE_SPACE + its runtime)": vllm_share}
+            vllm_gen = {"vLLM (weights + KV cache + its runtime)": vllm_share}
         elif paged:
             batched = max(rollout.max_num_batched_tokens, max_len)
             weights = s.params * rb / tp

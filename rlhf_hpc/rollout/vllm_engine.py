@@ -31,7 +31,8 @@ from rlhf_hpc.models.architectures import moe_experts
 from rlhf_hpc.models.checkpoint_names import checkpoint_names
 from rlhf_hpc.models.hf import is_tiny, local_path, model_config
 from rlhf_hpc.models.lora import adapter_file_name, adapter_rank, lora_enabled, vllm_lora_rank
-from rlhf_hpc.planning.memory_plan import oom_message
+from rlhf_hpc.planning.memory_plan import cpu_kv_cache_bytes, oom_message
+from rlhf_hpc.planning.sizing import DTYPE_BYTES, model_shape
 from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
 from rlhf_hpc.rollout.base import Response, Sampling, covered
 from rlhf_hpc.rollout.rng import GenerationRNG, preserved_rng, seed_all
@@ -256,7 +257,6 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if not on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("LOCAL_RANK", "0"))
         quiet_vllm_logging()
         check_vllm_version()
@@ -326,10 +326,16 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = self.sleep_enabled
         else:
             kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
+            # the KV cache the memory plan holds (VLLM_CPU_KVCACHE_SPACE, where set, is read by vLLM itself)
+            shape = model_shape(model_path, mcfg.override_config, mcfg.trust_remote_code)
+            kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES.get(rollout.dtype, 4)
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                rollout.max_num_seqs, max_len, kv_per_token / min(self.tp, shape.kv_heads)
+            )
             if rollout.free_cache_engine:
                 log.info(
                     "vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
-                    "stays allocated (VLLM_CPU_KVCACHE_SPACE GiB)"
+                    f"stays allocated ({kwargs['kv_cache_memory_bytes'] / 2**20:,.0f} MiB)"
                 )
         with preserved_rng(device):  # vLLM seeds the global RNGs at start-up; training keeps its own
             self.llm = LLM(**kwargs)
