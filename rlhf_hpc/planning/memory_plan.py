@@ -60,6 +60,7 @@ __all__ = [
     "build_plan",
     "check_plan",
     "cpu_kv_cache_bytes",
+    "kv_bytes_per_token",
     "oom_message",
     "update_bytes",
     "update_keys",
@@ -72,6 +73,11 @@ CUDA_GRAPHS_GB = 1.0  # vLLM's captured CUDA graphs (enforce_eager=false)
 VLLM_CPU_RUNTIME_GB = 0.5
 # the most KV cache a CPU vLLM engine gets unless VLLM_CPU_KVCACHE_SPACE says otherwise
 VLLM_CPU_KV_CACHE_MAX_GB = 1
+
+
+def kv_bytes_per_token(s: ModelShape, dtype_bytes: int, tp: int) -> float:
+    """One token's keys and values on one rank of a tensor-parallel group of ``tp``."""
+    return 2 * s.layers * s.kv_heads * s.head_dim * dtype_bytes / min(tp, s.kv_heads)
 
 
 def cpu_kv_cache_bytes(max_num_seqs: int, max_len: int, kv_per_token: float) -> int:
@@ -506,7 +512,7 @@ class PlanBuilder:
         vllm_gen = {"vLLM (gpu_memory_utilization)": vllm_share}
         paged = planned_engine(rollout.name).paged  # (rlhf_hpc.config.engines: a server-style engine)
         if paged and not on_gpu:  # vLLM's CPU build: its weights and a KV cache of a fixed size
-            kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb / min(tp, s.kv_heads)
+            kv_per_token = kv_bytes_per_token(s, rb, tp)
             vllm_share = (
                 s.params * rb / tp
                 + cpu_kv_cache_bytes(rollout.max_num_seqs, max_len, kv_per_token)
@@ -519,7 +525,7 @@ class PlanBuilder:
             act = batched * (4 * s.hidden + (2 * s.intermediate + (s.heads + 2 * s.kv_heads) * s.head_dim) / tp) * rb
             sampler = min(rollout.max_num_seqs, batched) * s.vocab * 4 * 2
             graphs = 0 if rollout.enforce_eager else CUDA_GRAPHS_GB * GiB
-            kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * rb / min(tp, s.kv_heads)
+            kv_per_token = kv_bytes_per_token(s, rb, tp)
             self.kv_tokens = int((vllm_share - weights - act - sampler - graphs) // kv_per_token) if on_gpu else None
         else:  # transformers generate: a full copy of the weights in the rollout dtype and its KV cache
             vllm_gen = {"hf engine weights": s.params * rb}

@@ -55,7 +55,7 @@ from rlhf_hpc.planning.advice import COMM_RULE, candidate_changes, value_text, w
 from rlhf_hpc.planning.decode_schedule import decode_segments, response_lengths
 from rlhf_hpc.planning.hardware import Hardware, hardware_of
 from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs, shard_count
-from rlhf_hpc.planning.memory_plan import MemoryPlan, build_plan, check_plan, cpu_kv_cache_bytes
+from rlhf_hpc.planning.memory_plan import MemoryPlan, build_plan, check_plan, cpu_kv_cache_bytes, kv_bytes_per_token
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, forward_flops, model_shape
 
 __all__ = [
@@ -423,7 +423,7 @@ class TimeModel:
         room = self.memory.kv_cache_tokens
         if room is None and self.paged:  # vLLM's CPU build: a KV cache of a fixed size
             max_len = rollout.max_model_len or (self.cfg.data.max_prompt_length + self.cfg.data.max_response_length)
-            per_rank = kv_per_token / min(tp, s.kv_heads)
+            per_rank = kv_bytes_per_token(s, rb, tp)
             room = int(cpu_kv_cache_bytes(rollout.max_num_seqs, max_len, per_rank) // per_rank)
         bw, where = self.link(tp)
         eff = DECODE_BANDWIDTH_EFFICIENCY if self.cfg.trainer.device == "cuda" else 1.0

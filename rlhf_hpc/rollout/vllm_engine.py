@@ -31,7 +31,7 @@ from rlhf_hpc.models.architectures import moe_experts
 from rlhf_hpc.models.checkpoint_names import checkpoint_names
 from rlhf_hpc.models.hf import is_tiny, local_path, model_config
 from rlhf_hpc.models.lora import adapter_file_name, adapter_rank, lora_enabled, vllm_lora_rank
-from rlhf_hpc.planning.memory_plan import cpu_kv_cache_bytes, oom_message
+from rlhf_hpc.planning.memory_plan import cpu_kv_cache_bytes, kv_bytes_per_token, oom_message
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, model_shape
 from rlhf_hpc.recipe.packages import VLLM_BELOW, VLLM_MIN
 from rlhf_hpc.rollout.base import Response, Sampling, covered
@@ -328,10 +328,8 @@ class VLLMEngine:
             kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
             # the KV cache the memory plan holds (VLLM_CPU_KVCACHE_SPACE, where set, is read by vLLM itself)
             shape = model_shape(model_path, mcfg.override_config, mcfg.trust_remote_code)
-            kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * DTYPE_BYTES.get(rollout.dtype, 4)
-            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-                rollout.max_num_seqs, max_len, kv_per_token / min(self.tp, shape.kv_heads)
-            )
+            kv_per_token = kv_bytes_per_token(shape, DTYPE_BYTES.get(rollout.dtype, 4), self.tp)
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(rollout.max_num_seqs, max_len, kv_per_token)
             if rollout.free_cache_engine:
                 log.info(
                     "vllm on CPU: release()/resume() are no-ops (no sleep mode on CPU); the KV cache "
