@@ -279,22 +279,26 @@ def check_checkpoint(name: str, path: str, actor: Actor, out: Path, rank: int, w
 
 
 def check_load_once(name: str, path: str, out: Path, rank: int, world: int, res: dict) -> None:
-    """5: a pretrained checkpoint read by rank 0 alone (rlhf_hpc.distributed.loading), sharded (FSDP2) and
-    replicated on the host, against ``from_pretrained`` in one process: weights, buffers, the tie."""
+    """5: a pretrained checkpoint read by rank 0 alone (rlhf_hpc.distributed.loading), sharded (FSDP2),
+    replicated on the host and sharded on the host (param_offload; the causal LM frozen), against
+    ``from_pretrained`` in one process: weights, buffers, the tie."""
     saved = out / f"{name}-pretrained"
     if rank == 0:
         build_causal_lm(path, torch.float32, seed=0).save_pretrained(saved)
     dist.barrier()
     ctx = DistContext(rank=rank, world_size=world, local_rank=rank, device=CPU, backend="gloo")
     found = {}
-    for layout, fsdp_size in (("sharded", -1), ("replicated", 1)):
-        fsdp = FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32)
+    # "offloaded": shards on the host (param_offload, FSDP2's CPUOffloadPolicy), the causal LM frozen
+    # as a reference is: the broadcast runs on the job's device, each slice is copied to the host
+    for layout, fsdp_size, offload in (("sharded", -1, False), ("replicated", 1, False), ("offloaded", -1, True)):
+        fsdp = FSDPConfig(fsdp_size=fsdp_size, mixed_precision=FP32, param_offload=offload)
         model = build_sharded(
             lambda device: build_causal_lm(str(saved), torch.float32, device, attn="varlen"),
             fsdp,
             ctx,
             gradient_checkpointing=False,
             from_checkpoint=True,
+            frozen=offload,
         )
         critic = build_sharded(
             lambda device: build_critic(str(saved), torch.float32, device, seed=1),

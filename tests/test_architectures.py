@@ -407,7 +407,9 @@ def test_tied_head_sharded_over_two_ranks_syncs_into_each_ranks_engine(matrix):
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_a_checkpoint_read_by_rank0_alone_equals_from_pretrained(matrix, name):
     """rlhf_hpc.distributed.loading: rank 0 reads, the other rank builds on the meta device and receives its
-    shard (FSDP2) or the whole model (replicated on the host); actor and critic, bit for bit."""
+    shard (FSDP2, also with the shards on the host: param_offload) or the whole model (replicated on the
+    host); actor and critic, bit for bit."""
+    assert set(matrix[0][name]["load_once"]) == {"sharded", "replicated", "offloaded"}
     for layout, r in matrix[0][name]["load_once"].items():
         assert r == {"params_bit_exact": True, "critic_bit_exact": True, "buffers_bit_exact": True, "tie_kept": True}, (
             layout

@@ -7,8 +7,9 @@ other rank builds the same structure on the meta device (no memory). Then, as in
 system (verl's ``fsdp2_load_full_state_dict``):
 
 - sharded models (FSDP2): every rank shards its model, the meta ranks materialize only their own
-  shards, and ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends each full tensor from
-  rank 0 while every rank keeps its slice; buffers (rotary tables, embedding scales: computed at
+  shards, and each full tensor is broadcast from rank 0 while every rank keeps its slice
+  (``broadcast_into_shards``: what ``set_model_state_dict(..., broadcast_from_rank0=True)`` does,
+  but always on the job's device); buffers (rotary tables, embedding scales: computed at
   construction, never in a checkpoint) are broadcast too;
 - models replicated on the host (small models, ``parallel.host_replicas``): every rank needs the
   whole model anyway; rank 0's tensors are broadcast into the others' before the model is wrapped.
@@ -25,12 +26,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlhf_hpc.distributed.fsdp import host_replicas, parallelize
 from rlhf_hpc.distributed.process_group import build_train_mesh
 
-__all__ = ["build_once", "build_sharded", "materialize"]
+__all__ = ["broadcast_into_shards", "build_once", "build_sharded", "materialize"]
 
 
 def build_sharded(
@@ -82,11 +83,54 @@ def build_once(
     shard(model)
     if not source:
         materialize(model, device, init_buffers=False)  # (buffers arrive from rank 0 below)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    broadcast_into_shards(model, full, device)
     del full
     for b in model.buffers():
         dist.broadcast(b, src=0)
     return model
+
+
+def broadcast_into_shards(model: nn.Module, full: dict, device: torch.device) -> None:
+    """Rank 0's full tensors (``full``, its state dict before sharding; ``{}`` on the other ranks)
+    into every rank's FSDP2 shards of ``model``, one tensor at a time, broadcast on ``device``.
+
+    torch's ``set_model_state_dict(broadcast_from_rank0=True)`` broadcasts on the device the shards
+    live on. With ``param_offload`` on GPUs (FSDP2's CPUOffloadPolicy) that is the host: the process
+    group's gloo backend would carry every full tensor over TCP (~15 GB for a 7B reference in fp16).
+    Here the broadcast always runs on the job's device (NCCL on GPUs) and each rank copies its own
+    slice to wherever its shard lives. Peak beyond the shards: one full tensor on ``device``. Collective."""
+    source = dist.get_rank() == 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # (a tied parameter once, under its first name)
+            if source:
+                tensor = full[name].detach().to(device=device, dtype=param.dtype).contiguous()
+            else:
+                tensor = torch.empty(param.shape, dtype=param.dtype, device=device)
+            dist.broadcast(tensor, src=0)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            part = _local_slice(tensor, param) if isinstance(param, DTensor) else tensor
+            if part.shape != local.shape:
+                raise RuntimeError(
+                    f"{name}: this rank's slice {tuple(part.shape)} is not its shard {tuple(local.shape)}"
+                )
+            local.copy_(part)
+            del tensor
+
+
+def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """This rank's part of ``full`` under ``param``'s placements: DTensor's split (``torch.chunk``
+    along a sharded dimension, an empty slice for a rank past the last chunk), mesh dimension by
+    mesh dimension (FSDP2: ``Shard(0)``; HSDP: ``(Replicate(), Shard(0))``)."""
+    part, mesh = full, param.device_mesh
+    for mesh_dim, placement in enumerate(param.placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard:
+            raise NotImplementedError(f"loading into a {placement} placement")
+        chunks = part.chunk(mesh.size(mesh_dim), dim=placement.dim)
+        index = mesh.get_local_rank(mesh_dim)
+        part = chunks[index] if index < len(chunks) else part.narrow(placement.dim, 0, 0)
+    return part
 
 
 def materialize(model: nn.Module, device: torch.device, init_buffers: bool = True) -> nn.Module:
