@@ -55,9 +55,11 @@ from rlhf_hpc.ops.step_shape import micro_tokens
 from rlhf_hpc.planning.layout import resolved_fsdp_configs
 from rlhf_hpc.planning.memory_plan import check_plan
 from rlhf_hpc.planning.sizing import GiB
+from rlhf_hpc.planning.time_plan import workload_of
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ppo.faults import FaultInjector
 from rlhf_hpc.ppo.step_batch import make_step_batch, sampling_for
+from rlhf_hpc.ppo.step_metrics import time_model
 from rlhf_hpc.ppo.training_models import build_training_models
 from rlhf_hpc.rollout.base import LogprobCheck, Sampling, logprob_mismatch
 from rlhf_hpc.rollout.factory import make_engine
@@ -83,6 +85,7 @@ BUSBW_FLOOR_GBPS = {
 MESSAGE_BYTES = {"cuda": 256 * 2**20, "cpu": 16 * 2**20}
 PLAN_TOLERANCE = 1.3  # a measured peak above 1.3x the plan's means the plan is wrong for this job
 GEN_PROMPTS, GEN_TOKENS = 4, 16  # per rank: the short generation
+SYNC_SLOW = 2.0  # a weight sync this many times its plan's is explained in its line (GPU)
 
 
 @dataclass
@@ -164,7 +167,7 @@ def run_preflight(cfg: Config, ctx: DistContext, log: Callable[[str], None], che
 
     agreed("rollout engine", start)
     rollout = state["rollout"]
-    agreed("weight sync", lambda: sync_check(cfg, models, rollout, faults))
+    agreed("weight sync", lambda: sync_check(cfg, ctx, models, rollout, faults))
     agreed("generation", lambda: generation_check(cfg, ctx, models, rollout, tokenizer))
     slept = agreed("sleep/wake", lambda: sleep_check(cfg, ctx, rollout, plan, state))
     agreed("actor micro-batch", lambda: micro_batch_check(cfg, ctx, models, tokenizer, plan))
@@ -299,7 +302,7 @@ def bandwidth_checks(cfg: Config, ctx: DistContext, hosts: list[str]) -> list[Ch
 
 
 # ---------------------------------------------------------------------------------------- 3
-def sync_check(cfg: Config, models, rollout, faults) -> Check:
+def sync_check(cfg: Config, ctx: DistContext, models, rollout, faults) -> Check:
     rollout.resume()
     arr = cfg.actor_rollout_ref
     timing = sync_weights_to_rollout(
@@ -309,12 +312,29 @@ def sync_check(cfg: Config, models, rollout, faults) -> Check:
         arr.rollout.update_weights_bucket_mb,
         transform=faults.weights_transform(0),
     )
+    measured = timing["timing_s/update_weights"]
+    planned = planned_sync_s(cfg, ctx)
+    against = "" if planned is None else f" (time plan {planned:.2f} s, {measured / max(planned, 1e-9):.1f}x)"
+    slow = ""
+    if planned is not None and ctx.device.type == "cuda" and measured > SYNC_SLOW * planned:
+        # (the review of issue #57: vLLM's layerwise reload does Python work and two copies per weight)
+        slow = "; the plan counts the gathers and one copy per weight: vLLM's per-weight reload takes the rest"
     return Check(
         "weight sync",
         True,
-        f"{len(rollout.weight_spec())} tensors in {timing['timing_s/update_weights']:.2f} s, "
-        f"every name once with its shape (buckets of {arr.rollout.update_weights_bucket_mb} MB)",
+        f"{len(rollout.weight_spec())} tensors in {measured:.2f} s{against}, "
+        f"every name once with its shape (buckets of {arr.rollout.update_weights_bucket_mb} MB){slow}",
+        figures={"measured_s": measured, "planned_s": planned},
     )
+
+
+def planned_sync_s(cfg: Config, ctx: DistContext) -> Optional[float]:
+    """The time plan's ``update_weights`` for this run on this hardware (None where it has none)."""
+    model = time_model(cfg, ctx)
+    if model is None:
+        return None
+    phase = model.plan(workload_of(cfg)).phase("update_weights")
+    return None if phase is None else phase.seconds
 
 
 def generation_check(cfg: Config, ctx: DistContext, models, rollout, tokenizer) -> Check:

@@ -57,6 +57,8 @@ def test_a_healthy_allocation_passes_every_check(vllm, tmp_path):
     assert len(gbps) == 2 and min(gbps) >= BUSBW_FLOOR_GBPS["one host (gloo)"], bandwidth
     generation = next(line for line in lines if line[5:].startswith("generation"))
     assert "(float32)" in generation and "limit 0.001" in generation
+    sync = next(line for line in lines if line[5:].startswith("weight sync"))
+    assert "(time plan " in sync and "x)" in sync, sync  # measured against the plan's update_weights
     micro = next(line for line in lines if "micro-batch" in line)
     assert "4 rows x 40 tokens" in micro and "x;" in micro  # tiny_klppo: 4 per GPU, 32 + 8 tokens; a ratio
 

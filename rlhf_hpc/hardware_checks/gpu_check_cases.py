@@ -491,6 +491,9 @@ def update_step_case(
                 move_optimizer_state(opt, "cpu")
             sync(device)
             times["state_out_s"] = time.perf_counter() - t0
+            # the moments offloaded to the host are in pinned memory (an asynchronous way back)
+            moments = [v for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
+            pinned = all(v.is_pinned() for v in moments) if moves else None
             peak = peak_memory_gib(device)
     finally:
         torch.set_num_threads(threads)
@@ -524,6 +527,7 @@ def update_step_case(
         "plan_estimate_gib": estimate,
         "plan_over_measured": estimate / peak if peak else None,
         "optimizer_s_per_rank_step_7b": rank_step,
+        "offloaded_moments_pinned": pinned,
         "note": f"{work.offload_rows}x{2 * work.offload_len} tokens, 1 thread; fwd/bwd {times['fwd_bwd_s']:.2f} s, "
         f"clip {times['clip_s']:.3f} s, state in/out {times['state_in_s']:.2f}/{times['state_out_s']:.2f} s, "
         f"step {times['step_s']:.2f} s -> ~{rank_step:.1f} s per optimizer step for a 7B rank shard "

@@ -84,11 +84,23 @@ def optimizer_state_on(opt: torch.optim.Optimizer, device: torch.device, enabled
 
 
 def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move Adam's moments between host and accelerator (optimizer offload between updates)."""
+    """Move Adam's moments between host and accelerator (optimizer offload between updates).
+
+    To the host, a non-blocking copy lands in pinned memory (torch's ``_to_copy`` allocates a
+    device-to-host destination pinned, from its caching host allocator), so the way back is an
+    asynchronous copy too. The host then waits for the copies: a checkpoint may read the moments
+    next, and a non-blocking device-to-host copy read before it has landed reads garbage."""
+    target = torch.device(device)
+    sources = set()
     for state in opt.state.values():
         for k, v in state.items():
-            if isinstance(v, torch.Tensor) and k != "step":
-                state[k] = v.to(device, non_blocking=True)
+            if isinstance(v, torch.Tensor) and k != "step" and v.device != target:
+                sources.add(v.device)
+                state[k] = v.to(target, non_blocking=True)
+    if target.type == "cpu":
+        for source in sources:
+            if source.type == "cuda":
+                torch.cuda.synchronize(source)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
