@@ -235,13 +235,16 @@ def _fast_unless_slow(item):
 # - each test file runs on one worker (its module fixtures built once), and the Slurm files on one
 #   worker together, first (one cluster, the longest group);
 # - a test marked `exclusive` (it asserts on wall time or on another job's timing, or its run plans
-#   most of the host's memory) runs while the
-#   other worker runs nothing: a readers-writer lock over the two workers (a turnstile in front, so
-#   an exclusive test is not starved);
+#   most of the host's memory) runs while the other worker runs nothing: a readers-writer lock over
+#   the two workers (a turnstile in front, so an exclusive test is not starved). Getting it means
+#   waiting for the other worker's current test to end, so a file's exclusive tests run last in
+#   it, one after the other, and the lock is held from the first to the last of them: one wait per
+#   file, not one per test. The time each worker waited is summed at the end of the run;
 # - the CPU calibration the plans read (~/.cache/rlhf-hpc/calibration/cpu.json) is measured once, by
 #   the first slow test that finds it missing, alone.
 SAME_WORKER = {"test_slurm": "slurm", "test_slurm_multinode": "slurm"}
 LOCKS = Path(os.environ.get("RLHF_HPC_TEST_LOCKS", f"/tmp/rlhf-hpc-tests-{os.getuid()}"))
+WAITS = "RLHF_HPC_TEST_WAITS"  # the file the workers add their waits for the CPU lock to (one run's)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -262,34 +265,102 @@ def pytest_xdist_make_scheduler(config, log):
 LONGEST_FIRST = ("test_multi_turn", "slurm", "test_real_model", "test_retool", "test_lora", "test_train_e2e")
 
 
-def pytest_collection_modifyitems(config, items):
-    def rank(item) -> int:
-        scope = SAME_WORKER.get(Path(str(item.fspath)).stem, Path(str(item.fspath)).stem)
-        return LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+def exclusive(item) -> bool:
+    return item is not None and item.get_closest_marker("exclusive") is not None
 
-    items.sort(key=rank)  # stable: the rest keep their order
+
+def pytest_collection_modifyitems(config, items):
+    files: dict[str, int] = {}
+    for item in items:
+        files.setdefault(str(item.fspath), len(files))
+
+    def rank(item) -> tuple[int, int, bool]:
+        scope = SAME_WORKER.get(Path(str(item.fspath)).stem, Path(str(item.fspath)).stem)
+        first = LONGEST_FIRST.index(scope) if scope in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, files[str(item.fspath)], exclusive(item)
+
+    items.sort(key=rank)  # stable: the rest keep their order; a file's exclusive tests last in it
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and WAITS not in os.environ:  # the controller (or no xdist)
+        LOCKS.mkdir(parents=True, exist_ok=True)
+        os.environ[WAITS] = str(LOCKS / f"waits-{os.getpid()}.txt")  # (the workers inherit it)
+        Path(os.environ[WAITS]).unlink(missing_ok=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = Path(os.environ.get(WAITS, "/nonexistent"))
+    if hasattr(config, "workerinput") or not path.is_file():
+        return
+    waits = [line.split(" ", 1) for line in path.read_text().splitlines() if line]
+    total = sum(float(w) for w, _ in waits)
+    longest = sorted(waits, key=lambda w: -float(w[0]))[:5]
+    terminalreporter.write_line(
+        f"waits for the CPU lock (tests/conftest.py): {total:.0f} worker-s in {len(waits)} waits; longest: "
+        + ", ".join(f"{float(w):.0f} s before {nodeid}" for w, nodeid in longest)
+    )
+    path.unlink(missing_ok=True)
+
+
+class CpuShare:
+    """This worker's hold on the CPU lock: shared by ordinary tests, alone by exclusive ones (nothing
+    without xdist). An exclusive hold is kept while the next test is exclusive too."""
+
+    def __init__(self):
+        self.files = None  # (turnstile, cpu) while held
+        self.alone = False
+
+    def acquire(self, alone: bool, nodeid: str) -> None:
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            return
+        if self.files is not None:
+            if self.alone == alone:
+                return
+            self.release()
+        import fcntl
+        import time
+
+        LOCKS.mkdir(parents=True, exist_ok=True)
+        turnstile, cpu = open(LOCKS / "turnstile", "a"), open(LOCKS / "cpu", "a")
+        start = time.monotonic()
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(cpu, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        waited = time.monotonic() - start
+        if waited >= 1.0 and os.environ.get(WAITS):
+            with open(os.environ[WAITS], "a") as f:  # (short appends: whole lines)
+                f.write(f"{waited:.1f} {nodeid}\n")
+        self.files, self.alone = (turnstile, cpu), alone
+
+    def release(self) -> None:
+        if self.files is None:
+            return
+        import fcntl
+
+        turnstile, cpu = self.files
+        fcntl.flock(cpu, fcntl.LOCK_UN)
+        turnstile.close()
+        cpu.close()
+        self.files = None
+
+
+CPU_SHARE = CpuShare()
 
 
 @contextlib.contextmanager
-def cpu_share(exclusive: bool):
-    """Held while a test runs: shared by ordinary tests, alone by exclusive ones (a no-op without xdist)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+def cpu_share(alone: bool, nodeid: str = "", keep: bool = False):
+    """Held while a test runs (``alone``: an exclusive test); ``keep``: still held after, for the
+    next test, exclusive too."""
+    CPU_SHARE.acquire(alone, nodeid)
+    try:
         yield
-        return
-    import fcntl
-
-    LOCKS.mkdir(parents=True, exist_ok=True)
-    with open(LOCKS / "turnstile", "a") as turnstile, open(LOCKS / "cpu", "a") as cpu:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        if not exclusive:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        fcntl.flock(cpu, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        if exclusive:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(cpu, fcntl.LOCK_UN)
+    finally:
+        if not keep:
+            CPU_SHARE.release()
 
 
 def calibrate_once() -> None:
@@ -298,7 +369,8 @@ def calibrate_once() -> None:
 
     if calibration_path().is_file():
         return
-    with cpu_share(exclusive=True):
+    held = CPU_SHARE.files is not None and CPU_SHARE.alone
+    with cpu_share(alone=True, nodeid="the CPU calibration", keep=held):
         if not calibration_path().is_file():  # the other worker may have measured it meanwhile
             subprocess.run([sys.executable, str(REPO / "launch.py"), "calibrate"], cwd=REPO, check=True)
 
@@ -307,5 +379,6 @@ def calibrate_once() -> None:
 def pytest_runtest_protocol(item, nextitem):
     if item.get_closest_marker("slow"):
         calibrate_once()
-    with cpu_share(exclusive=item.get_closest_marker("exclusive") is not None):
+    alone = exclusive(item)
+    with cpu_share(alone, item.nodeid, keep=alone and exclusive(nextitem)):
         return (yield)

@@ -475,7 +475,9 @@ def verl_gsm8k_runs(shared_dir, tmp_path_factory):
     """verl's GSM8K multi-turn command line as written, sized for a CPU: the tiny Qwen2 on the real
     Qwen2 tokenizer taught the conversation's format (tests/tool_model.teach_gsm8k_caller) in place of
     Qwen2.5-3B, verl's rows from rlhf_hpc.data.prepare, vLLM tensor-parallel over 2 CPU ranks; 2 steps
-    with a checkpoint each, then the same resumed from step 1 in a new directory."""
+    with a checkpoint each. (That a resume replays the agent loop exactly is
+    ``test_a_resume_replays_the_agent_loop_exactly``'s, with the same engine, tensor-parallel size and
+    loop: the tokenizer and the tool do not enter what it checks.)"""
     import json
     import subprocess
     import sys
@@ -531,20 +533,13 @@ def verl_gsm8k_runs(shared_dir, tmp_path_factory):
     ]
     full = run_launch(*verl_args(home), *small, f"trainer.default_local_dir={home / 'full'}", timeout=600)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    resumed = run_launch(
-        *verl_args(home),
-        *small,
-        f"trainer.default_local_dir={home / 'resumed'}",
-        f"trainer.resume_mode={home / 'full' / 'global_step_1'}",
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    return read_metrics(home / "full"), read_metrics(home / "resumed")
+    assert (home / "full" / "global_step_1").is_dir() and (home / "full" / "global_step_2").is_dir()
+    return read_metrics(home / "full")
 
 
 @pytest.mark.slow
 def test_verls_gsm8k_multi_turn_command_line_runs_on_cpu_with_a_small_model(verl_gsm8k_runs):
-    full, resumed = verl_gsm8k_runs
+    full = verl_gsm8k_runs
     assert [m["training/global_step"] for m in full] == [1, 2]
     rows = 4 * 2
     for m in full:
@@ -562,9 +557,6 @@ def test_verls_gsm8k_multi_turn_command_line_runs_on_cpu_with_a_small_model(verl
         assert m["rollout/logprob_diff_max"] < 1e-3
         assert m["tools/tokenization_mismatches"] <= rows // 4
     assert sum(m["tools/tool_calls"] for m in full) >= rows
-    assert resumed[-1]["training/global_step"] == 2
-    for key in ("tools/tool_calls", "tools/tokens_model", "tools/tokens_tool", "critic/score/mean", "actor/pg_loss"):
-        assert resumed[-1][key] == full[1][key], key
 
 
 # ------------------------------------------------------------------------ RL learns the tool's use
