@@ -184,26 +184,42 @@ def test_the_reward_model_has_its_phase_and_stays_resident_unless_offloaded():
 
 def test_the_host_line_counts_offloaded_state_and_the_copy_rank0_reads():
     """qwen7b_klppo on 8 GPUs: per rank the runtime, the actor's Adam moments (optimizer_offload)
-    and the reference's offloaded shard; once per node the fp32 copy rank 0 reads at start-up.
-    Refused before anything is queued when launcher.mem_gb is smaller, naming the keys."""
-    from rlhf_hpc.planning.sizing import GiB
+    and the reference's offloaded shard, both in pinned memory, where each tensor's shard is an
+    allocation torch's caching host allocator rounds up to a power of two (counted here from the
+    model's own parameters); once per node the fp32 copy rank 0 reads at start-up. Refused before
+    anything is queued when launcher.mem_gb is smaller, naming the keys."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlhf_hpc.planning.sizing import KNOWN_MODELS
 
     cfg, _ = load_config("qwen7b_klppo", ["launcher.mem_gb=480"], check_files=False)
     plan, errors, _ = check_plan(cfg)
     params = plan.shape.params
     host = plan.host
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**KNOWN_MODELS["qwen2.5-7b"]))
+    shards = [-(-p.shape[0] // 8) * (p.numel() // p.shape[0]) for p in model.parameters()]  # FSDP2: dim 0
+
+    def pinned(element_bytes: int) -> int:
+        return sum(1 << (element_bytes * n - 1).bit_length() for n in shards)
+
     assert errors == [] and host.ranks == 8 and host.capacity == 480 * GiB
     assert host.per_rank == pytest.approx(
-        {"runtime": 3 * GiB, "actor Adam moments": 8 * params / 8, "ref offloaded": 2 * params / 8}
+        {"runtime": 3 * GiB, "actor Adam moments": 2 * pinned(4), "ref offloaded": pinned(2)}
     )
+    # the rounding: this model's shards on 8 ranks take ~1.9x their bytes
+    assert 1.8 < host.per_rank["actor Adam moments"] / (8 * params / 8) < 2
+    assert f"actor offload: ~{2 * pinned(4) / GiB:.1f} GiB of host memory per rank" in plan.notes
     assert host.loading == pytest.approx(4 * params)  # one fp32 copy, not one per rank
     assert "# OK   host/node" in plan.render()
     cfg.launcher.mem_gb = 64
     _, errors, _ = check_plan(cfg)
+    moments, ref = host.per_rank["actor Adam moments"] / GiB, host.per_rank["ref offloaded"] / GiB
     assert errors == [
         f"memory plan: host memory per node needs {host.total / GiB:.1f} GiB but launcher.mem_gb gives "
-        f"64 GiB (8 ranks x {sum(host.per_rank.values()) / GiB:.2f} (runtime 3.00, actor Adam moments 7.09, "
-        f"ref offloaded 1.77) + loading 28.37 (rank 0 reads the checkpoint)); shrink it with "
+        f"64 GiB (8 ranks x {sum(host.per_rank.values()) / GiB:.2f} (runtime 3.00, actor Adam moments {moments:.2f}, "
+        f"ref offloaded {ref:.2f}) + loading 28.37 (rank 0 reads the checkpoint)); shrink it with "
         f"launcher.mem_gb (ask Slurm for more), actor_rollout_ref.actor.fsdp_config.optimizer_offload=false, "
         f"actor_rollout_ref.ref.fsdp_config.param_offload=false, "
         f"actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16 (the copy rank 0 reads), "

@@ -15,9 +15,9 @@ from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.distributed.host_allocator import TUNABLES, VALUE, malloc_tunables
 from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.planning.layout import shard_count
-from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB
+from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB, ModelShape, pinned_shard_bytes
 
-__all__ = ["HOST_RUNTIME_GB", "HostPlan", "host_plan", "host_runtime_bytes"]
+__all__ = ["HOST_RUNTIME_GB", "HostPlan", "host_plan", "host_runtime_bytes", "offloaded_bytes"]
 
 # host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
 # (measured: 0.5 GiB resident on the CPU build); a GPU rank adds its CUDA context and NCCL's and
@@ -77,6 +77,42 @@ def host_runtime_bytes(device: str) -> float:
     return HOST_RUNTIME_GB["cuda" if device == "cuda" else "cpu"] * GiB + kept
 
 
+def offloaded_bytes(
+    fsdp: FSDPConfig,
+    params: float,
+    trained: float,
+    trains: bool,
+    rows: tuple[tuple[int, int], ...] = (),
+    shards: int = 1,
+    lora: bool = False,
+) -> float:
+    """Host bytes one GPU rank holds for a model offloaded by ``fsdp`` (``params`` and ``trained``:
+    its shard's parameters and trained ones; ``rows``: the model's tensors, ``ModelShape.rows_with_head``).
+
+    - ``param_offload`` (FSDP2's CPUOffloadPolicy): the parameter shards and, training, their
+      gradients (copied back without blocking) in pinned memory, one allocation per tensor, each
+      rounded up to a power of two (``pinned_shard_bytes``); Adam's moments, made by the optimizer
+      beside the parameters, in ordinary memory.
+    - ``optimizer_offload``: Adam's two fp32 moments, sent to the host after each update by a
+      non-blocking copy (``rlhf_hpc.ppo.optim``): pinned, rounded the same way.
+
+    A LoRA model's trained tensors (its adapter) are counted at their bytes, and so is a model
+    whose tensors are not known (``rows`` empty)."""
+    dtype = DTYPE_BYTES[fsdp.model_dtype]
+
+    def pinned(element_bytes: int, count: float) -> float:
+        return pinned_shard_bytes(rows, shards, element_bytes) if rows else count * element_bytes
+
+    if fsdp.param_offload or fsdp.offload_policy:
+        if not trains:
+            return pinned(dtype, params)
+        grads = trained * dtype if lora else pinned(dtype, trained)
+        return pinned(dtype, params) + grads + 8 * trained
+    if trains and fsdp.optimizer_offload:
+        return 8 * trained if lora else 2 * pinned(4, trained)
+    return 0.0
+
+
 def host_plan(
     cfg: Config,
     actor_params: int,
@@ -86,13 +122,15 @@ def host_plan(
     rm_params: int,
     layouts: dict[str, Optional[FSDPConfig]],
     trainable: Optional[dict] = None,
+    shapes: Optional[dict[str, Optional[ModelShape]]] = None,
 ) -> HostPlan:
     """Host memory of one node (``HostPlan``). GPU runs: each rank's runtime and the shards offloaded
     to the host (``param_offload``: parameters, gradients and Adam's moments; ``optimizer_offload``:
     the moments between updates), and a LoRA actor's engine weights while it sleeps; CPU runs: the
     per-rank plan's largest phase (``peak``), which is host memory already. Plus the start-up copy
     rank 0 reads (``largest_pretrained`` parameters). ``trainable``: a LoRA model's adapter
-    parameters by model name (gradients and moments are of those only)."""
+    parameters by model name (gradients and moments are of those only). ``shapes``: the models'
+    shapes by name, whose tensors give what pinned memory holds (``offloaded_bytes``)."""
     tr, world = cfg.trainer, cfg.world_size
     params = {"actor": actor_params, "ref": actor_params, "critic": critic_params, "reward_model": rm_params}
     shrink = []
@@ -110,13 +148,15 @@ def host_plan(
                 "critic": "critic.model",
                 "reward_model": "reward_model.model",
             }[name]
+            shape = (shapes or {}).get(name)
+            rows = shape.rows_with_head("value" if name == "critic" else "lm") if shape is not None else ()
+            lora = (trainable or {}).get(name) is not None
+            held = offloaded_bytes(fsdp, n, t, trains, rows, shard_count(world, fsdp), lora)
             if fsdp.param_offload or fsdp.offload_policy:
-                per_rank[f"{name} offloaded"] = n * DTYPE_BYTES[fsdp.model_dtype] + (
-                    t * (DTYPE_BYTES[fsdp.model_dtype] + 8) if trains else 0
-                )
+                per_rank[f"{name} offloaded"] = held
                 shrink.append(f"{prefix}.fsdp_config.param_offload=false")
-            elif trains and fsdp.optimizer_offload:
-                per_rank[f"{name} Adam moments"] = 8 * t
+            elif held:
+                per_rank[f"{name} Adam moments"] = held
                 shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
         rollout = cfg.actor_rollout_ref.rollout
         if (

@@ -31,7 +31,7 @@ from rlhf_hpc.models.hf import is_tiny
 from rlhf_hpc.models.lora import lora_enabled
 from rlhf_hpc.ops.step_shape import PhaseShape, step_shape
 from rlhf_hpc.planning.hardware import gpu_memory_gb
-from rlhf_hpc.planning.host_memory import HostPlan, host_plan, host_runtime_bytes
+from rlhf_hpc.planning.host_memory import HostPlan, host_plan, host_runtime_bytes, offloaded_bytes
 from rlhf_hpc.planning.layout import (
     choose_checkpointing,
     resolved_fsdp_configs,
@@ -434,7 +434,11 @@ class PlanBuilder:
         afs = self.afs
         if afs.param_offload or afs.optimizer_offload:
             trained = s.params if self.actor_trainable is None else self.actor_trainable
-            host = (4 * s.params + 12 * trained if afs.param_offload else 8 * trained) / shard_count(self.world, afs)
+            shards = shard_count(self.world, afs)
+            rows = s.rows_with_head() if self.on_gpu else ()  # (pinned memory: GPU runs only)
+            host = offloaded_bytes(
+                afs, s.params / shards, trained / shards, True, rows, shards, self.actor_trainable is not None
+            )
             notes.append(
                 f"actor offload: ~{host / GiB:.1f} GiB of host memory per rank"
                 + (" (optimizer.step runs on the CPU)" if afs.param_offload else "")
@@ -473,6 +477,7 @@ class PlanBuilder:
                 "reward_model": self.mfs if self.rms else None,
             },
             {"actor": self.actor_trainable, "critic": self.critic_trainable},
+            {"actor": s, "ref": s, "critic": self.cs if self.use_critic else None, "reward_model": self.rms},
         )
         return plan
 

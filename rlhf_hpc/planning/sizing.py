@@ -28,6 +28,7 @@ __all__ = [
     "logits_bytes",
     "matmul_shape",
     "model_shape",
+    "pinned_shard_bytes",
 ]
 
 GiB = 1024**3
@@ -156,6 +157,19 @@ class ModelShape:
     experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    # every parameter but an untied output head, as (dim-0 rows, elements): FSDP2 shards dim 0, and a
+    # rank's pinned host copy of each shard is an allocation of its own (``pinned_shard_bytes``);
+    # empty where the shape was not built (``matmul_shape``)
+    tensor_rows: tuple[tuple[int, int], ...] = ()
+
+    def rows_with_head(self, head: str = "lm") -> tuple[tuple[int, int], ...]:
+        """``tensor_rows`` with the model's head: ``"lm"``, the output head (untied); ``"value"``, a
+        critic's value head (hidden -> 1, with its bias)."""
+        if not self.tensor_rows:
+            return ()
+        if head == "value":
+            return self.tensor_rows + ((1, self.hidden), (1, 1))
+        return self.tensor_rows + (((self.vocab, self.head_params),) if self.head_params else ())
 
     @property
     def largest_group(self) -> int:
@@ -252,6 +266,8 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
     tied = tied_embeddings(model)
     heads = config.num_attention_heads
     fields = dict(intermediate=config.intermediate_size) | _experts_fields(model, config)
+    head = None if tied or model.get_output_embeddings() is None else model.get_output_embeddings().weight
+    rows = tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in model.parameters() if p is not head)
     return ModelShape(
         params=count(model),
         layer_params=max(count(layer) for layer in layers),
@@ -266,8 +282,22 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
         kv_heads=getattr(config, "num_key_value_heads", heads),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         source=source,
+        tensor_rows=rows,
         **fields,
     )
+
+
+def pinned_shard_bytes(rows: tuple[tuple[int, int], ...], shards: int, element_bytes: int) -> int:
+    """Host bytes of the largest rank's shards (FSDP2: ``ceil(rows / shards)`` rows of dim 0) of
+    tensors ``rows`` (``ModelShape.tensor_rows``) in pinned memory, each its own allocation: torch's
+    caching host allocator, behind ``pin_memory()`` and a non-blocking device-to-host copy alike,
+    rounds every allocation up to a power of two (c10's ``CachingHostAllocator``:
+    ``PowerOf2Ceil(size)``). A 7B model's shards on 8 ranks come to ~1.8x their bytes."""
+    total = 0
+    for n, numel in rows:
+        size = -(-n // shards) * (numel // max(n, 1)) * element_bytes
+        total += 1 << (size - 1).bit_length() if size > 0 else 0
+    return total
 
 
 def matmul_shape(config, source: str = "") -> ModelShape:
