@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,21 +18,29 @@ def _running_in_setup_venv() -> bool:
     return (Path(sys.prefix) / ".rlhf-hpc-setup").is_file()
 
 
-@pytest.mark.exclusive
 @pytest.mark.slow
 def test_second_run_is_a_fast_no_op():
+    """In the CPU seconds of the run (0.08 measured, a real install is minutes of them), which
+    another worker's load leaves as they are: no `exclusive` wait needed."""
+    import resource
+
     require(
         "a venv built by env/setup.sh",
         _running_in_setup_venv(),
         f"tests run from {sys.prefix}, not from a venv env/setup.sh made",
     )
     env = dict(os.environ, RLHF_HPC_VENV=sys.prefix)
-    t0 = time.monotonic()
+
+    def children_cpu_s() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    before = children_cpu_s()
     out = subprocess.run(["bash", str(SETUP), "cpu"], env=env, capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - t0
+    spent = children_cpu_s() - before
     assert out.returncode == 0, out.stderr
     assert "is up to date (cpu profile); nothing to do" in out.stdout
-    assert elapsed < 5, f"a no-op run took {elapsed:.1f} s"
+    assert spent < 5, f"a no-op run took {spent:.1f} CPU seconds"
 
 
 def test_cpu_venv_has_no_cuda_torch_and_no_vllm_breakers():

@@ -146,9 +146,9 @@ def test_smoke_prints_the_table_last_and_writes_it(smoke):
     assert (out / "gpu_check.md").read_text().strip().splitlines() == table
 
 
-@pytest.mark.exclusive
 @pytest.mark.slow
 def test_budget_skips_cases_and_says_so(tmp_path):
+    # (no wall time asserted: a budget of 0 s skips every case however fast the machine is)
     proc = run_check(tmp_path, "--budget-s", "0")
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -419,18 +419,20 @@ def test_bad_row_is_reported_in_one_line_before_anything_starts(tmp_path):
     assert out.stdout == "" and not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
-@pytest.mark.exclusive
 def test_data_check_takes_well_under_a_second_for_gsm8k_size(tmp_path):
+    """In this process's CPU seconds, which another worker's load leaves as they are (measured: 0.36
+    on the first call, pyarrow's first read included; 0.37 with both cores busy beside it, where the
+    wall time was 0.52), so the test needs no `exclusive` wait."""
     import time
 
     from rlhf_hpc.data.dataset import DataError, check_data_files
 
     bad_parquet(tmp_path / "train.parquet")
     cfg, _ = load_config("tiny_klppo", [f"data.train_files={tmp_path}/train.parquet"])
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(DataError):
         check_data_files(cfg.data)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
 
 
 # ---------------------------------------------------------------------------------- chat template
