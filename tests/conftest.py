@@ -8,12 +8,14 @@ test, so CI never passes by skipping.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import io
 import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -318,9 +320,6 @@ class CpuShare:
             if self.alone == alone:
                 return
             self.release()
-        import fcntl
-        import time
-
         LOCKS.mkdir(parents=True, exist_ok=True)
         turnstile, cpu = open(LOCKS / "turnstile", "a"), open(LOCKS / "cpu", "a")
         start = time.monotonic()
@@ -339,8 +338,6 @@ class CpuShare:
     def release(self) -> None:
         if self.files is None:
             return
-        import fcntl
-
         turnstile, cpu = self.files
         fcntl.flock(cpu, fcntl.LOCK_UN)
         turnstile.close()

@@ -492,8 +492,16 @@ def update_step_case(
             sync(device)
             times["state_out_s"] = time.perf_counter() - t0
             # the moments offloaded to the host are in pinned memory (an asynchronous way back)
-            moments = [v for st in opt.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
-            pinned = all(v.is_pinned() for v in moments) if moves else None
+            pinned = (
+                all(
+                    v.is_pinned()
+                    for st in opt.state.values()
+                    for k, v in st.items()
+                    if torch.is_tensor(v) and k != "step"
+                )
+                if moves
+                else None
+            )
             peak = peak_memory_gib(device)
     finally:
         torch.set_num_threads(threads)
