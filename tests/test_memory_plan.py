@@ -232,12 +232,15 @@ def test_a_tiny_random_model_has_nothing_to_read():
     assert plan.host.loading == 0 and plan.host.per_rank == {"largest phase": plan.peak}
 
 
-def test_a_lora_actors_sleeping_engine_is_in_the_host_line():
-    """vLLM sleeps at level 1 for a LoRA actor (the base must survive): each rank's share of the engine
-    weights goes to pinned host memory at every sleep, ~14 GiB at 7B with TP 1 in bf16."""
-    from rlhf_hpc.planning.sizing import GiB
+def test_a_lora_actors_sleeping_engine_is_in_the_host_line_and_the_time_plan():
+    """vLLM sleeps at level 1 for a LoRA actor (the base must survive): each device segment of its
+    weights goes to a pinned host buffer at every sleep, rounded up to a power of two, and back at the
+    wake (over the host link, in gen and update_weights). At 7B, TP 1, bf16: 14.2 GiB of weights,
+    ~27 GiB of pinned buffers. A full model sleeps at level 2: nothing of note is copied."""
+    from rlhf_hpc.planning.sizing import GiB, engine_weight_segments
+    from rlhf_hpc.planning.time_plan import build_time_plan
 
-    per_rank = {}
+    per_rank, times = {}, {}
     for name, recipe, extra in (
         ("tp1", "qwen7b_lora_klppo", []),
         ("tp2", "qwen7b_lora_klppo", ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
@@ -245,12 +248,24 @@ def test_a_lora_actors_sleeping_engine_is_in_the_host_line():
     ):
         cfg, _ = load_config(recipe, extra, check_files=False)
         plan, _, _ = check_plan(cfg)
-        per_rank[name] = plan.host.per_rank
-        params = plan.shape.params
-    assert per_rank["tp1"]["engine weights asleep (LoRA)"] == pytest.approx(2 * params)
-    assert per_rank["tp2"]["engine weights asleep (LoRA)"] == pytest.approx(params)
-    assert 14 < per_rank["tp1"]["engine weights asleep (LoRA)"] / GiB < 15
-    assert "engine weights asleep (LoRA)" not in per_rank["full"]  # level 2 discards them
+        per_rank[name], times[name] = plan.host.per_rank, build_time_plan(cfg, memory=plan)
+        shape = plan.shape
+    # the segments hold every weight once (q/k/v and gate/up fused, 1/TP each), rounded up to 2 MiB at most each
+    for tp in (1, 2):
+        segments = engine_weight_segments(shape, tp, 2)
+        assert 0 <= sum(segments) - shape.params * 2 / tp <= 2 * 2**20 * len(segments)
+        # each pinned buffer: the segment rounded up to a power of two (<= 2x)
+        pinned = per_rank[f"tp{tp}"]["engine asleep (LoRA)"]
+        assert sum(segments) < pinned < 2 * sum(segments)
+        sleep = times[f"tp{tp}"].phase("gen").parts["engine sleep (host link)"]
+        assert sleep == times[f"tp{tp}"].phase("update_weights").parts["engine wake (host link)"] > 0
+    assert 25 < per_rank["tp1"]["engine asleep (LoRA)"] / GiB < 29  # (14.2 GiB of weights)
+    assert per_rank["tp2"]["engine asleep (LoRA)"] < 0.6 * per_rank["tp1"]["engine asleep (LoRA)"]
+    assert times["tp2"].phase("gen").parts["engine sleep (host link)"] == pytest.approx(
+        times["tp1"].phase("gen").parts["engine sleep (host link)"] / 2, rel=0.05
+    )
+    assert "engine asleep (LoRA)" not in per_rank["full"]  # level 2 discards the weights
+    assert "engine sleep (host link)" not in times["full"].phase("gen").parts
 
 
 def test_a_cpu_vllm_engine_gets_the_kv_cache_its_sequences_need_at_most_1_gib(monkeypatch):

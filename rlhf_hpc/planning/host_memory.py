@@ -13,11 +13,26 @@ from typing import Optional
 from rlhf_hpc.config.engines import planned_engine
 from rlhf_hpc.config.schema import Config, FSDPConfig
 from rlhf_hpc.distributed.host_allocator import TUNABLES, VALUE, malloc_tunables
-from rlhf_hpc.models.lora import lora_enabled
+from rlhf_hpc.models.lora import lora_enabled, vllm_lora_rank
 from rlhf_hpc.planning.layout import shard_count
-from rlhf_hpc.planning.sizing import DTYPE_BYTES, GiB, ModelShape, pinned_shard_bytes
+from rlhf_hpc.planning.sizing import (
+    DTYPE_BYTES,
+    GiB,
+    ModelShape,
+    engine_weight_segments,
+    pinned_bytes,
+    pinned_shard_bytes,
+)
 
-__all__ = ["HOST_RUNTIME_GB", "HostPlan", "host_plan", "host_runtime_bytes", "offloaded_bytes"]
+__all__ = [
+    "HOST_RUNTIME_GB",
+    "EngineSleepCopy",
+    "HostPlan",
+    "engine_sleep_copy",
+    "host_plan",
+    "host_runtime_bytes",
+    "offloaded_bytes",
+]
 
 # host memory of a rank apart from tensors: Python with torch, transformers and vLLM imported
 # (measured: 0.5 GiB resident on the CPU build); a GPU rank adds its CUDA context and NCCL's and
@@ -113,6 +128,43 @@ def offloaded_bytes(
     return 0.0
 
 
+@dataclass
+class EngineSleepCopy:
+    """What a colocated vLLM engine's sleep moves on one GPU rank: ``copied`` bytes to the host at
+    each sleep and back at the next wake; ``pinned``, the host memory its buffers hold."""
+
+    copied: float
+    pinned: float
+
+
+def engine_sleep_copy(cfg: Config, shape: ModelShape, adapter_params: int = 0) -> Optional[EngineSleepCopy]:
+    """The colocated vLLM engine's sleep mode on GPU ranks (``rollout.free_cache_engine``;
+    rlhf_hpc.rollout.vllm_engine.release), per rank; None where nothing of note is copied.
+
+    A LoRA actor's engine sleeps at level 1 (the base weights must survive): vLLM copies every
+    device segment of its weights (``engine_weight_segments``) and its adapter slots to the host,
+    one synchronous copy per allocation into a pinned buffer rounded up to a power of two, and back
+    at the wake; the buffers stay cached in the process between steps. At level 2 (a full model: the
+    next sync overwrites every weight) only the engine's runtime pool (block tables, attention
+    metadata) and the model's buffers (the rotary cache) go and come back: tens of MiB, below this
+    plan's resolution. The KV cache is dropped at both levels, never copied; the CUDA-graph pool stays
+    on the GPU. (vLLM 0.33: device_allocator/cumem.py ``sleep``/``wake_up``; v1/worker/gpu_worker.py.)"""
+    arr = cfg.actor_rollout_ref
+    rollout = arr.rollout
+    if (
+        cfg.trainer.device != "cuda"
+        or cfg.split
+        or not (lora_enabled(arr.model) and planned_engine(rollout.name).paged and rollout.free_cache_engine)
+    ):
+        return None
+    element, tp = DTYPE_BYTES[rollout.dtype], rollout.tensor_model_parallel_size
+    segments = engine_weight_segments(shape, tp, element)
+    # the adapter's slots at the rank vLLM is given (rounded up as verl does), one adapter at a time
+    rank = arr.model.lora_rank
+    slots = adapter_params * (vllm_lora_rank(rank) / rank if rank else 1) * element / tp
+    return EngineSleepCopy(sum(segments) + slots, pinned_bytes(segments) + slots)
+
+
 def host_plan(
     cfg: Config,
     actor_params: int,
@@ -158,17 +210,10 @@ def host_plan(
             elif held:
                 per_rank[f"{name} Adam moments"] = held
                 shrink.append(f"{prefix}.fsdp_config.optimizer_offload=false")
-        rollout = cfg.actor_rollout_ref.rollout
-        if (
-            lora_enabled(cfg.actor_rollout_ref.model)
-            and planned_engine(rollout.name).paged
-            and rollout.free_cache_engine
-        ):
-            # a LoRA actor's engine sleeps at level 1 (rlhf_hpc.rollout.vllm_engine: the base weights must
-            # survive): its share of the weights is copied to pinned host memory at every sleep
-            per_rank["engine weights asleep (LoRA)"] = (
-                actor_params * DTYPE_BYTES[rollout.dtype] / rollout.tensor_model_parallel_size
-            )
+        actor_shape = (shapes or {}).get("actor")
+        asleep = engine_sleep_copy(cfg, actor_shape, (trainable or {}).get("actor") or 0) if actor_shape else None
+        if asleep is not None:
+            per_rank["engine asleep (LoRA)"] = asleep.pinned
             shrink.append(
                 "actor_rollout_ref.rollout.tensor_model_parallel_size (each rank's engine holds 1/TP of the weights)"
             )

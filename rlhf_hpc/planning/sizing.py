@@ -22,11 +22,13 @@ __all__ = [
     "LOGITS_CHUNK",
     "ModelShape",
     "activation_bytes",
+    "engine_weight_segments",
     "adapter_params",
     "forward_flops",
     "layer_activation_bytes",
     "logits_bytes",
     "matmul_shape",
+    "pinned_bytes",
     "model_shape",
     "pinned_shard_bytes",
 ]
@@ -287,6 +289,10 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
     )
 
 
+def _pow2(size: int) -> int:
+    return 1 << (size - 1).bit_length() if size > 0 else 0
+
+
 def pinned_shard_bytes(rows: tuple[tuple[int, int], ...], shards: int, element_bytes: int) -> int:
     """Host bytes of the largest rank's shards (FSDP2: ``ceil(rows / shards)`` rows of dim 0) of
     tensors ``rows`` (``ModelShape.tensor_rows``) in pinned memory, each its own allocation: torch's
@@ -295,9 +301,43 @@ def pinned_shard_bytes(rows: tuple[tuple[int, int], ...], shards: int, element_b
     ``PowerOf2Ceil(size)``). A 7B model's shards on 8 ranks come to ~1.8x their bytes."""
     total = 0
     for n, numel in rows:
-        size = -(-n // shards) * (numel // max(n, 1)) * element_bytes
-        total += 1 << (size - 1).bit_length() if size > 0 else 0
+        total += _pow2(-(-n // shards) * (numel // max(n, 1)) * element_bytes)
     return total
+
+
+# PyTorch's CUDA caching allocator: a request over 10 MiB is a segment of its own, rounded up to
+# 2 MiB; one of 1-10 MiB is carved from 20 MiB segments, a smaller one from 2 MiB segments
+_MiB = 2**20
+_LARGE, _MEDIUM_SEGMENT, _SMALL, _ROUND = 10 * _MiB, 20 * _MiB, _MiB, 2 * _MiB
+
+
+def engine_weight_segments(s: ModelShape, tp: int, element_bytes: int) -> list[int]:
+    """The device segments one rank's vLLM weights occupy (``tp``: its tensor-parallel size), as
+    vLLM lays them out: q/k/v fused, gate/up fused (a mixture of experts: every layer's experts in
+    two fused tensors, w13 and w2), each sharded 1/TP, allocated through PyTorch's caching
+    allocator, whose segments are what vLLM's sleep mode copies (one ``cudaMemcpy`` per
+    allocation; rlhf_hpc.planning.host_memory.engine_sleep_copy). Norms and biases are packed in
+    shared segments."""
+    qkv, o = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim, s.heads * s.head_dim * s.hidden
+    if s.experts:
+        experts = s.expert_params // max(s.layers, 1)  # one layer's: w13 (gate and up) and w2 (down)
+        matmuls = [qkv, o, 2 * experts // 3, experts // 3, s.experts * s.hidden]
+    else:
+        matmuls = [qkv, o, 2 * s.hidden * s.intermediate, s.hidden * s.intermediate]
+    small = max(s.layer_params - sum(matmuls), 0)  # norms, biases
+    tensors = [n for n in matmuls if n] * s.layers + [s.embed_params] + ([s.head_params] if s.head_params else [])
+    sizes = [-(-n // tp) * element_bytes for n in tensors]
+    segments = [-(-b // _ROUND) * _ROUND for b in sizes if b > _LARGE]
+    medium = sum(b for b in sizes if _SMALL < b <= _LARGE)
+    packed = sum(b for b in sizes if b <= _SMALL) + s.layers * -(-small // tp) * element_bytes
+    segments += [_MEDIUM_SEGMENT] * -(-medium // _MEDIUM_SEGMENT) + [_ROUND] * -(-packed // _ROUND)
+    return segments
+
+
+def pinned_bytes(sizes: list[int]) -> int:
+    """Host bytes of pinned buffers of ``sizes``, each its own allocation rounded up to a power of
+    two by torch's caching host allocator (c10's ``CachingHostAllocator``: ``PowerOf2Ceil``)."""
+    return sum(_pow2(b) for b in sizes)
 
 
 def matmul_shape(config, source: str = "") -> ModelShape:

@@ -8,7 +8,8 @@ One rank = one GPU; all ranks do the same work, so a phase takes what one rank's
 
 - ``update_weights``: the actor's weights in the rollout dtype, all-gathered over the shard group
   (bytes x (s-1)/s over its link) overlapped with the engine's load (bytes over ``engine_load_gb_s``,
-  plus a per-layer overhead); a LoRA actor sends its adapter only.
+  plus a per-layer overhead); a LoRA actor sends its adapter only, after its engine's wake has
+  copied the base weights back from the host (``host_memory.engine_sleep_copy``, over the host link).
 - ``gen``: per engine (``tensor_model_parallel_size`` GPUs): prefill is compute-bound (2 x params
   FLOPs per prompt token over ``PREFILL_EFFICIENCY`` of the TP group's peak); decode follows the
   schedule of rlhf_hpc.planning.decode_schedule (the lengths spread around their mean up to the
@@ -16,7 +17,8 @@ One rank = one GPU; all ranks do the same work, so a phase takes what one rank's
   the rows it has, thinning as responses finish); each step reads the weights and its sequences' KV
   cache (over ``DECODE_BANDWIDTH_EFFICIENCY`` of HBM), or is compute-bound at large batch, plus the
   sampler's passes over the logits, the TP all-reduces (2 per layer) and the engine's step overhead.
-  The hf engine runs each decode step as a full forward pass.
+  The hf engine runs each decode step as a full forward pass. A LoRA actor's engine then sleeps,
+  its weights copied to the host.
 - ``old_log_prob`` / ``ref`` / ``values`` / ``reward_model``: forward FLOPs of the real shape (2 x
   layer params per token, causal attention 2 x layers x q_dim x L per token, the head on response
   tokens) over ``train_efficiency`` of the peak (on a CPU the calibrated figure is already what a
@@ -54,6 +56,7 @@ from rlhf_hpc.ops.step_shape import PhaseShape, step_shape
 from rlhf_hpc.planning.advice import COMM_RULE, candidate_changes, value_text, with_value
 from rlhf_hpc.planning.decode_schedule import decode_segments, response_lengths
 from rlhf_hpc.planning.hardware import Hardware, hardware_of
+from rlhf_hpc.planning.host_memory import engine_sleep_copy
 from rlhf_hpc.planning.layout import choose_checkpointing, resolved_fsdp_configs, shard_count
 from rlhf_hpc.planning.memory_plan import MemoryPlan, build_plan, check_plan, cpu_kv_cache_bytes, kv_bytes_per_token
 from rlhf_hpc.planning.sizing import DTYPE_BYTES, ModelShape, adapter_params, forward_flops, model_shape
@@ -310,6 +313,9 @@ class TimeModel:
             if self.lora
             else 0
         )
+        # the engine's sleep copies to the host after generation and its wake back before the sync
+        asleep = engine_sleep_copy(cfg, self.s, self.adapter)
+        self.sleep_copy_s = asleep.copied / (self.hw.host_link_gb_s * 1e9) if asleep else 0.0
 
     # ----------------------------------------------------------------------------- resources
     def link(self, group: int, local: Optional[int] = None) -> tuple[float, str]:
@@ -395,6 +401,8 @@ class TimeModel:
             load += (self.adapter if self.lora else s.params) * DTYPE_BYTES[fsdp.model_dtype] / (hw.cast_gb_s * 1e9)
         overhead = hw.sync_overhead_s + s.layers * hw.sync_layer_overhead_s
         parts = {"engine load": load, where: gather, "overhead": overhead}
+        if self.sleep_copy_s:
+            parts["engine wake (host link)"] = self.sleep_copy_s
         send = 0.0
         if self.cfg.split:  # trainer rank 0 broadcasts each gathered tensor to the rollout ranks
             bw_send, between = self.link(self.per_node + 1 if self.cfg.trainer.nnodes > 1 else 2)
@@ -402,6 +410,7 @@ class TimeModel:
             parts[f"to the rollout ranks ({between})"] = send
         # the reshard overlaps the gathers, the send and the engine's copy
         seconds = (max(gather, send, load) if hw.overlap_comm else gather + send + load) + overhead
+        seconds += self.sleep_copy_s  # (before the sync, alone)
         return PhaseTime(
             "update_weights",
             parts,
@@ -513,6 +522,9 @@ class TimeModel:
         if why:  # DAPO's dynamic sampling: the step's responses as generated, in generation batches
             parts = {k: v * scale for k, v in parts.items()}
             seconds, comm, note = seconds * scale, comm * scale, f"{note}; x{scale:.3g}: {why}"
+        if self.sleep_copy_s:  # once, after the last generation batch
+            parts["engine sleep (host link)"] = self.sleep_copy_s
+            seconds += self.sleep_copy_s
         return PhaseTime("gen", parts, seconds, comm, note)
 
     def pass_costs(

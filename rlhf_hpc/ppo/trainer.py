@@ -582,7 +582,8 @@ class PPOTrainer:
                 )
             self.greedy_rows = rollout_rows(self.train_set, prompts, mine, greedy)
         metrics.update(self.generator.metrics())
-        self.rollout.release()
+        with timer("gen"):  # the engine's sleep is generation's, as verl times it
+            self.rollout.release()
         self.faults.after_generation(step)
         rows, balance = redistribute_rows(
             rollout_rows(self.train_set, prompts, mine, responses), ctx.world_size, ctx.rank, tr.balance_batch
@@ -628,7 +629,8 @@ class PPOTrainer:
             all_reduce_sum,
         )
         metrics.update(self.generator.metrics())
-        self.rollout.release()
+        with timer("gen"):
+            self.rollout.release()
         self.faults.after_generation(step)
         rows, balance = redistribute_rows(collected.rows, ctx.world_size, ctx.rank, tr.balance_batch)
         metrics.update(balance)
