@@ -285,6 +285,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers > 1:
+        # the workers' own torch (teaching, in-process models) on their share of the cores: two
+        # workers of two threads each on two cores spend more than twice the CPU seconds (OpenMP's
+        # threads spin while they wait for a core: 27 CPU-s for 20 steps of the tool demo's teaching,
+        # 12 with one thread). The processes the tests start set their own threads.
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     if not hasattr(config, "workerinput") and WAITS not in os.environ:  # the controller (or no xdist)
         LOCKS.mkdir(parents=True, exist_ok=True)
         os.environ[WAITS] = str(LOCKS / f"waits-{os.getpid()}.txt")  # (the workers inherit it)

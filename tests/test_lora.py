@@ -217,8 +217,8 @@ def runs(tmp_path_factory):
     engine_available("vllm")
     base = tmp_path_factory.mktemp("lora-runs")
     _run(base / "whole", 5)
-    _run(base / "parts", 3)
-    resumed = _run(base / "parts", 5)
+    # the uninterrupted run's step-3 checkpoint, resumed into a run directory of its own
+    resumed = _run(base / "parts", 5, f"trainer.resume_mode={base / 'whole' / 'global_step_3'}")
     grpo = (
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.rollout.n=4",
@@ -258,14 +258,17 @@ def test_lora_klppo_runs_and_the_engines_agree_with_the_actor(runs):
 @pytest.mark.slow
 def test_a_resumed_lora_run_matches_an_uninterrupted_one(runs):
     base, resumed = runs
-    assert f"resumed from {base / 'parts'}/global_step_3 (step 3)" in resumed.stdout
+    assert f"resumed from {base / 'whole'}/global_step_3 (step 3)" in resumed.stdout
     a = {r["training/global_step"]: r for r in read_metrics(base / "whole")}
     b = {r["training/global_step"]: r for r in read_metrics(base / "parts")}
-    # (the resumed run's new engine takes the base weights again at its first sync: more bytes, same weights)
+    # (the resumed run's new engine takes the base weights again at its first sync: more bytes, same
+    # weights; its own directory's log rows count from 1)
     assert b[4]["rollout/weight_sync_mib"] > a[4]["rollout/weight_sync_mib"] == b[5]["rollout/weight_sync_mib"]
+    assert [b[4]["training/log_step"], b[5]["training/log_step"]] == [1, 2]
+    skip = NONDETERMINISTIC + ("rollout/weight_sync_mib", "training/log_step")
     for step in (4, 5):
-        det = {k: v for k, v in a[step].items() if not k.startswith(NONDETERMINISTIC + ("rollout/weight_sync_mib",))}
-        got = {k: v for k, v in b[step].items() if not k.startswith(NONDETERMINISTIC + ("rollout/weight_sync_mib",))}
+        det = {k: v for k, v in a[step].items() if not k.startswith(skip)}
+        got = {k: v for k, v in b[step].items() if not k.startswith(skip)}
         assert got == det, {k: (det[k], got.get(k)) for k in det if det[k] != got.get(k)}
 
 
