@@ -1,13 +1,14 @@
 """Host memory that stays with the process: glibc's malloc, for CPU ranks, set to reuse freed
-tensor memory in huge pages instead of handing it back to the kernel and faulting it in again.
+tensor memory instead of handing it back to the kernel and faulting it in again.
 
 Why: by default glibc serves blocks above a few MiB with their own mmap, and returns a free heap
 top above twice that to the kernel. A training step on the host frees and allocates the same
 gradient, activation and logit buffers (1-32 MiB) over and over, and each new one costs a page
 fault per 4 KiB it touches: in the issue-19 workload FSDP2's 16 MiB gradient copy-ins took
 30-90 ms instead of 3, and the actor update took ~14,000 page faults per step. With these
-settings blocks up to 32 MiB (glibc's maximum) come from the heap, up to 1 GiB of free heap is
-kept, and the heap is backed by transparent huge pages where the kernel allows it (``madvise``).
+settings blocks up to 32 MiB (glibc's maximum) come from the heap and up to 1 GiB of free heap is
+kept. Not huge pages (``glibc.malloc.hugetlb=1``, which the ranks had before): side by side on
+SmolLM2-135M's KL-PPO step they made steps 2-3 ~1.5x slower (BENCHMARKS.md).
 
 The settings are glibc tunables, read when a process starts, so the launcher puts them in the
 ranks' environment (``rlhf_hpc.launch.local.worker_env``). Where the user has chosen (``MALLOC_*``
@@ -26,7 +27,6 @@ TUNABLES = {
     "glibc.malloc.mmap_threshold": 32 << 20,  # glibc's largest allowed value on 64-bit
     "glibc.malloc.trim_threshold": 1 << 30,
     "glibc.malloc.top_pad": 64 << 20,
-    "glibc.malloc.hugetlb": 1,  # madvise(MADV_HUGEPAGE) on the heap (glibc >= 2.35; older ones ignore it)
 }
 VALUE = ":".join(f"{k}={v}" for k, v in TUNABLES.items())
 USER_SETTINGS = (
@@ -37,10 +37,7 @@ USER_SETTINGS = (
     "MALLOC_ARENA_MAX",
 )
 PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
-KEPT = (
-    "malloc keeps freed host memory: blocks up to 32 MiB from the heap, up to 1 GiB of it kept, in huge "
-    "pages (GLIBC_TUNABLES)"
-)
+KEPT = "malloc keeps freed host memory: blocks up to 32 MiB from the heap, up to 1 GiB of it kept (GLIBC_TUNABLES)"
 
 
 def malloc_tunables(env: Mapping[str, str]) -> tuple[Optional[str], str]:
