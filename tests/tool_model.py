@@ -321,7 +321,7 @@ def teach_tool_caller(
     vocab = RestrictedVocabulary(tok, [ids for ids, _ in examples] + prompts)
     model = vocab.model(positions, seed)
     # fused: one kernel over the embedding's moments
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
     examples = [(vocab.local(ids), pos) for ids, pos in examples]
 
     def train(n: int) -> None:
@@ -376,7 +376,7 @@ class RestrictedVocabulary:
     log(#unused) (``logits``), and the teaching is next-token training of that model, not an
     approximation of it, at the cost of the used tokens' rows (a few thousand: the whole head was
     0.24 s of a 0.30 s step). Inside, the model has one row per used token and a last, zero row that
-    stands for every unused token (``OTHER``)."""
+    stands for every unused token (``other``)."""
 
     def __init__(self, tok, sequences: list[list[int]]):
         import math

@@ -159,7 +159,8 @@ def engine_sleep_copy(cfg: Config, shape: ModelShape, adapter_params: int = 0) -
         return None
     element, tp = DTYPE_BYTES[rollout.dtype], rollout.tensor_model_parallel_size
     segments = engine_weight_segments(shape, tp, element)
-    # the adapter's slots at the rank vLLM is given (rounded up as verl does), one adapter at a time
+    # the adapter's slots at the rank vLLM is given (rounded up as verl does), one adapter at a time;
+    # many small tensors, counted at their bytes
     rank = arr.model.lora_rank
     slots = adapter_params * (vllm_lora_rank(rank) / rank if rank else 1) * element / tp
     return EngineSleepCopy(sum(segments) + slots, pinned_bytes(segments) + slots)

@@ -22,14 +22,14 @@ __all__ = [
     "LOGITS_CHUNK",
     "ModelShape",
     "activation_bytes",
-    "engine_weight_segments",
     "adapter_params",
+    "engine_weight_segments",
     "forward_flops",
     "layer_activation_bytes",
     "logits_bytes",
     "matmul_shape",
-    "pinned_bytes",
     "model_shape",
+    "pinned_bytes",
     "pinned_shard_bytes",
 ]
 
