@@ -171,7 +171,9 @@ REFERENCE_TOKENS_S = 11_200
 
 
 def planned(recipe: str, *overrides: str) -> TimePlan:
-    cfg, _ = load_config(recipe, overrides, check_files=False)
+    # the published runs ran on Slurm clusters: planned as such on any machine (launcher.cluster=auto
+    # is "local" where no sbatch is installed, which refuses several nodes)
+    cfg, _ = load_config(recipe, ("launcher.cluster=slurm", *overrides), check_files=False)
     return build_time_plan(cfg)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -48,6 +49,9 @@ def main(argv: list[str]) -> int:
     run_dir = Path(argv[0]).parent
     clock = StartupClock()  # (from the process's start: the interpreter and the imports)
     clock.mark("imports")
+    # the imports' objects live as long as the rank: kept out of the collector's scans (vLLM freezes
+    # its heap after its start-up too), the full collections of the engine's start-up skip them
+    gc.freeze()
     try:
         cfg = load_resolved(argv[0])
     except ConfigError as e:

@@ -12,6 +12,9 @@ from rlhf_hpc.planning.memory_plan import build_plan, check_plan
 from rlhf_hpc.planning.sizing import GiB, model_shape
 from rlhf_hpc.recipe.load import load_config
 
+# the GPU recipes are planned for a Slurm cluster wherever the test runs: launcher.cluster=auto is
+# "local" on a machine without sbatch (this machine's memory, one node)
+ON_SLURM = "launcher.cluster=slurm"
 OPEN = ["actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.model.fsdp_config"]
 
 
@@ -57,7 +60,7 @@ def test_a_small_model_is_replicated_and_the_reason_is_given():
 
 
 def test_a_7b_model_is_sharded_inside_the_node_and_explicit_keys_win():
-    cfg = load_config("qwen7b_klppo", check_files=False)[0]
+    cfg = load_config("qwen7b_klppo", [ON_SLURM], check_files=False)[0]
     fsdp = resolved_fsdp_configs(cfg)
     assert fsdp["actor"].fsdp_size == 8 and fsdp["actor"].reshard_after_forward is True
     assert fsdp["actor"].forward_prefetch is True  # set in the recipe: kept
@@ -103,6 +106,7 @@ def test_32b_and_70b_on_64_gpus_get_a_layout_that_fits():
         cfg = load_config(
             "llama8b_grpo",
             [
+                ON_SLURM,
                 f"actor_rollout_ref.model.path={model}",
                 "trainer.nnodes=8",
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
@@ -118,7 +122,7 @@ def test_32b_and_70b_on_64_gpus_get_a_layout_that_fits():
     # nothing fits (no activation checkpointing): the smallest peak, and the memory plan says what to shrink
     cfg = load_config(
         "llama8b_grpo",
-        ["actor_rollout_ref.model.path=meta-llama/Llama-3.1-70B-Instruct", "trainer.nnodes=8"],
+        [ON_SLURM, "actor_rollout_ref.model.path=meta-llama/Llama-3.1-70B-Instruct", "trainer.nnodes=8"],
         check_files=False,
     )[0]
     assert choose_layouts(cfg)["actor"].fsdp_size == 64

@@ -262,6 +262,8 @@ class VLLMEngine:
         check_vllm_version()
         from vllm import LLM
 
+        gc.freeze()  # vLLM's modules too (worker.main froze the others'): its start-up's collections skip them
+
         self.device = device
         self.tp = rollout.tensor_model_parallel_size
         self.tp_group = tp_group
@@ -326,6 +328,10 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = self.sleep_enabled
         else:
             kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
+            # vLLM's sampler torch.compiles its log-prob rank count with inductor even when eager:
+            # on a CPU that is a C++ build at the first start (~14 s a rank, a compiler needed) and a
+            # cache load at every later one (~1 s); the eager op gives the same integers
+            torch.compiler.set_stance("force_eager")
             # the KV cache the memory plan holds (VLLM_CPU_KVCACHE_SPACE, where set, is read by vLLM itself)
             shape = model_shape(model_path, mcfg.override_config, mcfg.trust_remote_code)
             kv_per_token = kv_bytes_per_token(shape, DTYPE_BYTES.get(rollout.dtype, 4), self.tp)
