@@ -74,9 +74,11 @@ def shared_dir() -> Path:
 
 
 def run_launch(
-    *args: str, cwd: Path = REPO, timeout: float = 300, env: dict | None = None
+    *args: str, cwd: Path = REPO, timeout: float = 300, env: dict | None = None, fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """``python launch.py ARGS`` in a subprocess, as a user would type it. Under another seed base
+    """``python launch.py ARGS`` in its own process, as a user would type it: forked from a server
+    that imported the launcher once (``tests.launcher_fork``: what it starts is started as from the
+    script), or with ``fresh`` the script in a new interpreter. Under another seed base
     (``RLHF_HPC_TEST_SEED``), a training launch that names no seed gets ``trainer.seed`` moved by it."""
     full_env = dict(os.environ, **(env or {}))
     if (
@@ -86,6 +88,10 @@ def run_launch(
         and not any(a.startswith(("trainer.seed=", "-")) for a in args)
     ):
         args = (*args, *seed_args())
+    if not fresh:
+        from tests.launcher_fork import launch_in_fork
+
+        return launch_in_fork(list(args), cwd, full_env, timeout)
     return subprocess.run(
         [sys.executable, str(REPO / "launch.py"), *args],
         cwd=cwd,
@@ -247,6 +253,7 @@ def _fast_unless_slow(item):
 SAME_WORKER = {"test_slurm": "slurm", "test_slurm_multinode": "slurm"}
 LOCKS = Path(os.environ.get("RLHF_HPC_TEST_LOCKS", f"/tmp/rlhf-hpc-tests-{os.getuid()}"))
 WAITS = "RLHF_HPC_TEST_WAITS"  # the file the workers add their waits for the CPU lock to (one run's)
+CALIBRATED = "RLHF_HPC_TEST_CALIBRATED"  # the file naming the calibration this run measured, if it did
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -297,10 +304,14 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and WAITS not in os.environ:  # the controller (or no xdist)
         LOCKS.mkdir(parents=True, exist_ok=True)
         os.environ[WAITS] = str(LOCKS / f"waits-{os.getpid()}.txt")  # (the workers inherit it)
-        Path(os.environ[WAITS]).unlink(missing_ok=True)
+        os.environ[CALIBRATED] = str(LOCKS / f"calibrated-{os.getpid()}.txt")
+        for name in (WAITS, CALIBRATED):
+            Path(os.environ[name]).unlink(missing_ok=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not hasattr(config, "workerinput"):
+        Path(os.environ.get(CALIBRATED, "/nonexistent")).unlink(missing_ok=True)
     path = Path(os.environ.get(WAITS, "/nonexistent"))
     if hasattr(config, "workerinput") or not path.is_file():
         return
@@ -370,7 +381,8 @@ def cpu_share(alone: bool, nodeid: str = "", keep: bool = False):
 
 
 def calibrate_once() -> None:
-    """What a local run's first launch would do on a machine without the calibration file, alone."""
+    """What a local run's first launch would do on a machine without the calibration file, alone:
+    ``launch.py calibrate``, whose file ``suite_calibration`` then names to the test of that command."""
     from rlhf_hpc.planning.hardware import calibration_path
 
     if calibration_path().is_file():
@@ -379,6 +391,15 @@ def calibrate_once() -> None:
     with cpu_share(alone=True, nodeid="the CPU calibration", keep=held):
         if not calibration_path().is_file():  # the other worker may have measured it meanwhile
             subprocess.run([sys.executable, str(REPO / "launch.py"), "calibrate"], cwd=REPO, check=True)
+            if CALIBRATED in os.environ:
+                Path(os.environ[CALIBRATED]).write_text(str(calibration_path()))
+
+
+def suite_calibration() -> Path | None:
+    """The file this run's ``launch.py calibrate`` wrote (``calibrate_once``, on either worker), or
+    None where the machine had one already."""
+    marker = Path(os.environ.get(CALIBRATED, "/nonexistent"))
+    return Path(marker.read_text()) if marker.is_file() else None
 
 
 @pytest.hookimpl(wrapper=True)

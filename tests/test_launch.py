@@ -55,7 +55,7 @@ def test_no_recipe_means_the_defaults_and_bad_arguments():
     cfg = yaml.safe_load(out.stdout.partition("# command (cluster=local)\n")[0])
     assert cfg["trainer"]["recipe"] is None and cfg["data"]["train_batch_size"] == 1024
     assert cfg["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 256
-    out = run_launch("recipe=tiny_klppo", "lr")
+    out = run_launch("recipe=tiny_klppo", "lr", fresh=True)  # the script itself, as typed
     assert out.returncode == 2 and "argument 'lr' is not of the form key.path=value" in out.stderr
     out = run_launch("recipe=tiny_klppo", "--dryrun")
     assert out.returncode == 2 and "unknown option '--dryrun'" in out.stderr
@@ -114,7 +114,8 @@ def test_auto_cluster_picks_slurm_where_sbatch_exists(tmp_path):
 
 @pytest.mark.slow
 def test_local_launch_brings_up_a_gloo_group_of_the_configured_size(tmp_path):
-    """The README's demo command path: torchrun with 2 CPU ranks, resolved config in the run dir."""
+    """The README's demo command path: torchrun with 2 CPU ranks, resolved config in the run dir
+    (``launch.py`` in a new interpreter, as a user types it)."""
     run_dir = tmp_path / "run"
     out = run_launch(
         "recipe=tiny_klppo",
@@ -125,6 +126,7 @@ def test_local_launch_brings_up_a_gloo_group_of_the_configured_size(tmp_path):
         "trainer.save_freq=-1",
         "actor_rollout_ref.rollout.name=hf",
         timeout=300,
+        fresh=True,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "process group up: 2 ranks, backend gloo, device cpu" in out.stdout

@@ -129,6 +129,7 @@ def test_pf_ppo_trains_through_the_trainer_and_a_resume_draws_the_same_rows(tmp_
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
         "trainer.save_freq=1",
+        "actor_rollout_ref.rollout.name=hf",  # (what is asserted is the trainer's: no engine start-up)
     ]
     full = run_launch(*common, f"trainer.default_local_dir={tmp_path / 'full'}", timeout=600)
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]

@@ -178,6 +178,7 @@ def gsm8k_run(smollm: str, gsm8k: str, engine: str) -> list[str]:
         "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.ppo_epochs=1",  # (the critic's too): every phase runs once as in two
         "actor_rollout_ref.actor.optim.lr=1e-6",
         "critic.optim.lr=1e-5",
         f"trainer.total_training_steps={GSM8K_STEPS}",

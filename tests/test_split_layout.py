@@ -327,23 +327,6 @@ def test_a_synchronous_hand_off_trains_exactly_as_the_colocated_layout(tmp_path)
 
 
 @pytest.mark.slow
-def test_one_step_off_trains_rows_one_update_stale_generated_while_the_trainer_updated(tmp_path):
-    """The async recipe as written (2 trainer ranks, 1 rollout rank): from the second step on, each
-    step trains rows the previous weights generated, generated while the trainer updated (a resume:
-    test_sigterm_stops_both_sides_and_the_resume_trains_every_step_once)."""
-    run = tmp_path / "run"
-    out = run_launch("recipe=tiny_grpo_async", "trainer.total_training_steps=3", f"trainer.default_local_dir={run}")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    metrics = read_metrics(run)
-    assert [m["rollout/staleness/max"] for m in metrics] == [0.0, 1.0, 1.0]
-    assert [m["rollout/policy_version"] for m in metrics] == [0.0, 0.0, 1.0]
-    assert all(m["timing_s/gen_overlapped"] > 0 for m in metrics[1:])
-    assert all(0 <= m["async/trainer_idle_share"] <= 1 and 0 <= m["async/rollout_idle_share"] <= 1 for m in metrics)
-    for m in metrics[1:]:  # stale rows are corrected (truncated importance weights), not checked as the engine's
-        assert m["rollout_corr/kl"] > 0 and "rollout_corr/rollout_is_mean" in m
-
-
-@pytest.mark.slow
 def test_a_killed_rollout_rank_ends_the_run_at_once_with_one_line_and_code_4(tmp_path):
     """The rollout rank (torchrun's rank 2) dies after generating step 2's batch: the trainer's next
     exchange with it fails, and the launcher names the lost rank, as for a trainer rank."""
@@ -409,11 +392,14 @@ def test_sigterm_stops_both_sides_and_the_resume_trains_every_step_once(tmp_path
 
 
 @pytest.mark.slow
-def test_a_guard_rollback_restarts_the_rollout_ranks_from_the_checkpoint(tmp_path):
-    """The stability guard rejects step 3 (a NaN loss) and goes back to step 2's checkpoint: the
-    rollout rank, one batch ahead, restarts from those weights and that sampler, its rows past step 2
-    dropped. The repeated step 3 trains on fresh rows from the checkpoint's weights and the same
-    prompts; the run finishes."""
+def test_one_step_off_trains_stale_rows_and_a_guard_rollback_restarts_the_rollout_ranks(tmp_path):
+    """The async recipe (2 trainer ranks, 1 rollout rank): from the second step on, each step trains
+    rows the previous weights generated, generated while the trainer updated, and corrected as stale
+    (truncated importance weights), not checked as the engine's. The stability guard then rejects step
+    3 (a NaN loss) and goes back to step 2's checkpoint: the rollout rank, one batch ahead, restarts
+    from those weights and that sampler, its rows past step 2 dropped. The repeated step 3 trains on
+    fresh rows from the checkpoint's weights and the same prompts; the run finishes. (A resume:
+    test_sigterm_stops_both_sides_and_the_resume_trains_every_step_once.)"""
     run = tmp_path / "run"
     out = run_launch(
         "recipe=tiny_grpo_async",
@@ -428,6 +414,12 @@ def test_a_guard_rollback_restarts_the_rollout_ranks_from_the_checkpoint(tmp_pat
     assert f"rolled back to {run}/global_step_2 (step 2)" in out.stdout
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["training/global_step"] for r in rows] == [1, 2, 3, 3, 4, 5]
+    assert [r["rollout/staleness/max"] for r in rows[:3]] == [0.0, 1.0, 1.0]
+    assert [r["rollout/policy_version"] for r in rows[:3]] == [0.0, 0.0, 1.0]
+    assert all(0 <= r["async/trainer_idle_share"] <= 1 and 0 <= r["async/rollout_idle_share"] <= 1 for r in rows)
+    stale = [r for r in rows if r["rollout/staleness/max"] == 1.0]
+    assert len(stale) == 4 and all(r["timing_s/gen_overlapped"] > 0 for r in stale)
+    assert all(r["rollout_corr/kl"] > 0 and "rollout_corr/rollout_is_mean" in r for r in stale)
     tripped, again = rows[2], rows[3]
     assert tripped["rollout/staleness/max"] == 1.0 and tripped["rollout/policy_version"] == 1.0
     assert again["rollout/staleness/max"] == 0.0 and again["rollout/policy_version"] == 2.0  # fresh from step 2

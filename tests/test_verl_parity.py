@@ -481,15 +481,23 @@ FOUR_RANKS = [
 
 @pytest.fixture(scope="module")
 def four_rank_runs(tmp_path_factory):
-    runs = {}
-    for name, val_batch in (("whole", "null"), ("chunked", "3")):
-        run = tmp_path_factory.mktemp(name) / "run"
-        out = run_launch(
-            *FOUR_RANKS, f"data.val_batch_size={val_batch}", f"trainer.default_local_dir={run}", timeout=900
-        )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-        runs[name] = read_metrics(run)
-    return runs
+    """The 4-rank run (validation in one batch), and its step-3 checkpoint validated again in
+    batches of 3 by an evaluation run (``trainer.val_only``): validation follows step 3's update, so
+    only the validation itself can differ."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    out = run_launch(*FOUR_RANKS, "trainer.save_freq=3", f"trainer.default_local_dir={whole}", timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    chunked = tmp_path_factory.mktemp("chunked") / "run"
+    out = run_launch(
+        *FOUR_RANKS,
+        "data.val_batch_size=3",
+        "trainer.val_only=true",
+        f"trainer.resume_mode={whole / 'global_step_3'}",
+        f"trainer.default_local_dir={chunked}",
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return {"whole": read_metrics(whole), "chunked": read_metrics(chunked)}
 
 
 @pytest.mark.slow
@@ -512,10 +520,9 @@ def test_critic_warmup_holds_the_actor_back_as_verl_does(four_rank_runs):
 @pytest.mark.slow
 def test_validation_scores_the_whole_set_whatever_val_batch_size(four_rank_runs):
     key = "val-core/synthetic/copy/reward/mean@1"
-    whole, chunked = four_rank_runs["whole"][-1], four_rank_runs["chunked"][-1]
-    assert key in whole and whole[key] == pytest.approx(chunked[key], abs=1e-6)
-    # chunking the validation changes nothing about training
-    assert whole["critic/score/mean"] == chunked["critic/score/mean"]
+    whole, chunked = four_rank_runs["whole"][-1], four_rank_runs["chunked"]
+    assert len(chunked) == 1 and chunked[0]["training/global_step"] == 3  # (the evaluation run's one row)
+    assert key in whole and whole[key] == pytest.approx(chunked[0][key], abs=1e-6)
 
 
 # ------------------------------------------------------- verl's own example scripts, as they are

@@ -1,0 +1,88 @@
+"""``launch.py`` for the tests, forked from a server that has imported the launcher once.
+
+A launcher process spends ~3.5 CPU-s importing torch, transformers and the package and building its
+first model config before it validates anything: paid once per test worker here instead of once per
+launch (about a hundred in the full suite). Each launch is still its own process: forked from the
+server (multiprocessing's forkserver, whose one preloaded module is ``tests.launcher_preload``), with
+the test's working directory, environment and argument list, its standard output and error in files
+read back as ``subprocess.run(capture_output=True)`` would give them, and its exit code. What it
+starts (torchrun and the ranks, Slurm jobs) is started exactly as from ``python launch.py``.
+
+What differs from a fresh interpreter is only what the imports did: the environment variables they
+set (``tracking``'s WANDB_SILENT, ``trainer``'s TOKENIZERS_PARALLELISM) are given again to each
+launch whose environment lacks them, as a fresh import would set them; values the imports read from
+the environment are the server's. ``run_launch(..., fresh=True)`` runs ``python launch.py`` itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = multiprocessing.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["tests.launcher_preload"])
+    return _CONTEXT
+
+
+def _launch_child(args: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
+    """In the forked process: become ``python launch.py ARGS`` and exit with its code."""
+    from tests import launcher_preload
+
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update({**launcher_preload.SET_BY_IMPORTS, **env})
+    sys.argv = ["launch.py", *args]
+    code = 1
+    try:
+        from rlhf_hpc.cli import main
+
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # what the interpreter would print before exiting with 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()  # (multiprocessing's children skip them; the interpreter would not)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
+
+
+def launch_in_fork(args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, launch.py, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout)``, forked from the preloaded server."""
+    with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+        out_path, err_path = f"{tmp}/stdout", f"{tmp}/stderr"
+        Path(out_path).touch()
+        Path(err_path).touch()
+        proc = _context().Process(target=_launch_child, args=(list(args), str(cwd), dict(env), out_path, err_path))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["launch.py", *args], timeout, Path(out_path).read_text())
+        return subprocess.CompletedProcess(  # (an exit code -N: killed by signal N, as Popen says)
+            [sys.executable, "launch.py", *args],
+            proc.exitcode,
+            Path(out_path).read_text(errors="replace"),
+            Path(err_path).read_text(errors="replace"),
+        )
