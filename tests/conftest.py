@@ -91,7 +91,7 @@ def run_launch(
     if not fresh:
         from tests.launcher_fork import launch_in_fork
 
-        return launch_in_fork(list(args), cwd, full_env, timeout)
+        return launch_in_fork(REPO / "launch.py", list(args), cwd, full_env, timeout)
     return subprocess.run(
         [sys.executable, str(REPO / "launch.py"), *args],
         cwd=cwd,

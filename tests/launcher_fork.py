@@ -35,8 +35,8 @@ def _context():
     return _CONTEXT
 
 
-def _launch_child(args: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
-    """In the forked process: become ``python launch.py ARGS`` and exit with its code."""
+def _launch_child(script: str, args: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
+    """In the forked process: become ``python SCRIPT ARGS`` and exit with its code."""
     from tests import launcher_preload
 
     for fd, path in ((1, out_path), (2, err_path)):
@@ -46,7 +46,7 @@ def _launch_child(args: list[str], cwd: str, env: dict, out_path: str, err_path:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update({**launcher_preload.SET_BY_IMPORTS, **env})
-    sys.argv = ["launch.py", *args]
+    sys.argv = [script, *args]  # (the resume command a failed run prints is this process's own)
     code = 1
     try:
         from rlhf_hpc.cli import main
@@ -66,22 +66,24 @@ def _launch_child(args: list[str], cwd: str, env: dict, out_path: str, err_path:
         os._exit(code if isinstance(code, int) else 1)
 
 
-def launch_in_fork(args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """``subprocess.run([python, launch.py, *args], cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout)``, forked from the preloaded server."""
+def launch_in_fork(script: Path, args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
+    timeout=timeout)`` for ``script`` = launch.py, forked from the preloaded server."""
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
         out_path, err_path = f"{tmp}/stdout", f"{tmp}/stderr"
         Path(out_path).touch()
         Path(err_path).touch()
-        proc = _context().Process(target=_launch_child, args=(list(args), str(cwd), dict(env), out_path, err_path))
+        proc = _context().Process(
+            target=_launch_child, args=(str(script), list(args), str(cwd), dict(env), out_path, err_path)
+        )
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
             proc.kill()
             proc.join()
-            raise subprocess.TimeoutExpired(["launch.py", *args], timeout, Path(out_path).read_text())
+            raise subprocess.TimeoutExpired([str(script), *args], timeout, Path(out_path).read_text())
         return subprocess.CompletedProcess(  # (an exit code -N: killed by signal N, as Popen says)
-            [sys.executable, "launch.py", *args],
+            [sys.executable, str(script), *args],
             proc.exitcode,
             Path(out_path).read_text(errors="replace"),
             Path(err_path).read_text(errors="replace"),

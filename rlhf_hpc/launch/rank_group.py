@@ -8,6 +8,11 @@
   writing into a run directory whose lock is gone.
 - torchrun starts every rank in a session of its own, so the ranks are reached by their pids
   (torchrun's children), not through torchrun's process group.
+- torchrun in this launcher's own interpreter (the command's Python is ``sys.executable``) is a
+  fork of the launcher that calls torchrun's ``main``: torch is imported already, which saves the
+  ~1.5 CPU-s and the second of a new interpreter importing it (BENCHMARKS.md). The ranks it
+  starts are new interpreters as before; another interpreter (a container's) is started by the
+  command itself.
 - ``supervise`` waits for the group with the watchdog (``rlhf_hpc.launch.watchdog``) and the lock
   refreshed: a rank lost or hung ends the group at once (SIGKILL: torchrun prints no report of its
   own and the launcher's line is the one); after a failure a rank recorded, the group ends once
@@ -17,10 +22,13 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import subprocess
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,7 +38,7 @@ from rlhf_hpc.launch.failure import LOST_RANK, Failure, read_failure, record_fai
 from rlhf_hpc.launch.stop import request_stop
 from rlhf_hpc.launch.watchdog import Watchdog
 
-__all__ = ["FAILURE_GRACE_S", "Outcome", "RankGroup", "die_with_parent"]
+__all__ = ["FAILURE_GRACE_S", "ForkedTorchrun", "Outcome", "RankGroup", "die_with_parent", "start_torchrun"]
 
 FAILURE_GRACE_S = 10.0  # after a rank recorded a failure: time for the others to exit by themselves
 _PR_SET_PDEATHSIG = 1
@@ -50,6 +58,72 @@ def _torchrun_setup() -> None:
     """In the torchrun child, between fork and exec."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)  # torchrun then stops its ranks
+
+
+class ForkedTorchrun:
+    """``python -m torch.distributed.run ARGS`` as a fork of this process (``subprocess.Popen``'s
+    ``pid``, ``poll``, ``wait`` and ``returncode``), set up as ``_torchrun_setup`` sets up the
+    command's: a session of its own, SIGUSR2 ignored, the launcher's death its SIGTERM; the
+    launcher's signal handlers are the defaults again, as after an exec."""
+
+    def __init__(self, args: list[str], env: dict):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode: Optional[int] = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            os._exit(_run_torchrun(args, env))
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def _run_torchrun(args: list[str], env: dict) -> int:
+    """In the forked child: torchrun's ``main``; its exit code, as the interpreter would give it."""
+    code = 1
+    try:
+        os.setsid()
+        # the launcher's files stay its own, as Popen's close_fds leaves them; its objects are never
+        # collected here, so none closes a number torchrun has opened since
+        gc.freeze()
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        for sig in signal.valid_signals():  # (handlers that are Python functions: an exec resets them)
+            handler = signal.getsignal(sig)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        _torchrun_setup()
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [sys.executable, *args]
+        from torch.distributed.run import main
+
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # what the interpreter prints before it exits with 1
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def start_torchrun(cmd: list[str], env: dict):
+    """torchrun as ``cmd`` says: forked (``ForkedTorchrun``) where its Python is this one, else the
+    command in a new process."""
+    if cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]:
+        return ForkedTorchrun(cmd[3:], env)
+    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_torchrun_setup)
 
 
 def _children(pid: int) -> list[int]:
@@ -78,7 +152,7 @@ class RankGroup:
 
     def __init__(self, cmd: list[str], env: dict, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_torchrun_setup)
+        self.proc = start_torchrun(cmd, env)
 
     def ranks(self) -> list[int]:
         return _children(self.proc.pid)
