@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -200,3 +201,56 @@ def test_user_error_found_by_the_workers_is_one_line_for_the_job(tmp_path):
         f"data.max_prompt_length=32 (set data.truncation=left|right or data.filter_overlong_prompts=true)"
     ]
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+
+
+FORKED_TORCHRUN = """
+import json, os, signal, sys, time
+from rlhf_hpc.launch.rank_group import ForkedTorchrun, start_torchrun
+
+out, script = sys.argv[1], sys.argv[2]
+launcher_file = open(out + ".launcher", "w")  # a file of the launcher's, open while torchrun starts
+found = {}
+for code in (0, 3):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           script, out + f".rank{code}", str(code)]
+    proc = start_torchrun(cmd, dict(os.environ, RANK_EXIT=str(code)))
+    found[f"forked{code}"] = isinstance(proc, ForkedTorchrun)
+    while not os.path.exists(out + f".rank{code}") and proc.poll() is None:
+        time.sleep(0.05)
+    fds = [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")]
+    status = dict(line.split(":\\t", 1) for line in open(f"/proc/{proc.pid}/status").read().splitlines())
+    found[f"session{code}"] = os.getsid(proc.pid) == proc.pid
+    found[f"launcher_file{code}"] = any(f.endswith(".launcher") for f in fds)
+    found[f"usr2_ignored{code}"] = bool(int(status["SigIgn"], 16) >> (signal.SIGUSR2 - 1) & 1)
+    found[f"code{code}"] = proc.wait()
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_on_the_launchers_interpreter_is_forked_and_set_up_as_the_command_would_be(tmp_path):
+    """torchrun started by the launcher (``rank_group.start_torchrun``) on this interpreter is a fork
+    of it, with the command's set-up: its own session, SIGUSR2 ignored, none of the launcher's files;
+    a rank's failure is torchrun's exit code 1, as the command's.
+    (Run in a subprocess of its own: the test worker's standard output is pytest-xdist's channel.)"""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "open(sys.argv[1], 'w').write(os.environ['RANK'])\n"
+        "time.sleep(1)\n"
+        "sys.exit(int(sys.argv[2]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED_TORCHRUN, str(tmp_path / "out"), str(script)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for code, exit_code in ((0, 0), (3, 1)):  # torchrun exits 1 when a rank fails
+        assert found[f"forked{code}"] and found[f"session{code}"] and found[f"usr2_ignored{code}"], found
+        assert not found[f"launcher_file{code}"], found
+        assert found[f"code{code}"] == exit_code, found
+        assert (tmp_path / f"out.rank{code}").read_text() == "0"
