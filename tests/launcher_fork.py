@@ -17,11 +17,14 @@ the environment are the server's. ``run_launch(..., fresh=True)`` runs ``python 
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 _CONTEXT = None
@@ -63,6 +66,8 @@ def _launch_child(script: str, args: list[str], cwd: str, env: dict, out_path: s
         atexit._run_exitfuncs()  # (multiprocessing's children skip them; the interpreter would not)
         sys.stdout.flush()
         sys.stderr.flush()
+        used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        Path(out_path).with_name("cpu").write_text(str(sum(u.ru_utime + u.ru_stime for u in used)))
         os._exit(code if isinstance(code, int) else 1)
 
 
@@ -70,6 +75,7 @@ def launch_in_fork(script: Path, args: list[str], cwd: Path, env: dict, timeout:
     """``subprocess.run([python, script, *args], cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout)`` for ``script`` = launch.py, forked from the preloaded server."""
     with tempfile.TemporaryDirectory(prefix="launch-") as tmp:
+        start = time.monotonic()
         out_path, err_path = f"{tmp}/stdout", f"{tmp}/stderr"
         Path(out_path).touch()
         Path(err_path).touch()
@@ -82,9 +88,25 @@ def launch_in_fork(script: Path, args: list[str], cwd: Path, env: dict, timeout:
             proc.kill()
             proc.join()
             raise subprocess.TimeoutExpired([str(script), *args], timeout, Path(out_path).read_text())
-        return subprocess.CompletedProcess(  # (an exit code -N: killed by signal N, as Popen says)
+        done = subprocess.CompletedProcess(  # (an exit code -N: killed by signal N, as Popen says)
             [sys.executable, str(script), *args],
             proc.exitcode,
             Path(out_path).read_text(errors="replace"),
             Path(err_path).read_text(errors="replace"),
         )
+        if os.environ.get(LAUNCH_LOG):
+            cpu = Path(tmp, "cpu")
+            log_launch(args, time.monotonic() - start, float(cpu.read_text()) if cpu.is_file() else None, done)
+        return done
+
+
+LAUNCH_LOG = "RLHF_HPC_LAUNCH_LOG"  # a file each forked launch adds a line to (benchmarks/suite_timeline.py)
+
+
+def log_launch(args: list[str], wall: float, cpu: float | None, done: subprocess.CompletedProcess) -> None:
+    """One JSON line: the test, the arguments, the launch's wall and CPU seconds (itself, torchrun and
+    the ranks; not a Slurm job's) and whether its memory plan has a vLLM engine."""
+    row = dict(test=os.environ.get("PYTEST_CURRENT_TEST", ""), args=args, wall=round(wall, 1), code=done.returncode)
+    row.update(cpu=None if cpu is None else round(cpu, 1), vllm="vLLM (weights" in done.stdout)
+    with open(os.environ[LAUNCH_LOG], "a") as f:
+        f.write(json.dumps(row) + "\n")

@@ -1,4 +1,4 @@
-"""Routing replay for mixtures of experts (verl's router_replay R3; rlhf_hpc.models.moe_routing).
+"""Routing replay for mixtures of experts (verl's router_replay R2 and R3; rlhf_hpc.models.moe_routing).
 
 In one process, on the tiny Qwen3-MoE and Mixtral (8 experts, 2 per token): a model replaying its
 own routing computes bit for bit what it computes alone; replayed experts get the gate weights the
@@ -19,7 +19,7 @@ import torch
 from rlhf_hpc.config.errors import ConfigError
 from rlhf_hpc.distributed.rows import RolloutRow
 from rlhf_hpc.models.hf import build_causal_lm
-from rlhf_hpc.models.moe_routing import RoutingReplay
+from rlhf_hpc.models.moe_routing import RoutingReplay, routers
 from rlhf_hpc.ops.batching import make_padded_batch
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ppo.step_batch import routed_experts_batch
@@ -172,10 +172,62 @@ def test_the_step_batch_lays_the_routing_out_as_input_ids_and_packed_and_padded_
     assert (packed - alone).abs().max() > 1e-3  # (the random experts were used)
 
 
+def test_r2_records_the_actors_own_routing_laid_out_as_input_ids_and_the_update_replays_it():
+    """router_replay R2: the old-log-prob pass routes on its own and returns what it chose, (B, P + R,
+    layers, k) where input_ids has the tokens (a packed and a padded forward alike, zero on padding);
+    after the router has moved (an update), a forward replaying it routes as the pass did, not as the
+    moved router would."""
+    model = build_causal_lm("tiny://qwen3_moe", torch.float32, seed=0, attn="eager").eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (4, 6, 2)]
+    responses = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 3, 6)]
+    batch = make_padded_batch(prompts, responses, 0, 6, 6)
+    mask = batch["attention_mask"].bool()
+    replay = RoutingReplay(model)
+    with torch.no_grad():
+        plain, _ = per_token_logprobs(model, batch)
+        chosen, padded = [], []
+        lp, _ = per_token_logprobs(model, batch, routing=replay, routing_out=chosen)
+        per_token_logprobs(model, batch, remove_padding=False, routing=replay, routing_out=padded)
+    assert torch.equal(lp, plain)  # recording routes nothing elsewhere
+    (laid,) = chosen
+    assert laid.shape == (3, 12, 2, 2) and (laid[~mask] == 0).all()
+    assert torch.equal(padded[0][mask], laid[mask])
+    for i in range(3):  # each row's tokens routed as a forward of that row alone routes them
+        alone = recorded_routing(model, batch["input_ids"][i][mask[i]].unsqueeze(0))
+        assert torch.equal(laid[i][mask[i]].long().sort(-1).values, alone.sort(-1).values)
+    batch["actor_routed_experts"] = laid
+    with torch.no_grad():  # the update moved the routers
+        for router in routers(model):
+            router.weight.add_(torch.randn(router.weight.shape, generator=g) * router.weight.std() * 2)
+        moved = []
+        own, _ = per_token_logprobs(model, batch, routing=replay, routing_out=moved)
+        assert not torch.equal(moved[0][mask], laid[mask])  # the moved routers choose otherwise
+        replay.take_agreement()
+        after = RoutingReplay(model)  # (registered second: records what the replay hook chose)
+        with after.record():
+            kept, _ = per_token_logprobs(model, batch, routing=replay, routing_key="actor_routed_experts")
+        agreed, counted = replay.take_agreement()
+        assert agreed < counted == int(mask.sum()) * 2
+        replayed = torch.stack([torch.cat(calls) for calls in after.recorded], 1)
+        assert torch.equal(replayed.sort(-1).values, laid[mask].sort(-1).values)
+        assert (kept - own).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["actor_rollout_ref.actor.router_replay.mode=R2"], "R2 .* is not built here"),
+        (
+            ["actor_rollout_ref.actor.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"],
+            "R2 replays the old-log-prob pass's routing in the update, and in bypass mode",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.router_replay.mode=R2",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            ],
+            r"router_replay.mode=R2 with Ulysses .* is not built",
+        ),
         (R3[:1] + R3[2:], "set actor_rollout_ref.rollout.enable_rollout_routing_replay=True"),
         (["actor_rollout_ref.rollout.name=vllm", *R3[1:]], "with vLLM on a GPU .* its CPU build cannot run"),
         (
@@ -191,6 +243,18 @@ def test_the_step_batch_lays_the_routing_out_as_input_ids_and_packed_and_padded_
 def test_routing_replay_that_cannot_run_here_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny_klppo", ["actor_rollout_ref.model.path=tiny://qwen3_moe", *overrides])
+
+
+def test_r2_needs_no_engine_recording_and_runs_with_vllm_on_a_cpu():
+    cfg, _ = load_config(
+        "tiny_klppo",
+        [
+            "actor_rollout_ref.model.path=tiny://qwen3_moe",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.actor.router_replay.mode=R2",
+        ],
+    )
+    assert cfg.actor_rollout_ref.actor.router_replay.mode == "R2"
 
 
 @pytest.mark.slow
@@ -225,6 +289,33 @@ def test_replay_narrows_a_bf16_engine_and_an_fp32_trainer_and_both_log_the_route
     assert all(r["rollout/logprob_diff_max"] < 0.012 for r in runs["R3"])
     worst = {mode: max(r["rollout/logprob_diff_max"] for r in rows) for mode, rows in runs.items()}
     assert worst["R3"] < worst["disabled"], worst
+
+
+@pytest.mark.slow
+def test_r2_trains_through_vllm_on_a_cpu_with_rows_regrouped_by_their_tokens(tmp_path):
+    """router_replay R2 through the whole loop on 2 ranks with vLLM's CPU build (which cannot
+    record its routing: R3 cannot run there), micro-batches by token budget (rows regrouped, their
+    routing put back in row order): every step trains, the old-log-prob pass still agrees with the
+    engine (R2 replays nothing there), and no engine agreement is logged (the engine recorded none)."""
+    out = run_launch(
+        "recipe=tiny_klppo",
+        "actor_rollout_ref.model.path=tiny://qwen3_moe?vocab_size=64",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.actor.router_replay.mode=R2",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={tmp_path}",
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["training/global_step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-4 and "rollout/router_topk_agreement" not in r
+        assert r["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(r["actor/pg_loss"]))
 
 
 def test_the_router_load_balancing_loss_is_transformers_own_over_the_tokens_the_forward_sees():

@@ -146,7 +146,7 @@ class FakeActor:
             bypass=bypass, anchor="engine" if bypass else "pass", after_old_log_probs=lambda batch, step, metrics: None
         )
 
-    def compute_log_prob(self, batch, *args, with_entropy=False, with_sum_pi_squared=False):
+    def compute_log_prob(self, batch, *args, with_entropy=False, with_sum_pi_squared=False, routing_out=None):
         self.calls.append(with_sum_pi_squared)
         lp = torch.full(batch["response_mask"].shape, -1.0)
         return (lp, lp * 0, lp * 0 + 0.25) if with_sum_pi_squared else (lp, lp * 0)

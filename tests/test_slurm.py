@@ -201,10 +201,12 @@ def test_usr2_preemption_checkpoints_requeues_and_resumes_exactly(slurm, tmp_pat
 def test_the_split_layout_runs_as_a_slurm_job_and_a_preemption_requeues_both_sides(slurm, tmp_path):
     """tiny_grpo_async (2 trainer ranks + 1 rollout rank) as one Slurm job: one torchrun of 3 ranks on
     the node; USR2 after step 2 stops both sides (the trainer saves, the rollout rank drops its rows
-    ahead), Slurm requeues the job, and it resumes with each step trained once, one step stale again."""
+    ahead), Slurm requeues the job, and it resumes with each step trained once, one step stale again.
+    The rollout rank's engine is transformers' generate: vLLM under Slurm is the preemption test's."""
     steps, run = 6, tmp_path / "run"
     out = run_launch(
         "recipe=tiny_grpo_async",
+        "actor_rollout_ref.rollout.name=hf",
         "cluster=slurm",
         "launcher.cluster_profile=local",
         f"trainer.default_local_dir={run}",

@@ -281,9 +281,12 @@ def test_a_node_dies_and_the_job_resumes_from_the_last_checkpoint(tmp_path):
 
 
 # --------------------------------------------------------------------------------- sharing nodes
-@pytest.mark.exclusive
 @pytest.mark.slow
 def test_two_jobs_on_one_node_do_not_collide(tmp_path):
+    """Two one-CPU jobs pinned to one node run at once, each with its own rendezvous. Both are
+    submitted held and released together, so they overlap however long the second submission
+    takes on a loaded machine (submitted one after the other, a 3-step job once ended before the
+    next was queued)."""
     nodes = need_nodes(2)
     runs, jobs = [tmp_path / "a", tmp_path / "b"], []
     for run in runs:  # one CPU each, both pinned to the same node
@@ -294,11 +297,12 @@ def test_two_jobs_on_one_node_do_not_collide(tmp_path):
             "actor_rollout_ref.rollout.name=hf",
             "trainer.total_training_steps=3",
             "launcher.cpus_per_task=1",
-            f"launcher.additional_sbatch=[--nodelist={nodes[0]}]",
+            f"launcher.additional_sbatch=[--nodelist={nodes[0]},--hold]",
             env=ONE_THREAD,
         )
         assert out.returncode == 0, out.stderr
         jobs += job_ids(run)
+    subprocess.run(["scontrol", "release", *jobs], check=True, timeout=30)
     for job, run in zip(jobs, runs):
         assert wait_done(job) == "COMPLETED", job_logs(run, job)
         assert raw_steps(run) == [1, 2, 3]

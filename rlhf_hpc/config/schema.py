@@ -182,8 +182,8 @@ class CheckpointConfig:
 class RouterReplayConfig:
     """verl's ``actor_rollout_ref.actor.router_replay``: a mixture of experts' routing replayed in the
     trainer (rlhf_hpc.models.moe_routing). ``R3``: the experts the engine routed each token to
-    (``rollout.enable_rollout_routing_replay``) in every actor forward; ``disabled``: each side routes
-    on its own. verl's ``R2`` (the old-log-prob pass's routing in the update) is not built."""
+    (``rollout.enable_rollout_routing_replay``) in every actor forward; ``R2``: the old-log-prob
+    pass's own routing in the update's forwards (any engine); ``disabled``: each side routes on its own."""
 
     mode: Literal["disabled", "R2", "R3"] = "disabled"
 

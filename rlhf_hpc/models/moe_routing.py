@@ -1,4 +1,5 @@
-"""A mixture of experts' routing, recorded and replayed (verl's router replay, ``router_replay.mode=R3``).
+"""A mixture of experts' routing, recorded and replayed (verl's router replay, ``router_replay.mode``
+R3: the engine's routing in every actor forward; R2: the old-log-prob pass's in the update's).
 
 The engine that generated a row routed each of its tokens to experts; the trainer, recomputing the
 same tokens in another precision or kernel, may route some of them elsewhere, and the log-prob it
@@ -37,7 +38,8 @@ def routers(model: nn.Module) -> list[nn.Module]:
 class RoutingReplay:
     """Forward hooks on ``model``'s routers that record their top-k experts or replace them.
 
-    ``record()``: each router forward appends its indices (tokens, k) to ``recorded[layer]``.
+    ``record(targets)``: each router forward appends its indices (tokens, k) to ``recorded[layer]``
+    (with ``targets``, its agreement with them counted too; its routing is its own).
     ``replay(targets)``: each router forward counts, over the tokens with a target, how many it
     routes as ``targets[:, layer]`` says itself (``take_agreement``), then routes to the targets
     (``substitute``; else it keeps its own routing: the agreement is only measured)."""
@@ -67,28 +69,35 @@ class RoutingReplay:
             h.remove()
 
     @contextlib.contextmanager
-    def record(self) -> Iterator[list[list[torch.Tensor]]]:
-        """Each router forward inside appends its (tokens, k) indices to ``recorded[layer]``."""
+    def record(self, targets: Optional[torch.Tensor] = None) -> Iterator[list[list[torch.Tensor]]]:
+        """Each router forward inside appends its (tokens, k) indices to ``recorded[layer]``; with
+        ``targets`` (tokens, layers, k), its agreement with them is counted (``take_agreement``)."""
+        self._check(targets)
         self.recorded = [[] for _ in self.routers]
-        self._mode = "record"
+        self._targets, self._mode = targets, "record"
         try:
             yield self.recorded
         finally:
-            self._mode = None
+            self._targets, self._mode = None, None
 
     @contextlib.contextmanager
     def replay(self, targets: torch.Tensor) -> Iterator[None]:
         """Route the forwards inside to ``targets`` (tokens, layers, k)."""
-        if targets.dim() != 3 or targets.shape[1] != self.layers or targets.shape[2] != self.top_k:
-            raise ValueError(
-                f"routing replay: targets of shape {tuple(targets.shape)}, the model has {self.layers} "
-                f"routed layers of top-{self.top_k}"
-            )
+        self._check(targets)
         self._targets, self._mode = targets, "replay"
         try:
             yield
         finally:
             self._targets, self._mode = None, None
+
+    def _check(self, targets: Optional[torch.Tensor]) -> None:
+        if targets is not None and (
+            targets.dim() != 3 or targets.shape[1] != self.layers or targets.shape[2] != self.top_k
+        ):
+            raise ValueError(
+                f"routing replay: targets of shape {tuple(targets.shape)}, the model has {self.layers} "
+                f"routed layers of top-{self.top_k}"
+            )
 
     def take_agreement(self) -> tuple[int, int]:
         """(token-layer pairs routed as recorded by the trainer's own top-k, pairs with a record)
@@ -104,7 +113,8 @@ class RoutingReplay:
         layer = self._layer[id(module)]
         if self._mode == "record":
             self.recorded[layer].append(indices.detach().to(torch.int16).cpu())
-            return None
+            if self._targets is None:
+                return None
         target = self._targets[:, layer].to(device=indices.device, dtype=indices.dtype)
         if target.shape != indices.shape:
             raise RuntimeError(
@@ -117,7 +127,7 @@ class RoutingReplay:
         have = ~missing
         self.agreed += int(((indices.sort(dim=-1).values == ordered).all(dim=-1) & have).sum())
         self.counted += int(have.sum())
-        if not self.substitute:
+        if not self.substitute or self._mode == "record":
             return None
         chosen = torch.where(missing.unsqueeze(-1), indices, target)
         probs = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)

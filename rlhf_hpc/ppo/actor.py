@@ -38,6 +38,8 @@ def per_token_logprobs(
     with_sum_pi_squared: bool = False,
     routing: Optional[RoutingReplay] = None,
     aux_loss: Optional[list] = None,
+    routing_key: str = "routed_experts",
+    routing_out: Optional[list] = None,
 ) -> tuple:
     """Log-probs (and entropies) of the response tokens under ``model`` at ``temperature``.
 
@@ -47,8 +49,11 @@ def per_token_logprobs(
     ``remove_padding`` packs the rows into one sequence (no compute on padding).
     ``entropy_grad=False`` computes the entropy for metrics only (no graph through it).
     ``sp``: the packed sequence is split over this sequence-parallel group (rlhf_hpc.distributed.sequence_parallel).
-    ``routing``: a mixture of experts routes each token to the experts in ``batch["routed_experts"]``
-    (the engine's, router_replay R3), in the order the forward sees the tokens. ``aux_loss``: a list
+    ``routing``: a mixture of experts routes each token to the experts in ``batch[routing_key]``
+    (the engine's, router_replay R3; the old-log-prob pass's, R2), in the order the forward sees the
+    tokens; with ``routing_out`` it routes on its own, and the (B, P + R, layers, k) experts it chose
+    (zero on padding) are appended there (R2's old-log-prob pass; the agreement with a
+    ``batch[routing_key]`` is counted). ``aux_loss``: a list
     the forward's router load-balancing loss is appended to (a mixture of experts whose config sets
     ``output_router_logits``: transformers computes it over the tokens the forward sees).
     """
@@ -58,11 +63,14 @@ def per_token_logprobs(
         )
     R = batch["responses"].shape[1]
     mask = batch["response_mask"].bool()
-    replay = contextlib.nullcontext()
-    if routing is not None and "routed_experts" in batch:
-        routed = batch["routed_experts"]  # (B, P + R, layers, k)
-        flat = routed[batch["attention_mask"].bool()] if remove_padding else routed.flatten(0, 1)
-        replay = routing.replay(flat.long())
+    replay, targets = contextlib.nullcontext(), None
+    if routing is not None and routing_key in batch:
+        routed = batch[routing_key]  # (B, P + R, layers, k)
+        targets = (routed[batch["attention_mask"].bool()] if remove_padding else routed.flatten(0, 1)).long()
+    if routing_out is not None:
+        replay = routing.record(targets)
+    elif targets is not None:
+        replay = routing.replay(targets)
     if remove_padding:
         packed = pack(batch)
         # the head runs only where a logit predicts a response token (not on prompts, not on padding)
@@ -91,6 +99,12 @@ def per_token_logprobs(
         labels = batch["responses"][mask]
     if aux_loss is not None:
         aux_loss.append(out.aux_loss)
+    if routing_out is not None:  # (tokens, layers, k) in the forward's order, laid out as input_ids
+        chosen = torch.stack([torch.cat(calls) for calls in routing.recorded], dim=1)
+        where = batch["attention_mask"].bool() if remove_padding else torch.ones_like(batch["attention_mask"]).bool()
+        laid = torch.zeros((*where.shape, *chosen.shape[1:]), dtype=chosen.dtype)
+        laid[where.cpu()] = chosen
+        routing_out.append(laid)
     # fp32 one chunk at a time: the (n_valid, V) logits stay in the compute dtype
     values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
     lp = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device).masked_scatter(mask, values)
@@ -106,7 +120,9 @@ class ActorSpec(ModelSpec):
     """``update.ModelSpec`` (a reference: no optimizer) and the actor's own: ``temperature`` of its
     log-probs (the rollout's); ``correction``: verl's rollout correction (the trained actor's; None
     for a reference); ``routing``: with the engine's routing in the batch, a mixture of experts'
-    forwards ``"replay"`` it (router_replay R3) or ``"measure"`` their agreement with it (None: neither)."""
+    forwards ``"replay"`` it (router_replay R3) or ``"measure"`` their agreement with it; ``"record"``:
+    the old-log-prob pass records the actor's own routing and the update's forwards replay it
+    (router_replay R2); None: none of these."""
 
     temperature: float = 1.0
     correction: Optional[RolloutCorrection] = None
@@ -129,7 +145,9 @@ class Actor:
         # the LR schedule's own base LRs, before a rollback (or a checkpoint's schedule) scaled them
         self.base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
         self.correction = spec.correction
-        self.routing = RoutingReplay(model, substitute=spec.routing == "replay") if spec.routing else None
+        self.routing = RoutingReplay(model, substitute=spec.routing in ("replay", "record")) if spec.routing else None
+        # the routing the update's forwards replay: the engine's (R3), or the old-log-prob pass's (R2)
+        self.routing_key = "actor_routed_experts" if spec.routing == "record" else "routed_experts"
         # transformers' router load-balancing loss (override_config.output_router_logits), x its coefficient
         config = getattr(model, "config", None)
         self.router_aux_loss_coef = (
@@ -168,18 +186,22 @@ class Actor:
         max_token_len: int = 16384,
         with_entropy: bool = False,
         with_sum_pi_squared: bool = False,
+        routing_out: Optional[list] = None,
     ) -> tuple:
         """(B, R) log-probs (and entropies) for every row of ``batch``, in its row order;
-        ``with_sum_pi_squared``: a third (B, R), sum over the vocabulary of pi^2 (``per_token_logprobs``)."""
+        ``with_sum_pi_squared``: a third (B, R), sum over the vocabulary of pi^2 (``per_token_logprobs``);
+        ``routing_out``: the actor's own routing of every row, (B, P + R, layers, k), is appended there
+        (router_replay R2)."""
         self.model.eval()
         own = slice(None)
         if self.sp is not None:  # the group's rows, each micro-batch's tokens split over its ranks
             batch, own = sequence_parallel.gather_rows(batch, self.sp)
             max_token_len *= self.sp.size
         groups = micro_batch_groups(batch, micro_batch_size, use_dynamic_bsz, max_token_len, self.sync_max)
-        lps, ents, spi2s, kept = [], [], [], []
+        lps, ents, spi2s, routes, kept = [], [], [], [], []
         for g in groups:
             micro = to_device(select_rows(batch, g) if g else dummy_rows(batch), self.device)
+            chosen = [] if routing_out is not None else None
             lp, ent, *spi2 = per_token_logprobs(
                 self.model,
                 micro,
@@ -189,14 +211,18 @@ class Actor:
                 sp=self.sp,
                 with_sum_pi_squared=with_sum_pi_squared,
                 routing=self.routing,
+                routing_out=chosen,
             )
             if g:
                 lps.append(lp.cpu())
+                routes.append(chosen[0] if chosen else None)
                 ents.append(ent.cpu() if with_entropy else None)
                 spi2s.append(spi2[0].cpu() if with_sum_pi_squared else None)
                 kept.append(g)
         lp = restore_order(lps, kept)[own]
         ent = restore_order(ents, kept)[own] if with_entropy else None
+        if routing_out is not None:
+            routing_out.append(restore_order(routes, kept)[own])
         if with_sum_pi_squared:
             return lp, ent, restore_order(spi2s, kept)[own]
         return lp, ent
@@ -239,6 +265,7 @@ class Actor:
                 sp=self.sp,
                 routing=self.routing,
                 aux_loss=aux,
+                routing_key=self.routing_key,
             )
             mask = micro["response_mask"]
             if sample and weight:

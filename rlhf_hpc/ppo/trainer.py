@@ -655,6 +655,8 @@ class PPOTrainer:
         models, shape = self.models, self.shape
         entropy = None
         if models.actor.correction.anchor == "pass":  # (else the engine's, or the on-policy update's forward)
+            # router_replay R2: the actor's own routing here, replayed in the update's forwards
+            routing = [] if models.actor.routing is not None and models.actor.spec.routing == "record" else None
             with timer("old_log_prob"):
                 batch["old_log_probs"], entropy, *sum_pi_squared = models.actor.compute_log_prob(
                     batch,
@@ -663,10 +665,13 @@ class PPOTrainer:
                     shape.old_log_prob.token_budget,
                     with_entropy=True,
                     with_sum_pi_squared=self.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
+                    routing_out=routing,
                 )
                 if sum_pi_squared:  # (the Optimal Token Baseline's: estimators with needs_sum_pi_squared)
                     batch["sum_pi_squared"] = sum_pi_squared[0]
-            routing_agreement(models.actor, metrics)
+                if routing:
+                    batch["actor_routed_experts"] = routing[0]
+            routing_agreement(models.actor, metrics, batch)
         models.actor.correction.after_old_log_probs(batch, step, metrics)  # bypass: the engine's; else its check
         if models.ref is not None:
             with timer("ref"):
@@ -728,7 +733,7 @@ class PPOTrainer:
         with timer("update_actor"), self.faults.around_actor_update(step, models.actor.optimizer, batch):
             metrics.update(models.actor.update_policy(batch, self.shape.update_actor.mini_rows, seed=step))
             metrics["actor/kl_coef"] = models.actor.kl_loss_coef
-        routing_agreement(models.actor, metrics)  # (where no old-log-prob pass ran: the update's forwards)
+        routing_agreement(models.actor, metrics, batch)  # (where no old-log-prob pass ran: the update's forwards)
         models.actor.correction.after_update(batch, step, metrics)  # bypass, on-policy: the check on that forward
 
 
@@ -747,14 +752,15 @@ if os.environ.get("TOKENIZERS_PARALLELISM") is None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def routing_agreement(actor, metrics: dict) -> None:
+def routing_agreement(actor, metrics: dict, batch: dict) -> None:
     """``rollout/router_topk_agreement``: the share of (token, layer) pairs whose experts the actor's
     own router would have chosen as the engine did, over every rank, from the step's first actor
-    pass (router_replay R3: the old-log-prob pass, else the update's forwards)."""
+    pass (the old-log-prob pass where one runs, else the update's forwards). Where the engine did
+    not record its routing (router_replay R2 alone) there is nothing to compare with."""
     if actor.routing is None:
         return
     agreed, counted = actor.routing.take_agreement()
-    if "rollout/router_topk_agreement" in metrics:
+    if "rollout/router_topk_agreement" in metrics or "routed_experts" not in batch:
         return
     total = all_reduce_sum(torch.tensor([agreed, counted], dtype=torch.float64))
     metrics["rollout/router_topk_agreement"] = float(total[0] / total[1]) if total[1] else 1.0

@@ -113,7 +113,9 @@ def build_training_models(
             correction=RolloutCorrection.from_config(cfg, log),
             # (a reference routes on its own)
             routing=(
-                ("replay" if actor_cfg.router_replay.mode == "R3" else "measure")
+                "record"
+                if actor_cfg.router_replay.mode == "R2"
+                else ("replay" if actor_cfg.router_replay.mode == "R3" else "measure")
                 if arr.rollout.enable_rollout_routing_replay
                 else None
             ),

@@ -345,8 +345,9 @@ def model_architecture_problems(cfg: Config) -> tuple[list[str], list[str]]:
 def routing_replay_problems(cfg: Config) -> list[str]:
     """verl's routing replay keys (``actor.router_replay.mode``, ``rollout.enable_rollout_routing_replay``)
     against what records and replays routing here: the hf engine records (the rollout key alone: the
-    trainer measures its agreement, rollout/router_topk_agreement), R3 replays, on the mixtures of
-    experts whose router math rlhf_hpc.models.moe_routing reproduces."""
+    trainer measures its agreement, rollout/router_topk_agreement), R3 replays the engine's routing,
+    R2 the old-log-prob pass's (any engine), on the mixtures of experts whose router math
+    rlhf_hpc.models.moe_routing reproduces."""
     arr = cfg.actor_rollout_ref
     mode, record = arr.actor.router_replay.mode, arr.rollout.enable_rollout_routing_replay
     key = "actor_rollout_ref.actor.router_replay.mode"
@@ -359,11 +360,6 @@ def routing_replay_problems(cfg: Config) -> list[str]:
         ]
     if mode == "disabled" and not record:
         return []
-    if mode == "R2":
-        return [
-            f"{key}=R2 (the old-log-prob pass's routing replayed in the update) is not built here; "
-            f"R3 replays the engine's routing in every actor forward"
-        ]
     # enable_rollout_routing_replay alone: the engine records, the trainer measures its agreement
     # (rollout/router_topk_agreement) and routes on its own
     errors = []
@@ -371,21 +367,31 @@ def routing_replay_problems(cfg: Config) -> list[str]:
         errors.append(
             f"{key}=R3 replays the engine's routing: set actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
         )
-    what = f"{key}=R3" if mode == "R3" else "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
+    if mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
+        errors.append(
+            f"{key}=R2 replays the old-log-prob pass's routing in the update, and in bypass mode "
+            f"(algorithm.rollout_correction.bypass_mode=true) no such pass runs: use R3 (the engine's routing)"
+        )
+    what = f"{key}={mode}" if mode != "disabled" else "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
     name = arr.rollout.name
     if name == AUTO:
         name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-    if name not in ("hf", "vllm") or (name == "vllm" and cfg.trainer.device == "cpu"):
+    if record and (name not in ("hf", "vllm") or (name == "vllm" and cfg.trainer.device == "cpu")):
+        recording = "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"
         errors.append(
-            f"{what} with actor_rollout_ref.rollout.name={arr.rollout.name} on trainer.device={cfg.trainer.device}: "
-            f"the engine returns the experts it routed each token to with hf, or with vLLM on a GPU (its "
-            f"enable_return_routed_experts needs its Model Runner V2, which its CPU build cannot run); use "
-            f"actor_rollout_ref.rollout.name=hf"
+            f"{recording} with actor_rollout_ref.rollout.name={arr.rollout.name} on trainer.device="
+            f"{cfg.trainer.device}: the engine returns the experts it routed each token to with hf, or with vLLM "
+            f"on a GPU (its enable_return_routed_experts needs its Model Runner V2, which its CPU build cannot "
+            f"run); use actor_rollout_ref.rollout.name=hf"
+            + (f", or {key}=R2 without it (the trainer records its own routing)" if mode != "R2" else "")
         )
     if arr.actor.ulysses_sequence_parallel_size > 1:
         errors.append(f"{what} with Ulysses (actor.ulysses_sequence_parallel_size > 1) is not built: use 1")
-    if arr.rollout.multi_turn.enable:
-        errors.append(f"{what} with the multi-turn agent loop is not built (its tool turns carry no routing)")
+    if record and arr.rollout.multi_turn.enable:
+        errors.append(
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True with the multi-turn agent loop is not "
+            "built (its tool turns carry no routing)" + (f"; {key}=R2 alone is" if mode != "R3" else "")
+        )
     config = _readable_model_config(arr.model.path, arr.model.override_config)
     if config is not None:
         cls = causal_lm_class(config)
