@@ -9,7 +9,8 @@ actor and critic, the same rows per rank, then old log-probs, entropies and sum 
 micro-batches), one actor update (one row per micro-batch: every row is split over the sp ranks,
 and a slice may hold prompt tokens only), values and one critic update (token budget). Rank 0
 writes OUT/sp.json: for sp=2 and sp=4 the largest absolute difference from sp=1 of each output
-(and the sizes those differences are measured against); the test module asserts on them.
+(and the sizes those differences are measured against); the test module asserts on them. Then
+for sp = 1, 2 the tiny Qwen3-MoE under routing replay (``run_moe``), in ``moe``.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import torch.distributed as dist
 from rlhf_hpc.config.schema import ActorConfig, CriticConfig, FSDPConfig, MixedPrecisionConfig
 from rlhf_hpc.distributed.fsdp import parallelize
 from rlhf_hpc.distributed.process_group import all_reduce_max_int, all_reduce_sum, build_train_mesh, exit_process
-from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel
+from rlhf_hpc.distributed.sequence_parallel import build_sequence_parallel, gather_rows
 from rlhf_hpc.models.hf import build_causal_lm, build_critic
 from rlhf_hpc.ops.batching import make_padded_batch, select_rows
 from rlhf_hpc.ppo import checkpoint as ckpt
-from rlhf_hpc.ppo.actor import Actor, ActorSpec
+from rlhf_hpc.ppo.actor import Actor, ActorSpec, per_token_logprobs
 from rlhf_hpc.ppo.critic import Critic, CriticSpec
 from rlhf_hpc.ppo.optim import build_optimizer
 from rlhf_hpc.ppo.update import Placement
@@ -149,6 +150,39 @@ def run(sp_size: int, rank: int, world: int) -> dict:
     return out
 
 
+def run_moe(sp_size: int, rank: int, world: int) -> dict:
+    """The tiny Qwen3-MoE (8 experts, 2 per token) under routing replay: the old-log-prob pass
+    recording the actor's own routing (router_replay R2, token-budget micro-batches), then one pass
+    over the group's rows replaying a random routing (what R3 and R2's update do)."""
+    local = rows_of(rank, world)
+    model = shard(build_causal_lm("tiny://qwen3_moe", torch.float32, seed=0, attn="varlen"), world)
+    actor = Actor(model, ActorConfig(), ActorSpec(placement=placement(world, sp_size), routing="record"))
+    recorded: list = []
+    lp, _ = actor.compute_log_prob(
+        local, micro_batch_size=4, use_dynamic_bsz=True, max_token_len=P + R, routing_out=recorded
+    )
+    g = torch.Generator().manual_seed(11 + rank)  # (each rank its own rows' targets)
+    layers, k = recorded[0].shape[2:]
+    targets = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(ROWS * (P + R) * layers)])
+    local["actor_routed_experts"] = targets.view(-1, P + R, layers, k)[: len(lp)].to(torch.int16)
+    local["actor_routed_experts"][~local["attention_mask"].bool()] = 0
+    rows, own = (local, slice(None)) if actor.sp is None else gather_rows(local, actor.sp)
+    with torch.no_grad():
+        replayed, _ = per_token_logprobs(
+            actor.model, rows, sp=actor.sp, routing=actor.routing, routing_key="actor_routed_experts"
+        )
+    agreed, counted = actor.routing.take_agreement()
+    tally = all_reduce_sum(torch.tensor([agreed, counted], dtype=torch.float64)).tolist()
+    return {
+        "moe_log_probs": gathered(lp),
+        "moe_routing": gathered(recorded[0].to(torch.int32)),
+        "moe_replayed_log_probs": gathered(replayed[own]),
+        # each token counted once over the ranks (an sp group's ranks count their own slices)
+        "moe_agreement": tally[0] / tally[1],
+        "moe_counted": tally[1],
+    }
+
+
 def run_init_params(rank: int, world: int) -> tuple[dict, dict]:
     """The parameters before any update (to show the updates compared are not zero)."""
     model = shard(build_causal_lm("tiny://qwen2", torch.float32, seed=0, attn="varlen"), world)
@@ -167,6 +201,8 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {sp: run(sp, rank, world) for sp in (1, 2, 4)}
+    for sp in (1, 2):  # (4 query and 2 KV heads in Qwen3-MoE's tiny config too: sp=2 splits them)
+        runs[sp].update(run_moe(sp, rank, world))
     base, init = runs[1], run_init_params(rank, world)
     res: dict = {
         "row_tokens": rows_of(0, 1)["attention_mask"].sum(-1).tolist(),
@@ -183,6 +219,21 @@ def main(out: Path) -> None:
         },
     }
     res["update_forward_tokens_max"] = {sp: runs[sp].pop("update_forward_tokens_max") for sp in runs}
+    res["moe"] = {
+        "log_probs_scale": base["moe_log_probs"].abs().max().item(),
+        "replay_moved": max_diff(base["moe_replayed_log_probs"], base["moe_log_probs"]),
+        "routed_tokens": int((base["moe_routing"] != 0).any(-1).any(-1).sum()),
+        **{
+            f"sp{sp}_{k}": max_diff(runs[sp][f"moe_{k}"], base[f"moe_{k}"])
+            for sp in (2,)
+            for k in ("log_probs", "routing", "replayed_log_probs", "agreement", "counted")
+        },
+        "agreement": base["moe_agreement"],
+        "counted": base["moe_counted"],
+    }
+    for sp in runs:
+        for k in [k for k in runs[sp] if k.startswith("moe_")]:
+            runs[sp].pop(k)
     for sp in (2, 4):
         res[f"sp{sp}"] = {k: max_diff(runs[sp][k], base[k]) for k in base if rank == 0 or not k.endswith("_params")}
         res[f"sp{sp}"]["metric_diffs"] = {

@@ -77,6 +77,20 @@ def test_sequence_parallel_update_gives_the_parameters_of_sp1(checks, sp):
 
 
 @pytest.mark.slow
+def test_routing_replay_under_sequence_parallelism_equals_sp1(checks):
+    """The tiny Qwen3-MoE: the old-log-prob pass recording the actor's own routing (router_replay
+    R2) records the same experts for every token with sp=2 as with sp=1, and a pass replaying a
+    random routing (R3, R2's update) computes the same log-probs and counts the same agreement, each
+    token once over the ranks."""
+    moe = checks["moe"]
+    assert moe["sp2_routing"] == 0 and moe["sp2_agreement"] == 0 and moe["sp2_counted"] == 0
+    assert moe["sp2_log_probs"] <= OUTPUT_TOL and moe["sp2_replayed_log_probs"] <= OUTPUT_TOL
+    # not a comparison of nothing: every valid token routed in both layers, and the random experts used
+    assert moe["counted"] == 2 * moe["routed_tokens"] == 2 * sum(checks["row_tokens"])
+    assert moe["agreement"] < 0.5 and moe["replay_moved"] > 1e-2 and moe["log_probs_scale"] > 0.5
+
+
+@pytest.mark.slow
 def test_sequence_parallel_ranks_see_a_slice_of_each_row(checks):
     # one row per update micro-batch: sp=1 runs whole rows, sp=k a 1/k slice of one (padded to k)
     tokens = checks["update_forward_tokens_max"]

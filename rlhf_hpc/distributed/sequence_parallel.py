@@ -31,6 +31,7 @@ query heads use.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -260,11 +261,17 @@ def per_token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     with_sum_pi_squared: bool = False,
+    routing=None,
+    routing_key: str = "routed_experts",
+    routing_out: Optional[list] = None,
 ) -> tuple:
     """``rlhf_hpc.ppo.actor.per_token_logprobs`` (packed rows) with the sequence split over ``sp``:
     the same (B, R) log-probs (and entropies, and sum pi^2 with ``with_sum_pi_squared``), zero where
     ``response_mask`` is 0, on every rank of the group. The head runs only on this slice's positions
-    that predict a response token."""
+    that predict a response token. ``routing``, ``routing_key``, ``routing_out``: a mixture of
+    experts' routing replayed or recorded as there (``rlhf_hpc.models.moe_routing``); the routers
+    see this slice's tokens, so each rank replays its slice of the targets, and what a recording
+    pass chose is gathered from the slices (the same on every rank of the group)."""
     mask = batch["response_mask"].bool()
     packed = pack(batch)
     part = slice_packed(packed.input_ids, packed.position_ids, sp)
@@ -275,14 +282,32 @@ def per_token_logprobs(
     label_at = torch.zeros(N, dtype=torch.long, device=device).index_put((predicts,), batch["responses"][mask])
     kept_at = torch.zeros(N, dtype=torch.bool, device=device).index_fill(0, predicts, True)
     local = kept_at[part.start : part.start + n].nonzero().flatten()
-    logits = model(
-        input_ids=part.input_ids,
-        position_ids=part.position_ids,
-        attention_mask=None,
-        use_cache=False,
-        logits_to_keep=local,
-        ulysses=part.ulysses,
-    ).logits[0]  # (kept here, V)
+    valid = batch["attention_mask"].bool()
+    replay, targets = contextlib.nullcontext(), None
+    if routing is not None and routing_key in batch:  # (the padding after the rows: no record, routed itself)
+        routed = batch[routing_key][valid].long()  # (valid tokens, layers, k)
+        targets = routed.new_zeros(N, *routed.shape[1:])
+        targets[: len(routed)] = routed
+        targets = targets[part.start : part.start + n]
+    if routing_out is not None:
+        replay = routing.record(targets)
+    elif targets is not None:
+        replay = routing.replay(targets)
+    with replay:
+        logits = model(
+            input_ids=part.input_ids,
+            position_ids=part.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            logits_to_keep=local,
+            ulysses=part.ulysses,
+        ).logits[0]  # (kept here, V)
+    if routing_out is not None:  # (gloo gathers no int16)
+        chosen = torch.stack([torch.cat(calls) for calls in routing.recorded], dim=1).to(torch.int32)
+        chosen = gather_slices(chosen.to(device), sp)[: packed.input_ids.shape[1]].cpu()
+        laid = torch.zeros((*valid.shape, *chosen.shape[1:]), dtype=torch.int16)
+        laid[valid.cpu()] = chosen.to(torch.int16)
+        routing_out.append(laid)
     labels = label_at[part.start : part.start + n][local]
     values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
     if logits.requires_grad and not values.requires_grad:

@@ -55,7 +55,7 @@ from rlhf_hpc.rollout.base import Sampling
 from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 
-__all__ = ["main"]  # launch.py calibrate
+__all__ = ["best_time", "log_prob_pass", "main", "replicated"]  # main: launch.py calibrate; the rest: benchmarks/
 
 BENCH_MODEL = (
     "tiny://qwen2?hidden_size=512&num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=2"

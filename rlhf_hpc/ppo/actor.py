@@ -59,7 +59,16 @@ def per_token_logprobs(
     """
     if sp is not None:
         return sequence_parallel.per_token_logprobs(
-            model, batch, sp, temperature, with_entropy, entropy_grad, with_sum_pi_squared=with_sum_pi_squared
+            model,
+            batch,
+            sp,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            with_sum_pi_squared=with_sum_pi_squared,
+            routing=routing,
+            routing_key=routing_key,
+            routing_out=routing_out,
         )
     R = batch["responses"].shape[1]
     mask = batch["response_mask"].bool()

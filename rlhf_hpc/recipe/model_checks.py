@@ -385,8 +385,6 @@ def routing_replay_problems(cfg: Config) -> list[str]:
             f"run); use actor_rollout_ref.rollout.name=hf"
             + (f", or {key}=R2 without it (the trainer records its own routing)" if mode != "R2" else "")
         )
-    if arr.actor.ulysses_sequence_parallel_size > 1:
-        errors.append(f"{what} with Ulysses (actor.ulysses_sequence_parallel_size > 1) is not built: use 1")
     if record and arr.rollout.multi_turn.enable:
         errors.append(
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=True with the multi-turn agent loop is not "
