@@ -85,7 +85,6 @@ def test_the_rollout_runs_ahead_by_whole_batches(staleness, trigger, ahead):
         ([*SPLIT, "rollout.nnodes=2"], "set rollout.nnodes=1"),
         ([*SPLIT, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "does not divide"),
         ([*SPLIT, "trainer.inject_fault=wrong_weights@2"], "a fault of the colocated weight sync"),
-        ([*SPLIT, "trainer.val_only=true"], "trainer.val_only=true"),
         ([*SPLIT, "algorithm.filter_groups.enable=true"], "DAPO"),
         ([*SPLIT, "actor_rollout_ref.model.lora_rank=8"], "LoRA"),
     ],
@@ -280,8 +279,8 @@ def test_verls_fully_async_validation_counts_weight_syncs(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ slow
-def staleness_zero(tmp_path, split: bool) -> list[dict]:
-    run = tmp_path / ("split" if split else "colocated")
+def staleness_zero(tmp_path, split: bool, *extra: str) -> list[dict]:
+    run = tmp_path / (("split" if split else "colocated") + "".join(f"-{e}" for e in extra))
     layout = (
         ["rollout.n_gpus_per_node=1"]
         if split
@@ -297,6 +296,7 @@ def staleness_zero(tmp_path, split: bool) -> list[dict]:
         "trainer.test_freq=2",
         "trainer.val_before_train=true",
         f"trainer.default_local_dir={run}",
+        *extra,
         # one thread a rank on any machine: a colocated rank's in-process vLLM binds it to one core, and a
         # trainer rank without an engine would otherwise take the launcher's share of the cores
         env={"OMP_NUM_THREADS": "1"},
@@ -312,11 +312,15 @@ def test_a_synchronous_hand_off_trains_exactly_as_the_colocated_layout(tmp_path)
     rows; the update is the same code on the same rows. Measured: equal to the bit (vLLM's CPU
     build and transformers' generate are deterministic here), asserted to 1e-6 relative (a
     trainer process without an engine may schedule its threads otherwise). Validation (before
-    training, every 2 steps, at the end) runs on the rollout rank and scores the same."""
+    training, every 2 steps, at the end) runs on the rollout rank and scores the same, and so does
+    an evaluation run (``trainer.val_only``) of the split layout: one row, no step trained."""
     split, colocated = staleness_zero(tmp_path, True), staleness_zero(tmp_path, False)
     assert [m["training/global_step"] for m in split] == [0, 1, 2, 3]
     val = "val-core/synthetic/copy/reward/mean@1"
     assert [m.get(val) for m in split] == [m.get(val) for m in colocated] and split[0][val] is not None
+    (evaluated,) = staleness_zero(tmp_path, True, "trainer.val_only=true")
+    assert evaluated["training/global_step"] == 0 and evaluated[val] == split[0][val]
+    assert not any(k.startswith(("actor/", "timing_s/update")) for k in evaluated)
     assert [m["training/global_step"] for m in split if val in m] == [0, 2, 3]
     split, colocated = split[1:], colocated[1:]
     for a, b in zip(split, colocated):

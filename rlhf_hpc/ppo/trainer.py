@@ -421,13 +421,16 @@ class PPOTrainer:
     def validate_only(self) -> None:
         """``trainer.val_only``: one validation row at the current step (0, or the step of the
         checkpoint resumed from), then the run ends: no training step, no checkpoint."""
-        if self.val_set:
+        if self.val_set:  # (the split layout: the rollout ranks generate it with these weights)
             self.tracker.log(self.run_validation(), self.step)
             self.tracker.log_line(f"[rlhf-hpc] trainer.val_only: validated at step {self.step}; no training")
         else:
             self.tracker.log_line("[rlhf-hpc] trainer.val_only: no validation set to evaluate; no training")
+        if self.remote is not None:
+            self.remote.stop()
         self.tracker.close()
-        self.rollout.close()
+        if self.rollout is not None:
+            self.rollout.close()
 
     # -------------------------------------------------------------------------------- one step
     def train_step(self, step: int) -> dict[str, float]:

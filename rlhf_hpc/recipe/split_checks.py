@@ -91,7 +91,6 @@ def split_layout_problems(cfg: Config) -> list[str]:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} (a greedy baseline generated each step)",
         ),
         (lora_enabled(arr.model), "actor_rollout_ref.model.lora_rank > 0 (LoRA)"),
-        (bool(cfg.data.val_files) and tr.val_only, "trainer.val_only=true (an evaluation run)"),
         (tr.preflight, "launch.py preflight"),
         (arr.rollout.enable_rollout_routing_replay, "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"),
         (
