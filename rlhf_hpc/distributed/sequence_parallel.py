@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhf_hpc.distributed.comm import collective
+from rlhf_hpc.models.moe_routing import laid_out
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import Batch, pack, unpack_per_token
 
@@ -283,16 +284,15 @@ def per_token_logprobs(
     kept_at = torch.zeros(N, dtype=torch.bool, device=device).index_fill(0, predicts, True)
     local = kept_at[part.start : part.start + n].nonzero().flatten()
     valid = batch["attention_mask"].bool()
-    replay, targets = contextlib.nullcontext(), None
-    if routing is not None and routing_key in batch:  # (the padding after the rows: no record, routed itself)
-        routed = batch[routing_key][valid].long()  # (valid tokens, layers, k)
-        targets = routed.new_zeros(N, *routed.shape[1:])
-        targets[: len(routed)] = routed
-        targets = targets[part.start : part.start + n]
-    if routing_out is not None:
-        replay = routing.record(targets)
-    elif targets is not None:
-        replay = routing.replay(targets)
+    replay = contextlib.nullcontext()
+    if routing is not None:
+        targets = None
+        if routing_key in batch:  # this slice's (the padding after the rows: no record, routed itself)
+            routed = batch[routing_key][valid].long()  # (valid tokens, layers, k)
+            targets = routed.new_zeros(N, *routed.shape[1:])
+            targets[: len(routed)] = routed
+            targets = targets[part.start : part.start + n]
+        replay = routing.around_forward(targets, record=routing_out is not None)
     with replay:
         logits = model(
             input_ids=part.input_ids,
@@ -302,12 +302,9 @@ def per_token_logprobs(
             logits_to_keep=local,
             ulysses=part.ulysses,
         ).logits[0]  # (kept here, V)
-    if routing_out is not None:  # (gloo gathers no int16)
-        chosen = torch.stack([torch.cat(calls) for calls in routing.recorded], dim=1).to(torch.int32)
-        chosen = gather_slices(chosen.to(device), sp)[: packed.input_ids.shape[1]].cpu()
-        laid = torch.zeros((*valid.shape, *chosen.shape[1:]), dtype=torch.int16)
-        laid[valid.cpu()] = chosen.to(torch.int16)
-        routing_out.append(laid)
+    if routing_out is not None:  # every slice's, then the valid tokens' (gloo gathers no int16)
+        chosen = gather_slices(routing.chosen().to(device, torch.int32), sp)[: packed.input_ids.shape[1]]
+        routing_out.append(laid_out(chosen, valid))
     labels = label_at[part.start : part.start + n][local]
     values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
     if logits.requires_grad and not values.requires_grad:

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-__all__ = ["REPLAYABLE", "RoutingReplay", "routers"]
+__all__ = ["REPLAYABLE", "RoutingReplay", "laid_out", "routers"]
 
 # the architectures whose router forward and weight math the replay reproduces (tests/test_moe_routing.py)
 REPLAYABLE = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -99,6 +99,17 @@ class RoutingReplay:
                 f"routed layers of top-{self.top_k}"
             )
 
+    def around_forward(self, targets: Optional[torch.Tensor], record: bool):
+        """The context of one forward: ``record`` (with ``targets``: their agreement counted), else a
+        replay of ``targets`` where there are any."""
+        if record:
+            return self.record(targets)
+        return self.replay(targets) if targets is not None else contextlib.nullcontext()
+
+    def chosen(self) -> torch.Tensor:
+        """(tokens, layers, k) what the last ``record`` saw, in the order its forwards saw the tokens."""
+        return torch.stack([torch.cat(calls) for calls in self.recorded], dim=1)
+
     def take_agreement(self) -> tuple[int, int]:
         """(token-layer pairs routed as recorded by the trainer's own top-k, pairs with a record)
         since the last call."""
@@ -134,3 +145,11 @@ class RoutingReplay:
         if getattr(module, "norm_topk_prob", True):  # (Mixtral's router always renormalises)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return logits, probs.to(scores.dtype), chosen
+
+
+def laid_out(chosen: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """(tokens, layers, k) routing of the tokens at ``where`` (B, T), in row order -> (B, T, layers,
+    k) int16 laid out as input_ids, zero elsewhere (the layout of ``batch["routed_experts"]``)."""
+    out = torch.zeros((*where.shape, *chosen.shape[1:]), dtype=torch.int16)
+    out[where.cpu()] = chosen.cpu().to(torch.int16)
+    return out

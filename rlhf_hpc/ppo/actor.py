@@ -16,7 +16,7 @@ from torch import nn
 from rlhf_hpc.config.schema import ActorConfig
 from rlhf_hpc.distributed import sequence_parallel
 from rlhf_hpc.distributed.sequence_parallel import SequenceParallel
-from rlhf_hpc.models.moe_routing import RoutingReplay
+from rlhf_hpc.models.moe_routing import RoutingReplay, laid_out
 from rlhf_hpc.ops import algos
 from rlhf_hpc.ops.batching import Batch, dummy_rows, micro_batch_groups, pack, restore_order, select_rows, to_device
 from rlhf_hpc.ops.policy_losses import POLICY_LOSSES
@@ -72,14 +72,12 @@ def per_token_logprobs(
         )
     R = batch["responses"].shape[1]
     mask = batch["response_mask"].bool()
-    replay, targets = contextlib.nullcontext(), None
-    if routing is not None and routing_key in batch:
-        routed = batch[routing_key]  # (B, P + R, layers, k)
-        targets = (routed[batch["attention_mask"].bool()] if remove_padding else routed.flatten(0, 1)).long()
-    if routing_out is not None:
-        replay = routing.record(targets)
-    elif targets is not None:
-        replay = routing.replay(targets)
+    replay = contextlib.nullcontext()
+    if routing is not None:
+        routed = batch.get(routing_key)  # (B, P + R, layers, k)
+        if routed is not None:
+            routed = (routed[batch["attention_mask"].bool()] if remove_padding else routed.flatten(0, 1)).long()
+        replay = routing.around_forward(routed, record=routing_out is not None)
     if remove_padding:
         packed = pack(batch)
         # the head runs only where a logit predicts a response token (not on prompts, not on padding)
@@ -108,12 +106,9 @@ def per_token_logprobs(
         labels = batch["responses"][mask]
     if aux_loss is not None:
         aux_loss.append(out.aux_loss)
-    if routing_out is not None:  # (tokens, layers, k) in the forward's order, laid out as input_ids
-        chosen = torch.stack([torch.cat(calls) for calls in routing.recorded], dim=1)
-        where = batch["attention_mask"].bool() if remove_padding else torch.ones_like(batch["attention_mask"]).bool()
-        laid = torch.zeros((*where.shape, *chosen.shape[1:]), dtype=chosen.dtype)
-        laid[where.cpu()] = chosen
-        routing_out.append(laid)
+    if routing_out is not None:  # (the padded forward routed its padding too)
+        where = batch["attention_mask"].bool()
+        routing_out.append(laid_out(routing.chosen(), where if remove_padding else torch.ones_like(where)))
     # fp32 one chunk at a time: the (n_valid, V) logits stay in the compute dtype
     values, entropies = algos.token_logprobs_chunked(logits, labels, temperature, with_entropy, entropy_grad)
     lp = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device).masked_scatter(mask, values)
