@@ -390,7 +390,10 @@ def calibrate_once() -> None:
     held = CPU_SHARE.files is not None and CPU_SHARE.alone
     with cpu_share(alone=True, nodeid="the CPU calibration", keep=held):
         if not calibration_path().is_file():  # the other worker may have measured it meanwhile
-            subprocess.run([sys.executable, str(REPO / "launch.py"), "calibrate"], cwd=REPO, check=True)
+            out = subprocess.run(  # (its ranks' library warnings stay out of pytest's report)
+                [sys.executable, str(REPO / "launch.py"), "calibrate"], cwd=REPO, capture_output=True, text=True
+            )
+            assert out.returncode == 0, f"launch.py calibrate failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
             if CALIBRATED in os.environ:
                 Path(os.environ[CALIBRATED]).write_text(str(calibration_path()))
 
