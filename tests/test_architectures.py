@@ -232,6 +232,7 @@ def test_a_mixture_of_experts_is_sent_to_engines_per_expert_in_the_hubs_names(na
     from safetensors.torch import load_file
 
     from rlhf_hpc.models.checkpoint_names import checkpoint_names
+    from rlhf_hpc.planning.sizing import model_shape
 
     model = build_causal_lm(ARCHS[name], torch.float32, seed=0)
     convert = checkpoint_names(model)
@@ -243,6 +244,7 @@ def test_a_mixture_of_experts_is_sent_to_engines_per_expert_in_the_hubs_names(na
     experts = [k for k in saved if ".experts.0." in k]
     assert len(experts) == 3 * 2 and all(saved[k].dim() == 2 for k in experts)  # 3 matrices an expert, 2 layers
     assert checkpoint_names(build_causal_lm(ARCHS["qwen3"], torch.float32, seed=0)) is None  # dense: as trained
+    assert model_shape(ARCHS[name]).checkpoint_tensors == len(saved)  # what the plan charges a sync for
 
 
 def test_the_plans_count_a_mixture_of_experts_total_for_memory_and_active_for_compute():
@@ -261,6 +263,57 @@ def test_the_plans_count_a_mixture_of_experts_total_for_memory_and_active_for_co
     assert s.active_params < s.read_params(16) < s.read_params(512) <= s.params
     dense = model_shape("tiny://qwen3")
     assert dense.active_params == dense.params and dense.read_params(64) == dense.params
+
+
+def test_the_time_plan_charges_a_mixture_of_experts_per_sent_tensor_and_per_routed_layer(tmp_path):
+    """The weight sync: an overhead per parameter it gathers and per checkpoint tensor it sends (64
+    experts: 25 parameters, 405 tensors, 384 of them the experts' matrices; the dense model 27 of
+    each). A forward pass: per routed layer a fixed part,
+    one per expert its tokens reach and one per (token, expert) pair, beside the dense layer's."""
+    from rlhf_hpc.planning.sizing import model_shape
+    from rlhf_hpc.planning.time_plan import build_time_plan
+
+    calibration = tmp_path / "cpu.json"
+    calibration.write_text(
+        json.dumps(
+            {
+                "sync_param_overhead_s": 3e-3,
+                "sync_tensor_overhead_s": 1e-3,
+                "routed_layer_overhead_s": 2e-4,
+                "expert_overhead_s": 5e-6,
+                "routed_token_overhead_s": 1e-6,
+            }
+        )
+    )
+    figures = ("hardware.preset=cpu", f"hardware.calibration={calibration}")
+    plans, shapes = {}, {}
+    for name, path in (
+        ("dense", "tiny://qwen2"),
+        ("8x2", "tiny://qwen3_moe"),
+        ("64x4", "tiny://qwen3_moe?num_experts=64&num_experts_per_tok=4"),
+    ):
+        cfg, _ = load_config(
+            "tiny_klppo", [f"actor_rollout_ref.model.path={path}", *figures, "critic.model.path=tiny://qwen2"]
+        )
+        plans[name], shapes[name] = build_time_plan(cfg), model_shape(path)
+    params = {name: s.param_tensors for name, s in shapes.items()}
+    tensors = {name: s.checkpoint_tensors for name, s in shapes.items()}
+    assert params == {"dense": 27, "8x2": 25, "64x4": 25} and tensors == {"dense": 27, "8x2": 69, "64x4": 405}
+    sync = {name: p.phase("update_weights").parts["overhead"] for name, p in plans.items()}
+    hw = plans["dense"].hardware
+    assert all(sync[n] == pytest.approx(hw.sync_overhead_s + params[n] * 3e-3 + tensors[n] * 1e-3) for n in sync)
+    # old log-probs: 4 micro-batches of 160 tokens, 2 routed layers
+    s = shapes["64x4"]
+    reached = s.touched_experts(160)
+    assert 63 < reached < 64 and shapes["8x2"].touched_experts(160) == pytest.approx(8)
+    routed = 4 * 2 * (2e-4 + reached * 5e-6 + 160 * 4 * 1e-6)
+    old = {name: p.phase("old_log_prob").parts["overhead"] for name, p in plans.items()}
+    assert old["64x4"] - old["dense"] == pytest.approx(routed)
+    assert old["dense"] < old["8x2"] < old["64x4"]
+    # the critic (dense here) pays none of it
+    assert plans["64x4"].phase("values").parts["overhead"] == pytest.approx(
+        plans["dense"].phase("values").parts["overhead"]
+    )
 
 
 def test_an_untested_causal_lm_gets_a_warning_not_a_refusal(tmp_path):

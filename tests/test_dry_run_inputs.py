@@ -27,7 +27,7 @@ GOOD = {
     "fp32_tflops": 0.05,
     "bf16_tflops": 0.02,
     "hbm_gb_s": 12.5,
-    "sync_layer_overhead_s": 0.0,
+    "sync_tensor_overhead_s": 0.0,
     "backward_ratio": 0.0,
     "prefill_fp32_tflops": None,
     "overlap_comm": False,
@@ -109,7 +109,7 @@ def test_a_bad_named_calibration_file_is_refused_naming_the_key(capsys, tmp_path
 def test_a_good_calibration_file_is_read_with_zero_overheads_and_null_rates(capsys, own_cache):
     write_calibration(own_cache, GOOD)
     hw = read_calibration()
-    assert (hw.fp32_tflops, hw.hbm_gb_s, hw.backward_ratio, hw.sync_layer_overhead_s) == (0.05, 12.5, 0.0, 0.0)
+    assert (hw.fp32_tflops, hw.hbm_gb_s, hw.backward_ratio, hw.sync_tensor_overhead_s) == (0.05, 12.5, 0.0, 0.0)
     assert hw.prefill_fp32_tflops is None and hw.overlap_comm is False
     assert hw.layer_overhead_s == UNCALIBRATED_CPU.layer_overhead_s  # not in the file: the nominal figure
     assert "2026-01-02 calibration" in hw.name and str(own_cache) in hw.source

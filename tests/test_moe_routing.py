@@ -283,11 +283,14 @@ def test_replay_narrows_a_bf16_engine_and_an_fp32_trainer_and_both_log_the_route
 
 
 @pytest.mark.slow
-def test_r2_trains_through_vllm_on_a_cpu_with_rows_regrouped_by_their_tokens(tmp_path):
-    """router_replay R2 through the whole loop on 2 ranks with vLLM's CPU build (which cannot
-    record its routing: R3 cannot run there), micro-batches by token budget (rows regrouped, their
-    routing put back in row order): every step trains, the old-log-prob pass still agrees with the
-    engine (R2 replays nothing there), and no engine agreement is logged (the engine recorded none)."""
+def test_r2_trains_one_step_off_in_the_split_layout_through_vllm_with_rows_regrouped_by_their_tokens(tmp_path):
+    """router_replay R2 through the whole loop with vLLM's CPU build (which cannot record its
+    routing: R3 cannot run there), in the split layout (a trainer rank, a rollout rank, generation
+    one step ahead: R2 is the trainer's own record, whoever generated the rows), micro-batches by
+    token budget (rows regrouped, their routing put back in row order): every step trains, the
+    old-log-prob pass agrees with the engine where the rows are fresh (R2 replays nothing there),
+    and no engine agreement is logged (the engine recorded none). (The colocated trainer runs the
+    same phases: test_r2_records_the_actors_own_routing..., in process.)"""
     out = run_launch(
         "recipe=tiny_klppo",
         "actor_rollout_ref.model.path=tiny://qwen3_moe?vocab_size=64",
@@ -295,17 +298,24 @@ def test_r2_trains_through_vllm_on_a_cpu_with_rows_regrouped_by_their_tokens(tmp
         "actor_rollout_ref.actor.router_replay.mode=R2",
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.hybrid_engine=false",
+        "rollout.n_gpus_per_node=1",
+        "trainer.n_gpus_per_node=1",
+        "async_training.staleness_threshold=1",
         "trainer.total_training_steps=2",
         "trainer.save_freq=-1",
         "trainer.test_freq=-1",
         f"trainer.default_local_dir={tmp_path}",
+        env={"OMP_NUM_THREADS": "1"},  # (as the split layout's tests: one thread a rank)
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["training/global_step"] for r in rows] == [1, 2]
+    assert [r["rollout/staleness/max"] for r in rows] == [0.0, 1.0]  # the second step's rows: one update old
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-4
     for r in rows:
-        assert r["rollout/logprob_diff_max"] < 1e-4 and "rollout/router_topk_agreement" not in r
+        assert "rollout/router_topk_agreement" not in r
         assert r["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(r["actor/pg_loss"]))
 
 

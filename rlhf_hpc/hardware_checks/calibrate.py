@@ -13,6 +13,10 @@ run's ranks share the machine):
   layer_overhead_s,            the project's log-prob pass (packed rows, the head on response tokens)
     pass_overhead_s            of 32 tokens through a hidden-64 Qwen2: the time per layer (1 vs 5
                                layers) and per pass beside it
+  routed_layer_overhead_s,     a routed (mixture-of-experts) layer's forward beside a dense one's,
+    expert_overhead_s,         16 rows of 8 tokens, hidden 64: a fixed part per layer, a part per
+    routed_token_overhead_s    expert reached and one per (token, expert) pair (4 and 64 experts,
+                               2 and 8 per token, 1 vs 5 layers)
   host_adam_params_s           AdamW (foreach) parameters per second
   collective_latency_s,        gloo all-reduce of one float, and of 16 MiB (bus bandwidth
     intra_node_gb_s            2 (n-1)/n x bytes / s); inter_node_gb_s is the same (one machine)
@@ -20,8 +24,9 @@ run's ranks share the machine):
   decode_step_overhead_s,      vLLM's CPU engine on a model too small to cost anything but its
     request_overhead_s,        overheads: per decode step, request and generate call (1 request of
     generate_overhead_s,       8 and of 64 new tokens, 16 requests of 8), per weight sync (resume,
-    sync_overhead_s,           then sync_weights_to_rollout from the FSDP-wrapped model) and per
-    sync_layer_overhead_s      decoder layer it sends (2 vs 10 layers)
+    sync_overhead_s,           then sync_weights_to_rollout from the FSDP-wrapped model), per
+    sync_param_overhead_s,     parameter it gathers and per checkpoint tensor it sends (2 vs 10
+    sync_tensor_overhead_s     layers: 27 vs 123 of both; a 64-expert Qwen3-MoE: 25 and 405)
   engine_load_gb_s,            the 19.5M-parameter bench model in an fp32 engine: the bytes per
     prefill_*_tflops,          second its weight sync takes in beyond that; in an fp32 and a bf16
     decode_*_tflops            engine, the FLOP/s of its prefill (16 prompts of 64 tokens) and
@@ -151,6 +156,33 @@ def pass_overheads() -> tuple[float, float]:
     return per_layer, max(times[1] - per_layer, 1e-6)
 
 
+def routed_overheads() -> dict[str, float]:
+    """A routed layer's forward beside a dense one's, in the project's log-prob pass (16 rows of 6
+    + 2 tokens through near-FLOP-free Qwen3 layers, hidden 64, 1 vs 5 layers): the seconds per
+    layer of the dense layer, of 4 experts and of 64, 2 per token (every expert reached), and of 64
+    with 8 per token, solved for a fixed part per layer, a part per expert and one per (token,
+    expert) pair."""
+    tokens, batch = 16 * 8, make_padded_batch([[1, 2, 3, 4, 5, 6]] * 16, [[7, 8]] * 16, 0, 6, 2)
+    per_layer, reached = {}, {}
+    for experts, k in ((0, 0), (4, 2), (64, 2), (64, 8)):
+        path = ROUTED_LAYER.format(experts=experts, k=k, layers="{layers}") if experts else DENSE_LAYER
+        times = {}
+        for layers in (1, 5):
+            model = replicated(build_causal_lm(path.format(layers=layers), torch.float32))
+            log_prob_pass(model, batch)  # (a first call's set-up: the grouped matmul's first use)
+            times[layers] = best_time(lambda: log_prob_pass(model, batch), calls=20)
+        per_layer[experts, k] = (times[5] - times[1]) / 4
+        reached[experts, k] = model_shape(path.format(layers=1)).touched_experts(tokens)
+    per_pair = max((per_layer[64, 8] - per_layer[64, 2]) / (tokens * 6), 0.0)
+    per_expert = max((per_layer[64, 2] - per_layer[4, 2]) / (reached[64, 2] - reached[4, 2]), 0.0)
+    fixed = per_layer[4, 2] - per_layer[0, 0] - reached[4, 2] * per_expert - tokens * 2 * per_pair
+    return {
+        "routed_layer_overhead_s": max(fixed, 0.0),
+        "expert_overhead_s": per_expert,
+        "routed_token_overhead_s": per_pair,
+    }
+
+
 def adam_params_s() -> float:
     params = [torch.nn.Parameter(torch.randn(2**20)) for _ in range(8)]
     for p in params:
@@ -194,6 +226,14 @@ TINY_ENGINE_MODEL = (
     "tiny://qwen2?vocab_size=64"  # the demo's model, 2 layers (vLLM's CPU attention needs head_dim >= 32)
 )
 DEEP_ENGINE_MODEL = "tiny://qwen2?vocab_size=64&num_hidden_layers=10"  # the same, 10 layers
+ROUTED_ENGINE_MODEL = "tiny://qwen3_moe?vocab_size=64&num_experts=64&num_experts_per_tok=4"  # 2 layers, 64 experts
+# near-FLOP-free Qwen3 layers, dense and routed (a token's experts as wide as the dense MLP)
+_QWEN3_LAYER = "vocab_size=64&hidden_size=64&num_attention_heads=4&num_key_value_heads=2&head_dim=16"
+DENSE_LAYER = f"tiny://qwen3?{_QWEN3_LAYER}&intermediate_size=64&num_hidden_layers={{layers}}"
+ROUTED_LAYER = (
+    f"tiny://qwen3_moe?{_QWEN3_LAYER}&moe_intermediate_size=32&num_experts={{experts}}"
+    f"&num_experts_per_tok={{k}}&num_hidden_layers={{layers}}"
+)
 
 
 def engine_figures() -> dict[str, float]:
@@ -208,12 +248,13 @@ def engine_figures() -> dict[str, float]:
     # (wrapped before any engine starts: closing one takes the process group down with it)
     models = {
         path: replicated(build_causal_lm(path, torch.float32, seed=0))
-        for path in (TINY_ENGINE_MODEL, DEEP_ENGINE_MODEL, BENCH_MODEL)
+        for path in (TINY_ENGINE_MODEL, DEEP_ENGINE_MODEL, ROUTED_ENGINE_MODEL, BENCH_MODEL)
     }
     prompt = [list(range(1, 27))]
     for path, dtype in (
         (TINY_ENGINE_MODEL, "float32"),
         (DEEP_ENGINE_MODEL, "float32"),
+        (ROUTED_ENGINE_MODEL, "float32"),
         (BENCH_MODEL, "float32"),
         (BENCH_MODEL, "bfloat16"),
     ):  # (bf16: the engine's bf16 rates)
@@ -241,7 +282,7 @@ def engine_figures() -> dict[str, float]:
                 syncs[path, dtype] = best_time(sync, calls=1, repeat=3)
             else:
                 sync()  # (the engine's weights, for its generation below)
-            if path == DEEP_ENGINE_MODEL:
+            if path in (DEEP_ENGINE_MODEL, ROUTED_ENGINE_MODEL):
                 continue
 
             def gen(rows, tokens):
@@ -289,10 +330,19 @@ def engine_figures() -> dict[str, float]:
         finally:
             engine.close()
     n = sum(p.numel() for p in models[BENCH_MODEL].parameters())
-    per_layer = max((syncs[DEEP_ENGINE_MODEL, "float32"] - syncs[TINY_ENGINE_MODEL, "float32"]) / 8, 0.0)
-    out["sync_layer_overhead_s"] = per_layer
-    out["sync_overhead_s"] = max(syncs[TINY_ENGINE_MODEL, "float32"] - 2 * per_layer, 1e-6)
-    overhead = out["sync_overhead_s"] + 4 * per_layer  # the bench model's 4 layers
+    # per sync, per parameter gathered, per checkpoint tensor sent: the dense models send their
+    # parameters as they are (2 vs 10 layers: both), the routed one 384 expert matrices of 4 parameters
+    params = {path: model_shape(path).param_tensors for path in models}
+    tensors = {path: model_shape(path).checkpoint_tensors for path in models}
+    t = {path: syncs[path, "float32"] for path in (TINY_ENGINE_MODEL, DEEP_ENGINE_MODEL, ROUTED_ENGINE_MODEL)}
+    both = (t[DEEP_ENGINE_MODEL] - t[TINY_ENGINE_MODEL]) / (tensors[DEEP_ENGINE_MODEL] - tensors[TINY_ENGINE_MODEL])
+    both = max(both, 0.0)
+    fewer = params[TINY_ENGINE_MODEL] - params[ROUTED_ENGINE_MODEL]  # (its fused experts: 2 a layer)
+    more = tensors[ROUTED_ENGINE_MODEL] - tensors[TINY_ENGINE_MODEL]
+    per_tensor = min(max((t[ROUTED_ENGINE_MODEL] - t[TINY_ENGINE_MODEL] + fewer * both) / (more + fewer), 0.0), both)
+    out["sync_tensor_overhead_s"], out["sync_param_overhead_s"] = per_tensor, both - per_tensor
+    out["sync_overhead_s"] = max(t[TINY_ENGINE_MODEL] - tensors[TINY_ENGINE_MODEL] * both, 1e-6)
+    overhead = out["sync_overhead_s"] + tensors[BENCH_MODEL] * both  # (dense: a tensor per parameter)
     out["engine_load_gb_s"] = n * 4 / max(syncs[BENCH_MODEL, "float32"] - overhead, 1e-6) / 1e9
     return out
 
@@ -313,6 +363,7 @@ def worker(out: Path, skip_vllm: bool) -> None:
     failed = False
     fig = {**decoder_rates(), "hbm_gb_s": memory_gb_s(), "cast_gb_s": cast_gb_s()}
     fig["layer_overhead_s"], fig["pass_overhead_s"] = pass_overheads()
+    fig.update(routed_overheads())
     fig["host_adam_params_s"] = adam_params_s()
     fig["collective_latency_s"], fig["intra_node_gb_s"] = collectives(world)
     fig["inter_node_gb_s"] = fig["intra_node_gb_s"]

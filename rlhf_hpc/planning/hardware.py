@@ -71,13 +71,21 @@ class Hardware:
     host_adam_params_s: float = 2e8  # AdamW parameters per second on the host cores of one rank
     layer_overhead_s: float = 2e-4  # per decoder layer and forward pass beside its FLOPs (kernel launches)
     pass_overhead_s: float = 2e-3  # per forward pass (embedding, head, Python, the loop's bookkeeping)
+    # a routed (mixture-of-experts) layer's forward beside its FLOPs: the router's top-k, the tokens
+    # sorted by expert and gathered, the experts' outputs combined; per expert it computes (a GPU's
+    # grouped GEMM takes every expert in one kernel, a CPU's runs one matmul per expert) and per
+    # (token, expert) pair routed. Estimates on GPUs, measured on the CPU (launch.py calibrate)
+    routed_layer_overhead_s: float = 1e-4
+    expert_overhead_s: float = 0.0
+    routed_token_overhead_s: float = 0.0
     decode_step_overhead_s: float = 3e-3  # per decode step of the engine (scheduler, sampler, CUDA graph launch)
     request_overhead_s: float = 2e-4  # per request the engine takes (tokens in, a response out)
     generate_overhead_s: float = 5e-3  # per generate call
     # the weight sync's GPU figures are estimates nobody has measured for this project's in-place
     # streaming sync (NeMo-RL's published refits, another mechanism, take 5-12x: BENCHMARKS.md)
     sync_overhead_s: float = 0.5  # per weight sync beside its bytes (waking the engine's weights, bookkeeping)
-    sync_layer_overhead_s: float = 1e-3  # per decoder layer a weight sync sends (its tensors' bookkeeping)
+    sync_param_overhead_s: float = 1e-4  # per trained parameter a sync gathers (FSDP's all-gather, buckets)
+    sync_tensor_overhead_s: float = 2e-5  # per checkpoint tensor it sends (the engine's loader; one per expert matrix)
     collective_latency_s: float = 2e-5  # per collective call (NCCL launch; gloo's round trips on a CPU)
     engine_load_gb_s: float = 100.0  # bytes per second the engine's load_weights takes in
     cast_gb_s: float = 1000.0  # fp32 -> bf16 copies of the weight sync, source bytes per second
@@ -369,6 +377,9 @@ UNCALIBRATED_CPU = Hardware(
     host_adam_params_s=5e7,
     layer_overhead_s=3e-4,
     pass_overhead_s=3e-3,
+    routed_layer_overhead_s=3e-4,
+    expert_overhead_s=3e-6,
+    routed_token_overhead_s=5e-7,
     decode_step_overhead_s=1e-2,
     request_overhead_s=1e-3,
     generate_overhead_s=1e-2,

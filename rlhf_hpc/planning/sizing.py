@@ -159,10 +159,14 @@ class ModelShape:
     experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    moe_layers: int = 0  # decoder layers with routed experts (Qwen3-MoE's mlp_only_layers are dense)
     # every parameter but an untied output head, as (dim-0 rows, elements): FSDP2 shards dim 0, and a
     # rank's pinned host copy of each shard is an allocation of its own (``pinned_shard_bytes``);
     # empty where the shape was not built (``matmul_shape``)
     tensor_rows: tuple[tuple[int, int], ...] = ()
+    # tensors of the hub's checkpoint, what a weight sync sends one by one (each expert's three
+    # matrices apart: rlhf_hpc.models.checkpoint_names); 0 where the shape was not built
+    checkpoint_tensors: int = 0
 
     def rows_with_head(self, head: str = "lm") -> tuple[tuple[int, int], ...]:
         """``tensor_rows`` with the model's head: ``"lm"``, the output head (untied); ``"value"``, a
@@ -172,6 +176,11 @@ class ModelShape:
         if head == "value":
             return self.tensor_rows + ((1, self.hidden), (1, 1))
         return self.tensor_rows + (((self.vocab, self.head_params),) if self.head_params else ())
+
+    @property
+    def param_tensors(self) -> int:
+        """The trained parameters (tensors), the output head included: what FSDP gathers one by one."""
+        return len(self.tensor_rows) + (1 if self.head_params else 0)
 
     @property
     def largest_group(self) -> int:
@@ -193,14 +202,19 @@ class ModelShape:
     def active_layer_params(self) -> int:
         return self.layer_params - self.idle_expert_params // max(self.layers, 1)
 
+    def touched_experts(self, tokens: float) -> float:
+        """Experts of a routed layer that ``tokens`` tokens are routed to, with routing spread evenly:
+        E x (1 - (1 - k/E)^tokens) (0 for a dense model)."""
+        if not self.experts:
+            return 0.0
+        return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** max(tokens, 1))
+
     def read_params(self, tokens: float) -> float:
         """Parameters a forward over ``tokens`` tokens reads (a decode step's batch): a mixture of
-        experts reads the experts any token is routed to, with routing spread evenly,
-        E x (1 - (1 - k/E)^tokens) of E."""
+        experts reads the experts any token is routed to."""
         if not self.experts:
             return self.params
-        touched = 1 - (1 - self.experts_per_token / self.experts) ** max(tokens, 1)
-        return self.params - self.expert_params * (1 - touched)
+        return self.params - self.expert_params * (1 - self.touched_experts(tokens) / self.experts)
 
 
 _shapes: dict[str, ModelShape] = {}
@@ -253,11 +267,15 @@ def _experts_fields(model, config) -> dict:
     moe = moe_experts(config)
     if moe is None:
         return {}
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    routed = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
     moe_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     shared = getattr(config, "shared_expert_intermediate_size", None) or 0
     return dict(
-        experts=moe[0], experts_per_token=moe[1], expert_params=expert_params, intermediate=moe[1] * moe_width + shared
+        experts=moe[0],
+        experts_per_token=moe[1],
+        expert_params=sum(p.numel() for _, p in routed),
+        moe_layers=len({n.partition(".experts.")[0] for n, _ in routed}),
+        intermediate=moe[1] * moe_width + shared,
     )
 
 
@@ -270,6 +288,11 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
     fields = dict(intermediate=config.intermediate_size) | _experts_fields(model, config)
     head = None if tied or model.get_output_embeddings() is None else model.get_output_embeddings().weight
     rows = tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in model.parameters() if p is not head)
+    # the checkpoint's tensors: a fused experts tensor (transformers 5: gate_up_proj, down_proj) is
+    # the hub's gate, up and down matrices of each expert
+    fused = sum(1 for n, _ in model.named_parameters() if ".experts." in n)
+    experts = fields.get("experts", 0) * fields.get("moe_layers", 0)
+    checkpoint_tensors = sum(1 for _ in model.parameters()) - fused + (3 * experts if fused else 0)
     return ModelShape(
         params=count(model),
         layer_params=max(count(layer) for layer in layers),
@@ -285,6 +308,7 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         source=source,
         tensor_rows=rows,
+        checkpoint_tensors=checkpoint_tensors,
         **fields,
     )
 

@@ -399,7 +399,11 @@ class TimeModel:
         load = nbytes / rollout.tensor_model_parallel_size / (hw.engine_load_gb_s * 1e9)
         if DTYPE_BYTES[fsdp.model_dtype] != DTYPE_BYTES[rollout.dtype]:  # each gathered tensor cast on its way
             load += (self.adapter if self.lora else s.params) * DTYPE_BYTES[fsdp.model_dtype] / (hw.cast_gb_s * 1e9)
-        overhead = hw.sync_overhead_s + s.layers * hw.sync_layer_overhead_s
+        overhead = (
+            hw.sync_overhead_s
+            + s.param_tensors * hw.sync_param_overhead_s
+            + s.checkpoint_tensors * hw.sync_tensor_overhead_s
+        )
         parts = {"engine load": load, where: gather, "overhead": overhead}
         if self.sleep_copy_s:
             parts["engine wake (host link)"] = self.sleep_copy_s
@@ -443,6 +447,7 @@ class TimeModel:
         overhead = hw.decode_step_overhead_s
         if not self.paged:  # transformers' generate: a whole forward pass per new token
             overhead = hw.pass_overhead_s + s.layers * hw.layer_overhead_s
+        routed = 0.0  # (transformers' generate: its routed layers per step, at the step's batch)
         # each prompt once for its n responses (they share its KV cache)
         prompts = rows / rollout.n
         prefill = forward_flops(s, prompts * w.prompt, w.prompt, prompts, s.vocab) / prefill_rate
@@ -488,11 +493,13 @@ class TimeModel:
                     else 0.0
                 )
                 x = b * sampler_bytes / hbm
+                o = 0.0 if self.paged else self.routed_overhead(b)
                 read += seg.steps * r
                 compute += seg.steps * c
                 comm += seg.steps * m
                 sampler += seg.steps * x
-                seconds += seg.steps * (max(r, c) + m + x)
+                routed += seg.steps * o
+                seconds += seg.steps * (max(r, c) + m + x + o)
             steps += sum(seg.steps for seg in segments)
             thin += sum(seg.steps for seg in segments if seg.sequences < batch / 4)
             # (a request per response; transformers' generate takes a first turn's prompt once for its n)
@@ -501,7 +508,7 @@ class TimeModel:
         parts = {
             "compute": prefill + compute,
             "memory bandwidth": read + sampler,
-            "overhead": steps * overhead + calls,
+            "overhead": steps * overhead + calls + routed,
             where: comm,
         }
         seconds += prefill + steps * overhead + calls
@@ -527,6 +534,18 @@ class TimeModel:
             seconds += self.sleep_copy_s
         return PhaseTime("gen", parts, seconds, comm, note)
 
+    def routed_overhead(self, tokens: float, s: Optional[ModelShape] = None) -> float:
+        """Seconds a forward pass over ``tokens`` tokens spends in its routed layers beside their
+        FLOPs (0 for a dense model): per layer, per expert the tokens reach, per (token, expert) pair."""
+        hw, s = self.hw, s or self.s
+        if not s.moe_layers:
+            return 0.0
+        return s.moe_layers * (
+            hw.routed_layer_overhead_s
+            + s.touched_experts(tokens) * hw.expert_overhead_s
+            + tokens * s.experts_per_token * hw.routed_token_overhead_s
+        )
+
     def pass_costs(
         self,
         s: ModelShape,
@@ -546,10 +565,11 @@ class TimeModel:
         tokens = rows * length
         dtype = fsdp.mixed_precision.param_dtype
         flops = forward_flops(s, tokens, length, rows * w.response if head > 1 else tokens, head) * backward
+        per_pass = hw.pass_overhead_s + s.layers * hw.layer_overhead_s + self.routed_overhead(tokens / micro, s)
         out = {
             "compute": flops / (hw.matmul_flops(dtype) * self.efficiency()),
             "memory bandwidth": 0.0,
-            "overhead": micro * backward * (hw.pass_overhead_s + s.layers * hw.layer_overhead_s),
+            "overhead": micro * backward * per_pass,
         }
         if sp > 1:  # Ulysses: 2 all-to-alls per layer and pass (q/k/v in, the output back)
             bw, where = self.link(sp, local=1)  # (an all-to-all: each rank's own share crosses)
