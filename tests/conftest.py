@@ -271,7 +271,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 # the files that take longest, longest first (measured on two workers, tests/README.md): handed out
 # first, so the workers end together instead of one finishing a long file alone
-LONGEST_FIRST = ("test_multi_turn", "slurm", "test_real_model", "test_retool", "test_lora", "test_train_e2e")
+LONGEST_FIRST = (
+    "test_multi_turn",
+    "slurm",
+    "test_real_model",
+    "test_retool",
+    "test_lora",
+    "test_train_e2e",
+    "test_reliability",
+    "test_split_layout",
+    "test_run_lifecycle",
+)
 
 
 def exclusive(item) -> bool:

@@ -673,3 +673,52 @@ def test_a_turn_that_stops_on_another_stop_token_ends_its_conversation(shared_di
             assert m["tools/tokenization_mismatches"] == 0
         else:
             assert len(engine.inputs) == 2 and m["tools/tool_calls"] == 1 and m["tools/off_template_stops"] == 0
+
+
+class RoutingEngine(ScriptedEngine):
+    """A scripted engine that returns routing as an engine records it: call ``c`` (from 1) marks
+    each row it routed with ``c``, its input (the prompt and the trained prefix, from row
+    ``cached`` on: a prefix cache's rows are not computed, zero) and its new tokens but the last
+    (never fed back, zero)."""
+
+    def __init__(self, turns, cached_from_call_2: int = 0):
+        super().__init__(turns)
+        self.calls, self.cached = 0, cached_from_call_2
+
+    def generate(self, prompts, sampling):
+        out = super().generate(prompts, sampling)
+        for p, group in zip(prompts, out):
+            self.calls += 1
+            r = group[0]
+            routed = torch.zeros((len(p) + len(r.token_ids), 2, 2), dtype=torch.int16)
+            routed[(self.cached if self.calls > 1 else 0) : len(p) + len(r.token_ids) - 1] = self.calls
+            r.routed_experts = routed
+        return out
+
+
+@pytest.mark.parametrize("cached", [0, 5])
+def test_a_conversations_routing_is_each_tokens_first_record_and_each_model_token_its_own(cached):
+    """Routing replay through the agent loop (enable_rollout_routing_replay with multi-turn): the
+    conversation's routing is laid out as its tokens; each model token keeps the call that sampled
+    it, the prompt the first call, the tool's turn and the first turn's last token (which its call
+    never fed back) the second call; a prefix the second call took from its cache (zero rows)
+    changes nothing, and the last token, which no call routed, stays zero."""
+    tok = build_tiny_tokenizer()
+    call = tok.encode(tool_model.call_text("ab"), add_special_tokens=False) + [tok.eos_token_id]
+    answer = tok.encode("#### 3", add_special_tokens=False) + [tok.eos_token_id]
+    engine = RoutingEngine([call, answer], cached_from_call_2=cached)
+    agent = loop(engine, tok, {"lookup": tool_model.LookupTool({}, tool_model.SCHEMA)}, [tool_model.SCHEMA], R=200)
+    prompts, examples = rows(tok, ["ab"])
+    [[r]] = agent.generate(
+        prompts, examples, Sampling(n=1, temperature=1.0, max_tokens=200, stop_token_ids=[tok.eos_token_id])
+    )
+    P, first = len(prompts[0]), len(call)
+    tool = r.mask.index(1, first) - first  # the tool's turn: between the two model turns
+    assert r.mask == [1] * first + [0] * tool + [1] * len(answer) and engine.calls == 2
+    marks = r.routed_experts[:, 0, 0].tolist()
+    assert (
+        r.routed_experts.shape == (P + len(r.token_ids), 2, 2)
+        and (r.routed_experts[:, :, :] == r.routed_experts[:, :1, :1]).all()
+    )
+    expected = [1] * P + [1] * (first - 1) + [2] + [2] * tool + [2] * (len(answer) - 1) + [0]
+    assert marks == expected

@@ -394,3 +394,54 @@ def test_load_balance_metrics_need_the_engines_routing():
                 "actor_rollout_ref.rollout.moe_load_balance_metrics_interval=5",
             ],
         )
+
+
+@pytest.mark.slow
+def test_r3_replays_a_multi_turn_conversations_routing_merged_over_its_turns(tmp_path):
+    """R3 with the multi-turn agent loop: each turn's generate call records the routing of what it
+    computed, merged over the turns (rlhf_hpc.rollout.agent_loop.Conversation.add_routing) and laid
+    out as the conversation's tokens. A tiny Qwen3-MoE whose output head is zero (every token equally
+    likely: its turns end on the end of turn at random) talks with a user who asks again until it
+    answers right (tests/tool_model.CodeCheckInteraction), so conversations run several turns. With
+    an fp32 engine the recorded routing is the trainer's own, token for token: a row out of place
+    (a turn's routing on another turn's tokens) routes elsewhere. (Which call a context row comes
+    from: test_agent_loop.py::test_a_conversations_routing_is_each_tokens_first_record...)"""
+    from rlhf_hpc.observability.tracking import read_metrics
+    from tests import tool_model
+
+    model = build_causal_lm("tiny://qwen3_moe?vocab_size=64", torch.float32, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    model.save_pretrained(tmp_path / "model")
+    tool_model.write_rows(tmp_path / "train.parquet", tool_model.KEYS * 2, interaction="check")
+    tool_model.write_rows(tmp_path / "val.parquet", tool_model.KEYS[:4], interaction="check")
+    tool_model.write_interaction_config(tmp_path / "check.yaml")
+    tool_model.write_tool_config(tmp_path / "tools.yaml")
+    out = run_launch(
+        "recipe=tiny_moe_klppo",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'val.parquet'}",
+        "data.max_prompt_length=64",
+        "data.max_response_length=160",
+        "data.train_batch_size=8",
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+        "actor_rollout_ref.model.tokenizer_path=tiny://chars",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=null",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tools.yaml'}",
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path / 'check.yaml'}",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console]",
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [m] = read_metrics(tmp_path / "run")
+    assert m["num_turns/max"] >= 5 and m["interaction/turns"] > 0, m  # prompt, model, user, model, user...
+    assert m["rollout/router_topk_agreement"] > 0.999, m
+    assert m["actor/grad_norm"] > 0

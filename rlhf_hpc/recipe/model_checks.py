@@ -385,11 +385,6 @@ def routing_replay_problems(cfg: Config) -> list[str]:
             f"run); use actor_rollout_ref.rollout.name=hf"
             + (f", or {key}=R2 without it (the trainer records its own routing)" if mode != "R2" else "")
         )
-    if record and arr.rollout.multi_turn.enable:
-        errors.append(
-            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True with the multi-turn agent loop is not "
-            "built (its tool turns carry no routing)" + (f"; {key}=R2 alone is" if mode != "R3" else "")
-        )
     config = _readable_model_config(arr.model.path, arr.model.override_config)
     if config is not None:
         cls = causal_lm_class(config)

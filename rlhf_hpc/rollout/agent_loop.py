@@ -62,11 +62,41 @@ class Conversation:
     finish_reason: str = "stop"
     done: bool = False
     off_template_stop: bool = False  # its last turn stopped on a stop token the template does not close turns with
+    # the engine's routing (a mixture of experts, enable_rollout_routing_replay): (prompt + tokens so
+    # far, layers, k), an all-zero row where no call has routed the token yet
+    routed: Optional[torch.Tensor] = None
 
     def add(self, ids: list[int], logprobs: Optional[list[float]]) -> None:
         self.token_ids += ids
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.mask += [1 if logprobs is not None else 0] * len(ids)
+
+    def add_routing(self, recorded: torch.Tensor, start: int, new: int) -> None:
+        """Merge one generate call's routing (its context's rows, then its ``new`` tokens' from
+        ``start``): each model token keeps the routing it was sampled under; a context token (a
+        tool's or user's turn, a turn's last token, which its call never fed back) takes the first
+        call that routed it, as its keys and values were computed then. Rows the call did not
+        route (vLLM's cached prefix) are zero and change nothing."""
+        end = start + new
+        if self.routed is None:
+            self.routed = torch.zeros((end, *recorded.shape[1:]), dtype=recorded.dtype)
+        elif len(self.routed) < end:
+            grown = torch.zeros((end, *recorded.shape[1:]), dtype=recorded.dtype)
+            grown[: len(self.routed)] = self.routed
+            self.routed = grown
+        rows = min(len(recorded), end)
+        context = self.routed[: min(rows, start)]
+        unrouted = ~context.flatten(1).any(dim=1)
+        context[unrouted] = recorded[: len(context)][unrouted]
+        self.routed[start:rows] = recorded[start:rows]
+
+    def routing(self) -> Optional[torch.Tensor]:
+        """(prompt + tokens, layers, k): the merged routing, zero where no call routed a token."""
+        if self.routed is None:
+            return None
+        out = torch.zeros((len(self.prompt_ids) + len(self.token_ids), *self.routed.shape[1:]), dtype=self.routed.dtype)
+        out[: len(self.routed)] = self.routed[: len(out)]
+        return out
 
 
 def truncate_tool_text(text: str, limit: int, side: str) -> str:
@@ -173,6 +203,7 @@ class AgentLoop:
                     c.finish_reason,
                     mask=c.mask,
                     num_turns=c.assistant_turns + c.user_turns + 1,
+                    routed_experts=c.routing(),
                 )
                 for c in convs[i * n : (i + 1) * n]
             ]
@@ -201,6 +232,8 @@ class AgentLoop:
         """Append the model's turn; the calls to run, [] where the conversation ends here."""
         room = self.R - len(c.token_ids)
         ids, lps = list(r.token_ids[:room]), list(r.logprobs[:room])
+        if r.routed_experts is not None:
+            c.add_routing(r.routed_experts, len(c.prompt_ids) + len(c.token_ids), len(ids))
         c.add(ids, lps)
         c.assistant_turns += 1
         text = self.tokenizer.decode(
