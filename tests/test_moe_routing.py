@@ -443,5 +443,7 @@ def test_r3_replays_a_multi_turn_conversations_routing_merged_over_its_turns(tmp
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [m] = read_metrics(tmp_path / "run")
     assert m["num_turns/max"] >= 5 and m["interaction/turns"] > 0, m  # prompt, model, user, model, user...
-    assert m["rollout/router_topk_agreement"] > 0.999, m
+    # measured 1.0 (a near-tie that fp32 rounds otherwise in the two passes would cost one pair in
+    # ~1,800); the model tokens' rows one place off: 0.65
+    assert m["rollout/router_topk_agreement"] > 0.99, m
     assert m["actor/grad_norm"] > 0
