@@ -263,19 +263,23 @@ def _meta_model(path: str, override: Optional[dict] = None, trust_remote_code: b
 
 def _experts_fields(model, config) -> dict:
     """ModelShape's mixture-of-experts fields (none for a dense model): the routed experts'
-    parameters are those under a layer's ``experts`` module (a shared expert is a dense MLP)."""
+    parameters are those under a layer's ``experts`` module (a shared expert is a dense MLP); the
+    checkpoint holds each expert's gate, up and down matrices apart, whether the model fuses them
+    (transformers 5: gate_up_proj, down_proj) or not."""
     moe = moe_experts(config)
     if moe is None:
         return {}
     routed = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
     moe_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    moe_layers = len({n.partition(".experts.")[0] for n, _ in routed})
     return dict(
         experts=moe[0],
         experts_per_token=moe[1],
         expert_params=sum(p.numel() for _, p in routed),
-        moe_layers=len({n.partition(".experts.")[0] for n, _ in routed}),
+        moe_layers=moe_layers,
         intermediate=moe[1] * moe_width + shared,
+        checkpoint_tensors=sum(1 for _ in model.parameters()) - len(routed) + 3 * moe[0] * moe_layers,
     )
 
 
@@ -285,14 +289,10 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
     layers = decoder_layers(model)
     tied = tied_embeddings(model)
     heads = config.num_attention_heads
-    fields = dict(intermediate=config.intermediate_size) | _experts_fields(model, config)
+    fields = dict(intermediate=config.intermediate_size, checkpoint_tensors=sum(1 for _ in model.parameters()))
+    fields |= _experts_fields(model, config)
     head = None if tied or model.get_output_embeddings() is None else model.get_output_embeddings().weight
     rows = tuple((p.shape[0] if p.dim() else 1, p.numel()) for p in model.parameters() if p is not head)
-    # the checkpoint's tensors: a fused experts tensor (transformers 5: gate_up_proj, down_proj) is
-    # the hub's gate, up and down matrices of each expert
-    fused = sum(1 for n, _ in model.named_parameters() if ".experts." in n)
-    experts = fields.get("experts", 0) * fields.get("moe_layers", 0)
-    checkpoint_tensors = sum(1 for _ in model.parameters()) - fused + (3 * experts if fused else 0)
     return ModelShape(
         params=count(model),
         layer_params=max(count(layer) for layer in layers),
@@ -308,7 +308,6 @@ def _model_shape(path: str, override: Optional[dict] = None, trust_remote_code: 
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         source=source,
         tensor_rows=rows,
-        checkpoint_tensors=checkpoint_tensors,
         **fields,
     )
 
