@@ -298,7 +298,6 @@ def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
         "hbm_gb_s",
         "layer_overhead_s",
         "pass_overhead_s",
-        "routed_layer_overhead_s",
         "routed_token_overhead_s",
         "host_adam_params_s",
         "collective_latency_s",
@@ -306,7 +305,9 @@ def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
         "disk_gb_s",
     ):
         assert figures[key] > 0, key
-    assert figures["expert_overhead_s"] >= 0  # (a few microseconds: within the noise on a busy machine)
+    # a difference of near-equal passes, clamped at 0: within a busy machine's noise (measured
+    # 0.04-0.56 ms a layer and 3-6 us an expert here)
+    assert figures["routed_layer_overhead_s"] >= 0 and figures["expert_overhead_s"] >= 0
     if "sync_overhead_s" in figures:  # vLLM's figures
         assert figures["sync_tensor_overhead_s"] > 0
     hw = read_calibration(str(out))
