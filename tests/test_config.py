@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -475,6 +476,18 @@ def test_resolved_config_round_trips_and_never_overwrites_an_earlier_one(tmp_pat
     write_resolved(cfg2, tmp_path)
     assert load_resolved(tmp_path / "config.prev-1.yaml") == cfg
     assert load_resolved(path).actor_rollout_ref.actor.optim.lr == 5e-4
+
+
+def test_a_nodes_job_reads_the_resolved_config_without_the_checks_its_ranks_make(tmp_path):
+    """What a Slurm node's job reads (``launch.slurm.TrainingJob``, ``launch.node``): the same config,
+    without the cross-field checks (the ranks make them and say what fails, once for the job)."""
+    cfg = tiny()
+    path = write_resolved(cfg, tmp_path)
+    assert load_resolved(path, checks=False) == cfg
+    path.write_text(re.sub(r"ppo_epochs: \d+\n", "ppo_epochs: 0\n", path.read_text(), count=1))
+    with pytest.raises(ConfigError, match="ppo_epochs"):
+        load_resolved(path)
+    assert load_resolved(path, checks=False).actor_rollout_ref.actor.ppo_epochs == 0
 
 
 def test_flatten_gives_dotted_keys():

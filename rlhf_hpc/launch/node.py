@@ -258,7 +258,7 @@ def resume_command(run_dir: Path) -> str:
 def main(argv: list[str]) -> int:
     """``python -m rlhf_hpc.launch.node RUN_DIR/config.yaml``: run this node's share (plain sbatch)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's warning is for the workers, not for us
-    cfg = load_resolved(argv[0])
+    cfg = load_resolved(argv[0], checks=False)  # (the ranks check it)
     code, line = NodeJob(cfg, argv[0], node_info())()
     if line:
         print(line, file=sys.stderr if code not in (OK, REQUEUE) else sys.stdout, flush=True)

@@ -52,7 +52,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         self._job: Optional[NodeJob] = None
 
     def __call__(self) -> str:
-        cfg = load_resolved(self.config_path)
+        cfg = load_resolved(self.config_path, checks=False)  # (the ranks check it)
         info = node_info()
         self._job = NodeJob(cfg, self.config_path, info)
         code, line = self._job()
@@ -73,7 +73,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def checkpoint(self, *args, **kwargs) -> Optional[submitit.helpers.DelayedSubmission]:
         """Called by submitit's USR2 handler (node 0): stop the ranks, wait for the checkpoint,
         requeue unless ``launcher.max_requeues`` is used up."""
-        cfg = load_resolved(self.config_path, check_files=False)
+        cfg = load_resolved(self.config_path, checks=False)
         run_dir = Path(self.config_path).parent
         restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0))
         run = self._job.run if self._job is not None else None

@@ -218,14 +218,17 @@ def recipe_keys(tree: dict) -> frozenset:
     return frozenset(k for k in flatten(tree) if k not in RECIPE_META_KEYS)
 
 
-def load_resolved(path: str | Path, check_files: bool = True) -> Config:
-    """Read a resolved ``config.yaml`` written by ``write_resolved`` (what workers start from)."""
+def load_resolved(path: str | Path, check_files: bool = True, checks: bool = True) -> Config:
+    """Read a resolved ``config.yaml`` written by ``write_resolved`` (what workers start from).
+    ``checks`` False: without the cross-field checks, for a node's job, whose ranks check it (the
+    checks read the model's config through transformers: ~2.5 CPU-s at every start of every node)."""
     tree = parse_yaml(Path(path).read_text()) or {}
     cfg = resolve(build(tree))
     written = Path(path).with_name(RECIPE_FILE)
     if written.is_file():
         cfg.recipe_keys = recipe_keys(parse_yaml(written.read_text()) or {})
-    validate(cfg, check_files=check_files)
+    if checks:
+        validate(cfg, check_files=check_files)
     return cfg
 
 
