@@ -27,6 +27,8 @@
 #                         of that wheel (PyTorch's CPU wheel index)
 #   RLHF_HPC_INSTALLER    pip: the cpu profile installs with pip alone (default uv, pip's settings
 #                         passed on; pip where uv does not install)
+#   RLHF_HPC_COMPILE_BYTECODE  0: the cpu profile compiles no bytecode at install; each module is
+#                         compiled at its first import (needs PYTHONDONTWRITEBYTECODE unset; CI)
 #   PYTHON                interpreter to build the venv from (default: python3)
 set -euo pipefail
 
