@@ -430,17 +430,16 @@ def calibrate_once() -> None:
     with cpu_share(alone=True, nodeid="the first run (it calibrates the CPU)", keep=held):
         if not calibration_path().is_file():  # the other worker may have measured it meanwhile
             with tempfile.TemporaryDirectory(prefix="rlhf-hpc-first-run-") as run_dir:
-                args = (*FIRST_RUN, f"trainer.default_local_dir={run_dir}")
-                out = run_launch(*args, timeout=900)
+                out = run_launch(*FIRST_RUN, f"trainer.default_local_dir={run_dir}", timeout=900)
             assert out.returncode == 0, f"the suite's first run failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
             if CALIBRATED in os.environ:
-                record = {"calibration": str(calibration_path()), "args": list(args), "stdout": out.stdout}
+                record = {"calibration": str(calibration_path()), "stdout": out.stdout}
                 Path(os.environ[CALIBRATED]).write_text(json.dumps(record))
 
 
 def suite_first_run() -> dict | None:
     """The suite's first run, where it calibrated this machine (``calibrate_once``, on either worker):
-    ``calibration`` (the file it wrote), ``args`` and ``stdout``; None where the machine had the file."""
+    ``calibration`` (the file it wrote) and ``stdout``; None where the machine had the file."""
     marker = Path(os.environ.get(CALIBRATED, "/nonexistent"))
     return json.loads(marker.read_text()) if marker.is_file() else None
 

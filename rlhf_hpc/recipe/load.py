@@ -221,7 +221,8 @@ def recipe_keys(tree: dict) -> frozenset:
 def load_resolved(path: str | Path, check_files: bool = True, checks: bool = True) -> Config:
     """Read a resolved ``config.yaml`` written by ``write_resolved`` (what workers start from).
     ``checks`` False: without the cross-field checks, for a node's job, whose ranks check it (the
-    checks read the model's config through transformers: ~2.5 CPU-s at every start of every node)."""
+    checks read the model's config through transformers: ~1.8 CPU-s at every start of every node,
+    BENCHMARKS.md)."""
     tree = parse_yaml(Path(path).read_text()) or {}
     cfg = resolve(build(tree))
     written = Path(path).with_name(RECIPE_FILE)
