@@ -272,18 +272,44 @@ def pytest_xdist_make_scheduler(config, log):
     return FileScheduling(config, log)
 
 
-# the files that take longest, longest first (measured on two workers, tests/README.md): handed out
-# first, so the workers end together instead of one finishing a long file alone
+# the files that take longest, longest first (worker-seconds on two workers, two clean-clone runs of
+# session 69, tests/README.md): handed out first, so the workers end together instead of one
+# finishing a long file alone while the other idles. The first three as before (the tool demo's
+# teaching and the Slurm files' waits start together; the real model's exclusive runs then hold
+# both cores), the rest by their measured time; the files under 10 s follow in collection order.
 LONGEST_FIRST = (
-    "test_multi_turn",
-    "slurm",
-    "test_real_model",
-    "test_retool",
-    "test_lora",
-    "test_train_e2e",
-    "test_reliability",
-    "test_split_layout",
-    "test_run_lifecycle",
+    "test_multi_turn",  # 382
+    "slurm",  # 669
+    "test_real_model",  # 425
+    "test_train_e2e",  # 154
+    "test_reliability",  # 144
+    "test_split_layout",  # 134
+    "test_lora",  # 129
+    "test_architectures",  # 87
+    "test_run_lifecycle",  # 78
+    "test_gpu_check",  # 62
+    "test_rollout_tp",  # 58
+    "test_profiling",  # 51
+    "test_retool",  # 50
+    "test_moe_routing",  # 45
+    "test_sequence_parallel",  # 39
+    "test_rollout_dist",  # 37
+    "test_code_rl",  # 36
+    "test_launch",  # 35
+    "test_preflight",  # 35
+    "test_verl_parity",  # 34
+    "test_engine_dist",  # 33
+    "test_rollout_correction",  # 31
+    "test_sandbox",  # 28
+    "test_pf_ppo",  # 26
+    "test_compare",  # 25
+    "test_reward_model",  # 21
+    "test_bypass_mode",  # 19
+    "test_val_generations",  # 18
+    "test_dapo",  # 14
+    "test_sandbox_memory",  # 13
+    "test_distribute",  # 13
+    "test_estimators_verl",  # 12
 )
 
 

@@ -120,7 +120,9 @@ def test_unknown_profile_is_refused():
 @pytest.mark.slow
 def test_submitted_job_completes(slurm, tmp_path):
     run = tmp_path / "run"
-    out = run_launch(*TINY, f"trainer.default_local_dir={run}", "trainer.total_training_steps=4", "trainer.save_freq=2")
+    # (transformers' engine: vLLM under Slurm is the USR2 test's)
+    steps = ["trainer.total_training_steps=4", "trainer.save_freq=2", "actor_rollout_ref.rollout.name=hf"]
+    out = run_launch(*TINY, f"trainer.default_local_dir={run}", *steps)
     assert out.returncode == 0, out.stderr
     (job,) = job_ids(run)
     assert f"submitted job {job}: run directory {run}" in out.stdout
