@@ -85,6 +85,13 @@ def test_smoke_runs_every_case_without_optional_packages(smoke):
     assert ("tiny_klppo", moe) in names
     assert 0.9 < next(c for c in cases if c["case"] == moe)["router_topk_agreement"] <= 1.0
     assert ("smoke-plan", "memory plan per phase: fit, bf16, 512-token responses") in names
+    # the split layout as its own torchrun job (issue #55): rows generated ahead, generation beside
+    # the update, both layouts planned
+    split = next(c for c in cases if c["case"].startswith("split layout: 1 trainer + 1 rollout rank"))
+    assert split["model"] == "tiny_grpo_async" and split["case"].endswith("hf on the rollout rank")
+    assert split["staleness_max"] >= 1 and split["gen_overlapped_s"] > 0
+    assert split["planned_step_s"] > 0 and split["planned_colocated_step_s"] > 0
+    assert 0 <= split["trainer_idle_share"] <= 1 and 0 <= split["rollout_idle_share"] <= 1
     # and what it therefore did not check is listed, in the JSON and before the table
     assert any(w.startswith("vLLM's sleep and wake") for w in data["not_checked"]) and len(data["not_checked"]) == 5
     assert all(f"not checked: {w}" in proc.stdout for w in data["not_checked"])
@@ -155,6 +162,15 @@ def test_budget_skips_cases_and_says_so(tmp_path):
     assert data["cases"] and all(c["status"] == "skipped" for c in data["cases"])
     assert all("of the budget left" in c["note"] for c in data["cases"])
     assert "skipped" in proc.stdout.splitlines()[-1]
+
+
+def test_the_split_layout_case_says_what_a_one_gpu_machine_lacks():
+    """On a GPU node the split case needs two devices; with fewer it is skipped, saying why (this
+    machine's torch sees no GPU: the count the case reads is 0)."""
+    from rlhf_hpc.hardware_checks.gpu_check_cases import CaseSkipped, split_layout_case
+
+    with pytest.raises(CaseSkipped, match=r"needs 2 GPUs \(one trainer, one rollout rank\), 0 visible"):
+        split_layout_case(torch.device("cuda"), "vllm")
 
 
 def test_model_flops_match_torch_flop_counter():

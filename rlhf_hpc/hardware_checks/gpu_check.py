@@ -32,6 +32,10 @@ vLLM and flash-attn used where installed) and measures, each case on its own fre
   forward          reference log-probs, tokens/s
   rollout          streaming weight sync into the hf engine (time, peak memory rise), then
                    generate (tokens/s)
+  split layout     (after preflight) ``launch.py recipe=tiny_grpo_async`` as its own torchrun job on
+                   two devices: 1 trainer + 1 rollout rank, one-step-off, the weights sent over NCCL;
+                   the step against the time plan's split and colocated figures, the generation
+                   overlapped with the update, each side's idle share (skipped with one GPU)
 
 A time budget (``--budget-s``, counted from start; the estimates add up to about 8 minutes on a
 GPU) skips a case whose estimate no longer fits and says so; ``--only`` runs the cases whose name
@@ -62,12 +66,14 @@ import torch.distributed as dist
 
 from rlhf_hpc.hardware_checks.gpu_check_cases import (
     UPDATE_MODES,
+    CaseSkipped,
     actor_update_case,
     attention_case,
     forward_case,
     host_adamw_s_per_param,
     preflight_case,
     rollout_case,
+    split_layout_case,
     tiny_klppo_case,
     update_step_case,
     update_step_estimate_s,
@@ -144,6 +150,8 @@ class Check:
             try:
                 row.update(case.fn())
                 row["status"] = "ok"
+            except CaseSkipped as e:  # (what this machine lacks: said, not an error)
+                row.update(status="skipped", note=str(e))
             except torch.OutOfMemoryError as e:
                 row.update(status="oom", note=str(e).splitlines()[0][:200], peak_gib=peak_memory_gib(self.device))
             except Exception as e:  # one broken case must not cost the rest of the run
@@ -251,6 +259,13 @@ def cases(models: Models, device: torch.device, work: Workload, smoke: bool) -> 
             "tiny_klppo",
             (25 if not smoke else 10) + start,
             lambda: preflight_case(device, engine),
+        ),
+        # the split layout (one-step-off): its own torchrun job, 2 devices on a GPU node
+        Case(
+            f"split layout: 1 trainer + 1 rollout rank, one-step-off, {engine} on the rollout rank",
+            "tiny_grpo_async",
+            (60 if not smoke else 20) + start,
+            lambda: split_layout_case(device, engine),
         ),
         Case(
             "memory plan per phase: fit, bf16, 512-token responses",

@@ -6,7 +6,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +40,8 @@ from rlhf_hpc.ops import policy_losses
 from rlhf_hpc.ops.batching import to_device
 from rlhf_hpc.planning.memory_plan import check_plan, update_bytes
 from rlhf_hpc.planning.sizing import model_shape
+from rlhf_hpc.planning.split_plan import colocated_twin, split_step_s
+from rlhf_hpc.planning.time_plan import TimeModel, build_time_plan
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ppo.optim import clip_grad_norm, move_optimizer_state
@@ -47,6 +53,7 @@ from rlhf_hpc.rollout.factory import make_engine
 from rlhf_hpc.rollout.weight_sync import sync_weights_to_rollout
 
 __all__ = [
+    "CaseSkipped",
     "UPDATE_MODES",
     "actor_update_case",
     "attention_case",
@@ -54,6 +61,7 @@ __all__ = [
     "host_adamw_s_per_param",
     "preflight_case",
     "rollout_case",
+    "split_layout_case",
     "tiny_klppo_case",
     "update_step_case",
     "update_step_estimate_s",
@@ -246,6 +254,100 @@ def tiny_klppo_case(
             f"step 2 {last['timing_s/step']:.2f} s, engine-vs-actor logprob diff "
             f"{last['rollout/logprob_diff_max']:.1e}, KL {last['rollout/engine_actor_kl']:.1e}; "
             f"weight sync {synced[0]:.1f} then {synced[1]:.1f} MiB",
+        }
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class CaseSkipped(Exception):
+    """A case this machine cannot run: its row says why (not an error)."""
+
+
+# the split case's run: the async recipe on one trainer and one rollout rank, its steps 2-4 measured
+SPLIT_STEPS = 4
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def split_layout_overrides(device: torch.device, run_dir: Path, engine: str) -> list[str]:
+    """``tiny_grpo_async`` (one-step-off) on 1 trainer + 1 rollout rank of this node, ``engine`` on the
+    rollout rank."""
+    return [
+        "recipe=tiny_grpo_async",
+        f"trainer.device={device.type}",
+        "trainer.n_gpus_per_node=1",
+        "rollout.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "cluster=local",
+        f"trainer.total_training_steps={SPLIT_STEPS}",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console]",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}",
+        f"actor_rollout_ref.rollout.name={engine}",
+    ]
+
+
+def split_layout_case(device: torch.device, engine: str, timeout_s: float = 600) -> dict:
+    """The split layout (``actor_rollout_ref.hybrid_engine=false``: trainer and rollout ranks apart,
+    one-step-off) as a user runs it: ``launch.py recipe=tiny_grpo_async`` on this node, 1 trainer and
+    1 rollout rank (on GPUs two devices, the weights sent over NCCL; skipped where fewer are visible),
+    ``SPLIT_STEPS`` steps. What it measured against what the time plan says of the split layout and of
+    the colocated one on the same ranks (the dry run's ``# layouts:`` lines): the step (the median of
+    steps 2 on, where generation runs ahead), the generation seconds overlapped with the update, each
+    side's idle share, the rows' staleness."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        raise CaseSkipped(f"needs 2 GPUs (one trainer, one rollout rank), {torch.cuda.device_count()} visible")
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_split_"))
+    try:
+        args = split_layout_overrides(device, run_dir / "run", engine)
+        cfg, _ = load_config(args[0].split("=", 1)[1], args[1:])
+        trainer = build_time_plan(cfg)
+        planned = split_step_s(cfg, trainer, TimeModel(cfg).generation(trainer.workload).seconds)
+        twin = colocated_twin(cfg)
+        memory, errors, _ = check_plan(twin)
+        colocated = build_time_plan(twin, memory=memory).step_s if not errors else None
+        # the product's launcher in a process of its own (this one holds the device and its group),
+        # without this process's rendezvous: its torchrun makes its own
+        launch = "import sys; from rlhf_hpc.cli import main; sys.exit(main())"
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+        proc = subprocess.run(
+            [sys.executable, "-c", launch, *args], env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+        if proc.returncode != 0:
+            said = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"the split layout's run failed (exit {proc.returncode}): {said}"[:300])
+        records = read_metrics(run_dir / "run")
+        if [r["training/global_step"] for r in records] != list(range(1, SPLIT_STEPS + 1)):
+            raise RuntimeError(f"expected steps 1-{SPLIT_STEPS}, got {[r['training/global_step'] for r in records]}")
+        later = records[1:]
+        step = statistics.median(r["timing_s/step"] for r in later)
+        overlapped = sum(r["timing_s/gen_overlapped"] for r in later)
+        staleness = max(r["rollout/staleness/max"] for r in records)
+        if staleness < 1 or overlapped <= 0:
+            raise RuntimeError(
+                f"no step trained rows generated ahead (staleness max {staleness:g}, generation overlapped "
+                f"{overlapped:.2f} s over steps 2-{SPLIT_STEPS})"
+            )
+        trainer_idle = statistics.mean(r["async/trainer_idle_share"] for r in later)
+        rollout_idle = statistics.mean(r["async/rollout_idle_share"] for r in later)
+        return {
+            "time_s": step,
+            "tokens_per_s": statistics.median(r["perf/throughput"] for r in later),
+            "peak_gib": max(r["perf/max_memory_allocated_gb"] for r in records),
+            "planned_step_s": planned,
+            **({"planned_colocated_step_s": colocated} if colocated is not None else {}),
+            "measured_over_plan": step / planned if planned > 0 else float("nan"),
+            "gen_overlapped_s": overlapped,
+            "staleness_max": staleness,
+            "trainer_idle_share": trainer_idle,
+            "rollout_idle_share": rollout_idle,
+            "note": f"{engine} engine, 1 trainer + 1 rollout rank, one-step-off; step {step:.2f} s (median of steps "
+            f"2-{SPLIT_STEPS}) against the split plan's {planned:.2f} s ({step / planned:.2f}x; colocated "
+            + (f"planned {colocated:.2f} s" if colocated is not None else f"not a layout here: {errors[0]}")
+            + f"); generation overlapped {overlapped:.2f} s; idle: trainer {trainer_idle:.0%}, "
+            f"rollout {rollout_idle:.0%}; staleness max {staleness:g}",
         }
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
