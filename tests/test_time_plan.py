@@ -341,3 +341,23 @@ def test_the_plan_holds_to_published_h100_runs():
     for run in PUBLISHED_RUNS:
         assert run.outlier or 0.7 <= ratios[run.name] <= 1.4, (run.name, ratios[run.name])
     assert sum(bool(run.outlier) for run in PUBLISHED_RUNS) <= 1
+
+
+def test_the_split_plan_finds_the_published_one_step_off_gain():
+    """NeMo-RL's one-step-off 8B run (8 training GPUs beside 8 generating) against its on-policy
+    twin on the same 16 GPUs: published 92.8 -> 64.8 s, 1.43x (issue #55). Planned as this project's
+    split layout and colocated layout: the split layout is the faster one, by 1.12x (its trainer's
+    side is the slower here, 78 s against 64 s of generation: FSDP2 with checkpointing on 8 GPUs,
+    where the published step is about the generation's); the bar is the published runs' own,
+    planned/published 0.7-1.4, on the step and on the gain."""
+    from benchmarks.published_runs import PUBLISHED_RUNS, SPLIT_PAIRS, plan_of_run
+
+    by_name = {run.name: run for run in PUBLISHED_RUNS}
+    assert SPLIT_PAIRS
+    for split, colocated in SPLIT_PAIRS:
+        a, b = by_name[split], by_name[colocated]
+        assert any("hybrid_engine=false" in o for o in a.overrides)
+        split_step, colocated_step = plan_of_run(a)[1]["step"], plan_of_run(b)[1]["step"]
+        published, planned = b.step_s / a.step_s, colocated_step / split_step
+        assert published > 1 and planned > 1, (published, planned)
+        assert 0.7 <= planned / published <= 1.4 and 0.7 <= split_step / a.step_s <= 1.4, (planned, split_step)
