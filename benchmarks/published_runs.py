@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass, field
 
 from rlhf_hpc.config.schema import Config
-from rlhf_hpc.planning.split_plan import split_step_s
-from rlhf_hpc.planning.time_plan import TimeModel, TimePlan, build_time_plan
+from rlhf_hpc.planning.split_plan import split_step
+from rlhf_hpc.planning.time_plan import TimePlan, build_time_plan
 from rlhf_hpc.recipe.load import load_config
 
 __all__ = ["PUBLISHED_RUNS", "SPLIT_PAIRS", "PublishedRun", "plan_of_run"]
@@ -245,13 +245,13 @@ def plan_of_run(run: PublishedRun) -> tuple[TimePlan, dict[str, float]]:
     cfg = planned_config("llama8b_grpo", *run.overrides)
     plan = build_time_plan(cfg)
     seconds = {p.name: p.seconds for p in plan.phases}
-    gen = TimeModel(cfg).generation(plan.workload).seconds if cfg.split else seconds["gen"]
+    gen, step = split_step(cfg, plan) if cfg.split else (seconds["gen"], plan.step_s)
     got = {
         "gen": gen,
         "update_weights": seconds["update_weights"],
         "log_probs": seconds.get("old_log_prob", 0.0) + seconds.get("ref", 0.0),
         "update_actor": seconds["update_actor"],
-        "step": split_step_s(cfg, plan, gen) if cfg.split else plan.step_s,
+        "step": step,
     }
     return plan, got
 

@@ -344,7 +344,8 @@ def test_a_fresh_machine_calibrates_at_its_first_run_and_plans_the_real_grpo_ste
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
         # 8 prompts a step, half the recipe's: the plan's fixed costs weigh more, and the four steps
-        # take ~110 CPU-s instead of ~200 (planned/measured 1.02-1.15 here, 0.91-1.09 at 16)
+        # take ~110 CPU-s instead of ~200 (planned/measured, steps 2-4: 1.02-1.15 alone and 0.95-1.14
+        # in a clean-clone CI run here; 0.91-1.09 at 16)
         "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8",
     ]

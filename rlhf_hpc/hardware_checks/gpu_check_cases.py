@@ -40,13 +40,14 @@ from rlhf_hpc.ops import policy_losses
 from rlhf_hpc.ops.batching import to_device
 from rlhf_hpc.planning.memory_plan import check_plan, update_bytes
 from rlhf_hpc.planning.sizing import model_shape
-from rlhf_hpc.planning.split_plan import colocated_twin, split_step_s
-from rlhf_hpc.planning.time_plan import TimeModel, build_time_plan
+from rlhf_hpc.planning.split_plan import colocated_step, split_step
+from rlhf_hpc.planning.time_plan import build_time_plan
 from rlhf_hpc.ppo import checkpoint as ckpt
 from rlhf_hpc.ppo.actor import per_token_logprobs
 from rlhf_hpc.ppo.optim import clip_grad_norm, move_optimizer_state
 from rlhf_hpc.ppo.trainer import fit
 from rlhf_hpc.preflight import run_preflight
+from rlhf_hpc.recipe.config_checks import validate
 from rlhf_hpc.recipe.load import load_config, write_resolved
 from rlhf_hpc.rollout.base import Sampling
 from rlhf_hpc.rollout.factory import make_engine
@@ -304,10 +305,8 @@ def split_layout_case(device: torch.device, engine: str, timeout_s: float = 600)
         args = split_layout_overrides(device, run_dir / "run", engine)
         cfg, _ = load_config(args[0].split("=", 1)[1], args[1:])
         trainer = build_time_plan(cfg)
-        planned = split_step_s(cfg, trainer, TimeModel(cfg).generation(trainer.workload).seconds)
-        twin = colocated_twin(cfg)
-        memory, errors, _ = check_plan(twin)
-        colocated = build_time_plan(twin, memory=memory).step_s if not errors else None
+        _, planned = split_step(cfg, trainer)
+        colocated, _, why = colocated_step(cfg, trainer, lambda c: validate(c, check_files=False))
         # the product's launcher in a process of its own (this one holds the device and its group),
         # without this process's rendezvous: its torchrun makes its own
         launch = "import sys; from rlhf_hpc.cli import main; sys.exit(main())"
@@ -345,7 +344,7 @@ def split_layout_case(device: torch.device, engine: str, timeout_s: float = 600)
             "rollout_idle_share": rollout_idle,
             "note": f"{engine} engine, 1 trainer + 1 rollout rank, one-step-off; step {step:.2f} s (median of steps "
             f"2-{SPLIT_STEPS}) against the split plan's {planned:.2f} s ({step / planned:.2f}x; colocated "
-            + (f"planned {colocated:.2f} s" if colocated is not None else f"not a layout here: {errors[0]}")
+            + (f"planned {colocated:.2f} s" if colocated is not None else f"not a layout here: {why}")
             + f"); generation overlapped {overlapped:.2f} s; idle: trainer {trainer_idle:.0%}, "
             f"rollout {rollout_idle:.0%}; staleness max {staleness:g}",
         }

@@ -8,7 +8,7 @@ sets the step; at a sync with nothing ahead, the step waits for a whole generati
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from rlhf_hpc.config.async_schema import AsyncTrainingConfig
 from rlhf_hpc.config.errors import ConfigError
@@ -17,7 +17,7 @@ from rlhf_hpc.planning.advice import with_value
 from rlhf_hpc.planning.memory_plan import check_plan
 from rlhf_hpc.planning.time_plan import TimeModel, TimePlan, build_time_plan
 
-__all__ = ["colocated_twin", "compare_layouts", "split_step_s"]
+__all__ = ["colocated_step", "colocated_twin", "compare_layouts", "split_step", "split_step_s"]
 
 
 def split_step_s(cfg: Config, trainer: TimePlan, gen_s: float) -> float:
@@ -30,6 +30,13 @@ def split_step_s(cfg: Config, trainer: TimePlan, gen_s: float) -> float:
     if ahead >= 1:
         return both
     return (gen_s + trainer.step_s + (trigger - 1) * both) / trigger
+
+
+def split_step(cfg: Config, trainer: TimePlan) -> tuple[float, float]:
+    """(one batch's generation seconds on the rollout ranks, the split layout's step) for ``trainer``
+    (the trainer's own plan)."""
+    gen = TimeModel(cfg).generation(trainer.workload).seconds
+    return gen, split_step_s(cfg, trainer, gen)
 
 
 def colocated_twin(cfg: Config) -> Config:
@@ -54,14 +61,30 @@ def colocated_twin(cfg: Config) -> Config:
     return out
 
 
+def colocated_step(
+    cfg: Config, trainer: TimePlan, validate: Callable[[Config], object]
+) -> tuple[Optional[float], int, str]:
+    """(the colocated layout's step on the split layout's ranks, or None; those ranks; where None, why
+    not: the config or the memory plan refuses that layout)."""
+    twin = colocated_twin(cfg)
+    try:
+        validate(twin)
+        memory, errors, _ = check_plan(twin)
+    except (ConfigError, ValueError) as e:
+        errors = [e.errors[0] if isinstance(e, ConfigError) else str(e)]
+        memory = None
+    if errors or memory is None:
+        return None, twin.world_size, errors[0]
+    return build_time_plan(twin, trainer.workload, memory=memory).step_s, twin.world_size, ""
+
+
 def compare_layouts(cfg: Config, trainer: TimePlan, validate: Callable[[Config], object]) -> list[str]:
     """The dry run's lines: the split layout's step, its sides, and the colocated layout's step on
     the same ranks (where that layout is valid and fits), which is faster and by how much."""
-    gen = TimeModel(cfg).generation(trainer.workload)
-    step = split_step_s(cfg, trainer, gen.seconds)
+    gen_s, step = split_step(cfg, trainer)
     at = cfg.async_training
     ahead = at.runs_ahead
-    slower = "generation" if gen.seconds > trainer.step_s else "the trainer"
+    slower = "generation" if gen_s > trainer.step_s else "the trainer"
     how = (
         f"overlapped, {slower} sets the step"
         if ahead >= 1
@@ -71,20 +94,12 @@ def compare_layouts(cfg: Config, trainer: TimePlan, validate: Callable[[Config],
     engines = max(cfg.rollout_world_size // cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, 1)
     lines = [
         f"split layout, {cfg.world_size} trainer + {cfg.rollout_world_size} rollout rank(s): step {step:.3g} s "
-        f"(the trainer {trainer.step_s:.3g} s; generation {gen.seconds:.3g} s on {engines} engine(s); {how})"
+        f"(the trainer {trainer.step_s:.3g} s; generation {gen_s:.3g} s on {engines} engine(s); {how})"
     ]
-    twin = colocated_twin(cfg)
-    ranks = twin.world_size
-    try:
-        validate(twin)
-        memory, errors, _ = check_plan(twin)
-    except (ConfigError, ValueError) as e:
-        errors = [e.errors[0] if isinstance(e, ConfigError) else str(e)]
-        memory = None
-    if errors or memory is None:
-        lines.append(f"colocated on the same {ranks} ranks: not a layout this config allows ({errors[0]})")
+    colocated, ranks, why = colocated_step(cfg, trainer, validate)
+    if colocated is None:
+        lines.append(f"colocated on the same {ranks} ranks: not a layout this config allows ({why})")
         return lines
-    colocated = build_time_plan(twin, trainer.workload, memory=memory).step_s
     ratio = colocated / step if step > 0 else 1.0
     verdict = (
         f"the split layout is {ratio:.2f}x faster"
